@@ -1,0 +1,44 @@
+"""The device catalog: what each accelerator type can do on paper."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+
+from hetpar.errors import ClusterError
+
+
+@dataclass(frozen=True)
+class DeviceType:
+    name: str
+    peak_flops: dict[str, float]  # dtype -> FLOP/s
+    memory_bytes: int
+    memory_bandwidth: float  # bytes/s
+    source: str
+
+    def flops(self, dtype: str = "fp32") -> float:
+        return self.peak_flops.get(dtype, self.peak_flops["fp32"])
+
+
+@cache
+def catalog() -> dict[str, DeviceType]:
+    raw = json.loads(resources.files("hetpar.cluster").joinpath("devices.json").read_text())
+    return {
+        name: DeviceType(name, spec["peak_flops"], int(spec["memory_bytes"]), float(spec["memory_bandwidth"]), spec["source"])
+        for name, spec in raw.items()
+        if not name.startswith("_")
+    }
+
+
+def device_type(name: str) -> DeviceType:
+    known = catalog()
+    if name not in known:
+        raise ClusterError(f"unknown device type {name!r}; known types: {', '.join(sorted(known))}")
+    return known[name]
+
+
+def devices() -> list[DeviceType]:
+    """Every device type hetpar knows, fastest fp32 first."""
+    return sorted(catalog().values(), key=lambda d: -d.flops())

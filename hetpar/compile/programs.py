@@ -1,0 +1,89 @@
+"""Stage programs: each task becomes one jitted function on its stage's mesh.
+
+A stage mesh is data parallel: values that carry the batch dimension are split over
+its devices along that dimension, everything else is replicated, and XLA's
+partitioner inserts the gradient all-reduce. Reductions are accumulated inside the
+program (the accumulator is donated), so a microbatch costs one dispatch per stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from hetpar.cluster.cluster import jax_devices
+from hetpar.compile.tasks import Task
+from hetpar.trace import jaxpr_ir
+from hetpar.trace.microbatch import MicrobatchAnalysis
+from hetpar.trace.opgraph import OpGraph
+
+DATA_AXIS = "data"
+
+
+def stage_mesh(device_ids: tuple[int, ...]) -> Mesh:
+    # Auto axes: the traced step is mesh-agnostic, shardings are steered from outside.
+    return Mesh(np.array(jax_devices(device_ids)), (DATA_AXIS,), axis_types=(AxisType.Auto,))
+
+
+def value_sharding(mesh: Mesh, aval: Any, batch_axis: int | None) -> NamedSharding:
+    ndim = len(getattr(aval, "shape", ()))
+    size = mesh.devices.size
+    if batch_axis is not None and size > 1 and aval.shape[batch_axis] % size == 0:
+        spec = [None] * ndim
+        spec[batch_axis] = DATA_AXIS
+        return NamedSharding(mesh, PartitionSpec(*spec))
+    return NamedSharding(mesh, PartitionSpec())
+
+
+_COMBINE: dict[str, Callable] = {"sum": jnp.add, "max": jnp.maximum, "min": jnp.minimum}
+_IDENTITY = {"sum": 0, "max": -np.inf, "min": np.inf}
+
+
+@dataclass
+class Program:
+    task: Task
+    mesh: Mesh
+    fn: Callable  # (accumulators, *inputs) -> (outputs, accumulators)
+    in_shardings: tuple[NamedSharding, ...]
+    acc_shardings: tuple[NamedSharding, ...]
+    init_acc: Callable | None  # () -> accumulators of zeros (or the combine's identity)
+
+
+def compile_task(task: Task, graph: OpGraph, constants: dict[int, Any], analysis: MicrobatchAnalysis, mesh: Mesh) -> Program:
+    """`graph` is the trace at the shapes this program runs with (one microbatch);
+    `constants` are the full-batch trace's, so means divide by the full batch."""
+    ops = [graph.ops[i] for i in task.ops]
+    needed = {v for op in ops for v in op.inputs if v in graph.constants}
+    consts = {v: np.asarray(constants[v], dtype=graph.avals[v].dtype) for v in needed}
+    combine = [analysis.reductions[v] for v in task.reductions]
+
+    def run(acc: tuple, *args: Any) -> tuple[tuple, tuple]:
+        env = dict(consts)
+        env.update(zip(task.inputs, args))
+        for op in ops:
+            env.update(zip(op.outputs, jaxpr_ir.bind(op, [env[v] for v in op.inputs])))
+        new = tuple(env[v] for v in task.reductions)
+        acc = tuple(_COMBINE[c](a, x) for c, a, x in zip(combine, acc, new))
+        return tuple(env[v] for v in task.outputs), acc
+
+    def sharding(v: int) -> NamedSharding:
+        return value_sharding(mesh, graph.avals[v], analysis.batch_axis.get(v))
+
+    in_sh = tuple(sharding(v) for v in task.inputs)
+    out_sh = tuple(sharding(v) for v in task.outputs)
+    acc_sh = tuple(sharding(v) for v in task.reductions)
+    fn = jax.jit(run, in_shardings=(acc_sh, *in_sh), out_shardings=(out_sh, acc_sh), donate_argnums=0)
+
+    init_acc = None
+    if task.reductions:
+        avals = [graph.avals[v] for v in task.reductions]
+        init_acc = jax.jit(
+            lambda: tuple(jnp.full(a.shape, _IDENTITY[c], a.dtype) for a, c in zip(avals, combine)),
+            out_shardings=acc_sh,
+        )
+    return Program(task, mesh, fn, in_sh, acc_sh, init_acc)

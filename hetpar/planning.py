@@ -1,0 +1,57 @@
+"""A first stage assignment: contiguous layers to stages, one device group per stage,
+layers in proportion to each stage's speed. The full planner replaces this."""
+
+from __future__ import annotations
+
+from hetpar.cluster.cluster import Cluster, DeviceGroup
+from hetpar.errors import PlanError
+from hetpar.plan import Plan, StagePlan
+from hetpar.trace.layers import Layers
+from solver.partition import min_max_cuts
+
+
+def stage_groups(cluster: Cluster, num_stages: int) -> list[DeviceGroup]:
+    """Device groups for `num_stages` stages: whole type groups when the counts match,
+    otherwise type groups split evenly (more stages go to larger groups)."""
+    groups = list(cluster.groups)
+    if num_stages < 1:
+        raise PlanError(f"num_stages must be at least 1, got {num_stages}")
+    if num_stages > cluster.num_devices:
+        raise PlanError(f"{num_stages} stages need at least {num_stages} devices; the cluster has {cluster.num_devices}")
+    if num_stages <= len(groups):
+        ranked = sorted(groups, key=lambda g: -g.size * g.spec.flops())[:num_stages]
+        return [g for g in groups if g in ranked]
+    per_group = _stages_per_group([g.size for g in groups], num_stages)
+    out = []
+    for group, k in zip(groups, per_group):
+        size = group.size // k
+        out += [DeviceGroup(group.type_name, group.device_ids[i * size : (i + 1) * size]) for i in range(k)]
+    return out
+
+
+def _stages_per_group(sizes: list[int], num_stages: int) -> list[int]:
+    counts = [1] * len(sizes)
+    while sum(counts) < num_stages:
+        # Give the next stage to the group whose stages would stay largest; it must divide evenly.
+        options = [i for i, s in enumerate(sizes) if counts[i] < s and s % (counts[i] + 1) == 0]
+        if not options:
+            raise PlanError(f"cannot split device groups of sizes {sizes} evenly into {num_stages} stages")
+        best = max(options, key=lambda i: sizes[i] / (counts[i] + 1))
+        counts[best] += 1
+    return counts
+
+
+def assign_stages(layers: Layers, cluster: Cluster, num_stages: int, num_microbatches: int) -> Plan:
+    if num_stages > layers.num_layers:
+        raise PlanError(f"{num_stages} stages need at least {num_stages} layers; the model was cut into {layers.num_layers}")
+    groups = stage_groups(cluster, num_stages)
+    speeds = [g.size * g.spec.flops() for g in groups]
+    cuts = min_max_cuts(layers.flops, range(1, layers.num_layers), num_stages, part_speeds=speeds)
+    bounds = list(zip([0] + cuts, cuts + [layers.num_layers]))
+    stages = []
+    for i, (group, (start, end), speed) in enumerate(zip(groups, bounds, speeds)):
+        flops = sum(layers.flops[start:end])
+        names = layers.names[start:end]
+        label = names[0] if len(names) == 1 else f"{names[0].split('..')[0]}..{names[-1].split('..')[-1]}"
+        stages.append(StagePlan(i, group.type_name, group.device_ids, start, end, label, flops, flops / speed))
+    return Plan(tuple(stages), num_microbatches, layers.num_layers, cluster.describe())

@@ -1,0 +1,96 @@
+"""Runs a compiled step under a pipeline schedule, in this process.
+
+Values live where they were produced; a task that needs a value on another stage's
+mesh gets a copy made with `jax.device_put` (cross-mesh transfer) and kept for the
+other tasks of that stage. JAX dispatch is asynchronous, so stages on different
+meshes overlap without explicit threads; nothing here blocks on a result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from hetpar.compile.programs import Program, value_sharding
+from hetpar.runtime.schedule import Step, gpipe
+from hetpar.trace.microbatch import MicrobatchAnalysis, Phase
+from hetpar.trace.opgraph import OpGraph
+
+
+@dataclass
+class CompiledStep:
+    graph: OpGraph  # traced at one microbatch
+    constants: dict[int, Any]  # full-batch trace constants
+    analysis: MicrobatchAnalysis
+    programs: list[Program]  # in task order
+    batch_invars: set[int]
+    num_microbatches: int
+    microbatch_size: int
+
+    def per_microbatch(self, value: int) -> bool:
+        if value in self.batch_invars:
+            return True
+        producer = self.graph.producer.get(value)
+        return (
+            producer is not None
+            and self.analysis.phase[producer] is Phase.MICRO
+            and value not in self.analysis.reductions
+        )
+
+
+def run(step: CompiledStep, flat_args: Sequence[Any]) -> list[Any]:
+    graph = step.graph
+    store: dict[tuple[int, int | None], dict[int, Any]] = {}  # (value, microbatch) -> stage -> array
+    inputs = dict(zip(graph.invars, flat_args))
+    meshes = {p.task.stage: p.mesh for p in step.programs}
+
+    def source(value: int, mb: int | None) -> Any:
+        copies = store.get((value, mb))
+        if copies:
+            return next(iter(copies.values()))
+        arg = inputs[value]
+        if mb is None:
+            return arg
+        size = step.microbatch_size
+        return arg[mb * size : (mb + 1) * size]
+
+    def fetch(value: int, mb: int | None, stage: int) -> Any:
+        copies = store.setdefault((value, mb), {})
+        if stage not in copies:
+            sharding = value_sharding(meshes[stage], graph.avals[value], step.analysis.batch_axis.get(value))
+            copies[stage] = jax.device_put(source(value, mb), sharding)
+        return copies[stage]
+
+    accumulators: dict[int, tuple] = {}
+    for item in gpipe(step.programs, step.num_microbatches):
+        program = step.programs[item.program]
+        task = program.task
+        mb = item.microbatch
+        args = [fetch(v, mb if step.per_microbatch(v) else None, task.stage) for v in task.inputs]
+        acc = accumulators.get(item.program)
+        if acc is None:
+            acc = program.init_acc() if program.init_acc else ()
+        outs, accumulators[item.program] = program.fn(acc, *args)
+        key = mb if task.per_microbatch else None
+        for v, x in zip(task.outputs, outs):
+            store[(v, key)] = {task.stage: x}
+        if item.last_microbatch:
+            for v, x in zip(task.reductions, accumulators.pop(item.program)):
+                store[(v, None)] = {task.stage: x}
+        if item.release is not None:
+            for k in [k for k in store if k[1] == item.release]:
+                del store[k]
+
+    return [_output(v, step, store, inputs) for v in graph.outvars]
+
+
+def _output(value: int, step: CompiledStep, store: dict, inputs: dict) -> Any:
+    if value in step.graph.constants:
+        return np.asarray(step.constants[value], dtype=step.graph.avals[value].dtype)
+    copies = store.get((value, None))
+    if copies:
+        return next(iter(copies.values()))
+    return inputs[value]

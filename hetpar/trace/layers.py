@@ -1,0 +1,145 @@
+"""Layer construction: cut the forward pass into layers, then give every backward
+operator the layer of the forward work it differentiates.
+
+Cuts go where few bytes cross (the residual stream between transformer blocks, not
+the wide activations inside one) and where flax module scopes change, so that asking
+a GPT with N blocks for N layers cuts at block boundaries. Layer cost counts the
+forward operators and the backward operators attached to them, so layers are
+balanced by the work they really carry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hetpar.errors import PlanError
+from hetpar.trace.microbatch import MicrobatchAnalysis, Phase
+from hetpar.trace.opgraph import OpGraph
+from solver.partition import min_max_cuts
+
+_MAX_CUT_BYTES_FACTOR = 2.0  # cut candidates carry at most this times the cheapest cut
+
+
+@dataclass
+class Layers:
+    op_layer: dict[int, int]  # MICRO op index -> layer
+    num_layers: int
+    flops: list[float]  # per layer: forward + backward FLOPs for the full batch
+    names: list[str]  # per layer: the module scopes it spans, for people
+    boundary_bytes: list[int]  # bytes entering each layer from earlier ones (forward)
+
+
+def build_layers(graph: OpGraph, analysis: MicrobatchAnalysis, op_flops: list[float], num_layers: int) -> Layers:
+    forward = [op.index for op in graph.ops if analysis.phase[op.index] is Phase.MICRO and not analysis.backward[op.index]]
+    backward = [op.index for op in graph.ops if analysis.phase[op.index] is Phase.MICRO and analysis.backward[op.index]]
+    if not forward:
+        raise PlanError("the step has no per-example forward computation to split into layers")
+    if num_layers > len(forward):
+        raise PlanError(f"asked for {num_layers} layers but the forward pass has only {len(forward)} operators")
+
+    position = {op: i for i, op in enumerate(forward)}
+    depth = _scope_depth(graph, forward, num_layers)
+    keys = [graph.ops[i].module_path[:depth] for i in forward] if depth else [()] * len(forward)
+    crossing = _crossing_bytes(graph, forward, position)
+
+    # Attach backward ops to forward positions (by scope, else structurally) for cost.
+    anchor = _backward_anchors(graph, forward, backward, keys, depth, position)
+    costs = np.array([op_flops[i] for i in forward], dtype=float)
+    for op, pos in anchor.items():
+        costs[pos] += op_flops[op]
+
+    if depth:
+        candidates = [i for i in range(1, len(forward)) if keys[i] != keys[i - 1]]
+    else:
+        candidates = list(range(1, len(forward)))
+    candidates = _cheap(candidates, crossing, num_layers)
+    cuts = min_max_cuts(costs, candidates, num_layers, cut_costs=crossing)
+    starts = [0] + cuts
+    fwd_layer = np.searchsorted(np.array(cuts), np.arange(len(forward)), side="right")
+
+    op_layer = {op: int(fwd_layer[i]) for i, op in enumerate(forward)}
+    for op in backward:  # in program order: producers before consumers
+        layer = int(fwd_layer[anchor[op]])
+        for v in graph.ops[op].inputs:
+            p = graph.producer.get(v)
+            if p is not None and analysis.phase[p] is Phase.MICRO and analysis.backward[p]:
+                layer = min(layer, op_layer[p])  # cotangents only flow to earlier layers
+        op_layer[op] = layer
+
+    flops = [0.0] * num_layers
+    for op, layer in op_layer.items():
+        flops[layer] += op_flops[op]
+    ends = cuts + [len(forward)]
+    names = [_describe(keys[s:e]) for s, e in zip(starts, ends)]
+    boundary = [0] + [int(crossing[c]) for c in cuts]
+    return Layers(op_layer, num_layers, flops, names, boundary)
+
+
+def _scope_depth(graph: OpGraph, forward: list[int], num_layers: int) -> int:
+    """The shallowest module depth with at least `num_layers` contiguous scopes;
+    0 when scopes are too coarse (then any operator boundary may be cut)."""
+    max_depth = max(len(graph.ops[i].module_path) for i in forward)
+    for depth in range(1, max_depth + 1):
+        keys = [graph.ops[i].module_path[:depth] for i in forward]
+        segments = 1 + sum(a != b for a, b in zip(keys, keys[1:]))
+        if segments >= num_layers:
+            return depth
+    return 0
+
+
+def _crossing_bytes(graph: OpGraph, forward: list[int], position: dict[int, int]) -> np.ndarray:
+    """crossing[c]: bytes of forward values produced before position c and read at or
+    after it, i.e. what a cut at c sends to the next stage."""
+    delta = np.zeros(len(forward) + 1)
+    for i, op in enumerate(forward):
+        for v in graph.ops[op].outputs:
+            last = max((position[c] for c in graph.consumers.get(v, ()) if c in position), default=i)
+            if last > i:
+                delta[i + 1] += graph.nbytes(v)
+                delta[last + 1] -= graph.nbytes(v)
+    return np.cumsum(delta)[: len(forward)]
+
+
+def _cheap(candidates: list[int], crossing: np.ndarray, num_layers: int) -> list[int]:
+    if len(candidates) < num_layers - 1:
+        raise PlanError(f"the model has only {len(candidates) + 1} places to cut it into layers; ask for fewer layers")
+    if num_layers == 1:
+        return candidates
+    ordered = sorted(crossing[c] for c in candidates)
+    limit = max(_MAX_CUT_BYTES_FACTOR * max(ordered[0], 1.0), ordered[num_layers - 2])
+    return [c for c in candidates if crossing[c] <= limit]
+
+
+def _backward_anchors(graph, forward, backward, keys, depth, position) -> dict[int, int]:
+    """Backward op -> forward position whose layer it belongs to."""
+    segments: dict[tuple, list[int]] = {}
+    for i, key in enumerate(keys):
+        segments.setdefault(key, []).append(i)
+    last_use: dict[int, int] = {}  # forward value or input -> last forward position reading it
+    for i, op in enumerate(forward):
+        for v in graph.ops[op].inputs:
+            last_use[v] = i
+    anchors = {}
+    for op in backward:
+        match = segments.get(graph.ops[op].module_path[:depth]) if depth else None
+        if match and _contiguous(match):
+            anchors[op] = match[-1]
+            continue
+        uses = [last_use[v] for v in graph.ops[op].inputs if v in last_use]
+        anchors[op] = max(uses) if uses else len(forward) - 1
+    return anchors
+
+
+def _contiguous(positions: list[int]) -> bool:
+    return positions[-1] - positions[0] + 1 == len(positions)
+
+
+def _describe(keys: list[tuple]) -> str:
+    names = []
+    for key in keys:
+        name = "/".join(key[1:] if len(key) > 1 else key) or "(step)"
+        if not names or names[-1] != name:
+            names.append(name)
+    return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"

@@ -1,0 +1,191 @@
+"""Which parts of an unmodified train step run per microbatch, and how they combine.
+
+The step is traced at two batch sizes. A value whose shape changes with the batch
+size carries the batch dimension ("per-example"); an operator that reads or writes
+one runs once per microbatch. Its outputs that do not carry the batch dimension are
+reductions over the batch (the loss sum, the gradients), and the sum over
+microbatches of those reductions is the full-batch reduction. Everything else is
+batch-independent and runs once: before the microbatches ("pre": parameter casts,
+the autodiff seed) or after them ("post": the loss division, the optimizer).
+
+Microbatches are executed with the microbatch-shaped trace but the full-batch
+trace's constants, so a `mean` still divides by the full batch size and the
+per-microbatch contributions add up exactly to the full-batch values.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+
+from hetpar.errors import UnsupportedStepError
+from hetpar.trace.opgraph import OpGraph
+
+
+class Phase(enum.Enum):
+    PRE = "pre"
+    MICRO = "micro"
+    POST = "post"
+
+
+# How a reduction over the batch combines across microbatches, by primitive.
+_REDUCTION_COMBINE = {
+    "reduce_sum": "sum",
+    "dot_general": "sum",
+    "conv_general_dilated": "sum",
+    "scatter-add": "sum",
+    "scatter_add": "sum",
+    "reduce_max": "max",
+    "reduce_min": "min",
+}
+
+_USE_MARKERS = (
+    "If the step really needs this, compute the loss and gradients with "
+    "hetpar.value_and_grad (per-microbatch mean semantics) or use num_microbatches=1."
+)
+
+
+@dataclass
+class MicrobatchAnalysis:
+    phase: list[Phase]  # per op
+    backward: list[bool]  # per op; meaningful for MICRO ops
+    batch_axis: dict[int, int]  # per-example value -> the axis that carries the batch
+    reductions: dict[int, str]  # MICRO output without batch axis -> "sum" | "max" | "min"
+
+    def is_per_example(self, value: int) -> bool:
+        return value in self.batch_axis
+
+
+def analyze(full: OpGraph, probe: OpGraph, batch_invars: list[int]) -> MicrobatchAnalysis:
+    """Splits the step traced at the full batch (`full`) using a trace at another
+    batch size (`probe`) with the same structure."""
+    check_same_structure(full, probe)
+    batch_axis = _batch_axes(full, probe)
+    for v in batch_invars:
+        if batch_axis.get(v) != 0:
+            raise UnsupportedStepError(
+                f"a batch input of shape {full.avals[v].shape} has no leading batch dimension; "
+                "every leaf of the batch must be split along axis 0."
+            )
+
+    n = len(full.ops)
+    phase: list[Phase | None] = [None] * n
+    batch_dependent = set(batch_invars)
+    for op in full.ops:
+        touches_examples = any(v in batch_axis for v in op.inputs + op.outputs)
+        depends = any(v in batch_dependent for v in op.inputs)
+        if touches_examples:
+            phase[op.index] = Phase.MICRO
+        elif depends:
+            phase[op.index] = Phase.POST
+        if touches_examples or depends:
+            batch_dependent.update(op.outputs)
+
+    # Batch-independent ops feeding microbatch work run before it; the rest after.
+    needed_before = set()
+    for op in reversed(full.ops):
+        if phase[op.index] is None:
+            if any(v in needed_before for v in op.outputs):
+                phase[op.index] = Phase.PRE
+            else:
+                phase[op.index] = Phase.POST
+        if phase[op.index] in (Phase.PRE, Phase.MICRO):
+            needed_before.update(op.inputs)
+
+    reductions = _reductions(full, phase, batch_axis)
+    _check_no_cross_example_flow(full, phase, batch_axis, reductions)
+    for v in full.outvars:
+        if v in batch_axis:
+            raise UnsupportedStepError(
+                f"the step returns a per-example value of shape {full.avals[v].shape}; hetpar "
+                "combines step outputs across microbatches only when they are reduced over "
+                "the batch (a loss, gradients, metrics). Return a reduction instead."
+            )
+
+    backward = [False] * n
+    backward_values: set[int] = set()
+    for op in full.ops:
+        if phase[op.index] is Phase.MICRO and (op.is_backward or any(v in backward_values for v in op.inputs)):
+            backward[op.index] = True
+            backward_values.update(op.outputs)
+    return MicrobatchAnalysis(phase=phase, backward=backward, batch_axis=batch_axis, reductions=reductions)
+
+
+def check_same_structure(a: OpGraph, b: OpGraph) -> None:
+    if a.structure() != b.structure() or a.outvars != b.outvars:
+        raise UnsupportedStepError(
+            "the train step traces to a different program at another batch size (Python "
+            "control flow on the batch shape?); hetpar needs one program whose shapes scale "
+            "with the batch. " + _USE_MARKERS
+        )
+
+
+def _batch_axes(full: OpGraph, probe: OpGraph) -> dict[int, int]:
+    axes = {}
+    for v, (a, b) in enumerate(zip(full.avals, probe.avals)):
+        sa, sb = getattr(a, "shape", ()), getattr(b, "shape", ())
+        if sa == sb:
+            continue
+        differing = [i for i, (x, y) in enumerate(zip(sa, sb)) if x != y]
+        if len(sa) != len(sb) or len(differing) != 1:
+            raise UnsupportedStepError(
+                f"a value of shape {sa} changes rank or several dimensions with the batch size "
+                f"(to {sb}); hetpar needs exactly one dimension to follow the batch."
+            )
+        axes[v] = differing[0]
+    return axes
+
+
+def _reductions(full: OpGraph, phase: list, batch_axis: dict[int, int]) -> dict[int, str]:
+    reductions = {}
+    for op in full.ops:
+        if phase[op.index] is not Phase.MICRO:
+            continue
+        for v in op.outputs:
+            if v in batch_axis:
+                continue
+            combine = _REDUCTION_COMBINE.get(op.name)
+            if combine is None:
+                raise UnsupportedStepError(
+                    f"operator {op.name!r} (in {op.scope or 'the step'}) turns per-example values "
+                    "into one of shape "
+                    f"{full.avals[v].shape} in a way hetpar cannot combine across microbatches. "
+                    + _USE_MARKERS
+                )
+            if op.name.startswith("scatter") and not _is_zero(full, op.inputs[0]):
+                raise UnsupportedStepError(
+                    f"a scatter-add over the batch (in {op.scope}) adds into a non-zero operand; "
+                    "summing it per microbatch would count the operand more than once."
+                )
+            reductions[v] = combine
+    return reductions
+
+
+def _is_zero(graph: OpGraph, value: int) -> bool:
+    if value in graph.constants:
+        return bool(np.all(np.asarray(graph.constants[value]) == 0))
+    producer = graph.producer.get(value)
+    if producer is None:
+        return False
+    op = graph.ops[producer]
+    if op.name in ("broadcast_in_dim", "convert_element_type", "reshape"):
+        return _is_zero(graph, op.inputs[0])
+    return False
+
+
+def _check_no_cross_example_flow(full: OpGraph, phase: list, batch_axis: dict, reductions: dict) -> None:
+    post_values = set(reductions)
+    for op in full.ops:
+        if phase[op.index] is Phase.POST:
+            post_values.update(op.outputs)
+        elif phase[op.index] is Phase.MICRO:
+            mixed = [v for v in op.inputs if v in post_values]
+            if mixed:
+                raise UnsupportedStepError(
+                    f"operator {op.name!r} (in {op.scope or 'the step'}) feeds a value reduced "
+                    "over the whole batch back into per-example work (batch statistics, e.g. "
+                    "BatchNorm, or a loss that is not a sum or mean over examples), so "
+                    "microbatches would change the result. " + _USE_MARKERS
+                )
