@@ -4,6 +4,7 @@ from hetpar.api import ParallelFunction, parallelize
 from hetpar.cluster.catalog import DeviceType, devices
 from hetpar.cluster.cluster import Cluster, DeviceGroup
 from hetpar.errors import ClusterError, HetparError, PlanError, UnsupportedStepError
+from hetpar.markers import grad, value_and_grad
 from hetpar.plan import Plan, StagePlan
 
 __all__ = [
@@ -18,5 +19,7 @@ __all__ = [
     "StagePlan",
     "UnsupportedStepError",
     "devices",
+    "grad",
+    "value_and_grad",
     "parallelize",
 ]

@@ -91,7 +91,7 @@ class ParallelFunction:
             stages = op_stages(full, analysis, layers, layer_stage)
             tasks = build_tasks(full, analysis, stages)
             meshes = {s.index: stage_mesh(s.device_ids) for s in plan.stages}
-            programs = [compile_task(t, exec_graph, full.constants, analysis, meshes[t.stage]) for t in tasks]
+            programs = [compile_task(t, exec_graph, full.constants, analysis, meshes[t.stage], o.num_microbatches) for t in tasks]
         log.info("hetpar built a %d-stage plan in %s", plan.num_stages, timer)
         compiled = CompiledStep(exec_graph, full.constants, analysis, programs, set(batch_invars), o.num_microbatches, mb)
         return plan, compiled

@@ -19,7 +19,7 @@ def stage_groups(cluster: Cluster, num_stages: int) -> list[DeviceGroup]:
     if num_stages > cluster.num_devices:
         raise PlanError(f"{num_stages} stages need at least {num_stages} devices; the cluster has {cluster.num_devices}")
     if num_stages <= len(groups):
-        ranked = sorted(groups, key=lambda g: -g.size * g.spec.flops())[:num_stages]
+        ranked = sorted(groups, key=lambda g: -g.size * g.spec.matmul_flops())[:num_stages]
         return [g for g in groups if g in ranked]
     per_group = _stages_per_group([g.size for g in groups], num_stages)
     out = []
@@ -45,7 +45,7 @@ def assign_stages(layers: Layers, cluster: Cluster, num_stages: int, num_microba
     if num_stages > layers.num_layers:
         raise PlanError(f"{num_stages} stages need at least {num_stages} layers; the model was cut into {layers.num_layers}")
     groups = stage_groups(cluster, num_stages)
-    speeds = [g.size * g.spec.flops() for g in groups]
+    speeds = [g.size * g.spec.matmul_flops() for g in groups]
     cuts = min_max_cuts(layers.flops, range(1, layers.num_layers), num_stages, part_speeds=speeds)
     bounds = list(zip([0] + cuts, cuts + [layers.num_layers]))
     stages = []

@@ -21,6 +21,12 @@ class DeviceType:
     def flops(self, dtype: str = "fp32") -> float:
         return self.peak_flops.get(dtype, self.peak_flops["fp32"])
 
+    def matmul_flops(self, dtype: str = "float32") -> float:
+        """Peak for matmuls in `dtype` (a numpy dtype name). JAX's default precision
+        runs float32 matmuls as TF32 on tensor-core GPUs, so float32 maps to tf32."""
+        key = {"float32": "tf32", "bfloat16": "bf16", "float16": "bf16"}.get(dtype, "fp32")
+        return self.flops(key)
+
 
 @cache
 def catalog() -> dict[str, DeviceType]:
@@ -41,4 +47,4 @@ def device_type(name: str) -> DeviceType:
 
 def devices() -> list[DeviceType]:
     """Every device type hetpar knows, fastest fp32 first."""
-    return sorted(catalog().values(), key=lambda d: -d.flops())
+    return sorted(catalog().values(), key=lambda d: -d.matmul_flops())

@@ -40,8 +40,8 @@ def value_sharding(mesh: Mesh, aval: Any, batch_axis: int | None) -> NamedShardi
     return NamedSharding(mesh, PartitionSpec())
 
 
-_COMBINE: dict[str, Callable] = {"sum": jnp.add, "max": jnp.maximum, "min": jnp.minimum}
-_IDENTITY = {"sum": 0, "max": -np.inf, "min": np.inf}
+_COMBINE: dict[str, Callable] = {"sum": jnp.add, "mean": jnp.add, "max": jnp.maximum, "min": jnp.minimum}
+_IDENTITY = {"sum": 0, "mean": 0, "max": -np.inf, "min": np.inf}
 
 
 @dataclass
@@ -54,20 +54,25 @@ class Program:
     init_acc: Callable | None  # () -> accumulators of zeros (or the combine's identity)
 
 
-def compile_task(task: Task, graph: OpGraph, constants: dict[int, Any], analysis: MicrobatchAnalysis, mesh: Mesh) -> Program:
+def compile_task(
+    task: Task, graph: OpGraph, constants: dict[int, Any], analysis: MicrobatchAnalysis, mesh: Mesh, num_microbatches: int
+) -> Program:
     """`graph` is the trace at the shapes this program runs with (one microbatch);
-    `constants` are the full-batch trace's, so means divide by the full batch."""
+    `constants` are the full-batch trace's, so means divide by the full batch
+    (unless the step is marked: then each microbatch is its own mean, averaged here)."""
     ops = [graph.ops[i] for i in task.ops]
     needed = {v for op in ops for v in op.inputs if v in graph.constants}
-    consts = {v: np.asarray(constants[v], dtype=graph.avals[v].dtype) for v in needed}
+    source = graph.constants if analysis.marked else constants
+    consts = {v: np.asarray(source[v], dtype=graph.avals[v].dtype) for v in needed}
     combine = [analysis.reductions[v] for v in task.reductions]
+    scale = [1.0 / num_microbatches if c == "mean" else 1.0 for c in combine]
 
     def run(acc: tuple, *args: Any) -> tuple[tuple, tuple]:
         env = dict(consts)
         env.update(zip(task.inputs, args))
         for op in ops:
             env.update(zip(op.outputs, jaxpr_ir.bind(op, [env[v] for v in op.inputs])))
-        new = tuple(env[v] for v in task.reductions)
+        new = tuple(env[v] if k == 1.0 else env[v] * jnp.asarray(k, env[v].dtype) for v, k in zip(task.reductions, scale))
         acc = tuple(_COMBINE[c](a, x) for c, a, x in zip(combine, acc, new))
         return tuple(env[v] for v in task.outputs), acc
 

@@ -111,7 +111,7 @@ def trace(fn: Callable, *args: Any) -> OpGraph:
     invars = [builder.new_value(v.aval) for v in jaxpr.invars]
     outvars = builder.splice(jaxpr, consts, invars, "")
     return OpGraph(
-        ops=builder.ops,
+        ops=_live_ops(builder.ops, outvars),
         avals=builder.avals,
         constants=builder.constants,
         invars=invars,
@@ -119,6 +119,21 @@ def trace(fn: Callable, *args: Any) -> OpGraph:
         in_tree=in_tree,
         out_tree=out_tree,
     )
+
+
+def _live_ops(ops: list[Op], outvars: list[int]) -> list[Op]:
+    """Drops operators whose results nothing uses (tracing keeps, e.g., the tangents
+    of auxiliary outputs), renumbering the rest; effectful operators stay."""
+    needed = set(outvars)
+    keep = []
+    for op in reversed(ops):
+        if op.primitive.name in _EFFECTFUL or any(v in needed for v in op.outputs):
+            keep.append(op)
+            needed.update(op.inputs)
+    return [Op(i, op.primitive, op.params, op.inputs, op.outputs, op.scope) for i, op in enumerate(reversed(keep))]
+
+
+_EFFECTFUL = {"debug_callback", "io_callback", "debug_print"}
 
 
 def bind(op: Op, args: Sequence[Any]) -> list[Any]:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hetpar.errors import UnsupportedStepError
+from hetpar.markers import MARKER_SCOPE
 from hetpar.trace.opgraph import OpGraph
 
 
@@ -52,7 +53,8 @@ class MicrobatchAnalysis:
     phase: list[Phase]  # per op
     backward: list[bool]  # per op; meaningful for MICRO ops
     batch_axis: dict[int, int]  # per-example value -> the axis that carries the batch
-    reductions: dict[int, str]  # MICRO output without batch axis -> "sum" | "max" | "min"
+    reductions: dict[int, str]  # MICRO output without batch axis -> "sum" | "max" | "min" | "mean"
+    marked: bool = False  # hetpar.value_and_grad markers: per-microbatch semantics, "mean" combine
 
     def is_per_example(self, value: int) -> bool:
         return value in self.batch_axis
@@ -71,12 +73,20 @@ def analyze(full: OpGraph, probe: OpGraph, batch_invars: list[int]) -> Microbatc
             )
 
     n = len(full.ops)
+    markers = [op.index for op in full.ops if op.name == "optimization_barrier" and MARKER_SCOPE in op.scope]
+    inside_marked = _ancestors(full, markers)
     phase: list[Phase | None] = [None] * n
     batch_dependent = set(batch_invars)
     for op in full.ops:
         touches_examples = any(v in batch_axis for v in op.inputs + op.outputs)
         depends = any(v in batch_dependent for v in op.inputs)
-        if touches_examples:
+        if touches_examples and markers and op.index not in inside_marked:
+            raise UnsupportedStepError(
+                f"operator {op.name!r} (in {op.scope or 'the step'}) works on per-example values "
+                "after hetpar.value_and_grad; with markers, all per-example work must happen "
+                "inside the marked loss function."
+            )
+        if touches_examples or (depends and op.index in inside_marked):
             phase[op.index] = Phase.MICRO
         elif depends:
             phase[op.index] = Phase.POST
@@ -94,8 +104,12 @@ def analyze(full: OpGraph, probe: OpGraph, batch_invars: list[int]) -> Microbatc
         if phase[op.index] in (Phase.PRE, Phase.MICRO):
             needed_before.update(op.inputs)
 
-    reductions = _reductions(full, phase, batch_axis)
-    _check_no_cross_example_flow(full, phase, batch_axis, reductions)
+    if markers:
+        reductions = {v: "mean" for i in markers for v in full.ops[i].outputs}
+        _check_marked_region_closed(full, phase, reductions)
+    else:
+        reductions = _reductions(full, phase, batch_axis)
+        _check_no_cross_example_flow(full, phase, batch_axis, reductions)
     for v in full.outvars:
         if v in batch_axis:
             raise UnsupportedStepError(
@@ -110,7 +124,32 @@ def analyze(full: OpGraph, probe: OpGraph, batch_invars: list[int]) -> Microbatc
         if phase[op.index] is Phase.MICRO and (op.is_backward or any(v in backward_values for v in op.inputs)):
             backward[op.index] = True
             backward_values.update(op.outputs)
-    return MicrobatchAnalysis(phase=phase, backward=backward, batch_axis=batch_axis, reductions=reductions)
+    return MicrobatchAnalysis(phase, backward, batch_axis, reductions, marked=bool(markers))
+
+
+def _ancestors(graph: OpGraph, ops: list[int]) -> set[int]:
+    seen, todo = set(ops), list(ops)
+    while todo:
+        for v in graph.ops[todo.pop()].inputs:
+            p = graph.producer.get(v)
+            if p is not None and p not in seen:
+                seen.add(p)
+                todo.append(p)
+    return seen
+
+
+def _check_marked_region_closed(full: OpGraph, phase: list, reductions: dict) -> None:
+    for op in full.ops:
+        if phase[op.index] is Phase.MICRO:
+            continue
+        for v in op.inputs:
+            p = full.producer.get(v)
+            if p is not None and phase[p] is Phase.MICRO and v not in reductions:
+                raise UnsupportedStepError(
+                    f"operator {op.name!r} (in {op.scope or 'the step'}) uses a per-microbatch value "
+                    "that hetpar.value_and_grad did not return; compute everything that depends "
+                    "on the batch inside the loss function."
+                )
 
 
 def check_same_structure(a: OpGraph, b: OpGraph) -> None:

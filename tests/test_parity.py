@@ -1,0 +1,68 @@
+"""Correctness is parity: every plan computes what jax.jit(step) computes on one device."""
+
+import pytest
+
+import hetpar
+from models import gpt, mlp
+from parity import run_parity
+
+TWO_TYPES = {"A100": 4, "V100": 4}
+THREE_TYPES = {"H100": 2, "A100": 2, "V100": 4}
+FAST_SLOW = {"H100": 4, "V100": 4}
+
+
+@pytest.fixture(scope="module")
+def mlp_workload():
+    return mlp.setup(batch_size=16, depth=4)
+
+
+@pytest.fixture(scope="module")
+def gpt_workload():
+    return gpt.setup(batch_size=8)
+
+
+PLANS = [
+    # (cluster, stages, microbatches, layers)
+    (TWO_TYPES, 1, 1, None),
+    (TWO_TYPES, 1, 4, None),
+    (TWO_TYPES, 2, 1, None),
+    (TWO_TYPES, 2, 2, 4),
+    (TWO_TYPES, 2, 8, 4),
+    (TWO_TYPES, 4, 4, 4),
+    (THREE_TYPES, 3, 2, 4),
+    (THREE_TYPES, 3, 8, None),
+    (FAST_SLOW, 2, 4, 4),
+]
+
+
+def _id(plan):
+    cluster, stages, mbs, layers = plan
+    return f"{'+'.join(cluster)}-s{stages}-mb{mbs}-l{layers}"
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=_id)
+def test_mlp_parity(mlp_workload, plan):
+    counts, stages, mbs, layers = plan
+    used = run_parity(mlp_workload, hetpar.Cluster.virtual(counts), num_stages=stages, num_microbatches=mbs, num_layers=layers)
+    assert used.num_stages == stages
+    assert used.num_microbatches == mbs
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=_id)
+def test_gpt_parity(gpt_workload, plan):
+    counts, stages, mbs, layers = plan
+    used = run_parity(gpt_workload, hetpar.Cluster.virtual(counts), num_stages=stages, num_microbatches=mbs, num_layers=layers)
+    assert used.num_stages == stages
+
+
+def test_faster_type_gets_more_layers(gpt_workload):
+    plan = run_parity(gpt_workload, hetpar.Cluster.virtual(FAST_SLOW), num_stages=2, num_microbatches=2, num_layers=4)
+    h100, v100 = plan.stages
+    assert (h100.device_type, v100.device_type) == ("H100", "V100")
+    assert h100.num_layers > v100.num_layers
+
+
+def test_stages_follow_given_device_order(mlp_workload):
+    plan = run_parity(mlp_workload, hetpar.Cluster.virtual({"V100": 4, "H100": 4}), num_stages=2, num_microbatches=2, num_layers=4)
+    assert [s.device_type for s in plan.stages] == ["V100", "H100"]
+    assert plan.stages[1].num_layers > plan.stages[0].num_layers
