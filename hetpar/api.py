@@ -18,14 +18,14 @@ import jax
 from hetpar.cluster.cluster import Cluster
 from hetpar.compile.programs import compile_task, stage_mesh
 from hetpar.compile.tasks import build_tasks, op_stages
-from hetpar.errors import HetparError, PlanError
+from hetpar.errors import HetparError, PlanError, UnsupportedStepError
 from hetpar.plan import Plan
 from hetpar.planning import assign_stages
 from hetpar.runtime.executor import CompiledStep, run
 from hetpar.trace import jaxpr_ir
 from hetpar.trace.flops import op_costs
 from hetpar.trace.layers import build_layers
-from hetpar.trace.microbatch import analyze
+from hetpar.trace.microbatch import analyze, check_same_structure
 
 log = logging.getLogger("hetpar")
 
@@ -79,7 +79,7 @@ class ParallelFunction:
         with timer("analyze"):
             analysis = analyze(full, probe, batch_invars)
             if exec_graph is not full:
-                analyze(exec_graph, probe, batch_invars)  # same program at the microbatch size
+                _check_microbatch_program(full, exec_graph, mb)
         num_stages = o.num_stages or min(len(o.cluster.groups), o.cluster.num_devices)
         with timer("layers"):
             costs = [c.flops for c in op_costs(full)]
@@ -117,6 +117,20 @@ def parallelize(
     if fn is None:
         return lambda f: ParallelFunction(f, options)
     return ParallelFunction(fn, options)
+
+
+def _check_microbatch_program(full: Any, microbatch: Any, size: int) -> None:
+    try:
+        check_same_structure(full, microbatch)
+    except UnsupportedStepError:
+        hint = (
+            " JAX traces size-1 dimensions differently (broadcasting), so microbatches of one example "
+            "do not line up with the full batch: use fewer microbatches or a larger batch."
+            if size == 1 else ""
+        )
+        raise UnsupportedStepError(
+            f"the step traces to a different program at the microbatch size {size} than at the full batch.{hint}"
+        ) from None
 
 
 def _aval(x: Any) -> Any:

@@ -18,7 +18,7 @@ def mlp_workload():
 
 @pytest.fixture(scope="module")
 def gpt_workload():
-    return gpt.setup(batch_size=8)
+    return gpt.setup(batch_size=16)
 
 
 PLANS = [

@@ -37,7 +37,10 @@ def build_layers(graph: OpGraph, analysis: MicrobatchAnalysis, op_flops: list[fl
     if not forward:
         raise PlanError("the step has no per-example forward computation to split into layers")
     if num_layers > len(forward):
-        raise PlanError(f"asked for {num_layers} layers but the forward pass has only {len(forward)} operators")
+        raise PlanError(
+            f"cannot cut the forward pass into {num_layers} layers: it has only {len(forward)} operators; "
+            f"ask for at most {len(forward)} layers (and stages)"
+        )
 
     position = {op: i for i, op in enumerate(forward)}
     depth = _scope_depth(graph, forward, num_layers)

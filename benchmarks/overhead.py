@@ -1,0 +1,70 @@
+"""hetpar's step time against jax.jit on the same 8 CPU devices, for the GPT model.
+
+The baseline is jax.jit data parallel over all 8 devices (batch sharded, parameters
+replicated): what a user would run without hetpar. Figures are medians of timed
+steps after warm-up; they are ratios because 8 virtual devices share this machine's
+cores. Ends with: RESULT overhead_1stage=<ratio> overhead_2stage=<ratio>
+Run: .venv/bin/python benchmarks/overhead.py
+"""
+
+import argparse
+import statistics
+import time
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+
+import hetpar  # noqa: E402
+from models import gpt  # noqa: E402
+
+
+def median_step_time(step, state, batch, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        state, loss = step(state, batch)
+    jax.block_until_ready((state, loss))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        state, loss = step(state, batch)
+        jax.block_until_ready((state, loss))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args()
+
+    config = gpt.GPTConfig(n_layers=args.layers, d_model=128, n_heads=4, seq_len=64, vocab_size=256)
+    w = gpt.setup(batch_size=args.batch_size, config=config)
+
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    replicated, split = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
+    state = jax.device_put(w.state, replicated)
+    batch = jax.device_put(w.batch, split)
+    baseline = median_step_time(jax.jit(w.step), state, batch, 3, args.iters)
+    print(f"jax.jit, data parallel on 8 devices: {baseline * 1e3:8.2f} ms/step")
+
+    ratios = {}
+    # One stage has no pipeline to fill, so it runs the batch whole, like the baseline.
+    for stages, counts, microbatches in ((1, {"A100": 8}, 1), (2, {"A100": 4, "V100": 4}, args.microbatches)):
+        step = hetpar.parallelize(
+            w.step, cluster=hetpar.Cluster.virtual(counts), num_stages=stages,
+            num_microbatches=microbatches, num_layers=args.layers,
+        )
+        t = median_step_time(step, w.state, w.batch, 3, args.iters)
+        ratios[stages] = t / baseline
+        print(f"hetpar, {stages} stage(s), {microbatches} microbatch(es): {t * 1e3:8.2f} ms/step  ({t / baseline:.2f}x)")
+    print(f"RESULT overhead_1stage={ratios[1]:.3f} overhead_2stage={ratios[2]:.3f}")
+
+
+if __name__ == "__main__":
+    main()
