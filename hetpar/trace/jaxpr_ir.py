@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import jax
-import numpy as np
 from jax.extend import core as jcore
 
 from hetpar.trace.opgraph import Op, OpGraph
@@ -31,7 +30,6 @@ _INLINED = {
     "custom_vjp_call_jaxpr": "fun_jaxpr",
     "remat2": "jaxpr",
     "checkpoint": "jaxpr",
-    "custom_lin": None,  # never survives to a traced step; listed to give a clear error
 }
 
 
@@ -69,10 +67,7 @@ class _Builder:
             eqn_scope = _join_scope(scope, str(eqn.source_info.name_stack))
             name = eqn.primitive.name
             if name in _INLINED:
-                key = _INLINED[name]
-                if key is None or key not in eqn.params:
-                    raise NotImplementedError(f"cannot inline primitive {name!r}")
-                body = eqn.params[key]
+                body = eqn.params[_INLINED[name]]
                 body_jaxpr, body_consts = _open(body)
                 outs = self.splice(body_jaxpr, body_consts, inputs, eqn_scope)
                 for var, vid in zip(eqn.outvars, outs):
@@ -86,10 +81,10 @@ class _Builder:
 
 
 def _open(jaxpr: Any) -> tuple[Any, Sequence[Any]]:
-    """(open jaxpr, consts) from either a ClosedJaxpr or a plain Jaxpr."""
-    if getattr(jaxpr, "consts", None) is not None and hasattr(jaxpr, "jaxpr") and jaxpr.jaxpr is not jaxpr:
-        return jaxpr.jaxpr, jaxpr.consts
-    return jaxpr, ()
+    """(jaxpr, consts) from a closed or open jaxpr (one class since JAX 0.11)."""
+    inner = getattr(jaxpr, "jaxpr", jaxpr)
+    consts = getattr(jaxpr, "consts", None)
+    return inner, (consts if consts is not None else ())
 
 
 def _join_scope(outer: str, inner: str) -> str:
@@ -142,19 +137,15 @@ def bind(op: Op, args: Sequence[Any]) -> list[Any]:
     return list(out) if op.primitive.multiple_results else [out]
 
 
-def sub_jaxprs(op: Op) -> list[Any]:
-    """Open jaxprs nested in an operator's params (bodies of scan, while, cond)."""
-    return [_open(j)[0] for j in jcore.jaxprs_in_params(op.params)]
+def open_jaxpr(jaxpr: Any) -> Any:
+    return _open(jaxpr)[0]
 
 
 def jaxpr_ops(jaxpr: Any) -> list[tuple[str, list[Any], list[Any], dict]]:
     """(primitive name, input avals, output avals, params) per equation of a nested
-    jaxpr; used to cost loop bodies without building a full OpGraph for them."""
+    jaxpr (a loop body); used to cost it without building an OpGraph for it."""
     return [
         (e.primitive.name, [a.aval for a in e.invars], [v.aval for v in e.outvars], e.params)
         for e in jaxpr.eqns
     ]
 
-
-def literal_value(value: Any) -> np.ndarray:
-    return np.asarray(value)

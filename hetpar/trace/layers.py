@@ -43,7 +43,7 @@ def build_layers(graph: OpGraph, analysis: MicrobatchAnalysis, op_flops: list[fl
         )
 
     position = {op: i for i, op in enumerate(forward)}
-    depth = _scope_depth(graph, forward, num_layers)
+    depth = _scope_depth(graph, forward, [op_flops[i] for i in forward], num_layers)
     keys = [graph.ops[i].module_path[:depth] for i in forward] if depth else [()] * len(forward)
     crossing = _crossing_bytes(graph, forward, position)
 
@@ -80,14 +80,22 @@ def build_layers(graph: OpGraph, analysis: MicrobatchAnalysis, op_flops: list[fl
     return Layers(op_layer, num_layers, flops, names, boundary)
 
 
-def _scope_depth(graph: OpGraph, forward: list[int], num_layers: int) -> int:
-    """The shallowest module depth with at least `num_layers` contiguous scopes;
-    0 when scopes are too coarse (then any operator boundary may be cut)."""
+def _scope_depth(graph: OpGraph, forward: list[int], flops: list[float], num_layers: int) -> int:
+    """The shallowest module depth whose scopes give `num_layers` substantial pieces
+    (each at least a quarter of an even share of the work); 0 when no depth does
+    (then any operator boundary may be cut)."""
     max_depth = max(len(graph.ops[i].module_path) for i in forward)
+    threshold = sum(flops) / (4 * num_layers)
     for depth in range(1, max_depth + 1):
-        keys = [graph.ops[i].module_path[:depth] for i in forward]
-        segments = 1 + sum(a != b for a, b in zip(keys, keys[1:]))
-        if segments >= num_layers:
+        segment_flops: list[float] = []
+        previous = None
+        for i, f in zip(forward, flops):
+            key = graph.ops[i].module_path[:depth]
+            if key != previous:
+                segment_flops.append(0.0)
+                previous = key
+            segment_flops[-1] += f
+        if sum(f >= threshold for f in segment_flops) >= num_layers:
             return depth
     return 0
 
