@@ -14,6 +14,7 @@ class StagePlan:
     layer_end: int  # exclusive
     layer_names: str
     flops: float  # forward + backward, full batch
+    speed_flops: float  # the stage's peak FLOP/s (devices x per-device peak)
     predicted_time_s: float  # forward + backward of the full batch on this stage
 
     @property
@@ -45,11 +46,12 @@ class Plan:
         lines = [
             f"hetpar plan: {self.num_stages} stage(s) on {self.cluster}, {self.num_layers} layers, "
             f"{self.num_microbatches} microbatch(es), {self.schedule}",
-            f"  {'stage':>5}  {'device':<8} {'devices':>7}  {'layers':<10} {'GFLOP':>9} {'time/step':>11}  modules",
+            "  layers go to stages in proportion to stage speed (devices x peak FLOP/s), so stage times balance",
+            f"  {'stage':>5}  {'device':<8} {'devices':>7} {'TFLOP/s':>8}  {'layers':<10} {'GFLOP':>9} {'time/step':>11}  modules",
         ]
         for s in self.stages:
             lines.append(
-                f"  {s.index:>5}  {s.device_type:<8} {len(s.device_ids):>7}  "
+                f"  {s.index:>5}  {s.device_type:<8} {len(s.device_ids):>7} {s.speed_flops / 1e12:>8.1f}  "
                 f"{f'{s.layer_start}-{s.layer_end - 1} ({s.num_layers})':<10} {s.flops / 1e9:>9.3f} "
                 f"{_fmt_time(s.predicted_time_s):>11}  {s.layer_names}"
             )

@@ -53,5 +53,5 @@ def assign_stages(layers: Layers, cluster: Cluster, num_stages: int, num_microba
         flops = sum(layers.flops[start:end])
         names = layers.names[start:end]
         label = names[0] if len(names) == 1 else f"{names[0].split('..')[0]}..{names[-1].split('..')[-1]}"
-        stages.append(StagePlan(i, group.type_name, group.device_ids, start, end, label, flops, flops / speed))
+        stages.append(StagePlan(i, group.type_name, group.device_ids, start, end, label, flops, speed, flops / speed))
     return Plan(tuple(stages), num_microbatches, layers.num_layers, cluster.describe())

@@ -64,10 +64,14 @@ def op_stages(graph: OpGraph, analysis: MicrobatchAnalysis, layers: Layers, laye
 
 
 def build_tasks(graph: OpGraph, analysis: MicrobatchAnalysis, stage: list[int]) -> list[Task]:
+    # The last stage runs a microbatch's backward right after its forward, so its two
+    # halves are one program: XLA fuses across them and residuals never leave it.
+    last = max(stage) if stage else 0
     kind = []
     for op in graph.ops:
         p = analysis.phase[op.index]
-        kind.append(p.value if p is not Phase.MICRO else ("bwd" if analysis.backward[op.index] else "fwd"))
+        backward = analysis.backward[op.index] and stage[op.index] != last
+        kind.append(p.value if p is not Phase.MICRO else ("bwd" if backward else "fwd"))
 
     phase = [0] * len(graph.ops)
     for op in graph.ops:  # a new phase whenever pre/post work waits on another stage

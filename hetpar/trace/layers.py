@@ -150,7 +150,7 @@ def _contiguous(positions: list[int]) -> bool:
 def _describe(keys: list[tuple]) -> str:
     names = []
     for key in keys:
-        name = "/".join(key[1:] if len(key) > 1 else key) or "(step)"
+        name = "/".join(key[1:] if len(key) > 1 else key) or "loss"
         if not names or names[-1] != name:
             names.append(name)
     return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
