@@ -56,6 +56,10 @@ class ParallelFunction:
             raise HetparError("no plan yet: the plan is made on the first call, from the arguments' shapes")
         return self._last
 
+    def cache_size(self) -> int:
+        """How many argument shapes this function has been planned and compiled for."""
+        return len(self._cache)
+
     def __call__(self, *args: Any) -> Any:
         flat, treedef = jax.tree.flatten(args)
         key = (treedef, tuple((tuple(x.shape), str(x.dtype)) for x in map(_aval, flat)))

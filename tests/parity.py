@@ -9,7 +9,7 @@ import numpy as np
 
 import hetpar
 
-# fp32; microbatching only reorders sums (measured noise: tests/test_tolerance.py).
+# fp32, the tolerance the issue starts from: microbatching only reorders sums.
 RTOL, ATOL = 1e-5, 1e-6
 
 

@@ -158,3 +158,20 @@ def test_batch_statistics_run_with_markers():
     expected_w = w - 0.1 * (parts[0][1] + parts[1][1]) / 2
     assert_close(loss, expected_loss, "per-microbatch mean loss")
     assert_close(new_w, expected_w, "per-microbatch mean gradient")
+
+
+def test_plans_are_cached_by_argument_shapes():
+    net = _Net()
+    batch = _data(16)
+    params = net.init(jax.random.key(0), batch["x"])
+
+    def step(params, batch):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean((net.apply(p, batch["x"]) - batch["y"]) ** 2))(params)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, g), loss
+
+    parallel = hetpar.parallelize(step, cluster=hetpar.Cluster.virtual(CLUSTER), num_microbatches=2)
+    parallel(params, batch)
+    parallel(params, _data(16))
+    assert parallel.cache_size() == 1
+    parallel(params, _data(32))
+    assert parallel.cache_size() == 2

@@ -8,7 +8,7 @@ import pytest
 from hetpar.trace import jaxpr_ir
 from hetpar.trace.flops import graph_flops
 from hetpar.trace.layers import build_layers
-from hetpar.trace.microbatch import Phase, analyze
+from hetpar.trace.microbatch import Phase, analyze, input_roles
 from hetpar.trace.flops import op_costs
 from models import gpt, mlp
 
@@ -128,3 +128,22 @@ def test_layers_are_balanced_by_flops():
     graph, analysis = _analyzed(w, 32)
     layers = build_layers(graph, analysis, [c.flops for c in op_costs(graph)], 4)
     assert max(layers.flops) <= 1.5 * min(layers.flops)
+
+
+def test_input_roles_come_from_the_program():
+    w = mlp.setup(batch_size=8)
+    graph, analysis = _analyzed(w, 8)
+    batch_invars = graph.invars[-len(jax.tree.leaves(w.batch)) :]
+    roles = input_roles(graph, analysis, batch_invars)
+    leaves = jax.tree_util.tree_flatten_with_path((w.state, w.batch))[0]
+    by_path = {jax.tree_util.keystr(path): roles[v] for (path, _), v in zip(leaves, graph.invars)}
+    assert {r for p, r in by_path.items() if ".params" in p} == {"parameter"}
+    assert {r for p, r in by_path.items() if ".opt_state" in p or p.endswith(".step")} == {"optimizer_state"}
+    assert [r for p, r in by_path.items() if p.startswith("[1]")] == ["batch", "batch"]
+
+
+def test_op_bytes_in_and_out():
+    fn = lambda x, w: x @ w
+    graph = jaxpr_ir.trace(fn, jnp.ones((4, 8)), jnp.ones((8, 2)))
+    (cost,) = op_costs(graph)
+    assert (cost.flops, cost.bytes_in, cost.bytes_out) == (2 * 4 * 2 * 8, (32 + 16) * 4, 8 * 4)

@@ -152,6 +152,24 @@ def _check_marked_region_closed(full: OpGraph, phase: list, reductions: dict) ->
                 )
 
 
+def input_roles(graph: OpGraph, analysis: MicrobatchAnalysis, batch_invars: list[int]) -> dict[int, str]:
+    """What each input of the step is: "batch"; "parameter" (state the per-example
+    computation reads, so it has a gradient); "optimizer_state" (state only the
+    once-per-step work reads: moments, step counters). Decided from the program,
+    not from names, so any state pytree works."""
+    batch = set(batch_invars)
+    roles = {}
+    for v in graph.invars:
+        readers = graph.consumers.get(v, [])
+        if v in batch:
+            roles[v] = "batch"
+        elif any(analysis.phase[i] in (Phase.MICRO, Phase.PRE) for i in readers):
+            roles[v] = "parameter"
+        else:
+            roles[v] = "optimizer_state"
+    return roles
+
+
 def check_same_structure(a: OpGraph, b: OpGraph) -> None:
     if a.structure() != b.structure() or a.outvars != b.outvars:
         raise UnsupportedStepError(
