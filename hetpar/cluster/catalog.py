@@ -11,11 +11,24 @@ from hetpar.errors import ClusterError
 
 
 @dataclass(frozen=True)
+class Link:
+    """A point-to-point link in the alpha-beta model: time = latency + bytes / bandwidth."""
+
+    name: str
+    bandwidth: float  # bytes/s, one direction
+    latency: float  # seconds
+
+
+@dataclass(frozen=True)
 class DeviceType:
     name: str
-    peak_flops: dict[str, float]  # dtype -> FLOP/s
+    vendor: str
+    platform: str  # one compiled program can only span devices of one platform
+    peak_flops: dict[str, float]  # dtype -> FLOP/s, dense
     memory_bytes: int
     memory_bandwidth: float  # bytes/s
+    intra_node_link: Link
+    efficiency: float  # fraction of peak that large matmuls reach, until profiled
     source: str
 
     def flops(self, dtype: str = "fp32") -> float:
@@ -31,11 +44,22 @@ class DeviceType:
 @cache
 def catalog() -> dict[str, DeviceType]:
     raw = json.loads(resources.files("hetpar.cluster").joinpath("devices.json").read_text())
-    return {
-        name: DeviceType(name, spec["peak_flops"], int(spec["memory_bytes"]), float(spec["memory_bandwidth"]), spec["source"])
-        for name, spec in raw.items()
-        if not name.startswith("_")
-    }
+    return {name: _device(name, spec) for name, spec in raw.items() if not name.startswith("_")}
+
+
+def _device(name: str, spec: dict) -> DeviceType:
+    link = spec["intra_node_link"]
+    return DeviceType(
+        name=name,
+        vendor=spec["vendor"],
+        platform=spec["platform"],
+        peak_flops={k: float(v) for k, v in spec["peak_flops"].items()},
+        memory_bytes=int(spec["memory_bytes"]),
+        memory_bandwidth=float(spec["memory_bandwidth"]),
+        intra_node_link=Link(link["name"], float(link["bandwidth"]), float(link["latency"])),
+        efficiency=float(spec["efficiency"]),
+        source=spec["source"],
+    )
 
 
 def device_type(name: str) -> DeviceType:

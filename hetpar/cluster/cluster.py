@@ -1,24 +1,35 @@
-"""Clusters: groups of devices of one type each.
+"""Clusters: groups of devices of one type each, and the links between them.
 
-A `DeviceGroup` is what a pipeline stage can run on: devices of a single type, so
-that one compiled program (one platform, one speed) covers the whole stage mesh.
+A `DeviceGroup` is what pipeline stages draw from: devices of a single type (one
+compiled program covers one platform and one speed), laid out as nodes x devices
+per node, with a link inside nodes and one between them. Groups talk over links
+between groups; where two kinds of device cannot talk directly, through the hosts.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 import jax
 
-from hetpar.cluster.catalog import DeviceType, device_type
+from hetpar.cluster.catalog import DeviceType, Link, device_type
 from hetpar.errors import ClusterError
+
+# Device <-> host copies (PCIe 4.0 x16) and a default network between groups.
+HOST_LINK = Link("PCIe 4.0 x16 to host", 25e9, 10e-6)
+DEFAULT_NETWORK = Link("100 Gb/s Ethernet", 12.5e9, 10e-6)
 
 
 @dataclass(frozen=True)
 class DeviceGroup:
     type_name: str
-    device_ids: tuple[int, ...]  # jax device ids
+    device_ids: tuple[int, ...] = ()  # jax device ids; empty for a cluster described only on paper
+    name: str = ""
+    nodes: int = 1
+    devices_per_node: int = 0  # 0: all devices in one node
+    intra_node: Link | None = None  # default: the device type's typical link
+    inter_node: Link | None = None  # default: DEFAULT_NETWORK
 
     @property
     def spec(self) -> DeviceType:
@@ -26,12 +37,32 @@ class DeviceGroup:
 
     @property
     def size(self) -> int:
-        return len(self.device_ids)
+        return self.nodes * self.devices_per_node if self.devices_per_node else len(self.device_ids)
+
+    @property
+    def label(self) -> str:
+        return self.name or self.type_name
+
+    @property
+    def intra_link(self) -> Link:
+        return self.intra_node or self.spec.intra_node_link
+
+    @property
+    def inter_link(self) -> Link:
+        return self.inter_node or DEFAULT_NETWORK
+
+
+@dataclass(frozen=True)
+class GroupLink:
+    link: Link
+    direct: bool = False  # device to device (e.g. RDMA); otherwise through both hosts
 
 
 @dataclass(frozen=True)
 class Cluster:
     groups: tuple[DeviceGroup, ...]
+    links: Mapping[frozenset, GroupLink] = field(default_factory=dict)  # {label_a, label_b} -> link
+    name: str = ""
 
     @staticmethod
     def virtual(counts: Mapping[str, int]) -> "Cluster":
@@ -50,21 +81,53 @@ class Cluster:
             )
         groups, start = [], 0
         for name, count in counts.items():
-            groups.append(DeviceGroup(name, tuple(d.id for d in available[start : start + count])))
+            ids = tuple(d.id for d in available[start : start + count])
+            groups.append(DeviceGroup(name, ids, name=name, nodes=1, devices_per_node=count))
             start += count
-        return Cluster(tuple(groups))
+        return Cluster(tuple(groups), name="virtual")
 
     @staticmethod
     def local() -> "Cluster":
-        """The devices this process sees, one group per platform/kind."""
+        """The devices this process sees, one group per device kind."""
         by_kind: dict[str, list[int]] = {}
         for d in jax.devices():
             by_kind.setdefault(_type_of(d), []).append(d.id)
-        return Cluster(tuple(DeviceGroup(k, tuple(ids)) for k, ids in by_kind.items()))
+        return Cluster(tuple(DeviceGroup(k, tuple(ids), name=k) for k, ids in by_kind.items()), name="local")
+
+    @staticmethod
+    def from_file(path: str) -> "Cluster":
+        """A cluster described in YAML (see examples/clusters/); validated with errors
+        that name the line."""
+        from hetpar.cluster.cluster_file import load_cluster
+
+        return load_cluster(path)
+
+    def bind(self) -> "Cluster":
+        """Assigns this process's devices to the groups in order (for running a plan
+        made offline from a cluster file)."""
+        available = jax.devices()
+        if self.num_devices > len(available):
+            raise ClusterError(f"the cluster file describes {self.num_devices} devices but this process sees {len(available)}")
+        groups, start = [], 0
+        for g in self.groups:
+            groups.append(replace(g, device_ids=tuple(d.id for d in available[start : start + g.size])))
+            start += g.size
+        return replace(self, groups=tuple(groups))
 
     @property
     def num_devices(self) -> int:
         return sum(g.size for g in self.groups)
+
+    def link_between(self, a: DeviceGroup, b: DeviceGroup) -> Link:
+        """The path between two groups; its speed is its slowest hop. Without a direct
+        device path, data goes device -> host -> network -> host -> device."""
+        if a.label == b.label:
+            return a.inter_link if a.nodes > 1 else a.intra_link
+        group_link = self.links.get(frozenset((a.label, b.label)), GroupLink(DEFAULT_NETWORK))
+        if group_link.direct:
+            return group_link.link
+        hops = [HOST_LINK, group_link.link, HOST_LINK]
+        return Link(f"host path over {group_link.link.name}", min(h.bandwidth for h in hops), sum(h.latency for h in hops))
 
     def describe(self) -> str:
         return " + ".join(f"{g.size}x{g.type_name}" for g in self.groups)
@@ -72,8 +135,8 @@ class Cluster:
 
 def _type_of(device: Any) -> str:
     kind = getattr(device, "device_kind", "") or device.platform
-    for name in ("H100", "H200", "A100", "V100"):
-        if name in kind:
+    for name in ("H100", "H200", "A100", "V100", "A10", "L4", "MI300X", "MI250X"):
+        if name in kind.replace(" ", ""):
             return name
     return "cpu" if device.platform == "cpu" else kind
 

@@ -1,0 +1,176 @@
+"""Cluster files (YAML): node groups, their links, and the links between groups.
+
+    name: two-types
+    groups:
+      - name: fast
+        device: A100            # a type from `hetpar devices`
+        nodes: 4
+        devices_per_node: 8
+        intra_node: {bandwidth: 300e9, latency: 3e-6}   # optional: the type's usual link
+        inter_node: {bandwidth: 25e9, latency: 5e-6}    # needed when nodes > 1
+      - name: slow
+        device: V100
+        nodes: 4
+        devices_per_node: 8
+        inter_node: {bandwidth: 12.5e9, latency: 5e-6}
+    links:                        # every pair of groups: a pipeline may put them side by side
+      - between: [fast, slow]
+        bandwidth: 12.5e9
+        latency: 10e-6
+        direct: false             # true: device to device (RDMA); false: through the hosts
+
+Every mistake is reported with its line, so a user can fix the file without reading
+hetpar's code.
+"""
+
+from __future__ import annotations
+
+from itertools import combinations
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hetpar.cluster.catalog import Link, catalog
+from hetpar.cluster.cluster import Cluster, DeviceGroup, GroupLink
+from hetpar.errors import ClusterError
+
+
+class _Located:
+    """A YAML mapping or value with its source line, for messages."""
+
+    def __init__(self, node: yaml.Node, path: str):
+        self.node, self.path = node, path
+
+    @property
+    def line(self) -> int:
+        return self.node.start_mark.line + 1
+
+    def fail(self, message: str) -> ClusterError:
+        return ClusterError(f"{self.path} line {self.line}: {message}")
+
+    def mapping(self, what: str) -> dict[str, "_Located"]:
+        if not isinstance(self.node, yaml.MappingNode):
+            raise self.fail(f"{what} must be a mapping (key: value lines)")
+        return {k.value: _Located(v, self.path) for k, v in self.node.value}
+
+    def sequence(self, what: str) -> list["_Located"]:
+        if not isinstance(self.node, yaml.SequenceNode):
+            raise self.fail(f"{what} must be a list (lines starting with '-')")
+        return [_Located(v, self.path) for v in self.node.value]
+
+    def text(self, what: str) -> str:
+        if not isinstance(self.node, yaml.ScalarNode) or self.node.value == "":
+            raise self.fail(f"{what} must be a single value")
+        return str(self.node.value)
+
+    def number(self, what: str, positive: bool = True, integer: bool = False) -> float:
+        raw = self.text(what)
+        try:
+            value = int(raw) if integer else float(raw)
+        except ValueError:
+            raise self.fail(f"{what} must be {'an integer' if integer else 'a number'}, got {raw!r}") from None
+        if positive and value <= 0:
+            raise self.fail(f"{what} must be positive, got {raw}")
+        if not positive and value < 0:
+            raise self.fail(f"{what} must not be negative, got {raw}")
+        return value
+
+
+def load_cluster(path: str | Path) -> Cluster:
+    path = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ClusterError(f"cannot read cluster file {path}: {e.strerror}") from None
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ClusterError(f"{path}{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    if root is None:
+        raise ClusterError(f"{path}: the file is empty; it needs a 'groups:' list")
+    top = _Located(root, path).mapping("the cluster file")
+    _no_unknown_keys(top, {"name", "groups", "links"}, _Located(root, path))
+    if "groups" not in top:
+        raise _Located(root, path).fail("missing 'groups:' (a list of node groups)")
+    groups = [_group(g) for g in top["groups"].sequence("groups")]
+    if not groups:
+        raise top["groups"].fail("'groups' is empty; describe at least one node group")
+    labels = [g.label for g in groups]
+    for label in labels:
+        if labels.count(label) > 1:
+            raise top["groups"].fail(f"two groups are named {label!r}; group names must differ")
+    links = _links(top.get("links"), labels, _Located(root, path))
+    name = top["name"].text("name") if "name" in top else Path(path).stem
+    return Cluster(tuple(groups), links, name)
+
+
+def _no_unknown_keys(fields: dict[str, _Located], allowed: set[str], where: _Located) -> None:
+    for key, value in fields.items():
+        if key not in allowed:
+            raise value.fail(f"unknown key {key!r}; expected one of: {', '.join(sorted(allowed))}")
+
+
+def _link(loc: _Located, what: str, other_keys: frozenset = frozenset()) -> Link:
+    fields = loc.mapping(what)
+    _no_unknown_keys(fields, {"bandwidth", "latency", "name"} | other_keys, loc)
+    for key in ("bandwidth", "latency"):
+        if key not in fields:
+            raise loc.fail(f"{what} needs '{key}:' ({'bytes/s' if key == 'bandwidth' else 'seconds'})")
+    return Link(
+        fields["name"].text("name") if "name" in fields else what,
+        fields["bandwidth"].number(f"{what} bandwidth"),
+        fields["latency"].number(f"{what} latency", positive=False),
+    )
+
+
+def _group(loc: _Located) -> DeviceGroup:
+    fields = loc.mapping("a group")
+    _no_unknown_keys(fields, {"name", "device", "nodes", "devices_per_node", "intra_node", "inter_node"}, loc)
+    if "device" not in fields:
+        raise loc.fail("the group needs 'device:' (a device type; `hetpar devices` lists them)")
+    device = fields["device"].text("device")
+    if device not in catalog():
+        raise fields["device"].fail(f"unknown device type {device!r}; known types: {', '.join(sorted(catalog()))}")
+    for key in ("nodes", "devices_per_node"):
+        if key not in fields:
+            raise loc.fail(f"the group needs '{key}:'")
+    nodes = int(fields["nodes"].number("nodes", integer=True))
+    per_node = int(fields["devices_per_node"].number("devices_per_node", integer=True))
+    if nodes > 1 and "inter_node" not in fields:
+        raise loc.fail(f"a group of {nodes} nodes needs 'inter_node:' (the network between its nodes)")
+    return DeviceGroup(
+        device,
+        name=fields["name"].text("name") if "name" in fields else device,
+        nodes=nodes,
+        devices_per_node=per_node,
+        intra_node=_link(fields["intra_node"], "intra_node") if "intra_node" in fields else None,
+        inter_node=_link(fields["inter_node"], "inter_node") if "inter_node" in fields else None,
+    )
+
+
+def _links(loc: _Located | None, labels: list[str], root: _Located) -> dict[frozenset, GroupLink]:
+    links: dict[frozenset, GroupLink] = {}
+    for entry in loc.sequence("links") if loc is not None else []:
+        fields = entry.mapping("a link")
+        if "between" not in fields:
+            raise entry.fail("the link needs 'between: [group, group]'")
+        ends = [e.text("a group name") for e in fields["between"].sequence("between")]
+        if len(ends) != 2 or ends[0] == ends[1]:
+            raise fields["between"].fail("'between' names two different groups")
+        for end in ends:
+            if end not in labels:
+                raise fields["between"].fail(f"no group is named {end!r}; groups: {', '.join(labels)}")
+        direct = fields["direct"].text("direct").lower() in ("true", "yes", "1") if "direct" in fields else False
+        link = _link(entry, "link", frozenset({"between", "direct"}))
+        links[frozenset(ends)] = GroupLink(Link(f"{ends[0]}<->{ends[1]}", link.bandwidth, link.latency), direct)
+    for a, b in combinations(labels, 2):
+        if frozenset((a, b)) not in links:
+            where = loc if loc is not None else root
+            raise where.fail(
+                f"no link between groups {a!r} and {b!r}; a pipeline may place them side by side, "
+                f"so add '- between: [{a}, {b}]' with bandwidth and latency under 'links:'"
+            )
+    return links
