@@ -56,6 +56,12 @@ class ParallelFunction:
             raise HetparError("no plan yet: the plan is made on the first call, from the arguments' shapes")
         return self._last
 
+    def compiled(self) -> CompiledStep:
+        """The compiled step of the most recent call (for the predictor and benchmarks)."""
+        if self._last is None:
+            raise HetparError("nothing compiled yet: compilation happens on the first call")
+        return self._last_compiled
+
     def cache_size(self) -> int:
         """How many argument shapes this function has been planned and compiled for."""
         return len(self._cache)
@@ -66,7 +72,7 @@ class ParallelFunction:
         if key not in self._cache:
             self._cache[key] = self._build(args)
         plan, compiled = self._cache[key]
-        self._last = plan
+        self._last, self._last_compiled = plan, compiled
         return jax.tree.unflatten(compiled.graph.out_tree, run(compiled, flat))
 
     def _build(self, args: tuple) -> tuple[Plan, CompiledStep]:

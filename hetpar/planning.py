@@ -3,6 +3,8 @@ layers in proportion to each stage's speed. The full planner replaces this."""
 
 from __future__ import annotations
 
+import itertools
+
 from hetpar.cluster.cluster import Cluster, DeviceGroup
 from hetpar.errors import PlanError
 from hetpar.plan import Plan, StagePlan
@@ -30,15 +32,16 @@ def stage_groups(cluster: Cluster, num_stages: int) -> list[DeviceGroup]:
 
 
 def _stages_per_group(sizes: list[int], num_stages: int) -> list[int]:
-    counts = [1] * len(sizes)
-    while sum(counts) < num_stages:
-        # Give the next stage to the group whose stages would stay largest; it must divide evenly.
-        options = [i for i, s in enumerate(sizes) if counts[i] < s and s % (counts[i] + 1) == 0]
-        if not options:
-            raise PlanError(f"cannot split device groups of sizes {sizes} evenly into {num_stages} stages")
-        best = max(options, key=lambda i: sizes[i] / (counts[i] + 1))
-        counts[best] += 1
-    return counts
+    """Stages per group: each count divides its group evenly; among the ways to reach
+    `num_stages`, the one whose smallest stage is largest."""
+    divisors = [[d for d in range(1, s + 1) if s % d == 0] for s in sizes]
+    options = [c for c in itertools.product(*divisors) if sum(c) == num_stages]
+    if not options:
+        raise PlanError(
+            f"cannot split device groups of sizes {sizes} evenly into {num_stages} stages; "
+            "choose a stage count that each group's size can be divided into"
+        )
+    return list(max(options, key=lambda c: (min(s // k for s, k in zip(sizes, c)), [-k for k in c])))
 
 
 def assign_stages(layers: Layers, cluster: Cluster, num_stages: int, num_microbatches: int) -> Plan:

@@ -1,0 +1,168 @@
+"""Profiling: measure the devices this process sees and fit the predictor to them.
+
+HETHUB's idea: profile a small cluster, predict the large one. A profile holds, per
+device type, a `ComputeModel` fitted to measured matmul throughput over a range of
+sizes, memory bandwidth and launch overhead, plus the latency and bandwidth of
+all-reduce on the local mesh. It is plain JSON, so it can be taken on the cluster and
+used offline. CPU virtual devices share the host's cores, so a profile records the
+mesh size it was measured on: per-device figures are the mesh's share.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from hetpar.errors import HetparError
+from hetpar.predict.compute import ComputeModel
+
+log = logging.getLogger("hetpar.profile")
+PROFILE_VERSION = 1
+
+
+@dataclass
+class DeviceProfile:
+    device_type: str
+    mesh_size: int
+    compute: ComputeModel
+    allreduce_latency_s: float
+    allreduce_bandwidth: float  # bytes/s, ring bus bandwidth on the local mesh
+    matmul_samples: list[tuple[float, float]] = field(default_factory=list)  # (FLOPs per device, seconds)
+    shared_host: bool = False  # CPU virtual devices: one host's cores shared by the mesh
+
+
+@dataclass
+class Profile:
+    devices: dict[str, DeviceProfile]
+    version: int = PROFILE_VERSION
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2))
+
+    @staticmethod
+    def load(path: str | Path) -> "Profile":
+        try:
+            raw = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise HetparError(f"cannot read profile {path}: {e}") from None
+        if raw.get("version") != PROFILE_VERSION:
+            raise HetparError(f"profile {path} has version {raw.get('version')}; this hetpar reads version {PROFILE_VERSION}")
+        devices = {}
+        for name, d in raw["devices"].items():
+            d = dict(d)
+            d["compute"] = ComputeModel(**d["compute"])
+            d["matmul_samples"] = [tuple(s) for s in d["matmul_samples"]]
+            devices[name] = DeviceProfile(**d)
+        return Profile(devices)
+
+    def compute_model(self, device_type: str) -> ComputeModel | None:
+        entry = self.devices.get(device_type)
+        return entry.compute if entry else None
+
+
+def _median_time(fn: Callable, *args: Any, repeats: int = 7) -> float:
+    jax.block_until_ready(fn(*args))  # compile and warm up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _mesh(devices: Sequence[Any]) -> Mesh:
+    return Mesh(np.array(devices), ("data",), axis_types=(AxisType.Auto,))
+
+
+def fit_affine(samples: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares fit of seconds = t0 + flops / rate, weighted by 1/seconds so small
+    and large sizes count alike. Returns (rate, t0)."""
+    f = np.array([s[0] for s in samples])
+    t = np.array([s[1] for s in samples])
+    w = 1 / t
+    A = np.stack([np.ones_like(f), f], axis=1) * w[:, None]
+    (t0, inv_rate), *_ = np.linalg.lstsq(A, t * w, rcond=None)
+    t0 = max(float(t0), 0.0)
+    inv_rate = max(float(inv_rate), 1e-18)
+    return 1.0 / inv_rate, t0
+
+
+def measure(devices: Sequence[Any], device_type: str, sizes: Sequence[int] = (64, 128, 256, 512, 1024)) -> DeviceProfile:
+    """Measures a mesh of `devices` (all of one type)."""
+    mesh = _mesh(devices)
+    n = len(devices)
+    split = NamedSharding(mesh, PartitionSpec("data"))
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    samples = []
+    for size in sizes:
+        rows = size * n  # each device multiplies a (size x size) by (size x size)
+        a = jax.device_put(jnp.ones((rows, size), jnp.float32), split)
+        b = jax.device_put(jnp.ones((size, size), jnp.float32), replicated)
+        seconds = _median_time(jax.jit(lambda a, b: a @ b, out_shardings=split), a, b)
+        samples.append((2.0 * size**3, seconds))
+        log.info("matmul %d^3 on %d devices: %.3g s", size, n, seconds)
+
+    tiny = jax.device_put(jnp.ones((n, 8)), split)
+    program_overhead = _median_time(jax.jit(lambda x: x + 1, out_shardings=split), tiny)
+    many = [jax.device_put(jnp.ones((n, 8)), split) for _ in range(32)]
+    many_s = _median_time(jax.jit(lambda *xs: [x + 1 for x in xs]), *many)
+    argument_overhead = max(many_s - program_overhead, 0.0) / (2 * 31)  # 31 more inputs and outputs
+    # Matmul timings include the launch; the fitted t0 beyond it is per-operator cost.
+    rate, t0 = fit_affine(samples)
+
+    big = jax.device_put(jnp.ones((n * (1 << 22),), jnp.float32), split)  # 16 MiB per device
+    copy_s = _median_time(jax.jit(lambda x: x * 2.0 + 1.0, out_shardings=split), big)
+    bandwidth = 2 * big.nbytes / n / max(copy_s - program_overhead, 1e-9)
+    heavy_s = _median_time(jax.jit(lambda x: ((x * 1.5 + 2.0) * x - 1.0) * x + 0.5, out_shardings=split), big)
+    vector_flops = 7 * big.size / n / max(heavy_s - program_overhead, 1e-9)
+
+    latency, bus_bandwidth = _allreduce_fit(mesh) if n > 1 else (0.0, float("inf"))
+    compute = ComputeModel(
+        device_type=device_type,
+        matmul_flops=rate,
+        half_flops=max(t0 - program_overhead, 0.0) * rate,
+        vector_flops=vector_flops,
+        memory_bandwidth=bandwidth,
+        op_overhead_s=0.0,
+        program_overhead_s=program_overhead,
+        argument_overhead_s=argument_overhead,
+        calibrated=True,
+    )
+    shared = devices[0].platform == "cpu"
+    return DeviceProfile(device_type, n, compute, latency, bus_bandwidth, samples, shared)
+
+
+def _allreduce_fit(mesh: Mesh) -> tuple[float, float]:
+    """Fits all-reduce time = latency * 2(n-1) + 2(n-1)/n * bytes / bandwidth (ring)."""
+    n = mesh.devices.size
+    split = NamedSharding(mesh, PartitionSpec("data"))
+    samples = []
+    for elems in (1 << 8, 1 << 14, 1 << 18, 1 << 20):
+        x = jax.device_put(jnp.ones((n, elems), jnp.float32), split)
+        fn = jax.jit(lambda x: jnp.broadcast_to(x.sum(0, keepdims=True), x.shape), out_shardings=split)
+        samples.append((elems * 4.0, _median_time(fn, x)))
+    rate, t0 = fit_affine([(2 * (n - 1) / n * b, t) for b, t in samples])
+    return t0 / (2 * (n - 1)), rate
+
+
+def profile_local(mesh_size: int | None = None, device_type: str | None = None) -> Profile:
+    """Profiles the devices of this process, grouped by kind."""
+    from hetpar.cluster.cluster import Cluster, jax_devices
+
+    profiles = {}
+    for group in Cluster.local().groups:
+        ids = group.device_ids[: mesh_size or len(group.device_ids)]
+        name = device_type or group.type_name
+        profiles[name] = measure(jax_devices(ids), name)
+    return Profile(profiles)

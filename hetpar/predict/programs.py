@@ -1,0 +1,110 @@
+"""Predicted time and memory of one stage program (a task) on its mesh.
+
+Work on values that carry the batch is split over the stage mesh (data parallel);
+everything else is replicated. Reductions over the batch end in an all-reduce of
+their bytes across the mesh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetpar.compile.tasks import Task
+from hetpar.predict.compute import MATMUL_OPS, ComputeModel
+from hetpar.trace.flops import op_costs
+from hetpar.trace.microbatch import MicrobatchAnalysis
+from hetpar.trace.opgraph import OpGraph
+from solver.collectives import LinkCost, allreduce_ring
+
+
+@dataclass(frozen=True)
+class ProgramEstimate:
+    compute_s: float
+    communication_s: float
+    argument_bytes: int  # per device
+    output_bytes: int  # per device
+    temp_bytes: int  # per device: peak of intermediates the program materializes
+
+    @property
+    def time_s(self) -> float:
+        return self.compute_s + self.communication_s
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.argument_bytes + self.output_bytes + self.temp_bytes
+
+
+def _share(graph: OpGraph, analysis: MicrobatchAnalysis, value: int, mesh_size: int) -> float:
+    axis = analysis.batch_axis.get(value)
+    if axis is not None and mesh_size > 1 and graph.avals[value].shape[axis] % mesh_size == 0:
+        return 1.0 / mesh_size
+    return 1.0
+
+
+def estimate_task(
+    task: Task,
+    graph: OpGraph,
+    analysis: MicrobatchAnalysis,
+    mesh_size: int,
+    compute: ComputeModel,
+    allreduce: LinkCost,
+) -> ProgramEstimate:
+    costs = op_costs(graph)
+    members = set(task.ops)
+    boundary = set(task.inputs) | set(task.outputs) | set(task.reductions)
+    total = compute.launch_time(len(task.inputs) + len(task.outputs) + 2 * len(task.reductions))
+    for i in task.ops:
+        op, cost = graph.ops[i], costs[i]
+        # An op touching any batch-split value is split: its other operands are replicated.
+        split = min((_share(graph, analysis, v, mesh_size) for v in op.inputs + op.outputs), default=1.0)
+        if _materialized(op.name):
+            bytes_in, bytes_out = cost.bytes_in, cost.bytes_out
+        else:  # fused: only buffers shared with unfused work or the program's boundary move
+            bytes_in = sum(graph.nbytes(v) for v in op.inputs if v in boundary or not _fused_value(graph, v, members))
+            bytes_out = sum(graph.nbytes(v) for v in op.outputs if v in boundary or not _fused_value(graph, v, members))
+        total += compute.op_time(op.name, cost.flops * split, bytes_in * split, bytes_out * split)
+
+    comm = sum(allreduce_ring(mesh_size, graph.nbytes(v), allreduce) for v in task.reductions) if mesh_size > 1 else 0.0
+
+    def per_device(values: list[int]) -> int:
+        return int(sum(graph.nbytes(v) * _share(graph, analysis, v, mesh_size) for v in values))
+
+    arguments = per_device(task.inputs) + per_device(task.reductions)  # accumulators come in
+    outputs = per_device(task.outputs) + per_device(task.reductions)
+    return ProgramEstimate(total, comm, arguments, outputs, _temp_bytes(task, graph, analysis, mesh_size))
+
+
+def _temp_bytes(task: Task, graph: OpGraph, analysis: MicrobatchAnalysis, mesh_size: int) -> int:
+    """Peak bytes of intermediates live at once, counting only values XLA materializes
+    (results of matmuls, reductions and other non-fusible ops; elementwise chains fuse)."""
+    boundary = set(task.inputs) | set(task.outputs) | set(task.reductions)
+    last_use: dict[int, int] = {}
+    for i in task.ops:
+        for v in graph.ops[i].inputs:
+            last_use[v] = i
+    live, peak = 0.0, 0.0
+    alive: dict[int, float] = {}
+    for i in task.ops:
+        op = graph.ops[i]
+        for v in op.outputs:
+            if v in boundary or v not in last_use or not _materialized(op.name):
+                continue
+            alive[v] = graph.nbytes(v) * _share(graph, analysis, v, mesh_size)
+            live += alive[v]
+        peak = max(peak, live)
+        for v in op.inputs:
+            if v in alive and last_use.get(v) == i:
+                live -= alive.pop(v)
+    return int(peak)
+
+
+def _fused_value(graph: OpGraph, value: int, members: set[int]) -> bool:
+    """A value that lives only inside a fusion: made and read by fusible operators."""
+    producer = graph.producer.get(value)
+    if producer is None or producer not in members or _materialized(graph.ops[producer].name):
+        return False
+    return all(c in members and not _materialized(graph.ops[c].name) for c in graph.consumers.get(value, ()))
+
+
+def _materialized(name: str) -> bool:
+    return name in MATMUL_OPS or name.startswith("reduce") or name in ("gather", "scatter-add", "scatter_add", "argmax", "cumsum")
