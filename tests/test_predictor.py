@@ -1,0 +1,73 @@
+"""The predictor: profiles round-trip, estimates follow the schedule and the hardware."""
+
+import jax
+import pytest
+
+import hetpar
+from hetpar.predict.compute import ComputeModel
+from hetpar.predict.memory import in_flight, stage_memory
+from hetpar.predict.profile import Profile, fit_affine, measure
+from hetpar.predict.step import predict_step
+from models import gpt
+
+
+def test_affine_fit_recovers_rate_and_overhead():
+    samples = [(f, 1e-4 + f / 5e10) for f in (1e6, 1e7, 1e8, 1e9)]
+    rate, t0 = fit_affine(samples)
+    assert rate == pytest.approx(5e10, rel=1e-6) and t0 == pytest.approx(1e-4, rel=1e-6)
+
+
+def test_profile_measures_and_round_trips(tmp_path):
+    profile = Profile({"cpu": measure(jax.devices()[:2], "cpu", sizes=(32, 64, 128))})
+    entry = profile.devices["cpu"]
+    assert entry.compute.calibrated and entry.compute.matmul_flops > 0 and entry.mesh_size == 2
+    profile.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json") == profile
+
+
+def test_broken_profile_is_refused(tmp_path):
+    (tmp_path / "p.json").write_text('{"version": 99, "devices": {}}')
+    with pytest.raises(hetpar.HetparError, match="version 99"):
+        Profile.load(tmp_path / "p.json")
+
+
+def test_small_matmuls_run_below_peak():
+    model = ComputeModel.from_catalog(hetpar.devices()[1])
+    small, large = 1e6, 1e12
+    assert small / model.op_time("dot_general", small, 0, 0) < 0.01 * model.matmul_flops
+    assert large / model.op_time("dot_general", large, 0, 0) > 0.9 * model.matmul_flops
+
+
+@pytest.fixture(scope="module")
+def two_stage():
+    w = gpt.setup(batch_size=16)
+    cluster = hetpar.Cluster.virtual({"A100": 4, "V100": 4})
+    step = hetpar.parallelize(w.step, cluster=cluster, num_stages=2, num_microbatches=4, num_layers=4)
+    step(w.state, w.batch)
+    return step, cluster, w
+
+
+def test_step_prediction_splits_time_and_reports_figures(two_stage):
+    step, cluster, w = two_stage
+    p = predict_step(step.compiled(), step.plan, cluster, tokens=w.batch["tokens"].size)
+    assert p.step_s == pytest.approx(p.compute_s + p.communication_s + p.bubble_s)
+    assert p.bubble_s > 0 and p.communication_s > 0
+    assert 0 < p.mfu < 1 and p.tokens_per_s > 0
+    sequential = predict_step(step.compiled(), step.plan, cluster, concurrent=False)
+    assert sequential.step_s > p.step_s  # stages that share cores cannot overlap
+
+
+def test_activation_memory_follows_the_schedule(two_stage):
+    step, cluster, _ = two_stage
+    compiled, plan = step.compiled(), step.plan
+    estimates = list(predict_step(compiled, plan, cluster).programs)
+    capacity = {s.index: 80 * 2**30 for s in plan.stages}
+    gpipe = stage_memory(compiled, plan, capacity, estimates, "gpipe")
+    one_f = stage_memory(compiled, plan, capacity, estimates, "1f1b")
+    remat = stage_memory(compiled, plan, capacity, estimates, "gpipe", remat=True)
+    assert gpipe[0].activations > 0
+    assert one_f[0].activations == gpipe[0].activations * 2 // 4  # 2 stages in flight of 4 microbatches
+    assert remat[0].activations < gpipe[0].activations
+    assert gpipe[0].parameters > 0 and gpipe[0].optimizer_state >= 2 * gpipe[0].parameters  # Adam's two moments
+    assert all(m.fits for m in gpipe)
+    assert in_flight("1f1b", 8, 3, 4) == 1 and in_flight("gpipe", 8, 3, 4) == 8
