@@ -15,7 +15,6 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 import hetpar  # noqa: E402

@@ -47,6 +47,7 @@ class ParallelFunction:
         self._options = options
         self._cache: dict[Any, tuple[Plan, CompiledStep]] = {}
         self._last: Plan | None = None
+        self._last_compiled: CompiledStep | None = None
         functools.update_wrapper(self, fn)
 
     @property
@@ -95,7 +96,9 @@ class ParallelFunction:
             costs = [c.flops for c in op_costs(full)]
             layers = build_layers(full, analysis, costs, o.num_layers or num_stages)
         with timer("plan"):
-            plan = assign_stages(layers, o.cluster, num_stages, o.num_microbatches)
+            # A cluster read from a file names device types only: run it on this process's devices.
+            cluster = o.cluster if all(g.device_ids for g in o.cluster.groups) else o.cluster.bind()
+            plan = assign_stages(layers, cluster, num_stages, o.num_microbatches)
         with timer("compile"):
             layer_stage = [s.index for s in plan.stages for _ in range(s.layer_start, s.layer_end)]
             stages = op_stages(full, analysis, layers, layer_stage)

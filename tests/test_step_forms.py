@@ -175,3 +175,26 @@ def test_plans_are_cached_by_argument_shapes():
     assert parallel.cache_size() == 1
     parallel(params, _data(32))
     assert parallel.cache_size() == 2
+
+
+def test_cluster_from_file_runs_on_this_process_devices(tmp_path):
+    path = tmp_path / "cluster.yaml"
+    path.write_text(
+        "groups:\n"
+        "  - {name: fast, device: H100, nodes: 1, devices_per_node: 4}\n"
+        "  - {name: slow, device: V100, nodes: 1, devices_per_node: 4}\n"
+        "links:\n"
+        "  - {between: [fast, slow], bandwidth: 12.5e9, latency: 1e-5}\n"
+    )
+    net = _Net()
+    batch = _data()
+    params = net.init(jax.random.key(0), batch["x"])
+
+    def step(params, batch):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean((net.apply(p, batch["x"]) - batch["y"]) ** 2))(params)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, g), loss
+
+    parallel = hetpar.parallelize(step, cluster=hetpar.Cluster.from_file(str(path)), num_microbatches=2, num_layers=4)
+    ref = jax.jit(step)(params, batch)
+    assert_close(parallel(params, batch), ref, "cluster-file plan")
+    assert [s.device_type for s in parallel.plan.stages] == ["H100", "V100"]

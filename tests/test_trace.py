@@ -2,7 +2,6 @@
 
 import jax
 import jax.numpy as jnp
-import optax
 import pytest
 
 from hetpar.trace import jaxpr_ir

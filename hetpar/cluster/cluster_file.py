@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from itertools import combinations
 from pathlib import Path
-from typing import Any
 
 import yaml
 

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from hetpar.compile.programs import Program, value_sharding
-from hetpar.runtime.schedule import Step, gpipe
+from hetpar.runtime.schedule import gpipe
 from hetpar.trace.microbatch import MicrobatchAnalysis, Phase
 from hetpar.trace.opgraph import OpGraph
 

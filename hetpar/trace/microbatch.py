@@ -65,6 +65,12 @@ def analyze(full: OpGraph, probe: OpGraph, batch_invars: list[int]) -> Microbatc
     batch size (`probe`) with the same structure."""
     check_same_structure(full, probe)
     batch_axis = _batch_axes(full, probe)
+    for v in full.constants:
+        if v in batch_axis:
+            raise UnsupportedStepError(
+                f"the step captures a constant of shape {full.avals[v].shape} whose size follows the batch "
+                "(an array built from the batch shape outside of JAX?); pass it in the batch instead."
+            )
     for v in batch_invars:
         if batch_axis.get(v) != 0:
             raise UnsupportedStepError(
