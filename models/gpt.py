@@ -58,8 +58,9 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + CausalSelfAttention(self.config, name="attn")(nn.LayerNorm(name="ln_1")(x))
-        return x + MLPBlock(self.config, name="mlp")(nn.LayerNorm(name="ln_2")(x))
+        c = self.config
+        x = x + CausalSelfAttention(c, name="attn")(nn.LayerNorm(dtype=c.dtype, name="ln_1")(x))
+        return x + MLPBlock(c, name="mlp")(nn.LayerNorm(dtype=c.dtype, name="ln_2")(x))
 
 
 class GPT(nn.Module):
@@ -69,10 +70,11 @@ class GPT(nn.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         c = self.config
         positions = jnp.arange(tokens.shape[1])
-        x = nn.Embed(c.vocab_size, c.d_model, name="wte")(tokens) + nn.Embed(c.seq_len, c.d_model, name="wpe")(positions)
+        x = nn.Embed(c.vocab_size, c.d_model, dtype=c.dtype, name="wte")(tokens)
+        x = x + nn.Embed(c.seq_len, c.d_model, dtype=c.dtype, name="wpe")(positions)
         for i in range(c.n_layers):
             x = Block(c, name=f"Block_{i}")(x)
-        return nn.Dense(c.vocab_size, dtype=c.dtype, name="head")(nn.LayerNorm(name="ln_f")(x))
+        return nn.Dense(c.vocab_size, dtype=c.dtype, name="head")(nn.LayerNorm(dtype=c.dtype, name="ln_f")(x))
 
 
 def setup(
@@ -81,6 +83,7 @@ def setup(
     seed: int = 0,
     optimizer: optax.GradientTransformation | None = None,
 ) -> Workload:
+    """Random token sequences and an unmodified next-token-prediction step."""
     model = GPT(config)
     k_init, k_data = jax.random.split(jax.random.key(seed))
     sequence = jax.random.randint(k_data, (batch_size, config.seq_len + 1), 0, config.vocab_size, jnp.int32)

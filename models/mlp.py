@@ -12,6 +12,8 @@ from models.workload import Workload
 
 
 class MLPBlock(nn.Module):
+    """Dense + relu in its own scope, so name stacks group ops by block."""
+
     hidden: int
 
     @nn.compact
@@ -40,6 +42,7 @@ def setup(
     seed: int = 0,
     optimizer: optax.GradientTransformation | None = None,
 ) -> Workload:
+    """A random regression problem and an unmodified flax/optax step that fits it."""
     model = MLP(hidden, depth, out_dim)
     k_init, k_x, k_y = jax.random.split(jax.random.key(seed), 3)
     batch = {

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
+
+import flax.linen as nn
 
 
 @dataclass
@@ -12,4 +15,4 @@ class Workload:
     state: Any  # flax TrainState
     batch: Any  # dict of arrays with a leading batch dimension
     loss_fn: Callable  # (params, batch) -> scalar loss
-    model: Any  # the flax module
+    model: nn.Module  # the flax module, for tools that want its structure
