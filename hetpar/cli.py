@@ -1,7 +1,8 @@
 """The `hetpar` command line.
 
     hetpar devices                 the device catalog
-    hetpar profile -o profile.json measure this machine's devices for the predictor
+    hetpar profile -o profile.json [--model gpt]
+                                   measure this machine's devices (and a model's layers) for the predictor
 """
 
 from __future__ import annotations
@@ -40,9 +41,15 @@ def _profile(args: argparse.Namespace) -> int:
 
     if args.cpu_devices:
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
-    from hetpar.predict.profile import profile_local
+    from hetpar.predict.profile import LayerWorkload, profile_local
+    from hetpar.workloads import load_workload
 
-    profile = profile_local(mesh_size=args.mesh_size, device_type=args.device_type)
+    layers = []
+    if args.model:
+        for size in _ints(args.batch_sizes, "--batch-sizes"):
+            w = load_workload(args.model, batch_size=size)
+            layers.append(LayerWorkload(f"{args.model} batch {size}", w.step, w.args, args.layers))
+    profile = profile_local(mesh_size=args.mesh_size, device_type=args.device_type, layers=layers)
     profile.save(args.output)
     for name, d in profile.devices.items():
         c = d.compute
@@ -52,8 +59,23 @@ def _profile(args: argparse.Namespace) -> int:
             f"launch {c.program_overhead_s * 1e6:.0f} us, all-reduce {d.allreduce_bandwidth / 1e9:.2f} GB/s "
             f"+ {d.allreduce_latency_s * 1e6:.1f} us/step"
         )
+        if d.layer_samples:
+            print(
+                f"  calibrated on {len(d.layer_samples)} layer programs of {d.layer_model}: launch x{c.launch_scale:.2f}, "
+                f"matmul x{c.matmul_scale:.2f}, vector x{c.vector_scale:.2f}, {c.op_overhead_s * 1e6:.1f} us per kernel"
+            )
     print(f"wrote {args.output}")
     return 0
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise HetparError(f"{flag} takes comma-separated whole numbers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise HetparError(f"{flag} needs positive numbers, got {text!r}")
+    return values
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,6 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mesh-size", type=int, help="devices per measured mesh (default: all of a kind)")
     p.add_argument("--device-type", help="catalog name to file the measurement under (default: detected)")
     p.add_argument("--cpu-devices", type=int, help="on CPU, split the host into this many virtual devices")
+    p.add_argument(
+        "--model",
+        help="also time this model's layers one by one and calibrate the predictor on them: "
+        "a reference model (gpt, mlp) or MODULE:FUNCTION returning (step, args) or a workload",
+    )
+    p.add_argument("--batch-sizes", default="8,16", help="batch sizes to time the layers at (default 8,16)")
+    p.add_argument("--layers", type=int, default=4, help="how many layers to cut the model into (default 4)")
     p.set_defaults(run=_profile)
 
     args = parser.parse_args(argv)

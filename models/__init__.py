@@ -8,10 +8,19 @@ from models.workload import Workload
 _REGISTRY = {"mlp": mlp.setup, "gpt": gpt.setup}
 
 
-def get(name: str, **kwargs: Any) -> Workload:
+def names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def factory(name: str):  # noqa: ANN201
+    """The setup function of a reference model (it takes `batch_size=`)."""
     if name not in _REGISTRY:
-        raise KeyError(f"unknown model {name!r}; known: {', '.join(sorted(_REGISTRY))}")
-    return _REGISTRY[name](**kwargs)
+        raise KeyError(f"unknown model {name!r}; known: {', '.join(names())}")
+    return _REGISTRY[name]
 
 
-__all__ = ["Workload", "get", "gpt", "mlp"]
+def get(name: str, **kwargs: Any) -> Workload:
+    return factory(name)(**kwargs)
+
+
+__all__ = ["Workload", "factory", "get", "gpt", "mlp", "names"]

@@ -4,9 +4,10 @@ import jax
 import pytest
 
 import hetpar
+from hetpar.predict.calibrate import LayerSample, fit_scales
 from hetpar.predict.compute import ComputeModel
 from hetpar.predict.memory import in_flight, stage_memory
-from hetpar.predict.profile import Profile, fit_affine, measure
+from hetpar.predict.profile import LayerWorkload, Profile, fit_affine, measure, profile_local
 from hetpar.predict.step import predict_step
 from models import gpt
 
@@ -21,6 +22,38 @@ def test_profile_measures_and_round_trips(tmp_path):
     profile = Profile({"cpu": measure(jax.devices()[:2], "cpu", sizes=(32, 64, 128))})
     entry = profile.devices["cpu"]
     assert entry.compute.calibrated and entry.compute.matmul_flops > 0 and entry.mesh_size == 2
+    profile.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json") == profile
+
+
+def _samples(launch, matmul, vector, kernel):
+    rows = [(3e-4, 2e-3, 1e-3, 40), (3e-4, 8e-3, 3e-3, 90), (4e-4, 0.0, 2e-3, 30), (3e-4, 1e-2, 1e-3, 20), (5e-4, 0.0, 1e-4, 8)]
+    return [
+        LayerSample(f"p{i}", launch * a + matmul * b + vector * c + kernel * k, a, b, c, k)
+        for i, (a, b, c, k) in enumerate(rows)
+    ]
+
+
+def test_calibration_recovers_known_corrections():
+    fitted = fit_scales(_samples(0.8, 1.3, 0.5, 2e-5))
+    assert fitted == pytest.approx((0.8, 1.3, 0.5, 2e-5), rel=1e-6)
+
+
+def test_calibration_never_goes_negative():
+    samples = _samples(1.0, 1.0, 1.0, 0.0)
+    samples[1] = LayerSample("odd", 1e-4, 3e-4, 8e-3, 3e-3, 90)  # faster than its own launch: noise
+    assert all(v >= 0 for v in fit_scales(samples))
+
+
+def test_profile_times_a_models_layers_and_round_trips(tmp_path):
+    from models import mlp
+
+    w = mlp.setup(batch_size=8)
+    profile = profile_local(mesh_size=2, layers=[LayerWorkload("mlp", w.step, (w.state, w.batch), num_layers=2)])
+    entry = profile.devices["cpu"]
+    names = {s.program for s in entry.layer_samples}
+    assert {"fwd@stage0", "bwd@stage0", "fwd@stage1"} <= names  # each layer's forward and backward
+    assert all(s.measured_s > 0 and s.matmul_s + s.vector_s > 0 for s in entry.layer_samples if "fwd" in s.program)
     profile.save(tmp_path / "p.json")
     assert Profile.load(tmp_path / "p.json") == profile
 

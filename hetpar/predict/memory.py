@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetpar.plan import Plan
-from hetpar.predict.programs import ProgramEstimate, _share
+from hetpar.predict.programs import ProgramEstimate, share
 from hetpar.runtime.executor import CompiledStep
 from hetpar.trace.microbatch import input_roles
 
@@ -65,9 +65,9 @@ def stage_memory(
         forward = [p for p, _ in programs if p.task.kind == "fwd"]
         backward = {v for p, _ in programs if p.task.kind == "bwd" for v in p.task.inputs}
         kept = [v for p in forward for v in p.task.outputs if v in backward]
-        per_mb = sum(graph.nbytes(v) * _share(graph, analysis, v, k) for v in kept)
+        per_mb = sum(graph.nbytes(v) * share(graph, analysis, v, k) for v in kept)
         if remat:
-            stage_inputs = sum(graph.nbytes(v) * _share(graph, analysis, v, k) for p in forward for v in p.task.inputs if compiled.per_microbatch(v))
+            stage_inputs = sum(graph.nbytes(v) * share(graph, analysis, v, k) for p in forward for v in p.task.inputs if compiled.per_microbatch(v))
             activations = int(stage_inputs * in_flight(schedule, plan.num_microbatches, stage.index, plan.num_stages) + per_mb)
         else:
             activations = int(per_mb * in_flight(schedule, plan.num_microbatches, stage.index, plan.num_stages))

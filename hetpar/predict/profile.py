@@ -14,7 +14,7 @@ import json
 import logging
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -24,6 +24,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from hetpar.errors import HetparError
+from hetpar.predict.calibrate import LayerSample, calibrated, profile_layers
 from hetpar.predict.compute import ComputeModel
 
 log = logging.getLogger("hetpar.profile")
@@ -39,6 +40,24 @@ class DeviceProfile:
     allreduce_bandwidth: float  # bytes/s, ring bus bandwidth on the local mesh
     matmul_samples: list[tuple[float, float]] = field(default_factory=list)  # (FLOPs per device, seconds)
     shared_host: bool = False  # CPU virtual devices: one host's cores shared by the mesh
+    layer_samples: list[LayerSample] = field(default_factory=list)  # the model's layers, timed (calibrate.py)
+    layer_model: str = ""  # which model and batch the layers came from
+
+    def model_for(self, mesh_size: int) -> ComputeModel:
+        """The compute model of one device of a mesh of `mesh_size` devices. Virtual CPU
+        devices split one host: a mesh k times larger gets 1/k of the throughput per
+        device, and its per-kernel cost is paid k times over on the same cores."""
+        if not self.shared_host:
+            return self.compute
+        scale = self.mesh_size / mesh_size
+        c = self.compute
+        return replace(
+            c,
+            matmul_flops=c.matmul_flops * scale,
+            vector_flops=c.vector_flops * scale,
+            memory_bandwidth=c.memory_bandwidth * scale,
+            op_overhead_s=c.op_overhead_s / scale,
+        )
 
 
 @dataclass
@@ -62,6 +81,7 @@ class Profile:
             d = dict(d)
             d["compute"] = ComputeModel(**d["compute"])
             d["matmul_samples"] = [tuple(s) for s in d["matmul_samples"]]
+            d["layer_samples"] = [LayerSample(**s) for s in d.get("layer_samples", ())]
             devices[name] = DeviceProfile(**d)
         return Profile(devices)
 
@@ -156,13 +176,37 @@ def _allreduce_fit(mesh: Mesh) -> tuple[float, float]:
     return t0 / (2 * (n - 1)), rate
 
 
-def profile_local(mesh_size: int | None = None, device_type: str | None = None) -> Profile:
-    """Profiles the devices of this process, grouped by kind."""
+@dataclass(frozen=True)
+class LayerWorkload:
+    """A model whose layers calibrate the profile: its step, example arguments, and
+    how many layers to cut it into."""
+
+    name: str
+    step: Callable
+    args: tuple
+    num_layers: int
+    batch_argnum: int = 1
+
+
+def profile_local(
+    mesh_size: int | None = None, device_type: str | None = None, layers: Sequence[LayerWorkload] = ()
+) -> Profile:
+    """Profiles the devices of this process, grouped by kind; with `layers`, also times
+    those models' layers and fits the predictor's corrections to them. Two batch sizes
+    of one model let the fit tell fixed costs from costs that grow with the work."""
     from hetpar.cluster.cluster import Cluster, jax_devices
 
     profiles = {}
     for group in Cluster.local().groups:
         ids = group.device_ids[: mesh_size or len(group.device_ids)]
         name = device_type or group.type_name
-        profiles[name] = measure(jax_devices(ids), name)
+        entry = measure(jax_devices(ids), name)
+        if layers:
+            samples = [
+                s for w in layers for s in profile_layers(w.step, w.args, w.num_layers, ids, entry.compute, w.batch_argnum)
+            ]
+            entry.compute = calibrated(entry.compute, samples)
+            entry.layer_samples = samples
+            entry.layer_model = ", ".join(w.name for w in layers)
+        profiles[name] = entry
     return Profile(profiles)

@@ -7,6 +7,7 @@ their bytes across the mesh.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 from hetpar.compile.tasks import Task
@@ -34,11 +35,59 @@ class ProgramEstimate:
         return self.argument_bytes + self.output_bytes + self.temp_bytes
 
 
-def _share(graph: OpGraph, analysis: MicrobatchAnalysis, value: int, mesh_size: int) -> float:
+def share(graph: OpGraph, analysis: MicrobatchAnalysis, value: int, mesh_size: int) -> float:
+    """The fraction of `value` each device of a data-parallel mesh holds."""
     axis = analysis.batch_axis.get(value)
     if axis is not None and mesh_size > 1 and graph.avals[value].shape[axis] % mesh_size == 0:
         return 1.0 / mesh_size
     return 1.0
+
+
+@dataclass(frozen=True)
+class TimeTerms:
+    """A program's predicted compute time by kind, before the fitted corrections:
+    the calibration fits one scale per kind against measured programs."""
+
+    launch_s: float
+    matmul_s: float
+    vector_s: float
+    kernels: int  # matmuls, reductions and fusions: each costs the device a fixed overhead
+
+    def scaled(self, compute: ComputeModel) -> float:
+        return (
+            compute.launch_scale * self.launch_s
+            + compute.matmul_scale * self.matmul_s
+            + compute.vector_scale * self.vector_s
+            + self.kernels * compute.op_overhead_s
+        )
+
+
+def time_terms(task: Task, graph: OpGraph, analysis: MicrobatchAnalysis, mesh_size: int, compute: ComputeModel) -> TimeTerms:
+    costs = op_costs(graph)
+    members = set(task.ops)
+    boundary = set(task.inputs) | set(task.outputs) | set(task.reductions)
+    matmul = vector = 0.0
+    kernels = 0
+    for i in task.ops:
+        op, cost = graph.ops[i], costs[i]
+        # An op touching any batch-split value is split: its other operands are replicated.
+        split = min((share(graph, analysis, v, mesh_size) for v in op.inputs + op.outputs), default=1.0)
+        if _own_kernel(op.name):
+            bytes_in, bytes_out = cost.bytes_in, cost.bytes_out
+        else:  # fused: only buffers shared with unfused work or the program's boundary move
+            bytes_in = sum(graph.nbytes(v) for v in op.inputs if v in boundary or not _fused_value(graph, v, members))
+            bytes_out = sum(graph.nbytes(v) for v in op.outputs if v in boundary or not _fused_value(graph, v, members))
+        seconds = compute.raw_op_time(op.name, cost.flops * split, bytes_in * split, bytes_out * split)
+        # A fusion is a kernel per buffer it writes; a materialized operator is one kernel.
+        kernels += 1 if _own_kernel(op.name) else sum(
+            1 for v in op.outputs if v in boundary or not _fused_value(graph, v, members)
+        )
+        if op.name in MATMUL_OPS:
+            matmul += seconds
+        else:
+            vector += seconds
+    launch = compute.raw_launch_time(len(task.inputs) + len(task.outputs) + 2 * len(task.reductions))
+    return TimeTerms(launch, matmul, vector, kernels)
 
 
 def estimate_task(
@@ -49,25 +98,13 @@ def estimate_task(
     compute: ComputeModel,
     allreduce: LinkCost,
 ) -> ProgramEstimate:
-    costs = op_costs(graph)
-    members = set(task.ops)
-    boundary = set(task.inputs) | set(task.outputs) | set(task.reductions)
-    total = compute.launch_time(len(task.inputs) + len(task.outputs) + 2 * len(task.reductions))
-    for i in task.ops:
-        op, cost = graph.ops[i], costs[i]
-        # An op touching any batch-split value is split: its other operands are replicated.
-        split = min((_share(graph, analysis, v, mesh_size) for v in op.inputs + op.outputs), default=1.0)
-        if _materialized(op.name):
-            bytes_in, bytes_out = cost.bytes_in, cost.bytes_out
-        else:  # fused: only buffers shared with unfused work or the program's boundary move
-            bytes_in = sum(graph.nbytes(v) for v in op.inputs if v in boundary or not _fused_value(graph, v, members))
-            bytes_out = sum(graph.nbytes(v) for v in op.outputs if v in boundary or not _fused_value(graph, v, members))
-        total += compute.op_time(op.name, cost.flops * split, bytes_in * split, bytes_out * split)
-
-    comm = sum(allreduce_ring(mesh_size, graph.nbytes(v), allreduce) for v in task.reductions) if mesh_size > 1 else 0.0
+    total = time_terms(task, graph, analysis, mesh_size, compute).scaled(compute)
+    # XLA combines a program's all-reduces into one, so latency is paid once, not per gradient.
+    reduced = sum(graph.nbytes(v) for v in task.reductions)
+    comm = allreduce_ring(mesh_size, reduced, allreduce) if mesh_size > 1 and reduced else 0.0
 
     def per_device(values: list[int]) -> int:
-        return int(sum(graph.nbytes(v) * _share(graph, analysis, v, mesh_size) for v in values))
+        return int(sum(graph.nbytes(v) * share(graph, analysis, v, mesh_size) for v in values))
 
     arguments = per_device(task.inputs) + per_device(task.reductions)  # accumulators come in
     outputs = per_device(task.outputs) + per_device(task.reductions)
@@ -75,21 +112,26 @@ def estimate_task(
 
 
 def _temp_bytes(task: Task, graph: OpGraph, analysis: MicrobatchAnalysis, mesh_size: int) -> int:
-    """Peak bytes of intermediates live at once, counting only values XLA materializes
-    (results of matmuls, reductions and other non-fusible ops; elementwise chains fuse)."""
+    """Peak bytes of intermediates live at once, counting only values XLA materializes:
+    results of matmuls, reductions and other non-fusible ops, and elementwise results
+    still needed after a later matmul (a fusion cannot reach across it: the forward
+    activations a fused forward-and-backward program keeps for its backward)."""
     boundary = set(task.inputs) | set(task.outputs) | set(task.reductions)
     last_use: dict[int, int] = {}
     for i in task.ops:
         for v in graph.ops[i].inputs:
             last_use[v] = i
+    heavy = [i for i in task.ops if _materialized(graph.ops[i].name)]
     live, peak = 0.0, 0.0
     alive: dict[int, float] = {}
     for i in task.ops:
         op = graph.ops[i]
         for v in op.outputs:
-            if v in boundary or v not in last_use or not _materialized(op.name):
+            if v in boundary or v not in last_use:
                 continue
-            alive[v] = graph.nbytes(v) * _share(graph, analysis, v, mesh_size)
+            if not _materialized(op.name) and not _crosses(heavy, i, last_use[v]):
+                continue
+            alive[v] = graph.nbytes(v) * share(graph, analysis, v, mesh_size)
             live += alive[v]
         peak = max(peak, live)
         for v in op.inputs:
@@ -98,13 +140,31 @@ def _temp_bytes(task: Task, graph: OpGraph, analysis: MicrobatchAnalysis, mesh_s
     return int(peak)
 
 
+def _crosses(heavy: list[int], start: int, end: int) -> bool:
+    """Whether a materializing operator runs strictly between op `start` and op `end`
+    (`heavy` is sorted)."""
+    k = bisect.bisect_right(heavy, start)
+    return k < len(heavy) and heavy[k] < end
+
+
 def _fused_value(graph: OpGraph, value: int, members: set[int]) -> bool:
     """A value that lives only inside a fusion: made and read by fusible operators."""
     producer = graph.producer.get(value)
-    if producer is None or producer not in members or _materialized(graph.ops[producer].name):
+    if producer is None or producer not in members or _own_kernel(graph.ops[producer].name):
         return False
-    return all(c in members and not _materialized(graph.ops[c].name) for c in graph.consumers.get(value, ()))
+    return all(c in members and not _own_kernel(graph.ops[c].name) for c in graph.consumers.get(value, ()))
+
+
+# Operators XLA runs as kernels of their own, with their results in memory.
+_UNFUSED = frozenset({"gather", "scatter-add", "scatter_add", "argmax", "cumsum"})
+# Transposes run as strided copies of their own but rarely keep a buffer alive: they
+# cost time as a kernel, not memory.
+_OWN_KERNEL = frozenset({"transpose"})
+
+
+def _own_kernel(name: str) -> bool:
+    return _materialized(name) or name in _OWN_KERNEL
 
 
 def _materialized(name: str) -> bool:
-    return name in MATMUL_OPS or name.startswith("reduce") or name in ("gather", "scatter-add", "scatter_add", "argmax", "cumsum")
+    return name in MATMUL_OPS or name.startswith("reduce") or name in _UNFUSED

@@ -8,7 +8,7 @@ overlap: the step is the sum of every program run (`concurrent=False`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from hetpar.cluster.cluster import Cluster
 from hetpar.plan import Plan
@@ -49,15 +49,7 @@ def device_models(plan: Plan, profile: Profile | None, cluster: Cluster) -> dict
         group = next(g for g in cluster.groups if g.type_name == stage.device_type)
         measured = profile.devices.get(stage.device_type) if profile else None
         if measured:
-            model = measured.compute
-            if measured.shared_host:  # the host's cores split among however many devices the mesh has
-                scale = measured.mesh_size / len(stage.device_ids)
-                model = replace(
-                    model,
-                    matmul_flops=model.matmul_flops * scale,
-                    vector_flops=model.vector_flops * scale,
-                    memory_bandwidth=model.memory_bandwidth * scale,
-                )
+            model = measured.model_for(len(stage.device_ids))
             allreduce = LinkCost(measured.allreduce_bandwidth, measured.allreduce_latency_s)
         else:
             model = ComputeModel.from_catalog(group.spec)

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from hetpar.compile.programs import Program, value_sharding
+from hetpar.compile.programs import Program
 from hetpar.runtime.schedule import gpipe
 from hetpar.trace.microbatch import MicrobatchAnalysis, Phase
 from hetpar.trace.opgraph import OpGraph
@@ -45,7 +45,6 @@ def run(step: CompiledStep, flat_args: Sequence[Any]) -> list[Any]:
     graph = step.graph
     store: dict[tuple[int, int | None], dict[int, Any]] = {}  # (value, microbatch) -> stage -> array
     inputs = dict(zip(graph.invars, flat_args))
-    meshes = {p.task.stage: p.mesh for p in step.programs}
 
     def source(value: int, mb: int | None) -> Any:
         copies = store.get((value, mb))
@@ -57,11 +56,14 @@ def run(step: CompiledStep, flat_args: Sequence[Any]) -> list[Any]:
         size = step.microbatch_size
         return arg[mb * size : (mb + 1) * size]
 
-    def fetch(value: int, mb: int | None, stage: int) -> Any:
+    def fetch(value: int, mb: int | None, stage: int, sharding: Any) -> Any:
         copies = store.setdefault((value, mb), {})
         if stage not in copies:
-            sharding = value_sharding(meshes[stage], graph.avals[value], step.analysis.batch_axis.get(value))
-            copies[stage] = jax.device_put(source(value, mb), sharding)
+            x = source(value, mb)
+            # A value already laid out as the program wants it (a parameter this stage
+            # returned last step) is used in place: no copy, no dispatch.
+            same = getattr(x, "sharding", None) is not None and x.sharding.is_equivalent_to(sharding, x.ndim)
+            copies[stage] = x if same else jax.device_put(x, sharding)
         return copies[stage]
 
     accumulators: dict[int, tuple] = {}
@@ -69,7 +71,10 @@ def run(step: CompiledStep, flat_args: Sequence[Any]) -> list[Any]:
         program = step.programs[item.program]
         task = program.task
         mb = item.microbatch
-        args = [fetch(v, mb if step.per_microbatch(v) else None, task.stage) for v in task.inputs]
+        args = [
+            fetch(v, mb if step.per_microbatch(v) else None, task.stage, sharding)
+            for v, sharding in zip(task.inputs, program.in_shardings)
+        ]
         acc = accumulators.get(item.program)
         if acc is None:
             acc = program.init_acc() if program.init_acc else ()

@@ -1,0 +1,122 @@
+"""Calibration on a model's own layers.
+
+Micro-benchmarks (a matmul, a copy) miss what real programs do: how well XLA fuses
+a layer's elementwise tails, how much a layer reuses cache, what dispatch costs with
+many arguments. So `hetpar profile --model ...` also runs the model's layers one by
+one (each layer's forward, backward and update as its own program, on the profiled
+mesh) and fits one correction per kind of work (launch, matmul, vector) and a fixed
+cost per kernel to their measured times. The fit is a non-negative least squares on relative error: every
+layer counts alike, large or small. Stage programs and whole steps of any plan are
+then predicted from the corrected model; they are never measured here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import statistics
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hetpar.compile.programs import Program, stage_mesh
+from hetpar.compile.step import compile_step
+from hetpar.predict.compute import ComputeModel
+from hetpar.predict.programs import time_terms
+from hetpar.trace.flops import op_costs
+from hetpar.trace.layers import build_layers
+from hetpar.trace.traced_step import trace_step
+
+log = logging.getLogger("hetpar.profile")
+
+
+@dataclass(frozen=True)
+class LayerSample:
+    program: str  # e.g. "fwd@stage2": the forward of layer 2
+    measured_s: float
+    launch_s: float  # the uncorrected prediction, by kind of work
+    matmul_s: float
+    vector_s: float
+    kernels: int = 0
+
+
+def program_inputs(program: Program, graph: Any) -> list[Any]:
+    """Zero-filled arguments with the program's shapes and shardings."""
+    return [
+        jax.device_put(jnp.zeros(graph.avals[v].shape, graph.avals[v].dtype), sharding)
+        for v, sharding in zip(program.task.inputs, program.in_shardings)
+    ]
+
+
+def time_program(program: Program, graph: Any, repeats: int = 7) -> float:
+    """Median seconds of one run, accumulators included, after a warm-up run."""
+    inputs = program_inputs(program, graph)
+    run = lambda: program.fn(program.init_acc() if program.init_acc else (), *inputs)  # noqa: E731
+    jax.block_until_ready(run())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(run())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def profile_layers(
+    fn: Callable,
+    args: tuple,
+    num_layers: int,
+    device_ids: Sequence[int],
+    model: ComputeModel,
+    batch_argnum: int = 1,
+    repeats: int = 7,
+) -> list[LayerSample]:
+    """Each layer's programs, compiled alone on one mesh of `device_ids` and timed."""
+    traced = trace_step(fn, args, batch_argnum, 1)
+    layers = build_layers(traced.full, traced.analysis, [c.flops for c in op_costs(traced.full)], num_layers)
+    mesh = stage_mesh(tuple(device_ids))
+    compiled = compile_step(traced, layers, list(range(layers.num_layers)), {i: mesh for i in range(layers.num_layers)})
+    samples = []
+    for program in compiled.programs:
+        terms = time_terms(program.task, compiled.graph, compiled.analysis, len(device_ids), model)
+        measured = time_program(program, compiled.graph, repeats)
+        samples.append(LayerSample(program.task.name, measured, terms.launch_s, terms.matmul_s, terms.vector_s, terms.kernels))
+        log.info("layer program %s: %.3g s (uncorrected prediction %.3g s)", program.task.name, measured,
+                 terms.launch_s + terms.matmul_s + terms.vector_s)
+    return samples
+
+
+def fit_scales(samples: Sequence[LayerSample]) -> tuple[float, float, float, float]:
+    """(launch, matmul, vector) scales and seconds per kernel minimising the squared
+    relative error, each ≥ 0.
+
+    Exact non-negative least squares for four unknowns: solve every subset of free
+    coefficients and keep the best solution whose coefficients are all non-negative."""
+    if not samples:
+        return 1.0, 1.0, 1.0, 0.0
+    X = np.array([[s.launch_s, s.matmul_s, s.vector_s, s.kernels] for s in samples], dtype=float)
+    y = np.array([s.measured_s for s in samples])
+    X, y = X / y[:, None], np.ones_like(y)  # relative error
+    used = [c for c in range(X.shape[1]) if X[:, c].any()]
+    best, best_residual = np.zeros(X.shape[1]), float("inf")
+    for k in range(len(used), 0, -1):
+        for free in itertools.combinations(used, k):
+            coef, *_ = np.linalg.lstsq(X[:, free], y, rcond=None)
+            if (coef < 0).any():
+                continue
+            candidate = np.zeros(X.shape[1])
+            candidate[list(free)] = coef
+            residual = float(np.sum((X @ candidate - y) ** 2))
+            if residual < best_residual - 1e-12:
+                best, best_residual = candidate, residual
+    # A kind of work the samples never exercise keeps its uncorrected time.
+    launch, matmul, vector, kernel = (float(b) if X[:, i].any() else default for i, (b, default) in enumerate(zip(best, (1.0, 1.0, 1.0, 0.0))))
+    return launch, matmul, vector, kernel
+
+
+def calibrated(model: ComputeModel, samples: Sequence[LayerSample]) -> ComputeModel:
+    launch, matmul, vector, kernel = fit_scales(samples)
+    return replace(model, launch_scale=launch, matmul_scale=matmul, vector_scale=vector, op_overhead_s=kernel)
