@@ -6,6 +6,8 @@ from hetpar.cluster.cluster import Cluster, DeviceGroup
 from hetpar.errors import ClusterError, HetparError, PlanError, UnsupportedStepError
 from hetpar.markers import grad, value_and_grad
 from hetpar.plan import Plan, StagePlan
+from hetpar.plan_file import load_plan, save_plan
+from hetpar.solve import make_plan
 
 __all__ = [
     "Cluster",
@@ -20,6 +22,9 @@ __all__ = [
     "UnsupportedStepError",
     "devices",
     "grad",
+    "load_plan",
+    "make_plan",
+    "save_plan",
     "value_and_grad",
     "parallelize",
 ]

@@ -11,6 +11,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import jax
@@ -20,10 +21,9 @@ from hetpar.compile.programs import stage_mesh
 from hetpar.compile.step import compile_step
 from hetpar.errors import HetparError, PlanError
 from hetpar.plan import Plan
-from hetpar.planning import assign_stages
+from hetpar.plan_file import SCHEDULES, load_plan
 from hetpar.runtime.executor import CompiledStep, run
-from hetpar.trace.flops import op_costs
-from hetpar.trace.layers import build_layers
+from hetpar.solve import check_fits, cluster_for, layers_of, solve
 from hetpar.trace.traced_step import as_array, trace_step
 
 log = logging.getLogger("hetpar")
@@ -31,11 +31,13 @@ log = logging.getLogger("hetpar")
 
 @dataclass(frozen=True)
 class Options:
-    cluster: Cluster
+    cluster: Cluster | None
     num_microbatches: int = 1
     num_stages: int | None = None  # default: one per device type
     num_layers: int | None = None  # default: enough for the stages, at module boundaries
     batch_argnum: int = 1  # which positional argument is the batch
+    plan: Plan | None = None  # a plan made earlier (e.g. `hetpar solve`), used as it is
+    schedule: str = "gpipe"
 
 
 class ParallelFunction:
@@ -78,19 +80,24 @@ class ParallelFunction:
     def _build(self, args: tuple) -> tuple[Plan, CompiledStep]:
         o = self._options
         timer = _Timer()
+        microbatches = o.plan.num_microbatches if o.plan else o.num_microbatches
         with timer("trace"):
-            traced = trace_step(self._fn, args, o.batch_argnum, o.num_microbatches)
-        num_stages = o.num_stages or min(len(o.cluster.groups), o.cluster.num_devices)
-        with timer("layers"):
-            costs = [c.flops for c in op_costs(traced.full)]
-            layers = build_layers(traced.full, traced.analysis, costs, o.num_layers or num_stages)
-        with timer("plan"):
-            # A cluster read from a file names device types only: run it on this process's devices.
+            traced = trace_step(self._fn, args, o.batch_argnum, microbatches)
+        # A cluster read from a file names device types only: run it on this process's devices.
+        if o.cluster is None:
+            cluster = cluster_for(o.plan)
+        else:
             cluster = o.cluster if all(g.device_ids for g in o.cluster.groups) else o.cluster.bind()
-            plan = assign_stages(layers, cluster, num_stages, o.num_microbatches)
+        with timer("plan"):
+            if o.plan is not None:
+                check_fits(o.plan, traced, cluster)
+                plan, layers = o.plan, layers_of(traced, o.plan.num_layers)
+            else:
+                plan, layers = solve(traced, cluster, o.num_stages, o.num_layers, o.schedule)
         with timer("compile"):
             layer_stage = [s.index for s in plan.stages for _ in range(s.layer_start, s.layer_end)]
-            meshes = {s.index: stage_mesh(s.device_ids) for s in plan.stages}
+            order = [d for g in cluster.groups for d in g.device_ids]  # plans name devices by position
+            meshes = {s.index: stage_mesh(tuple(order[p] for p in s.device_ids)) for s in plan.stages}
             compiled = compile_step(traced, layers, layer_stage, meshes)
         log.info("hetpar built a %d-stage plan in %s", plan.num_stages, timer)
         return plan, compiled
@@ -99,20 +106,31 @@ class ParallelFunction:
 def parallelize(
     fn: Callable | None = None,
     *,
-    cluster: Cluster,
+    cluster: Cluster | None = None,
+    plan: Plan | str | None = None,
     num_microbatches: int = 1,
     num_stages: int | None = None,
     num_layers: int | None = None,
+    schedule: str = "gpipe",
     batch_argnum: int = 1,
 ) -> Any:
     """Parallelizes a train step `fn(state, batch)` over `cluster`.
 
     Use as `parallelize(step, cluster=...)` or as a decorator
-    `@parallelize(cluster=...)`. The result computes what `jax.jit(fn)` computes.
+    `@parallelize(cluster=...)`. With `plan=` (a Plan or a plan file from `hetpar
+    solve`) the plan is used as it is, on its own cluster unless `cluster` is given,
+    after checking that it was made for this step. The result computes what
+    `jax.jit(fn)` computes.
     """
+    if isinstance(plan, str | Path):
+        plan = load_plan(plan)
+    if plan is None and cluster is None:
+        raise HetparError("parallelize needs a cluster (hetpar.Cluster.virtual/local/from_file) or a plan")
     if num_microbatches < 1:
         raise PlanError(f"num_microbatches must be at least 1, got {num_microbatches}")
-    options = Options(cluster, num_microbatches, num_stages, num_layers, batch_argnum)
+    if schedule not in SCHEDULES:
+        raise PlanError(f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
+    options = Options(cluster, num_microbatches, num_stages, num_layers, batch_argnum, plan, schedule)
     if fn is None:
         return lambda f: ParallelFunction(f, options)
     return ParallelFunction(fn, options)

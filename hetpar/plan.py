@@ -1,25 +1,66 @@
-"""Plan: where every part of the step runs. Plain data, printable for people."""
+"""Plan: where every part of the step runs. Plain data: printable for people, saved as
+JSON (see plan_file.py), and checked against the program it was made for."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from solver.pipeline_sim import StageTimes, simulate
+
+
+@dataclass(frozen=True)
+class ProgramSignature:
+    """What identifies a traced step: a plan made for one step must not run another."""
+
+    inputs: tuple[str, ...]  # e.g. "f32[32,128]", in flat argument order
+    outputs: tuple[str, ...]
+    num_operators: int
+    digest: str  # hash of the operator sequence (primitives and shapes)
 
 
 @dataclass(frozen=True)
 class StagePlan:
     index: int
     device_type: str
-    device_ids: tuple[int, ...]
+    device_ids: tuple[int, ...]  # positions in the cluster's device order
     layer_start: int
     layer_end: int  # exclusive
     layer_names: str
     flops: float  # forward + backward, full batch
     speed_flops: float  # the stage's peak FLOP/s (devices x per-device peak)
     predicted_time_s: float  # forward + backward of the full batch on this stage
+    group: str = ""  # the cluster group its devices come from
+    mesh_shape: tuple[int, ...] = ()
+    data_parallel: int = 0  # 0: all the stage's devices
+    tensor_parallel: int = 1
+    batch_share: float = 1.0  # fraction of the global batch this stage's pipeline takes
+    forward_s: float = 0.0  # per microbatch, predicted
+    backward_s: float = 0.0  # per microbatch, predicted
+    send_s: float = 0.0  # one microbatch's activation to the next stage
+    sync_s: float = 0.0  # gradient all-reduce across the stage's data-parallel devices
+    optimizer_s: float = 0.0
+    memory_bytes: int = 0  # predicted peak per device
+    memory_capacity: int = 0  # per device
+    param_specs: tuple[tuple[str, str], ...] = ()  # (parameter path, PartitionSpec)
 
     @property
     def num_layers(self) -> int:
         return self.layer_end - self.layer_start
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.device_ids)
+
+    @property
+    def times(self) -> StageTimes:
+        return StageTimes(self.forward_s, self.backward_s, self.send_s, self.sync_s, self.optimizer_s)
+
+
+@dataclass(frozen=True)
+class ClusterGroup:
+    name: str
+    device_type: str
+    devices: int
 
 
 @dataclass(frozen=True)
@@ -27,40 +68,61 @@ class Plan:
     stages: tuple[StagePlan, ...]
     num_microbatches: int
     num_layers: int
-    cluster: str
+    cluster: str  # for people: "4xA100 + 4xV100"
     schedule: str = "gpipe"
     notes: tuple[str, ...] = field(default=())
+    cluster_groups: tuple[ClusterGroup, ...] = ()
+    program: ProgramSignature | None = None
+    tokens_per_step: int = 0
+    model_flops: float = 0.0  # forward + backward per step, without rematerialization
+    peak_flops: float = 0.0  # of the devices the plan uses
+    bound_ratio: float | None = None  # throughput over the cluster's upper bound, when known
 
     @property
     def num_stages(self) -> int:
         return len(self.stages)
 
     @property
+    def has_timings(self) -> bool:
+        return any(s.forward_s or s.backward_s for s in self.stages)
+
+    @property
     def predicted_step_time_s(self) -> float:
-        """GPipe: the first microbatch crosses every stage, the rest follow at the
-        pace of the slowest stage."""
+        """The schedule simulated with the stages' predicted times; without them, the
+        GPipe formula on whole-stage times: the first microbatch crosses every stage,
+        the rest follow at the pace of the slowest."""
+        if self.has_timings:
+            return simulate([s.times for s in self.stages], self.num_microbatches, self.schedule).step_s
         per_mb = [s.predicted_time_s / self.num_microbatches for s in self.stages]
         return sum(per_mb) + (self.num_microbatches - 1) * max(per_mb)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.predicted_step_time_s if self.tokens_per_step else 0.0
+
+    @property
+    def mfu(self) -> float:
+        """PaLM's model FLOPs utilization, predicted."""
+        return self.model_flops / self.predicted_step_time_s / self.peak_flops if self.peak_flops else 0.0
 
     def __str__(self) -> str:
         lines = [
             f"hetpar plan: {self.num_stages} stage(s) on {self.cluster}, {self.num_layers} layers, "
             f"{self.num_microbatches} microbatch(es), {self.schedule}",
-            "  layers go to stages in proportion to stage speed (devices x peak FLOP/s), so stage times balance",
             f"  {'stage':>5}  {'device':<8} {'devices':>7} {'TFLOP/s':>8}  {'layers':<10} {'GFLOP':>9} {'time/step':>11}  modules",
         ]
         for s in self.stages:
             lines.append(
-                f"  {s.index:>5}  {s.device_type:<8} {len(s.device_ids):>7} {s.speed_flops / 1e12:>8.1f}  "
+                f"  {s.index:>5}  {s.device_type:<8} {s.num_devices:>7} {s.speed_flops / 1e12:>8.1f}  "
                 f"{f'{s.layer_start}-{s.layer_end - 1} ({s.num_layers})':<10} {s.flops / 1e9:>9.3f} "
-                f"{_fmt_time(s.predicted_time_s):>11}  {s.layer_names}"
+                f"{fmt_time(s.predicted_time_s):>11}  {s.layer_names}"
             )
-        lines.append(f"  predicted step time {_fmt_time(self.predicted_step_time_s)} (compute only: FLOPs / peak)")
+        lines.append(f"  predicted step time {fmt_time(self.predicted_step_time_s)}")
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
 
 
-def _fmt_time(seconds: float) -> str:
+def fmt_time(seconds: float) -> str:
     if seconds >= 1:
         return f"{seconds:.3f} s"
     if seconds >= 1e-3:

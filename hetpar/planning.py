@@ -7,8 +7,9 @@ import itertools
 
 from hetpar.cluster.cluster import Cluster, DeviceGroup
 from hetpar.errors import PlanError
-from hetpar.plan import Plan, StagePlan
+from hetpar.plan import ClusterGroup, Plan, StagePlan
 from hetpar.trace.layers import Layers
+from solver.collectives import LinkCost, Topology, best
 from solver.partition import min_max_cuts
 
 
@@ -44,17 +45,69 @@ def _stages_per_group(sizes: list[int], num_stages: int) -> list[int]:
     return list(max(options, key=lambda c: (min(s // k for s, k in zip(sizes, c)), [-k for k in c])))
 
 
-def assign_stages(layers: Layers, cluster: Cluster, num_stages: int, num_microbatches: int) -> Plan:
+def assign_stages(
+    layers: Layers, cluster: Cluster, num_stages: int, num_microbatches: int, schedule: str = "gpipe"
+) -> Plan:
     if num_stages > layers.num_layers:
         raise PlanError(f"{num_stages} stages need at least {num_stages} layers; the model was cut into {layers.num_layers}")
     groups = stage_groups(cluster, num_stages)
     speeds = [g.size * g.spec.matmul_flops() for g in groups]
     cuts = min_max_cuts(layers.flops, range(1, layers.num_layers), num_stages, part_speeds=speeds)
     bounds = list(zip([0] + cuts, cuts + [layers.num_layers]))
+    positions = _positions(cluster)
+    m = num_microbatches
     stages = []
     for i, (group, (start, end), speed) in enumerate(zip(groups, bounds, speeds)):
         flops = sum(layers.flops[start:end])
+        forward = sum(layers.forward_flops[start:end]) if layers.forward_flops else flops / 3
         names = layers.names[start:end]
         label = names[0] if len(names) == 1 else f"{names[0].split('..')[0]}..{names[-1].split('..')[-1]}"
-        stages.append(StagePlan(i, group.type_name, group.device_ids, start, end, label, flops, speed, flops / speed))
-    return Plan(tuple(stages), num_microbatches, layers.num_layers, cluster.describe())
+        send = 0.0
+        if i + 1 < num_stages:
+            link = cluster.link_between(group, groups[i + 1])
+            send = link.latency + layers.boundary_bytes[end] / m / link.bandwidth
+        params = sum(layers.param_bytes[start:end]) if layers.param_bytes else 0
+        stages.append(StagePlan(
+            i, group.type_name, tuple(positions[d] for d in group.device_ids) if positions else group.device_ids,
+            start, end, label, flops, speed, flops / speed,
+            group=_group_of(cluster, group).label,
+            mesh_shape=(group.size,),
+            data_parallel=group.size,
+            forward_s=forward / speed / m,
+            backward_s=(flops - forward) / speed / m,
+            send_s=send,
+            sync_s=_allreduce_s(params, group),
+            # Adam-style update: read parameter, gradient and two moments, write three.
+            optimizer_s=7 * params / group.spec.memory_bandwidth,
+            memory_capacity=group.spec.memory_bytes,
+        ))
+    return Plan(
+        tuple(stages), num_microbatches, layers.num_layers, cluster.describe(), schedule,
+        cluster_groups=tuple(ClusterGroup(g.label, g.type_name, g.size) for g in cluster.groups),
+        model_flops=sum(layers.flops),
+        peak_flops=sum(speeds),
+    )
+
+
+def _allreduce_s(nbytes: int, group: DeviceGroup) -> float:
+    if group.size < 2 or not nbytes:
+        return 0.0
+    nodes = group.nodes if group.devices_per_node else 1
+    per_node = group.devices_per_node or group.size
+    topology = Topology(nodes, per_node, _cost(group.intra_link), _cost(group.inter_link))
+    return best("all_reduce", topology, nbytes)[1]
+
+
+def _cost(link) -> LinkCost:  # noqa: ANN001
+    return LinkCost(link.bandwidth, link.latency)
+
+
+def _positions(cluster: Cluster) -> dict[int, int]:
+    """Device id -> position in the cluster's device order (what plan files record)."""
+    ids = [d for g in cluster.groups for d in g.device_ids]
+    return {d: i for i, d in enumerate(ids)}
+
+
+def _group_of(cluster: Cluster, group: DeviceGroup) -> DeviceGroup:
+    ids = set(group.device_ids)
+    return next((g for g in cluster.groups if ids <= set(g.device_ids)), group)

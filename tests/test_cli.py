@@ -38,3 +38,94 @@ def test_profile_of_an_unknown_model_is_one_clear_line(tmp_path):
 def test_unknown_command_fails_with_usage():
     result = _hetpar("fly", check=False)
     assert result.returncode != 0 and "invalid choice" in result.stderr
+
+
+CLUSTER = """\
+name: small
+groups:
+  - name: fast
+    device: A100
+    nodes: 1
+    devices_per_node: 4
+  - name: slow
+    device: V100
+    nodes: 1
+    devices_per_node: 4
+links:
+  - between: [fast, slow]
+    bandwidth: 12.5e+9
+    latency: 10.0e-6
+"""
+
+
+def _solved(tmp_path, *extra):
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(CLUSTER)
+    plan = tmp_path / "plan.json"
+    result = _hetpar("solve", "mlp", "--cluster", str(cluster), "--batch-size", "16", "--microbatches", "4", "--layers", "4", "-o", str(plan), *extra)
+    return plan, result
+
+
+def test_solve_show_and_simulate_a_plan(tmp_path):
+    plan, result = _solved(tmp_path, "--schedule", "1f1b")
+    assert "wrote" in result.stdout and "predicted step time" in result.stdout
+    raw = json.loads(plan.read_text())
+    assert raw["version"] == 1 and raw["schedule"] == "1f1b" and len(raw["stages"]) == 2
+
+    shown = _hetpar("show", str(plan)).stdout
+    for word in ("A100", "V100", "DP x TP", "memory / capacity", "MFU", "tokens/s", "bubble"):
+        assert word in shown
+
+    trace, png = tmp_path / "trace.json", tmp_path / "timeline.png"
+    simulated = _hetpar("simulate", str(plan), "--trace", str(trace), "--plot", str(png)).stdout
+    assert "simulated step (1f1b, 4 microbatches)" in simulated
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["name"] for e in events if e["ph"] == "X"} >= {"F0", "B3", "optimizer"}
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_validate_shows_a_good_cluster_file(tmp_path):
+    path = tmp_path / "cluster.yaml"
+    path.write_text(CLUSTER)
+    out = _hetpar("validate", str(path)).stdout
+    assert "8 devices, valid" in out and "fast <-> slow" in out
+
+
+def _one_clear_line(result):
+    lines = result.stderr.strip().splitlines()
+    return result.returncode == 2 and len(lines) == 1 and lines[0].startswith("hetpar: ") and "Traceback" not in result.stderr
+
+
+def test_bad_cluster_files_fail_with_one_line(tmp_path):
+    for broken, message in (
+        (CLUSTER.replace("device: V100", "device: V900"), "unknown device type 'V900'"),
+        (CLUSTER.replace("nodes: 1\n    devices_per_node: 4\n  - name: slow", "nodes: -2\n    devices_per_node: 4\n  - name: slow"), "nodes"),
+    ):
+        path = tmp_path / "bad.yaml"
+        path.write_text(broken)
+        result = _hetpar("validate", str(path), check=False)
+        assert _one_clear_line(result) and message in result.stderr
+
+
+def test_bad_plan_files_fail_with_one_line(tmp_path):
+    plan, _ = _solved(tmp_path)
+    text = plan.read_text()
+    cases = {
+        "truncated.json": (text[: len(text) // 2], "cut short"),
+        "version.json": (text.replace('"version": 1', '"version": 7'), "version 7"),
+        "device.json": (text.replace('"device_type": "V100"', '"device_type": "V900"'), "unknown device type"),
+        "negative.json": (text.replace('"num_microbatches": 4', '"num_microbatches": -4'), "num_microbatches"),
+    }
+    for name, (content, message) in cases.items():
+        path = tmp_path / name
+        path.write_text(content)
+        for command in ("show", "simulate"):
+            result = _hetpar(command, str(path), check=False)
+            assert _one_clear_line(result) and message in result.stderr, (name, command, result.stderr)
+
+
+def test_every_command_explains_itself():
+    out = _hetpar("--help").stdout
+    for command in ("devices", "validate", "profile", "solve", "show", "simulate"):
+        assert command in out
+        assert "usage: hetpar " + command in _hetpar(command, "--help").stdout

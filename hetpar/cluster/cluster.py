@@ -114,6 +114,15 @@ class Cluster:
             start += g.size
         return replace(self, groups=tuple(groups))
 
+    def numbered(self) -> "Cluster":
+        """Gives the groups device positions 0..N-1 in order, without asking JAX for
+        devices: how plans are made offline for a cluster described on paper."""
+        groups, start = [], 0
+        for g in self.groups:
+            groups.append(replace(g, device_ids=tuple(range(start, start + g.size))))
+            start += g.size
+        return replace(self, groups=tuple(groups))
+
     @property
     def num_devices(self) -> int:
         return sum(g.size for g in self.groups)

@@ -10,7 +10,7 @@ balanced by the work they really carry.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -29,6 +29,8 @@ class Layers:
     flops: list[float]  # per layer: forward + backward FLOPs for the full batch
     names: list[str]  # per layer: the module scopes it spans, for people
     boundary_bytes: list[int]  # bytes entering each layer from earlier ones (forward)
+    forward_flops: list[float] = field(default_factory=list)  # per layer: the forward part of `flops`
+    param_bytes: list[int] = field(default_factory=list)  # per layer: batch-free step inputs its forward reads
 
 
 def build_layers(graph: OpGraph, analysis: MicrobatchAnalysis, op_flops: list[float], num_layers: int) -> Layers:
@@ -72,12 +74,31 @@ def build_layers(graph: OpGraph, analysis: MicrobatchAnalysis, op_flops: list[fl
         op_layer[op] = layer
 
     flops = [0.0] * num_layers
+    forward_flops = [0.0] * num_layers
     for op, layer in op_layer.items():
         flops[layer] += op_flops[op]
+        if not analysis.backward[op]:
+            forward_flops[layer] += op_flops[op]
     ends = cuts + [len(forward)]
     names = [_describe(keys[s:e]) for s, e in zip(starts, ends)]
     boundary = [0] + [int(crossing[c]) for c in cuts]
-    return Layers(op_layer, num_layers, flops, names, boundary)
+    return Layers(op_layer, num_layers, flops, names, boundary, forward_flops, _param_bytes(graph, analysis, op_layer, num_layers))
+
+
+def _param_bytes(graph: OpGraph, analysis: MicrobatchAnalysis, op_layer: dict[int, int], num_layers: int) -> list[int]:
+    """Bytes of the batch-free step inputs (parameters) each layer's forward reads first."""
+    owner: dict[int, int] = {}
+    inputs = set(graph.invars)
+    for op, layer in sorted(op_layer.items()):
+        if analysis.backward[op]:
+            continue
+        for v in graph.ops[op].inputs:
+            if v in inputs and analysis.batch_axis.get(v) is None:
+                owner.setdefault(v, layer)
+    out = [0] * num_layers
+    for v, layer in owner.items():
+        out[layer] += graph.nbytes(v)
+    return out
 
 
 def _scope_depth(graph: OpGraph, forward: list[int], flops: list[float], num_layers: int) -> int:

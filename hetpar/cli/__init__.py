@@ -1,0 +1,90 @@
+"""The `hetpar` command line.
+
+    hetpar devices                  the device catalog
+    hetpar validate cluster.yaml    check a cluster file, show its groups and links
+    hetpar profile -o profile.json  measure this machine's devices (and a model's layers) for the predictor
+    hetpar solve MODULE:FUNCTION --cluster cluster.yaml -o plan.json
+                                    make a plan offline
+    hetpar show plan.json           stages, meshes, predicted time, memory, MFU
+    hetpar simulate plan.json       the step event by event: a trace and a timeline
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from hetpar.cli import machines, plans
+from hetpar.errors import HetparError
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="hetpar", description="Automatic parallelization for heterogeneous clusters.")
+    top.add_argument("-v", "--verbose", action="store_true", help="log progress")
+    sub = top.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("devices", help="list the device catalog: peak FLOP/s, memory, links")
+    p.add_argument("--sources", action="store_true", help="also print where each figure comes from")
+    p.set_defaults(run=machines.devices)
+
+    p = sub.add_parser("validate", help="check a cluster file (YAML) and show its groups and the links between them")
+    p.add_argument("cluster", help="the cluster file")
+    p.set_defaults(run=machines.validate)
+
+    p = sub.add_parser(
+        "profile",
+        help="measure this machine's devices (matmul throughput, memory bandwidth, launch cost, all-reduce) "
+        "and write a profile the predictor uses instead of the catalog's figures",
+    )
+    p.add_argument("-o", "--output", default="profile.json", help="where to write the profile (JSON)")
+    p.add_argument("--mesh-size", type=int, help="devices per measured mesh (default: all of a kind)")
+    p.add_argument("--device-type", help="catalog name to file the measurement under (default: detected)")
+    p.add_argument("--cpu-devices", type=int, help="on CPU, split the host into this many virtual devices")
+    p.add_argument(
+        "--model",
+        help="also time this model's layers one by one and calibrate the predictor on them: "
+        "a reference model (gpt, mlp) or MODULE:FUNCTION returning (step, args) or a workload",
+    )
+    p.add_argument("--batch-sizes", default="8,16", help="batch sizes to time the layers at (default 8,16)")
+    p.add_argument("--layers", type=int, default=4, help="how many layers to cut the model into (default 4)")
+    p.set_defaults(run=machines.profile)
+
+    p = sub.add_parser(
+        "solve",
+        help="make a plan offline for a step and a cluster file, and save it (no accelerator needed)",
+        description="FUNCTION returns (step, args) or an object with .step, .state and .batch; args may be "
+        "jax.ShapeDtypeStruct trees (jax.eval_shape), so large models need no memory to plan.",
+    )
+    p.add_argument("function", help="a reference model (gpt, mlp), MODULE:FUNCTION or path/to/file.py:FUNCTION")
+    p.add_argument("--cluster", required=True, help="the cluster file (YAML)")
+    p.add_argument("-o", "--output", default="plan.json", help="where to write the plan (JSON)")
+    p.add_argument("--batch-size", type=int, help="passed to FUNCTION as batch_size=")
+    p.add_argument("--microbatches", type=int, default=1, help="microbatches per step (default 1)")
+    p.add_argument("--stages", type=int, help="pipeline stages (default: one per device group)")
+    p.add_argument("--layers", type=int, help="layers to cut the model into (default: one per stage)")
+    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe")
+    p.add_argument("--batch-argnum", type=int, default=1, help="which argument of the step is the batch (default 1)")
+    p.set_defaults(run=plans.solve)
+
+    p = sub.add_parser("show", help="print a plan: stages, meshes, shardings, predicted time, memory, MFU")
+    p.add_argument("plan", help="the plan file (JSON)")
+    p.set_defaults(run=plans.show)
+
+    p = sub.add_parser("simulate", help="simulate one step of a plan event by event; write a trace and a timeline")
+    p.add_argument("plan", help="the plan file (JSON)")
+    p.add_argument("--trace", help="write a Chrome/Perfetto trace (JSON) here")
+    p.add_argument("--plot", help="write a PNG timeline here")
+    p.add_argument("--schedule", choices=("gpipe", "1f1b"), help="simulate another schedule than the plan's")
+    p.set_defaults(run=plans.simulate)
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    try:
+        return args.run(args)
+    except HetparError as e:
+        print(f"hetpar: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,5 @@
+import sys
+
+from hetpar.cli import main
+
+sys.exit(main())

@@ -1,0 +1,94 @@
+"""Commands about hardware: the device catalog, cluster files, and profiling."""
+
+from __future__ import annotations
+
+import argparse
+
+from hetpar.cli.output import console
+from hetpar.errors import HetparError
+
+
+def devices(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from hetpar.cluster.catalog import devices as catalog
+
+    table = Table(title="hetpar device catalog (dense peaks)")
+    for col in ("type", "vendor", "fp32 TF", "tf32 TF", "bf16 TF", "memory GiB", "HBM GB/s", "node link GB/s"):
+        table.add_column(col, justify="left" if col in ("type", "vendor") else "right")
+    for d in catalog():
+        table.add_row(
+            d.name, d.vendor,
+            f"{d.flops('fp32') / 1e12:.1f}", f"{d.flops('tf32') / 1e12:.1f}", f"{d.flops('bf16') / 1e12:.1f}",
+            f"{d.memory_bytes / 2**30:.0f}", f"{d.memory_bandwidth / 1e9:.0f}", f"{d.intra_node_link.bandwidth / 1e9:.0f}",
+        )
+    console().print(table)
+    if args.sources:
+        for d in catalog():
+            print(f"{d.name}: {d.source}")
+    return 0
+
+
+def validate(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from hetpar.cluster.cluster import Cluster
+
+    cluster = Cluster.from_file(args.cluster)
+    table = Table(title=f"{args.cluster}: {cluster.num_devices} devices, valid")
+    for col in ("group", "device", "nodes", "per node", "intra-node GB/s", "inter-node GB/s"):
+        table.add_column(col, justify="left" if col in ("group", "device") else "right")
+    for g in cluster.groups:
+        table.add_row(
+            g.label, g.type_name, str(g.nodes), str(g.devices_per_node),
+            f"{g.intra_link.bandwidth / 1e9:.1f}", f"{g.inter_link.bandwidth / 1e9:.1f}" if g.nodes > 1 else "-",
+        )
+    console().print(table)
+    groups = list(cluster.groups)
+    for i, a in enumerate(groups):
+        for b in groups[i + 1:]:
+            link = cluster.link_between(a, b)
+            print(f"{a.label} <-> {b.label}: {link.name}, {link.bandwidth / 1e9:.1f} GB/s, {link.latency * 1e6:.1f} us")
+    return 0
+
+
+def profile(args: argparse.Namespace) -> int:
+    import jax
+
+    if args.cpu_devices:
+        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+    from hetpar.predict.profile import LayerWorkload, profile_local
+    from hetpar.workloads import load_workload
+
+    layers = []
+    if args.model:
+        for size in ints(args.batch_sizes, "--batch-sizes"):
+            w = load_workload(args.model, batch_size=size)
+            layers.append(LayerWorkload(f"{args.model} batch {size}", w.step, w.args, args.layers))
+    result = profile_local(mesh_size=args.mesh_size, device_type=args.device_type, layers=layers)
+    result.save(args.output)
+    for name, d in result.devices.items():
+        c = d.compute
+        print(
+            f"{name}: {d.mesh_size} device(s), matmul {c.matmul_flops / 1e9:.1f} GFLOP/s per device "
+            f"(half speed at {c.half_flops / 1e6:.2f} MFLOP), memory {c.memory_bandwidth / 1e9:.2f} GB/s, "
+            f"launch {c.program_overhead_s * 1e6:.0f} us, all-reduce {d.allreduce_bandwidth / 1e9:.2f} GB/s "
+            f"+ {d.allreduce_latency_s * 1e6:.1f} us/step"
+        )
+        if d.layer_samples:
+            print(
+                f"  calibrated on {len(d.layer_samples)} layer programs of {d.layer_model}: launch x{c.launch_scale:.2f}, "
+                f"matmul x{c.matmul_scale:.2f}, vector x{c.vector_scale:.2f}, {c.op_overhead_s * 1e6:.1f} us per kernel"
+            )
+    print(f"wrote {args.output}")
+    return 0
+
+
+def ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise HetparError(f"{flag} takes comma-separated whole numbers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise HetparError(f"{flag} needs positive numbers, got {text!r}")
+    return values

@@ -1,0 +1,111 @@
+"""Commands about plans: solve one offline, look at it, simulate its schedule."""
+
+from __future__ import annotations
+
+import argparse
+
+from hetpar.cli.output import console
+from hetpar.errors import HetparError
+
+
+def solve(args: argparse.Namespace) -> int:
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from hetpar.cluster.cluster import Cluster
+    from hetpar.plan_file import save_plan
+    from hetpar.solve import make_plan
+    from hetpar.workloads import load_workload
+
+    cluster = Cluster.from_file(args.cluster)
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    with Progress(*columns, transient=True) as progress:
+        task = progress.add_task(f"building {args.function}", total=None)
+        workload = load_workload(args.function, batch_size=args.batch_size)
+        progress.update(task, description=f"tracing the step and solving for {cluster.describe()}")
+        plan = make_plan(
+            workload.step, workload.args, cluster, args.microbatches, args.stages, args.layers, args.schedule, args.batch_argnum
+        )
+    save_plan(plan, args.output)
+    _print_plan(plan)
+    print(f"wrote {args.output}")
+    return 0
+
+
+def show(args: argparse.Namespace) -> int:
+    from hetpar.plan_file import load_plan
+
+    _print_plan(load_plan(args.plan))
+    return 0
+
+
+def simulate(args: argparse.Namespace) -> int:
+    from hetpar.plan import fmt_time
+    from hetpar.plan_file import load_plan
+    from hetpar.timeline import breakdown, closed_form_s, plot_timeline, simulate_plan, write_chrome_trace
+
+    plan = load_plan(args.plan)
+    if args.schedule:
+        from dataclasses import replace
+
+        plan = replace(plan, schedule=args.schedule)
+    try:
+        sim = simulate_plan(plan)
+    except ValueError as e:
+        raise HetparError(str(e)) from None
+    parts = breakdown(plan, sim)
+    closed = closed_form_s(plan)
+    print(
+        f"simulated step ({plan.schedule}, {plan.num_microbatches} microbatches): {fmt_time(sim.step_s)}; "
+        f"compute {fmt_time(parts.compute_s)}, communication {fmt_time(parts.communication_s)}, bubble {fmt_time(parts.bubble_s)}"
+    )
+    print(f"planner's closed form: {fmt_time(closed)} ({(closed - sim.step_s) / sim.step_s:+.1%} from the simulation)")
+    print(f"stages idle {sim.bubble_fraction:.1%} of the step")
+    if args.trace:
+        write_chrome_trace(sim, args.trace)
+        print(f"wrote {args.trace} (open in ui.perfetto.dev or chrome://tracing)")
+    if args.plot:
+        plot_timeline(plan, sim, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _print_plan(plan) -> None:  # noqa: ANN001
+    from rich.table import Table
+
+    from hetpar.plan import fmt_time
+    from hetpar.timeline import breakdown, simulate_plan
+
+    out = console()
+    table = Table(title=f"hetpar plan: {plan.num_stages} stage(s) on {plan.cluster}, {plan.num_microbatches} microbatch(es), {plan.schedule}")
+    for col in ("stage", "layers", "modules", "device", "devices", "mesh", "DP x TP", "batch", "fwd/mb", "bwd/mb", "memory / capacity"):
+        table.add_column(col, justify="left" if col in ("modules", "device") else "right")
+    for s in plan.stages:
+        memory = f"{s.memory_bytes / 2**30:.2f} / {s.memory_capacity / 2**30:.0f} GiB" if s.memory_bytes else (
+            f"- / {s.memory_capacity / 2**30:.0f} GiB" if s.memory_capacity else "-")
+        table.add_row(
+            str(s.index), f"{s.layer_start}-{s.layer_end - 1}", s.layer_names, s.device_type, str(s.num_devices),
+            "x".join(map(str, s.mesh_shape or (s.num_devices,))), f"{s.data_parallel or s.num_devices} x {s.tensor_parallel}",
+            f"{s.batch_share:.0%}", fmt_time(s.forward_s), fmt_time(s.backward_s), memory,
+        )
+    out.print(table)
+    specs = [(s.index, path, spec) for s in plan.stages for path, spec in s.param_specs]
+    if specs:
+        sharding = Table(title="parameter shardings")
+        for col in ("stage", "parameter", "PartitionSpec"):
+            sharding.add_column(col)
+        for index, path, spec in specs:
+            sharding.add_row(str(index), path, spec)
+        out.print(sharding)
+    lines = [f"predicted step time {fmt_time(plan.predicted_step_time_s)}"]
+    if plan.has_timings:
+        parts = breakdown(plan, simulate_plan(plan))
+        lines.append(f"compute {fmt_time(parts.compute_s)}, communication {fmt_time(parts.communication_s)}, bubble {fmt_time(parts.bubble_s)}")
+    if plan.tokens_per_step:
+        lines.append(f"{plan.tokens_per_s:,.0f} tokens/s")
+    if plan.peak_flops:
+        lines.append(f"MFU {plan.mfu:.1%}")
+    if plan.bound_ratio is not None:
+        lines.append(f"{plan.bound_ratio:.1%} of the cluster's upper bound")
+    out.print("; ".join(lines))
+    for note in plan.notes:
+        out.print(f"note: {note}")

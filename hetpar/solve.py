@@ -1,0 +1,87 @@
+"""From a traced step and a cluster to a Plan, and the checks that a saved plan fits
+the step and cluster it is about to run on. Shared by `parallelize` and `hetpar solve`
+(which runs offline: it needs the step's shapes, not the cluster's devices)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable
+
+from hetpar.cluster.cluster import Cluster, DeviceGroup
+from hetpar.errors import PlanError
+from hetpar.plan import Plan
+from hetpar.planning import assign_stages
+from hetpar.trace.fingerprint import differences, signature
+from hetpar.trace.flops import op_costs
+from hetpar.trace.layers import Layers, build_layers
+from hetpar.trace.traced_step import TracedStep, trace_step
+
+
+def make_plan(
+    fn: Callable,
+    args: tuple,
+    cluster: Cluster,
+    num_microbatches: int = 1,
+    num_stages: int | None = None,
+    num_layers: int | None = None,
+    schedule: str = "gpipe",
+    batch_argnum: int = 1,
+) -> Plan:
+    """A plan for `fn(*args)` on `cluster`, without running anything: `args` may be
+    abstract (`jax.ShapeDtypeStruct` trees from `jax.eval_shape`) and the cluster a
+    file's description of machines this process does not have."""
+    traced = trace_step(fn, args, batch_argnum, num_microbatches)
+    if not all(g.device_ids for g in cluster.groups):
+        cluster = cluster.numbered()
+    return solve(traced, cluster, num_stages, num_layers, schedule)[0]
+
+
+def layers_of(traced: TracedStep, num_layers: int) -> Layers:
+    return build_layers(traced.full, traced.analysis, [c.flops for c in op_costs(traced.full)], num_layers)
+
+
+def solve(
+    traced: TracedStep,
+    cluster: Cluster,
+    num_stages: int | None = None,
+    num_layers: int | None = None,
+    schedule: str = "gpipe",
+) -> tuple[Plan, Layers]:
+    """`cluster` needs device ids or positions (`Cluster.numbered()` offline)."""
+    stages = num_stages or min(len(cluster.groups), cluster.num_devices)
+    layers = layers_of(traced, num_layers or stages)
+    num_microbatches = traced.batch_size // traced.microbatch_size
+    plan = assign_stages(layers, cluster, stages, num_microbatches, schedule)
+    tokens = _tokens(traced)
+    return replace(plan, program=signature(traced.full), tokens_per_step=tokens), layers
+
+
+def _tokens(traced: TracedStep) -> int:
+    """Examples x positions of the batch's first leaf: tokens for a sequence model."""
+    first = traced.full.avals[traced.batch_invars[0]]
+    shape = tuple(first.shape)
+    return int(shape[0] * (shape[1] if len(shape) > 1 and first.dtype.kind in "iu" else 1))
+
+
+def check_fits(plan: Plan, traced: TracedStep, cluster: Cluster) -> None:
+    """Refuses a plan made for another step or another cluster, saying what differs."""
+    if plan.program is not None:
+        diff = differences(plan.program, signature(traced.full))
+        if diff:
+            raise PlanError("the plan was made for a different step: " + "; ".join(diff) + ". Solve the plan again for this step.")
+    if plan.num_microbatches * traced.microbatch_size != traced.batch_size:
+        raise PlanError(f"the plan splits the batch into {plan.num_microbatches} microbatches; this batch of {traced.batch_size} needs another count")
+    if plan.cluster_groups:
+        want = [(g.device_type, g.devices) for g in plan.cluster_groups]
+        have = [(g.type_name, g.size) for g in cluster.groups]
+        if want != have:
+            fmt = lambda groups: " + ".join(f"{n}x{t}" for t, n in groups)  # noqa: E731
+            raise PlanError(f"the plan was made for a cluster of {fmt(want)}; this cluster is {fmt(have)}")
+
+
+def cluster_for(plan: Plan) -> Cluster:
+    """The cluster a plan names, on this process's devices in order."""
+    if not plan.cluster_groups:
+        raise PlanError("the plan does not record its cluster; pass cluster= as well")
+    groups = tuple(DeviceGroup(g.device_type, name=g.name, devices_per_node=g.devices) for g in plan.cluster_groups)
+    return Cluster(groups, name=plan.cluster).bind()

@@ -1,0 +1,140 @@
+"""A plan's step, simulated event by event, as people look at it: a Chrome/Perfetto
+trace and a PNG timeline (stages as rows, microbatches labelled, the bubble as the
+empty space between bars)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from hetpar.plan import Plan
+from solver.pipeline_sim import Simulation, pipeline_time, simulate
+
+_COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "transfer": "#8C8C8C", "sync": "#55A868", "optimizer": "#C44E52"}
+
+
+@dataclass(frozen=True)
+class StepBreakdown:
+    step_s: float
+    compute_s: float  # the busiest stage's forwards, backwards and optimizer
+    communication_s: float  # it waits while data moves: transfers, its gradient sync
+    bubble_s: float  # it waits on other stages' compute
+
+
+def simulate_plan(plan: Plan) -> Simulation:
+    if not plan.has_timings:
+        raise ValueError("the plan has no per-stage timings to simulate; solve it again with this hetpar")
+    return simulate([s.times for s in plan.stages], plan.num_microbatches, plan.schedule)
+
+
+def breakdown(plan: Plan, sim: Simulation) -> StepBreakdown:
+    """Splits the simulated step along its busiest stage: the time it computes is
+    compute; the time it waits while data moves (a transfer or its gradient sync) is
+    communication; the time it waits on other stages' compute is bubble."""
+    busiest = max(range(plan.num_stages), key=lambda i: sim.busy_s[i])
+    lane = f"stage {busiest}"
+    working = [(e.start_s, e.end_s) for e in sim.events if e.lane == lane and e.kind != "sync"]
+    moving = [(e.start_s, e.end_s) for e in sim.events if e.kind == "transfer" or (e.lane == lane and e.kind == "sync")]
+    compute = _length(working)
+    communication = _length(moving) - _overlap(moving, working)
+    return StepBreakdown(sim.step_s, compute, communication, max(sim.step_s - compute - communication, 0.0))
+
+
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(end - start for start, end in _merged(intervals))
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    total = 0.0
+    for s1, e1 in _merged(a):
+        for s2, e2 in _merged(b):
+            total += max(0.0, min(e1, e2) - max(s1, s2))
+    return total
+
+
+def closed_form_s(plan: Plan) -> float:
+    """The planner's closed-form step time, for comparison with the simulation."""
+    return pipeline_time([s.times for s in plan.stages], plan.num_microbatches)
+
+
+def write_chrome_trace(sim: Simulation, path: str | Path) -> None:
+    """Chrome trace event format (open in chrome://tracing or ui.perfetto.dev)."""
+    lanes = _lanes(sim)
+    events = [
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": lane}} for i, lane in enumerate(lanes)
+    ]
+    for e in sim.events:
+        events.append({
+            "name": e.name, "cat": e.kind, "ph": "X", "pid": 0, "tid": lanes.index(e.lane),
+            "ts": e.start_s * 1e6, "dur": (e.end_s - e.start_s) * 1e6,
+            "args": {"microbatch": e.microbatch},
+        })
+    Path(path).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+
+
+def plot_timeline(plan: Plan, sim: Simulation, path: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    lanes = _lanes(sim)
+    unit, scale = _unit(sim.step_s)
+    fig, ax = plt.subplots(figsize=(12, 0.7 * len(lanes) + 1.6))
+    for e in sim.events:
+        row = len(lanes) - 1 - lanes.index(e.lane)
+        start, width = e.start_s * scale, (e.end_s - e.start_s) * scale
+        ax.broken_barh([(start, width)], (row - 0.4, 0.8), facecolors=_COLORS[e.kind], edgecolor="white", linewidth=0.5)
+        label = e.name if e.kind in ("forward", "backward") else ("" if e.kind == "transfer" else e.kind)
+        if label and width > sim.step_s * scale / 80:
+            ax.text(start + width / 2, row, label, ha="center", va="center", fontsize=7, color="white")
+    ax.set_yticks(range(len(lanes)))
+    ax.set_yticklabels([_lane_label(plan, lane) for lane in reversed(lanes)])
+    ax.set_xlabel(f"time ({unit})")
+    ax.set_xlim(0, sim.step_s * scale * 1.01)
+    ax.set_title(
+        f"{plan.schedule}, {plan.num_stages} stages, {plan.num_microbatches} microbatches: step {sim.step_s * scale:.3g} {unit}, "
+        f"bubble {sim.bubble_fraction:.0%} of stage time (white space)"
+    )
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in _COLORS.items()], loc="upper right", fontsize=8, ncol=5)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _lanes(sim: Simulation) -> list[str]:
+    stages = sorted({e.lane for e in sim.events if e.lane.startswith("stage")}, key=lambda s: int(s.split()[1]))
+    links = sorted({e.lane for e in sim.events if e.lane.startswith("link")})
+    out = []
+    for s in stages:  # each stage, then the links leaving it
+        out.append(s)
+        out += [lane for lane in links if lane.split()[1].split("->")[0] == s.split()[1]]
+    return out
+
+
+def _lane_label(plan: Plan, lane: str) -> str:
+    if lane.startswith("stage"):
+        s = plan.stages[int(lane.split()[1])]
+        return f"stage {s.index}: {s.num_devices}x{s.device_type}"
+    return lane
+
+
+def _unit(seconds: float) -> tuple[str, float]:
+    if seconds >= 1:
+        return "s", 1.0
+    if seconds >= 1e-3:
+        return "ms", 1e3
+    return "us", 1e6
