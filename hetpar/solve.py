@@ -8,6 +8,7 @@ from dataclasses import replace
 from typing import Callable
 
 from hetpar.cluster.cluster import Cluster, DeviceGroup
+from hetpar.compile.tasks import op_stages
 from hetpar.errors import PlanError
 from hetpar.plan import Plan
 from hetpar.planning import assign_stages
@@ -52,8 +53,28 @@ def solve(
     layers = layers_of(traced, num_layers or stages)
     num_microbatches = traced.batch_size // traced.microbatch_size
     plan = assign_stages(layers, cluster, stages, num_microbatches, schedule)
-    tokens = _tokens(traced)
-    return replace(plan, program=signature(traced.full), tokens_per_step=tokens), layers
+    plan = replace(plan, stages=tuple(
+        replace(s, param_specs=specs) for s, specs in zip(plan.stages, _replicated_params(traced, layers, plan))
+    ))
+    return replace(plan, program=signature(traced.full), tokens_per_step=_tokens(traced)), layers
+
+
+def _replicated_params(traced: TracedStep, layers: Layers, plan: Plan) -> list[tuple[tuple[str, str], ...]]:
+    """Each stage's parameters (batch-free step inputs its operators read) and their
+    sharding: replicated over a data-parallel stage mesh."""
+    layer_stage = [s.index for s in plan.stages for _ in range(s.layer_start, s.layer_end)]
+    stage_of_op = op_stages(traced.full, traced.analysis, layers, layer_stage)
+    position = {v: i for i, v in enumerate(traced.full.invars)}
+    owner: dict[int, int] = {}
+    for op in traced.full.ops:  # the first operator to read a parameter places it
+        for v in op.inputs:
+            if v in position and traced.analysis.batch_axis.get(v) is None:
+                owner.setdefault(v, stage_of_op[op.index])
+    out: list[list[tuple[str, str]]] = [[] for _ in plan.stages]
+    for v, stage in sorted(owner.items(), key=lambda kv: position[kv[0]]):
+        name = traced.input_paths[position[v]] if traced.input_paths else f"arg {position[v]}"
+        out[stage].append((name, "PartitionSpec()"))
+    return [tuple(specs) for specs in out]
 
 
 def _tokens(traced: TracedStep) -> int:

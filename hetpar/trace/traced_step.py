@@ -24,6 +24,7 @@ class TracedStep:
     batch_invars: tuple[int, ...]
     batch_size: int
     microbatch_size: int
+    input_paths: tuple[str, ...] = ()  # per flat argument: its pytree path, e.g. "[0].params['Dense_0']['kernel']"
 
 
 def trace_step(fn: Callable, args: tuple, batch_argnum: int, num_microbatches: int) -> TracedStep:
@@ -36,7 +37,8 @@ def trace_step(fn: Callable, args: tuple, batch_argnum: int, num_microbatches: i
     analysis = analyze(full, probe, list(batch_invars))
     if exec_graph is not full:
         _check_microbatch_program(full, exec_graph, mb)
-    return TracedStep(full, exec_graph, analysis, batch_invars, batch_size, mb)
+    paths = tuple(jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(args)[0])
+    return TracedStep(full, exec_graph, analysis, batch_invars, batch_size, mb, paths)
 
 
 def _check_microbatch_program(full: OpGraph, microbatch: OpGraph, size: int) -> None:
