@@ -22,7 +22,7 @@ from hetpar.compile.step import compile_step
 from hetpar.errors import HetparError, PlanError
 from hetpar.plan import Plan
 from hetpar.plan_file import SCHEDULES, load_plan
-from hetpar.runtime.executor import CompiledStep, run
+from hetpar.runtime.executor import CompiledStep, RunStats, run
 from hetpar.solve import check_fits, cluster_for, layers_of, solve
 from hetpar.trace.traced_step import as_array, trace_step
 
@@ -69,13 +69,17 @@ class ParallelFunction:
         return len(self._cache)
 
     def __call__(self, *args: Any) -> Any:
+        return self.call_with_stats(*args, stats=None)
+
+    def call_with_stats(self, *args: Any, stats: RunStats | None = None) -> Any:
+        """A call that also records, in `stats`, what the runtime holds at its peak."""
         flat, treedef = jax.tree.flatten(args)
         key = (treedef, tuple((tuple(x.shape), str(x.dtype)) for x in map(as_array, flat)))
         if key not in self._cache:
             self._cache[key] = self._build(args)
         plan, compiled = self._cache[key]
         self._last, self._last_compiled = plan, compiled
-        return jax.tree.unflatten(compiled.graph.out_tree, run(compiled, flat))
+        return jax.tree.unflatten(compiled.graph.out_tree, run(compiled, flat, stats))
 
     def _build(self, args: tuple) -> tuple[Plan, CompiledStep]:
         o = self._options
@@ -98,7 +102,7 @@ class ParallelFunction:
             layer_stage = [s.index for s in plan.stages for _ in range(s.layer_start, s.layer_end)]
             order = [d for g in cluster.groups for d in g.device_ids]  # plans name devices by position
             meshes = {s.index: stage_mesh(tuple(order[p] for p in s.device_ids)) for s in plan.stages}
-            compiled = compile_step(traced, layers, layer_stage, meshes)
+            compiled = compile_step(traced, layers, layer_stage, meshes, plan.schedule)
         log.info("hetpar built a %d-stage plan in %s", plan.num_stages, timer)
         return plan, compiled
 

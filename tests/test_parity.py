@@ -55,6 +55,24 @@ def test_gpt_parity(gpt_workload, plan):
     assert used.num_stages == stages
 
 
+ONE_F_ONE_B = [
+    (TWO_TYPES, 2, 4, 4),
+    (TWO_TYPES, 4, 8, 4),
+    (THREE_TYPES, 3, 8, 4),
+    (FAST_SLOW, 2, 2, 4),
+]
+
+
+@pytest.mark.parametrize("plan", ONE_F_ONE_B, ids=_id)
+def test_one_f_one_b_parity(gpt_workload, mlp_workload, plan):
+    counts, stages, mbs, layers = plan
+    for workload in (gpt_workload, mlp_workload):
+        used = run_parity(
+            workload, hetpar.Cluster.virtual(counts), num_stages=stages, num_microbatches=mbs, num_layers=layers, schedule="1f1b"
+        )
+        assert used.schedule == "1f1b" and used.num_stages == stages
+
+
 def test_faster_type_gets_more_layers(gpt_workload):
     plan = run_parity(gpt_workload, hetpar.Cluster.virtual(FAST_SLOW), num_stages=2, num_microbatches=2, num_layers=4)
     h100, v100 = plan.stages

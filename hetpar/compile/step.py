@@ -11,7 +11,9 @@ from hetpar.trace.layers import Layers
 from hetpar.trace.traced_step import TracedStep
 
 
-def compile_step(traced: TracedStep, layers: Layers, layer_stage: list[int], meshes: dict[int, Mesh]) -> CompiledStep:
+def compile_step(
+    traced: TracedStep, layers: Layers, layer_stage: list[int], meshes: dict[int, Mesh], schedule: str = "gpipe"
+) -> CompiledStep:
     """`layer_stage[i]` is the stage of layer i; `meshes[s]` the mesh stage s runs on
     (stages may share one mesh, as when layers are profiled one by one)."""
     num_microbatches = traced.batch_size // traced.microbatch_size
@@ -23,5 +25,5 @@ def compile_step(traced: TracedStep, layers: Layers, layer_stage: list[int], mes
     ]
     return CompiledStep(
         traced.exec_graph, traced.full.constants, traced.analysis, programs,
-        set(traced.batch_invars), num_microbatches, traced.microbatch_size,
+        set(traced.batch_invars), num_microbatches, traced.microbatch_size, schedule,
     )

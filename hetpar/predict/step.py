@@ -16,7 +16,6 @@ from hetpar.predict.compute import ComputeModel
 from hetpar.predict.profile import Profile
 from hetpar.predict.programs import ProgramEstimate, estimate_task
 from hetpar.runtime.executor import CompiledStep
-from hetpar.runtime.schedule import gpipe
 from solver.collectives import LinkCost
 
 
@@ -84,11 +83,10 @@ def predict_step(
                     transfer[program.task.stage] += _transfer_s(compiled, plan, cluster, v, src, program.task.stage)
 
     m = compiled.num_microbatches
-    order = gpipe(compiled.programs, m)
     per_mb = {s.index: transfer[s.index] for s in plan.stages}
     once = 0.0
     comm = 0.0
-    for item in order:
+    for item in compiled.dispatch_order:
         est = estimates[item.program]
         if item.microbatch is None:
             once += est.time_s

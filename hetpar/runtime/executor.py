@@ -8,14 +8,15 @@ meshes overlap without explicit threads; nothing here blocks on a result.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Sequence
 
 import jax
 import numpy as np
 
 from hetpar.compile.programs import Program
-from hetpar.runtime.schedule import gpipe
+from hetpar.runtime.schedule import Step, order
 from hetpar.trace.microbatch import MicrobatchAnalysis, Phase
 from hetpar.trace.opgraph import OpGraph
 
@@ -29,6 +30,11 @@ class CompiledStep:
     batch_invars: set[int]
     num_microbatches: int
     microbatch_size: int
+    schedule: str = "gpipe"
+
+    @cached_property
+    def dispatch_order(self) -> list[Step]:
+        return order(self.programs, self.num_microbatches, self.schedule)
 
     def per_microbatch(self, value: int) -> bool:
         if value in self.batch_invars:
@@ -41,7 +47,27 @@ class CompiledStep:
         )
 
 
-def run(step: CompiledStep, flat_args: Sequence[Any]) -> list[Any]:
+@dataclass
+class RunStats:
+    """What the runtime holds between programs: per stage, the peak bytes of
+    per-microbatch values (activations and their gradients) kept for later programs."""
+
+    peak_activation_bytes: dict[int, int] = field(default_factory=dict)
+
+    def observe(self, store: dict) -> None:
+        held: dict[int, int] = {}
+        for (_, mb), copies in store.items():
+            if mb is not None:
+                for stage, x in copies.items():
+                    held[stage] = held.get(stage, 0) + x.nbytes
+        for stage, nbytes in held.items():
+            self.peak_activation_bytes[stage] = max(self.peak_activation_bytes.get(stage, 0), nbytes)
+
+
+def run(step: CompiledStep, flat_args: Sequence[Any], stats: RunStats | None = None) -> list[Any]:
+    """Dispatches every program of one step in the schedule's order. With `stats`,
+    also records what the step holds at its peak (costs a walk over held values per
+    program, so only for measurements)."""
     graph = step.graph
     store: dict[tuple[int, int | None], dict[int, Any]] = {}  # (value, microbatch) -> stage -> array
     inputs = dict(zip(graph.invars, flat_args))
@@ -54,6 +80,8 @@ def run(step: CompiledStep, flat_args: Sequence[Any]) -> list[Any]:
         if mb is None:
             return arg
         size = step.microbatch_size
+        if isinstance(arg, jax.Array):  # a static slice: no index crosses from the host
+            return jax.lax.slice_in_dim(arg, mb * size, (mb + 1) * size, axis=0)
         return arg[mb * size : (mb + 1) * size]
 
     def fetch(value: int, mb: int | None, stage: int, sharding: Any) -> Any:
@@ -67,7 +95,7 @@ def run(step: CompiledStep, flat_args: Sequence[Any]) -> list[Any]:
         return copies[stage]
 
     accumulators: dict[int, tuple] = {}
-    for item in gpipe(step.programs, step.num_microbatches):
+    for item in step.dispatch_order:
         program = step.programs[item.program]
         task = program.task
         mb = item.microbatch
@@ -85,6 +113,8 @@ def run(step: CompiledStep, flat_args: Sequence[Any]) -> list[Any]:
         if item.last_microbatch:
             for v, x in zip(task.reductions, accumulators.pop(item.program)):
                 store[(v, None)] = {task.stage: x}
+        if stats is not None:
+            stats.observe(store)
         if item.release is not None:
             for k in [k for k in store if k[1] == item.release]:
                 del store[k]

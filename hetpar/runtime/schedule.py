@@ -1,9 +1,18 @@
-"""Pipeline schedules: the order in which stage programs run in one step."""
+"""Pipeline schedules: the order in which this process dispatches stage programs.
+
+Dispatch is asynchronous, so the order is not the timing: each mesh runs its programs
+as their inputs arrive. What the order fixes is which microbatches a stage holds at
+once. GPipe dispatches every forward, then every backward; 1F1B (PipeDream-flush)
+lets each stage run one backward after each forward once its pipeline is full, so a
+stage keeps at most as many microbatches as there are stages from it to the last.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Sequence
+
+from solver.pipeline_sim import SCHEDULES, StageTimes, simulate
 
 
 @dataclass(frozen=True)
@@ -14,22 +23,33 @@ class Step:
     release: int | None = None  # per-microbatch values of this microbatch are dead after this
 
 
-def gpipe(programs: Sequence, num_microbatches: int) -> list[Step]:
-    """GPipe: every forward of every microbatch, then every backward, stages in
-    pipeline order (forward) and reverse order (backward)."""
-    def of(kind: str) -> list[int]:
-        return [i for i, p in enumerate(programs) if p.task.kind == kind]
+def order(programs: Sequence, num_microbatches: int, schedule: str = "gpipe") -> list[Step]:
+    """Pre work, the microbatches' forwards and backwards in the schedule's order,
+    then post work. A stage whose forward program also runs its backward (the last)
+    has no backward program."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
 
-    pre, fwd, bwd, post = of("pre"), of("fwd"), of("bwd"), of("post")
-    fwd.sort(key=lambda i: programs[i].task.stage)
-    bwd.sort(key=lambda i: -programs[i].task.stage)
-    last = num_microbatches - 1
-    order = [Step(i, None) for i in pre]
-    order += [Step(i, m, m == last) for m in range(num_microbatches) for i in fwd]
-    for m in range(num_microbatches):
-        for j, i in enumerate(bwd):
-            order.append(Step(i, m, m == last, release=m if j == len(bwd) - 1 else None))
-    if not bwd:  # forward-only steps: release after the last forward
-        order = [s if s.microbatch is None or s.program != fwd[-1] else Step(s.program, s.microbatch, s.last_microbatch, s.microbatch) for s in order]
-    order += [Step(i, None) for i in post]
-    return order
+    def of(kind: str) -> dict[int, int]:
+        return {p.task.stage: i for i, p in enumerate(programs) if p.task.kind == kind}
+
+    fwd, bwd = of("fwd"), of("bwd")
+    stages = sorted(set(fwd) | set(bwd))
+    # The dependency order of a pipeline with equal stage times: any valid order would
+    # do for correctness; this one is the schedule's own.
+    times = [StageTimes(1.0, 1.0 if s in bwd else 0.0) for s in stages]
+    events = simulate(times, num_microbatches, schedule).events
+    m_last = num_microbatches - 1
+    middle: list[Step] = []
+    for e in sorted(events, key=lambda e: (e.start_s, e.lane)):
+        if e.kind not in ("forward", "backward"):
+            continue
+        stage = stages[int(e.lane.split()[1])]
+        table = fwd if e.kind == "forward" else bwd
+        if stage in table:
+            middle.append(Step(table[stage], e.microbatch, e.microbatch == m_last))
+    last_use = {s.microbatch: i for i, s in enumerate(middle)}
+    middle = [Step(s.program, s.microbatch, s.last_microbatch, s.microbatch if last_use[s.microbatch] == i else None)
+              for i, s in enumerate(middle)]
+    once = lambda kind: [Step(i, None) for i, p in enumerate(programs) if p.task.kind == kind]  # noqa: E731
+    return once("pre") + middle + once("post")
