@@ -18,13 +18,13 @@ import jax
 
 from hetpar.cluster.cluster import Cluster
 from hetpar.compile.programs import stage_mesh
-from hetpar.compile.step import compile_step
+from hetpar.compile.step import compile_replicated, compile_step
 from hetpar.errors import HetparError, PlanError
 from hetpar.plan import Plan
 from hetpar.plan_file import SCHEDULES, load_plan
 from hetpar.runtime.executor import CompiledStep, RunStats, run
 from hetpar.solve import check_fits, cluster_for, layers_of, solve
-from hetpar.trace.traced_step import as_array, trace_step
+from hetpar.trace.traced_step import as_array, trace_microbatch, trace_step
 
 log = logging.getLogger("hetpar")
 
@@ -38,6 +38,7 @@ class Options:
     batch_argnum: int = 1  # which positional argument is the batch
     plan: Plan | None = None  # a plan made earlier (e.g. `hetpar solve`), used as it is
     schedule: str = "gpipe"
+    num_replicas: int = 1  # data-parallel pipelines, each on its own devices and share of the batch
 
 
 class ParallelFunction:
@@ -97,12 +98,17 @@ class ParallelFunction:
                 check_fits(o.plan, traced, cluster)
                 plan, layers = o.plan, layers_of(traced, o.plan.num_layers)
             else:
-                plan, layers = solve(traced, cluster, o.num_stages, o.num_layers, o.schedule)
+                plan, layers = solve(traced, cluster, o.num_stages, o.num_layers, o.schedule, o.num_replicas)
         with timer("compile"):
-            layer_stage = [s.index for s in plan.stages for _ in range(s.layer_start, s.layer_end)]
             order = [d for g in cluster.groups for d in g.device_ids]  # plans name devices by position
             meshes = {s.index: stage_mesh(tuple(order[p] for p in s.device_ids)) for s in plan.stages}
-            compiled = compile_step(traced, layers, layer_stage, meshes, plan.schedule)
+            if plan.num_replicas == 1:
+                layer_stage = [s.index for s in plan.stages for _ in range(s.layer_start, s.layer_end)]
+                compiled = compile_step(traced, layers, layer_stage, meshes, plan.schedule)
+            else:
+                sizes = {b // plan.num_microbatches for b in plan.replica_batch}
+                graphs = {size: trace_microbatch(self._fn, args, o.batch_argnum, traced, size) for size in sizes}
+                compiled = compile_replicated(traced, layers, plan, meshes, graphs)
         log.info("hetpar built a %d-stage plan in %s", plan.num_stages, timer)
         return plan, compiled
 
@@ -116,6 +122,7 @@ def parallelize(
     num_stages: int | None = None,
     num_layers: int | None = None,
     schedule: str = "gpipe",
+    num_replicas: int = 1,
     batch_argnum: int = 1,
 ) -> Any:
     """Parallelizes a train step `fn(state, batch)` over `cluster`.
@@ -123,8 +130,10 @@ def parallelize(
     Use as `parallelize(step, cluster=...)` or as a decorator
     `@parallelize(cluster=...)`. With `plan=` (a Plan or a plan file from `hetpar
     solve`) the plan is used as it is, on its own cluster unless `cluster` is given,
-    after checking that it was made for this step. The result computes what
-    `jax.jit(fn)` computes.
+    after checking that it was made for this step. With `num_replicas` > 1 the
+    cluster runs that many data-parallel pipelines (of `num_stages` stages each), each
+    taking a share of the batch in proportion to its devices' speed. The result
+    computes what `jax.jit(fn)` computes.
     """
     if isinstance(plan, str | Path):
         plan = load_plan(plan)
@@ -134,7 +143,9 @@ def parallelize(
         raise PlanError(f"num_microbatches must be at least 1, got {num_microbatches}")
     if schedule not in SCHEDULES:
         raise PlanError(f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
-    options = Options(cluster, num_microbatches, num_stages, num_layers, batch_argnum, plan, schedule)
+    if num_replicas < 1:
+        raise PlanError(f"num_replicas must be at least 1, got {num_replicas}")
+    options = Options(cluster, num_microbatches, num_stages, num_layers, batch_argnum, plan, schedule, num_replicas)
     if fn is None:
         return lambda f: ParallelFunction(f, options)
     return ParallelFunction(fn, options)

@@ -42,6 +42,7 @@ class StagePlan:
     memory_bytes: int = 0  # predicted peak per device
     memory_capacity: int = 0  # per device
     param_specs: tuple[tuple[str, str], ...] = ()  # (parameter path, PartitionSpec)
+    replica: int = 0  # which data-parallel pipeline this stage belongs to
 
     @property
     def num_layers(self) -> int:
@@ -77,10 +78,20 @@ class Plan:
     model_flops: float = 0.0  # forward + backward per step, without rematerialization
     peak_flops: float = 0.0  # of the devices the plan uses
     bound_ratio: float | None = None  # throughput over the cluster's upper bound, when known
+    # Examples each data-parallel pipeline takes per step, when there are several: a
+    # pipeline of faster devices takes more (a non-uniform batch split).
+    replica_batch: tuple[int, ...] = ()
 
     @property
     def num_stages(self) -> int:
         return len(self.stages)
+
+    @property
+    def num_replicas(self) -> int:
+        return max(s.replica for s in self.stages) + 1
+
+    def replica_stages(self, replica: int) -> tuple[StagePlan, ...]:
+        return tuple(s for s in self.stages if s.replica == replica)
 
     @property
     def has_timings(self) -> bool:
@@ -92,7 +103,10 @@ class Plan:
         GPipe formula on whole-stage times: the first microbatch crosses every stage,
         the rest follow at the pace of the slowest."""
         if self.has_timings:
-            return simulate([s.times for s in self.stages], self.num_microbatches, self.schedule).step_s
+            return max(
+                simulate([s.times for s in self.replica_stages(r)], self.num_microbatches, self.schedule).step_s
+                for r in range(self.num_replicas)
+            )
         per_mb = [s.predicted_time_s / self.num_microbatches for s in self.stages]
         return sum(per_mb) + (self.num_microbatches - 1) * max(per_mb)
 

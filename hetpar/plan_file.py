@@ -68,8 +68,24 @@ def check_plan(plan: Plan, where: str = "plan") -> None:
         _known_type(g.device_type, f"{where}: cluster group {g.name!r}")
         if g.devices < 1:
             raise PlanError(f"{where}: cluster group {g.name!r} has {g.devices} devices; a group needs at least one")
+    replicas = sorted({s.replica for s in plan.stages})
+    if replicas != list(range(len(replicas))):
+        raise PlanError(f"{where}: replicas are numbered {replicas}; number them 0, 1, ... without gaps")
+    if len(replicas) > 1 and len(plan.replica_batch) != len(replicas):
+        raise PlanError(f"{where}: {len(replicas)} data-parallel replicas need replica_batch with one example count each")
+    if any(b < plan.num_microbatches or b % plan.num_microbatches for b in plan.replica_batch):
+        raise PlanError(f"{where}: each replica's examples {list(plan.replica_batch)} must be a positive multiple of num_microbatches")
+    for replica in replicas:
+        _check_stages([s for s in plan.stages if s.replica == replica], plan, where)
+    used = [i for s in plan.stages for i in s.device_ids]
+    if len(used) != len(set(used)):
+        raise PlanError(f"{where}: two stages share a device; each device belongs to one stage")
+
+
+def _check_stages(stages: list[StagePlan], plan: Plan, where: str) -> None:
+    """One pipeline's stages: known devices, layers covered in order, sane degrees."""
     expected_start = 0
-    for s in plan.stages:
+    for s in stages:
         label = f"{where}: stage {s.index}"
         _known_type(s.device_type, label)
         if not s.device_ids:
@@ -86,9 +102,6 @@ def check_plan(plan: Plan, where: str = "plan") -> None:
             raise PlanError(f"{label}: tensor_parallel, data_parallel and batch_share must be positive (batch_share at most 1)")
     if expected_start != plan.num_layers:
         raise PlanError(f"{where}: the stages cover {expected_start} layers but the plan says the model has {plan.num_layers}")
-    used = [i for s in plan.stages for i in s.device_ids]
-    if len(used) != len(set(used)):
-        raise PlanError(f"{where}: two stages share a device; each device belongs to one stage")
 
 
 def _known_type(name: str, label: str) -> None:

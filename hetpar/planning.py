@@ -4,6 +4,7 @@ layers in proportion to each stage's speed. The full planner replaces this."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 from hetpar.cluster.cluster import Cluster, DeviceGroup
 from hetpar.errors import PlanError
@@ -87,6 +88,77 @@ def assign_stages(
         model_flops=sum(layers.flops),
         peak_flops=sum(speeds),
     )
+
+
+def assign_replicas(
+    layers: Layers, cluster: Cluster, num_replicas: int, stages_per_replica: int, num_microbatches: int,
+    batch_size: int, schedule: str = "gpipe",
+) -> Plan:
+    """Data parallelism across device types: `num_replicas` pipelines, each on its own
+    devices, each taking a share of the batch in proportion to its speed (a replica
+    twice as fast takes twice the examples). Gradients are summed across replicas
+    before the update, so the result is the full batch's."""
+    if num_replicas == 1:
+        return assign_stages(layers, cluster, stages_per_replica, num_microbatches, schedule)
+    homes = stage_groups(cluster, num_replicas)
+    speeds = [g.size * g.spec.matmul_flops() for g in homes]
+    examples = split_batch(batch_size, num_microbatches, speeds)
+    stages: list[StagePlan] = []
+    positions = _positions(cluster)
+    for r, (home, share) in enumerate(zip(homes, examples)):
+        if home.size % stages_per_replica:
+            raise PlanError(
+                f"replica {r} has {home.size} {home.type_name} devices, which do not split evenly into {stages_per_replica} stages"
+            )
+        size = home.size // stages_per_replica
+        parts = tuple(DeviceGroup(home.type_name, home.device_ids[i * size : (i + 1) * size], name=_group_of(cluster, home).label,
+                                  nodes=1, devices_per_node=size) for i in range(stages_per_replica))
+        sub = assign_stages(layers, replace(cluster, groups=parts), stages_per_replica, num_microbatches, schedule)
+        fraction = share / batch_size
+        for st in sub.stages:
+            stages.append(replace(
+                st, index=len(stages), replica=r, batch_share=fraction,
+                device_ids=tuple(positions[d] for d in parts[st.index].device_ids),  # stage i runs on part i
+                group=_group_of(cluster, home).label, predicted_time_s=st.predicted_time_s * fraction,
+                forward_s=st.forward_s * fraction, backward_s=st.backward_s * fraction, send_s=st.send_s * fraction,
+                sync_s=st.sync_s + _cross_replica_s(cluster, homes, sum(layers.param_bytes[st.layer_start:st.layer_end])),
+            ))
+    return Plan(
+        tuple(stages), num_microbatches, layers.num_layers, cluster.describe(), schedule,
+        cluster_groups=tuple(ClusterGroup(g.label, g.type_name, g.size) for g in cluster.groups),
+        model_flops=sum(layers.flops), peak_flops=sum(speeds), replica_batch=tuple(examples),
+    )
+
+
+def split_batch(batch_size: int, num_microbatches: int, speeds: list[float]) -> list[int]:
+    """Examples per replica, in proportion to speed, each a positive multiple of the
+    microbatch count (the largest remainders get the leftover)."""
+    if batch_size % num_microbatches:
+        raise PlanError(f"batch size {batch_size} is not divisible by num_microbatches={num_microbatches}")
+    units = batch_size // num_microbatches
+    if units < len(speeds):
+        raise PlanError(
+            f"{len(speeds)} replicas need at least {len(speeds)} examples per microbatch; the batch of {batch_size} "
+            f"in {num_microbatches} microbatches has {units}: use fewer microbatches or a larger batch"
+        )
+    # At least two examples per microbatch where the batch allows: JAX traces size-1
+    # dimensions differently, so a one-example microbatch may not match the program.
+    floor = 2 if units >= 2 * len(speeds) else 1
+    exact = [units * v / sum(speeds) for v in speeds]
+    counts = [max(floor, int(x)) for x in exact]
+    while sum(counts) > units:
+        counts[max((i for i in range(len(counts)) if counts[i] > floor), key=lambda i: counts[i] - exact[i])] -= 1
+    while sum(counts) < units:
+        counts[max(range(len(counts)), key=lambda i: exact[i] - counts[i])] += 1
+    return [c * num_microbatches for c in counts]
+
+
+def _cross_replica_s(cluster: Cluster, homes: list[DeviceGroup], nbytes: int) -> float:
+    """Summing a stage's gradients across replicas: a ring over the slowest link
+    between them (2(n-1)/n of the bytes cross each link)."""
+    n = len(homes)
+    link = min((cluster.link_between(a, b) for i, a in enumerate(homes) for b in homes[i + 1:]), key=lambda l: l.bandwidth)
+    return 2 * (n - 1) * link.latency + 2 * (n - 1) / n * nbytes / link.bandwidth
 
 
 def _allreduce_s(nbytes: int, group: DeviceGroup) -> float:

@@ -11,7 +11,7 @@ from hetpar.cluster.cluster import Cluster, DeviceGroup
 from hetpar.compile.tasks import op_stages
 from hetpar.errors import PlanError
 from hetpar.plan import Plan
-from hetpar.planning import assign_stages
+from hetpar.planning import assign_replicas, assign_stages
 from hetpar.trace.fingerprint import differences, signature
 from hetpar.trace.flops import op_costs
 from hetpar.trace.layers import Layers, build_layers
@@ -27,6 +27,7 @@ def make_plan(
     num_layers: int | None = None,
     schedule: str = "gpipe",
     batch_argnum: int = 1,
+    num_replicas: int = 1,
 ) -> Plan:
     """A plan for `fn(*args)` on `cluster`, without running anything: `args` may be
     abstract (`jax.ShapeDtypeStruct` trees from `jax.eval_shape`) and the cluster a
@@ -34,7 +35,7 @@ def make_plan(
     traced = trace_step(fn, args, batch_argnum, num_microbatches)
     if not all(g.device_ids for g in cluster.groups):
         cluster = cluster.numbered()
-    return solve(traced, cluster, num_stages, num_layers, schedule)[0]
+    return solve(traced, cluster, num_stages, num_layers, schedule, num_replicas)[0]
 
 
 def layers_of(traced: TracedStep, num_layers: int) -> Layers:
@@ -47,12 +48,18 @@ def solve(
     num_stages: int | None = None,
     num_layers: int | None = None,
     schedule: str = "gpipe",
+    num_replicas: int = 1,
 ) -> tuple[Plan, Layers]:
     """`cluster` needs device ids or positions (`Cluster.numbered()` offline)."""
-    stages = num_stages or min(len(cluster.groups), cluster.num_devices)
-    layers = layers_of(traced, num_layers or stages)
     num_microbatches = traced.batch_size // traced.microbatch_size
-    plan = assign_stages(layers, cluster, stages, num_microbatches, schedule)
+    if num_replicas > 1:
+        stages = num_stages or 1
+        layers = layers_of(traced, num_layers or stages)
+        plan = assign_replicas(layers, cluster, num_replicas, stages, num_microbatches, traced.batch_size, schedule)
+    else:
+        stages = num_stages or min(len(cluster.groups), cluster.num_devices)
+        layers = layers_of(traced, num_layers or stages)
+        plan = assign_stages(layers, cluster, stages, num_microbatches, schedule)
     plan = replace(plan, stages=tuple(
         replace(s, param_specs=specs) for s, specs in zip(plan.stages, _replicated_params(traced, layers, plan))
     ))
@@ -62,18 +69,20 @@ def solve(
 def _replicated_params(traced: TracedStep, layers: Layers, plan: Plan) -> list[tuple[tuple[str, str], ...]]:
     """Each stage's parameters (batch-free step inputs its operators read) and their
     sharding: replicated over a data-parallel stage mesh."""
-    layer_stage = [s.index for s in plan.stages for _ in range(s.layer_start, s.layer_end)]
-    stage_of_op = op_stages(traced.full, traced.analysis, layers, layer_stage)
     position = {v: i for i, v in enumerate(traced.full.invars)}
-    owner: dict[int, int] = {}
-    for op in traced.full.ops:  # the first operator to read a parameter places it
-        for v in op.inputs:
-            if v in position and traced.analysis.batch_axis.get(v) is None:
-                owner.setdefault(v, stage_of_op[op.index])
     out: list[list[tuple[str, str]]] = [[] for _ in plan.stages]
-    for v, stage in sorted(owner.items(), key=lambda kv: position[kv[0]]):
-        name = traced.input_paths[position[v]] if traced.input_paths else f"arg {position[v]}"
-        out[stage].append((name, "PartitionSpec()"))
+    for r in range(plan.num_replicas):
+        stages = plan.replica_stages(r)
+        layer_stage = [s.index for s in stages for _ in range(s.layer_start, s.layer_end)]
+        stage_of_op = op_stages(traced.full, traced.analysis, layers, layer_stage)
+        owner: dict[int, int] = {}
+        for op in traced.full.ops:  # the first operator to read a parameter places it
+            for v in op.inputs:
+                if v in position and traced.analysis.batch_axis.get(v) is None:
+                    owner.setdefault(v, stage_of_op[op.index])
+        for v, stage in sorted(owner.items(), key=lambda kv: position[kv[0]]):
+            name = traced.input_paths[position[v]] if traced.input_paths else f"arg {position[v]}"
+            out[stage].append((name, "PartitionSpec()"))
     return [tuple(specs) for specs in out]
 
 
@@ -90,7 +99,9 @@ def check_fits(plan: Plan, traced: TracedStep, cluster: Cluster) -> None:
         diff = differences(plan.program, signature(traced.full))
         if diff:
             raise PlanError("the plan was made for a different step: " + "; ".join(diff) + ". Solve the plan again for this step.")
-    if plan.num_microbatches * traced.microbatch_size != traced.batch_size:
+    if plan.replica_batch and sum(plan.replica_batch) != traced.batch_size:
+        raise PlanError(f"the plan's replicas take {list(plan.replica_batch)} examples; this batch has {traced.batch_size}")
+    if not plan.replica_batch and plan.num_microbatches * traced.microbatch_size != traced.batch_size:
         raise PlanError(f"the plan splits the batch into {plan.num_microbatches} microbatches; this batch of {traced.batch_size} needs another count")
     if plan.cluster_groups:
         want = [(g.device_type, g.devices) for g in plan.cluster_groups]

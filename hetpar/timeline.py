@@ -5,7 +5,7 @@ empty space between bars)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hetpar.plan import Plan
@@ -23,9 +23,26 @@ class StepBreakdown:
 
 
 def simulate_plan(plan: Plan) -> Simulation:
+    """Every data-parallel pipeline of the plan, simulated side by side; lanes are
+    named by the plan's (global) stage numbers."""
     if not plan.has_timings:
         raise ValueError("the plan has no per-stage timings to simulate; solve it again with this hetpar")
-    return simulate([s.times for s in plan.stages], plan.num_microbatches, plan.schedule)
+    events, busy, step = [], [0.0] * plan.num_stages, 0.0
+    for r in range(plan.num_replicas):
+        stages = plan.replica_stages(r)
+        sim = simulate([s.times for s in stages], plan.num_microbatches, plan.schedule)
+        rename = {f"stage {i}": f"stage {s.index}" for i, s in enumerate(stages)}
+        for e in sim.events:
+            if e.lane in rename:
+                lane = rename[e.lane]
+            else:
+                a, b = e.lane.split()[1].split("->")
+                lane = f"link {stages[int(a)].index}->{stages[int(b)].index}"
+            events.append(replace(e, lane=lane))
+        for i, s in enumerate(stages):
+            busy[s.index] = sim.busy_s[i]
+        step = max(step, sim.step_s)
+    return Simulation(tuple(sorted(events, key=lambda e: (e.start_s, e.lane))), step, tuple(busy))
 
 
 def breakdown(plan: Plan, sim: Simulation) -> StepBreakdown:
@@ -65,7 +82,10 @@ def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> floa
 
 def closed_form_s(plan: Plan) -> float:
     """The planner's closed-form step time, for comparison with the simulation."""
-    return pipeline_time([s.times for s in plan.stages], plan.num_microbatches)
+    return max(
+        pipeline_time([s.times for s in plan.replica_stages(r)], plan.num_microbatches, plan.schedule)
+        for r in range(plan.num_replicas)
+    )
 
 
 def write_chrome_trace(sim: Simulation, path: str | Path) -> None:
@@ -128,7 +148,8 @@ def _lanes(sim: Simulation) -> list[str]:
 def _lane_label(plan: Plan, lane: str) -> str:
     if lane.startswith("stage"):
         s = plan.stages[int(lane.split()[1])]
-        return f"stage {s.index}: {s.num_devices}x{s.device_type}"
+        replica = f" (replica {s.replica}, {s.batch_share:.0%} of batch)" if plan.num_replicas > 1 else ""
+        return f"stage {s.index}: {s.num_devices}x{s.device_type}{replica}"
     return lane
 
 

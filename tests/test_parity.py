@@ -73,6 +73,38 @@ def test_one_f_one_b_parity(gpt_workload, mlp_workload, plan):
         assert used.schedule == "1f1b" and used.num_stages == stages
 
 
+REPLICATED = [
+    # (cluster, replicas, stages per replica, microbatches, layers, schedule)
+    (FAST_SLOW, 2, 1, 2, None, "gpipe"),  # non-uniform: the H100 replica takes more examples
+    (TWO_TYPES, 2, 2, 2, 4, "1f1b"),
+    (THREE_TYPES, 3, 2, 2, 4, "1f1b"),
+    ({"A100": 8}, 2, 2, 2, 4, "gpipe"),  # one type: a uniform split
+]
+
+
+def _rid(case):
+    counts, replicas, stages, mbs, layers, schedule = case
+    return f"{'+'.join(counts)}-r{replicas}-s{stages}-mb{mbs}-{schedule}"
+
+
+@pytest.mark.parametrize("case", REPLICATED, ids=_rid)
+def test_data_parallel_replicas_parity(gpt_workload, mlp_workload, case):
+    counts, replicas, stages, mbs, layers, schedule = case
+    for workload in (gpt_workload, mlp_workload):
+        plan = run_parity(
+            workload, hetpar.Cluster.virtual(counts), num_replicas=replicas, num_stages=stages,
+            num_microbatches=mbs, num_layers=layers, schedule=schedule,
+        )
+        assert plan.num_replicas == replicas and sum(plan.replica_batch) == 16
+    if len(counts) == 1:
+        assert len(set(plan.replica_batch)) == 1
+    else:  # faster replicas take more of the batch
+        speeds = [sum(s.speed_flops for s in plan.replica_stages(r)) for r in range(replicas)]
+        share = plan.replica_batch
+        assert all(share[i] >= share[j] for i in range(replicas) for j in range(replicas) if speeds[i] > speeds[j])
+        assert len(set(share)) > 1
+
+
 def test_faster_type_gets_more_layers(gpt_workload):
     plan = run_parity(gpt_workload, hetpar.Cluster.virtual(FAST_SLOW), num_stages=2, num_microbatches=2, num_layers=4)
     h100, v100 = plan.stages

@@ -123,6 +123,31 @@ def test_markers_average_over_microbatches():
     assert_close(jax.jit(marked)(params, batch), (ref_state, ref_loss), "marker is the identity outside hetpar")
 
 
+def test_markers_weigh_uneven_replicas_by_their_share():
+    net = _Net()
+    batch = _data()
+    params = net.init(jax.random.key(0), batch["x"])
+
+    def loss_fn(p, batch):
+        return jnp.mean((net.apply(p, batch["x"]) - batch["y"]) ** 2)
+
+    def marked(params, batch):
+        loss, grads = hetpar.value_and_grad(loss_fn)(params, batch)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+
+    def plain(params, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+
+    cluster = hetpar.Cluster.virtual({"H100": 4, "V100": 4})
+    parallel = hetpar.parallelize(marked, cluster=cluster, num_replicas=2, num_microbatches=2, num_layers=2)
+    par_state, par_loss = parallel(params, batch)
+    assert len(set(parallel.plan.replica_batch)) == 2  # uneven shares
+    ref_state, ref_loss = jax.jit(plain)(params, batch)
+    assert_close(par_loss, ref_loss, "marked loss over uneven replicas")
+    assert_close(par_state, ref_state, "marked update over uneven replicas")
+
+
 def test_batch_statistics_are_refused_with_the_fix():
     def step(w, batch):
         def loss_fn(w):

@@ -64,11 +64,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--stages", type=int, help="pipeline stages (default: one per device group)")
     p.add_argument("--layers", type=int, help="layers to cut the model into (default: one per stage)")
     p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe")
+    p.add_argument("--replicas", type=int, default=1, help="data-parallel pipelines, each taking a share of the batch by speed")
     p.add_argument("--batch-argnum", type=int, default=1, help="which argument of the step is the batch (default 1)")
     p.set_defaults(run=plans.solve)
 
     p = sub.add_parser("show", help="print a plan: stages, meshes, shardings, predicted time, memory, MFU")
     p.add_argument("plan", help="the plan file (JSON)")
+    p.add_argument("--shardings", action="store_true", help="list every parameter's stage and PartitionSpec")
     p.set_defaults(run=plans.show)
 
     p = sub.add_parser("simulate", help="simulate one step of a plan event by event; write a trace and a timeline")

@@ -23,7 +23,8 @@ def solve(args: argparse.Namespace) -> int:
         workload = load_workload(args.function, batch_size=args.batch_size)
         progress.update(task, description=f"tracing the step and solving for {cluster.describe()}")
         plan = make_plan(
-            workload.step, workload.args, cluster, args.microbatches, args.stages, args.layers, args.schedule, args.batch_argnum
+            workload.step, workload.args, cluster, args.microbatches, args.stages, args.layers, args.schedule,
+            args.batch_argnum, args.replicas,
         )
     save_plan(plan, args.output)
     _print_plan(plan)
@@ -34,7 +35,7 @@ def solve(args: argparse.Namespace) -> int:
 def show(args: argparse.Namespace) -> int:
     from hetpar.plan_file import load_plan
 
-    _print_plan(load_plan(args.plan))
+    _print_plan(load_plan(args.plan), shardings=args.shardings)
     return 0
 
 
@@ -69,7 +70,7 @@ def simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_plan(plan) -> None:  # noqa: ANN001
+def _print_plan(plan, shardings: bool = False) -> None:  # noqa: ANN001
     from rich.table import Table
 
     from hetpar.plan import fmt_time
@@ -77,19 +78,22 @@ def _print_plan(plan) -> None:  # noqa: ANN001
 
     out = console()
     table = Table(title=f"hetpar plan: {plan.num_stages} stage(s) on {plan.cluster}, {plan.num_microbatches} microbatch(es), {plan.schedule}")
-    for col in ("stage", "layers", "modules", "device", "devices", "mesh", "DP x TP", "batch", "fwd/mb", "bwd/mb", "memory / capacity"):
+    for col in ("stage", "replica", "layers", "modules", "device", "devices", "mesh", "DP x TP", "batch", "fwd/mb", "bwd/mb", "memory / capacity"):
         table.add_column(col, justify="left" if col in ("modules", "device") else "right")
     for s in plan.stages:
         memory = f"{s.memory_bytes / 2**30:.2f} / {s.memory_capacity / 2**30:.0f} GiB" if s.memory_bytes else (
             f"- / {s.memory_capacity / 2**30:.0f} GiB" if s.memory_capacity else "-")
         table.add_row(
-            str(s.index), f"{s.layer_start}-{s.layer_end - 1}", s.layer_names, s.device_type, str(s.num_devices),
+            str(s.index), str(s.replica), f"{s.layer_start}-{s.layer_end - 1}", s.layer_names, s.device_type, str(s.num_devices),
             "x".join(map(str, s.mesh_shape or (s.num_devices,))), f"{s.data_parallel or s.num_devices} x {s.tensor_parallel}",
             f"{s.batch_share:.0%}", fmt_time(s.forward_s), fmt_time(s.backward_s), memory,
         )
     out.print(table)
     specs = [(s.index, path, spec) for s in plan.stages for path, spec in s.param_specs]
-    if specs:
+    if specs and not shardings:
+        kinds = sorted({spec for _, _, spec in specs})
+        out.print(f"{len(specs)} parameter and optimizer-state arrays placed, shardings: {', '.join(kinds)} (hetpar show --shardings lists them)")
+    elif specs:
         sharding = Table(title="parameter shardings")
         for col in ("stage", "parameter", "PartitionSpec"):
             sharding.add_column(col)

@@ -55,17 +55,21 @@ class Program:
 
 
 def compile_task(
-    task: Task, graph: OpGraph, constants: dict[int, Any], analysis: MicrobatchAnalysis, mesh: Mesh, num_microbatches: int
+    task: Task, graph: OpGraph, constants: dict[int, Any], analysis: MicrobatchAnalysis, mesh: Mesh, num_microbatches: int,
+    mean_weight: float | None = None,
 ) -> Program:
     """`graph` is the trace at the shapes this program runs with (one microbatch);
     `constants` are the full-batch trace's, so means divide by the full batch
-    (unless the step is marked: then each microbatch is its own mean, averaged here)."""
+    (unless the step is marked: then each microbatch is its own mean, averaged here
+    with `mean_weight`, its share of the batch: 1/num_microbatches unless microbatches
+    differ in size, as on data-parallel replicas of different speeds)."""
     ops = [graph.ops[i] for i in task.ops]
     needed = {v for op in ops for v in op.inputs if v in graph.constants}
     source = graph.constants if analysis.marked else constants
     consts = {v: np.asarray(source[v], dtype=graph.avals[v].dtype) for v in needed}
     combine = [analysis.reductions[v] for v in task.reductions]
-    scale = [1.0 / num_microbatches if c == "mean" else 1.0 for c in combine]
+    weight = 1.0 / num_microbatches if mean_weight is None else mean_weight
+    scale = [weight if c == "mean" else 1.0 for c in combine]
 
     def run(acc: tuple, *args: Any) -> tuple[tuple, tuple]:
         env = dict(consts)

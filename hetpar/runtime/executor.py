@@ -13,10 +13,11 @@ from functools import cached_property
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from hetpar.compile.programs import Program
-from hetpar.runtime.schedule import Step, order
+from hetpar.runtime.schedule import Step, order, replicated_order
 from hetpar.trace.microbatch import MicrobatchAnalysis, Phase
 from hetpar.trace.opgraph import OpGraph
 
@@ -28,13 +29,26 @@ class CompiledStep:
     analysis: MicrobatchAnalysis
     programs: list[Program]  # in task order
     batch_invars: set[int]
-    num_microbatches: int
+    num_microbatches: int  # per replica
     microbatch_size: int
     schedule: str = "gpipe"
+    # Data-parallel replicas (several pipelines, each on part of the batch): each
+    # program's replica, and each global microbatch's (start, size) in the batch.
+    replica_of: tuple[int, ...] = ()
+    slices: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def num_replicas(self) -> int:
+        return max(self.replica_of, default=0) + 1
+
+    def microbatch_slice(self, mb: int) -> tuple[int, int]:
+        return self.slices[mb] if self.slices else (mb * self.microbatch_size, self.microbatch_size)
 
     @cached_property
     def dispatch_order(self) -> list[Step]:
-        return order(self.programs, self.num_microbatches, self.schedule)
+        if self.num_replicas == 1:
+            return order(self.programs, self.num_microbatches, self.schedule)
+        return replicated_order(self.programs, self.replica_of, self.num_microbatches, self.schedule)
 
     def per_microbatch(self, value: int) -> bool:
         if value in self.batch_invars:
@@ -56,7 +70,7 @@ class RunStats:
 
     def observe(self, store: dict) -> None:
         held: dict[int, int] = {}
-        for (_, mb), copies in store.items():
+        for (_, mb, _), copies in store.items():
             if mb is not None:
                 for stage, x in copies.items():
                     held[stage] = held.get(stage, 0) + x.nbytes
@@ -69,25 +83,27 @@ def run(step: CompiledStep, flat_args: Sequence[Any], stats: RunStats | None = N
     also records what the step holds at its peak (costs a walk over held values per
     program, so only for measurements)."""
     graph = step.graph
-    store: dict[tuple[int, int | None], dict[int, Any]] = {}  # (value, microbatch) -> stage -> array
+    # (value, microbatch, replica) -> stage -> array. Once-per-step values (microbatch
+    # None) are per replica: each data-parallel pipeline has its own.
+    store: dict[tuple[int, int | None, int], dict[int, Any]] = {}
     inputs = dict(zip(graph.invars, flat_args))
 
-    def source(value: int, mb: int | None) -> Any:
-        copies = store.get((value, mb))
+    def source(value: int, mb: int | None, replica: int) -> Any:
+        copies = store.get((value, mb, replica)) or store.get((value, mb, 0))
         if copies:
             return next(iter(copies.values()))
         arg = inputs[value]
         if mb is None:
             return arg
-        size = step.microbatch_size
+        start, size = step.microbatch_slice(mb)
         if isinstance(arg, jax.Array):  # a static slice: no index crosses from the host
-            return jax.lax.slice_in_dim(arg, mb * size, (mb + 1) * size, axis=0)
-        return arg[mb * size : (mb + 1) * size]
+            return jax.lax.slice_in_dim(arg, start, start + size, axis=0)
+        return arg[start : start + size]
 
-    def fetch(value: int, mb: int | None, stage: int, sharding: Any) -> Any:
-        copies = store.setdefault((value, mb), {})
+    def fetch(value: int, mb: int | None, replica: int, stage: int, sharding: Any) -> Any:
+        copies = store.setdefault((value, mb, replica), {})
         if stage not in copies:
-            x = source(value, mb)
+            x = source(value, mb, replica)
             # A value already laid out as the program wants it (a parameter this stage
             # returned last step) is used in place: no copy, no dispatch.
             same = getattr(x, "sharding", None) is not None and x.sharding.is_equivalent_to(sharding, x.ndim)
@@ -96,11 +112,15 @@ def run(step: CompiledStep, flat_args: Sequence[Any], stats: RunStats | None = N
 
     accumulators: dict[int, tuple] = {}
     for item in step.dispatch_order:
+        if item.combine:
+            _combine_replicas(step, store)
+            continue
         program = step.programs[item.program]
         task = program.task
+        replica = step.replica_of[item.program] if step.replica_of else 0
         mb = item.microbatch
         args = [
-            fetch(v, mb if step.per_microbatch(v) else None, task.stage, sharding)
+            fetch(v, mb if step.per_microbatch(v) else None, replica, task.stage, sharding)
             for v, sharding in zip(task.inputs, program.in_shardings)
         ]
         acc = accumulators.get(item.program)
@@ -109,10 +129,10 @@ def run(step: CompiledStep, flat_args: Sequence[Any], stats: RunStats | None = N
         outs, accumulators[item.program] = program.fn(acc, *args)
         key = mb if task.per_microbatch else None
         for v, x in zip(task.outputs, outs):
-            store[(v, key)] = {task.stage: x}
+            store[(v, key, replica)] = {task.stage: x}
         if item.last_microbatch:
             for v, x in zip(task.reductions, accumulators.pop(item.program)):
-                store[(v, None)] = {task.stage: x}
+                store[(v, None, replica)] = {task.stage: x}
         if stats is not None:
             stats.observe(store)
         if item.release is not None:
@@ -122,10 +142,31 @@ def run(step: CompiledStep, flat_args: Sequence[Any], stats: RunStats | None = N
     return [_output(v, step, store, inputs) for v in graph.outvars]
 
 
+_MERGE = {"sum": jnp.add, "mean": jnp.add, "max": jnp.maximum, "min": jnp.minimum}
+
+
+def _combine_replicas(step: CompiledStep, store: dict) -> None:
+    """Each replica accumulated its own share of every reduction (gradients, loss
+    sums); replica 0 receives the others' and combines them, so its post work sees
+    the full batch's."""
+    for (value, mb, replica), copies in list(store.items()):
+        if mb is not None or replica == 0 or value not in step.analysis.reductions:
+            continue
+        home = store.get((value, None, 0))
+        other = next(iter(copies.values()))
+        if not home:
+            store[(value, None, 0)] = copies
+            continue
+        stage, mine = next(iter(home.items()))
+        moved = jax.device_put(other, mine.sharding)
+        store[(value, None, 0)] = {stage: _MERGE[step.analysis.reductions[value]](mine, moved)}
+        del store[(value, mb, replica)]
+
+
 def _output(value: int, step: CompiledStep, store: dict, inputs: dict) -> Any:
     if value in step.graph.constants:
         return np.asarray(step.constants[value], dtype=step.graph.avals[value].dtype)
-    copies = store.get((value, None))
+    copies = store.get((value, None, 0))
     if copies:
         return next(iter(copies.values()))
     return inputs[value]

@@ -21,6 +21,7 @@ class Step:
     microbatch: int | None  # None for once-per-step work (pre, post)
     last_microbatch: bool = False  # the program's accumulators are final after this
     release: int | None = None  # per-microbatch values of this microbatch are dead after this
+    combine: bool = False  # no program: sum the replicas' accumulated reductions into replica 0's
 
 
 def order(programs: Sequence, num_microbatches: int, schedule: str = "gpipe") -> list[Step]:
@@ -53,3 +54,31 @@ def order(programs: Sequence, num_microbatches: int, schedule: str = "gpipe") ->
               for i, s in enumerate(middle)]
     once = lambda kind: [Step(i, None) for i, p in enumerate(programs) if p.task.kind == kind]  # noqa: E731
     return once("pre") + middle + once("post")
+
+
+def replicated_order(programs: Sequence, replica_of: Sequence[int], num_microbatches: int, schedule: str) -> list[Step]:
+    """Data-parallel pipelines side by side: each replica's pre work, then the
+    replicas' microbatches interleaved (replica r's microbatch j is global microbatch
+    r * num_microbatches + j), then one step that sums the replicas' reductions, then
+    replica 0's post work, whose results are the step's."""
+    replicas = sorted(set(replica_of))
+    per_replica = []
+    for r in replicas:
+        index = [i for i, rep in enumerate(replica_of) if rep == r]
+        local = order([programs[i] for i in index], num_microbatches, schedule)
+        per_replica.append([
+            Step(index[s.program], None if s.microbatch is None else r * num_microbatches + s.microbatch,
+                 s.last_microbatch, None if s.release is None else r * num_microbatches + s.release)
+            for s in local
+        ])
+    kind = lambda s: programs[s.program].task.kind  # noqa: E731
+    pre = [s for steps in per_replica for s in steps if kind(s) == "pre"]
+    middle = [[s for s in steps if kind(s) in ("fwd", "bwd")] for steps in per_replica]
+    interleaved = [s for group in _round_robin(middle) for s in group]
+    post = [s for s in per_replica[0] if kind(s) == "post"]
+    return pre + interleaved + [Step(-1, None, combine=True)] + post
+
+
+def _round_robin(lists: list[list[Step]]) -> list[list[Step]]:
+    longest = max(len(steps) for steps in lists)
+    return [[steps[i] for steps in lists if i < len(steps)] for i in range(longest)]

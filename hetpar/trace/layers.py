@@ -102,9 +102,9 @@ def _param_bytes(graph: OpGraph, analysis: MicrobatchAnalysis, op_layer: dict[in
 
 
 def _scope_depth(graph: OpGraph, forward: list[int], flops: list[float], num_layers: int) -> int:
-    """The shallowest module depth whose scopes give `num_layers` substantial pieces
-    (each at least a quarter of an even share of the work); 0 when no depth does
-    (then any operator boundary may be cut)."""
+    """The shallowest module depth whose scopes, neighbours grouped, give `num_layers`
+    substantial pieces (each at least a quarter of an even share of the work); 0 when
+    no depth does (then any operator boundary may be cut)."""
     max_depth = max(len(graph.ops[i].module_path) for i in forward)
     threshold = sum(flops) / (4 * num_layers)
     for depth in range(1, max_depth + 1):
@@ -116,7 +116,13 @@ def _scope_depth(graph: OpGraph, forward: list[int], flops: list[float], num_lay
                 segment_flops.append(0.0)
                 previous = key
             segment_flops[-1] += f
-        if sum(f >= threshold for f in segment_flops) >= num_layers:
+        # Enough work for the layers once neighbouring small scopes are grouped.
+        groups, acc = 0, 0.0
+        for f in segment_flops:
+            acc += f
+            if acc >= threshold:
+                groups, acc = groups + 1, 0.0
+        if groups >= num_layers:
             return depth
     return 0
 

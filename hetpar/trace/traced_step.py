@@ -41,6 +41,16 @@ def trace_step(fn: Callable, args: tuple, batch_argnum: int, num_microbatches: i
     return TracedStep(full, exec_graph, analysis, batch_invars, batch_size, mb, paths)
 
 
+def trace_microbatch(fn: Callable, args: tuple, batch_argnum: int, traced: TracedStep, size: int) -> OpGraph:
+    """The step traced at another microbatch size (a data-parallel replica's), checked
+    to be the same program as the full batch's."""
+    if size == traced.microbatch_size:
+        return traced.exec_graph
+    graph = traced.full if size == traced.batch_size else jaxpr_ir.trace(fn, *at_batch(args, batch_argnum, size))
+    _check_microbatch_program(traced.full, graph, size)
+    return graph
+
+
 def _check_microbatch_program(full: OpGraph, microbatch: OpGraph, size: int) -> None:
     try:
         check_same_structure(full, microbatch)
