@@ -7,6 +7,7 @@ from hetpar.errors import ClusterError, HetparError, PlanError, UnsupportedStepE
 from hetpar.markers import grad, value_and_grad
 from hetpar.plan import Plan, StagePlan
 from hetpar.plan_file import load_plan, save_plan
+from hetpar.runtime.ray_runtime import init, shutdown
 from hetpar.solve import make_plan
 
 __all__ = [
@@ -22,6 +23,8 @@ __all__ = [
     "UnsupportedStepError",
     "devices",
     "grad",
+    "init",
+    "shutdown",
     "load_plan",
     "make_plan",
     "save_plan",

@@ -18,13 +18,14 @@ import jax
 
 from hetpar.cluster.cluster import Cluster
 from hetpar.compile.programs import stage_mesh
-from hetpar.compile.step import compile_replicated, compile_step
+from hetpar.compile.step import compile_step
 from hetpar.errors import HetparError, PlanError
 from hetpar.plan import Plan
 from hetpar.plan_file import SCHEDULES, load_plan
 from hetpar.runtime.executor import CompiledStep, RunStats, run
+from hetpar.runtime.ray_runtime import RayStep
 from hetpar.solve import check_fits, cluster_for, layers_of, solve
-from hetpar.trace.traced_step import as_array, trace_microbatch, trace_step
+from hetpar.trace.traced_step import as_array, microbatch_graphs, trace_step
 
 log = logging.getLogger("hetpar")
 
@@ -39,6 +40,7 @@ class Options:
     plan: Plan | None = None  # a plan made earlier (e.g. `hetpar solve`), used as it is
     schedule: str = "gpipe"
     num_replicas: int = 1  # data-parallel pipelines, each on its own devices and share of the batch
+    runtime: str = "local"  # "local": this process; "ray": one Ray actor per stage mesh
 
 
 class ParallelFunction:
@@ -80,9 +82,17 @@ class ParallelFunction:
             self._cache[key] = self._build(args)
         plan, compiled = self._cache[key]
         self._last, self._last_compiled = plan, compiled
-        return jax.tree.unflatten(compiled.graph.out_tree, run(compiled, flat, stats))
+        outputs = compiled(flat) if isinstance(compiled, RayStep) else run(compiled, flat, stats)
+        return jax.tree.unflatten(compiled.graph.out_tree, outputs)
 
-    def _build(self, args: tuple) -> tuple[Plan, CompiledStep]:
+    def shutdown(self) -> None:
+        """Stops the workers of a Ray runtime (nothing to do in-process)."""
+        for _, compiled in self._cache.values():
+            if isinstance(compiled, RayStep):
+                compiled.shutdown()
+        self._cache.clear()
+
+    def _build(self, args: tuple) -> tuple[Plan, CompiledStep | RayStep]:
         o = self._options
         timer = _Timer()
         microbatches = o.plan.num_microbatches if o.plan else o.num_microbatches
@@ -99,16 +109,16 @@ class ParallelFunction:
                 plan, layers = o.plan, layers_of(traced, o.plan.num_layers)
             else:
                 plan, layers = solve(traced, cluster, o.num_stages, o.num_layers, o.schedule, o.num_replicas)
+        if o.runtime == "ray":
+            with timer("start workers"):
+                compiled = RayStep(self._fn, args, o.batch_argnum, plan, traced, layers)
+            log.info("hetpar built a %d-stage plan on Ray in %s", plan.num_stages, timer)
+            return plan, compiled
         with timer("compile"):
             order = [d for g in cluster.groups for d in g.device_ids]  # plans name devices by position
             meshes = {s.index: stage_mesh(tuple(order[p] for p in s.device_ids)) for s in plan.stages}
-            if plan.num_replicas == 1:
-                layer_stage = [s.index for s in plan.stages for _ in range(s.layer_start, s.layer_end)]
-                compiled = compile_step(traced, layers, layer_stage, meshes, plan.schedule)
-            else:
-                sizes = {b // plan.num_microbatches for b in plan.replica_batch}
-                graphs = {size: trace_microbatch(self._fn, args, o.batch_argnum, traced, size) for size in sizes}
-                compiled = compile_replicated(traced, layers, plan, meshes, graphs)
+            graphs = microbatch_graphs(self._fn, args, o.batch_argnum, traced, plan)
+            compiled = compile_step(traced, layers, plan, meshes, graphs)
         log.info("hetpar built a %d-stage plan in %s", plan.num_stages, timer)
         return plan, compiled
 
@@ -123,6 +133,7 @@ def parallelize(
     num_layers: int | None = None,
     schedule: str = "gpipe",
     num_replicas: int = 1,
+    runtime: str = "local",
     batch_argnum: int = 1,
 ) -> Any:
     """Parallelizes a train step `fn(state, batch)` over `cluster`.
@@ -132,8 +143,9 @@ def parallelize(
     solve`) the plan is used as it is, on its own cluster unless `cluster` is given,
     after checking that it was made for this step. With `num_replicas` > 1 the
     cluster runs that many data-parallel pipelines (of `num_stages` stages each), each
-    taking a share of the batch in proportion to its devices' speed. The result
-    computes what `jax.jit(fn)` computes.
+    taking a share of the batch in proportion to its devices' speed. With
+    `runtime="ray"` every stage mesh runs in its own Ray actor (see `hetpar.init`).
+    The result computes what `jax.jit(fn)` computes.
     """
     if isinstance(plan, str | Path):
         plan = load_plan(plan)
@@ -145,7 +157,9 @@ def parallelize(
         raise PlanError(f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
     if num_replicas < 1:
         raise PlanError(f"num_replicas must be at least 1, got {num_replicas}")
-    options = Options(cluster, num_microbatches, num_stages, num_layers, batch_argnum, plan, schedule, num_replicas)
+    if runtime not in ("local", "ray"):
+        raise HetparError(f"unknown runtime {runtime!r}; use 'local' (this process) or 'ray' (one process per mesh)")
+    options = Options(cluster, num_microbatches, num_stages, num_layers, batch_argnum, plan, schedule, num_replicas, runtime)
     if fn is None:
         return lambda f: ParallelFunction(f, options)
     return ParallelFunction(fn, options)

@@ -1,62 +1,93 @@
-"""Compile a traced step, cut into stages, into one program per task."""
+"""Compile a traced step, cut into stages, into one program per task.
+
+`step_tasks` decides what runs where without touching devices: it is deterministic
+in the traced program and the plan, so a driver and its workers (one process per
+mesh, runtime/ray_runtime.py) derive the same tasks and agree on every index.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 from jax.sharding import Mesh
 
+from hetpar.compile.programs import Program, compile_task
+from hetpar.compile.tasks import Task, build_tasks, op_stages
 from hetpar.plan import Plan
-from hetpar.trace.opgraph import OpGraph
-
-from hetpar.compile.programs import compile_task
-from hetpar.compile.tasks import build_tasks, op_stages
 from hetpar.runtime.executor import CompiledStep
 from hetpar.trace.layers import Layers
+from hetpar.trace.opgraph import OpGraph
 from hetpar.trace.traced_step import TracedStep
 
 
-def compile_step(
-    traced: TracedStep, layers: Layers, layer_stage: list[int], meshes: dict[int, Mesh], schedule: str = "gpipe"
-) -> CompiledStep:
-    """`layer_stage[i]` is the stage of layer i; `meshes[s]` the mesh stage s runs on
-    (stages may share one mesh, as when layers are profiled one by one)."""
-    num_microbatches = traced.batch_size // traced.microbatch_size
-    stages = op_stages(traced.full, traced.analysis, layers, layer_stage)
-    tasks = build_tasks(traced.full, traced.analysis, stages)
-    programs = [
-        compile_task(t, traced.exec_graph, traced.full.constants, traced.analysis, meshes[t.stage], num_microbatches)
-        for t in tasks
-    ]
-    return CompiledStep(
-        traced.exec_graph, traced.full.constants, traced.analysis, programs,
-        set(traced.batch_invars), num_microbatches, traced.microbatch_size, schedule,
-    )
+@dataclass(frozen=True)
+class StepTasks:
+    tasks: tuple[Task, ...]
+    replica_of: tuple[int, ...]  # per task
+    microbatch_sizes: tuple[int, ...]  # per task: the batch size its program runs at
+    slices: tuple[tuple[int, int], ...]  # per global microbatch: (start, size) in the batch
+    num_microbatches: int  # per replica
 
 
-def compile_replicated(
-    traced: TracedStep, layers: Layers, plan: Plan, meshes: dict[int, Mesh], graphs: dict[int, OpGraph]
-) -> CompiledStep:
-    """Several data-parallel pipelines (the plan's replicas), each compiled at its own
-    microbatch size (`graphs[size]`): replica r's microbatches are global microbatches
-    r*m .. r*m+m-1, laid end to end over the batch. Only replica 0 runs the post work
-    (the update), on the reductions of all replicas combined."""
+def step_tasks(traced: TracedStep, layers: Layers, plan: Plan) -> StepTasks:
+    """Every data-parallel replica's tasks; replica r's microbatches are global
+    microbatches r*m .. r*m+m-1, laid end to end over the batch. Only replica 0 runs
+    the post work (the update), on the reductions of all replicas combined."""
     m = plan.num_microbatches
-    programs, replica_of, slices = [], [], []
+    batches = plan.replica_batch or (traced.batch_size,)
+    tasks, replica_of, sizes, slices = [], [], [], []
     start = 0
-    for r, examples in enumerate(plan.replica_batch):
+    for r, examples in enumerate(batches):
         size = examples // m
         stages = plan.replica_stages(r)
         layer_stage = [s.index for s in stages for _ in range(s.layer_start, s.layer_end)]
-        tasks = build_tasks(traced.full, traced.analysis, op_stages(traced.full, traced.analysis, layers, layer_stage))
-        for t in tasks:
+        for t in build_tasks(traced.full, traced.analysis, op_stages(traced.full, traced.analysis, layers, layer_stage)):
             if t.kind == "post" and r > 0:
                 continue
-            programs.append(compile_task(
-                t, graphs[size], traced.full.constants, traced.analysis, meshes[t.stage], m, mean_weight=size / traced.batch_size
-            ))
+            tasks.append(t)
             replica_of.append(r)
+            sizes.append(size)
         slices += [(start + j * size, size) for j in range(m)]
         start += examples
+    return StepTasks(tuple(tasks), tuple(replica_of), tuple(sizes), tuple(slices), m)
+
+
+def compile_tasks(
+    traced: TracedStep, plan_tasks: StepTasks, meshes: dict[int, Mesh], graphs: dict[int, OpGraph],
+    keep: Callable[[Task], bool] = lambda t: True,
+) -> list[Program | None]:
+    """One program per task that `keep` accepts (None for the others: another
+    process runs them), at its replica's microbatch size (`graphs[size]`)."""
+    m = plan_tasks.num_microbatches
+    return [
+        compile_task(
+            t, graphs[size], traced.full.constants, traced.analysis, meshes[t.stage], m,
+            mean_weight=size / traced.batch_size,
+        ) if keep(t) else None
+        for t, size in zip(plan_tasks.tasks, plan_tasks.microbatch_sizes)
+    ]
+
+
+def compile_step(traced: TracedStep, layers: Layers, plan: Plan, meshes: dict[int, Mesh], graphs: dict[int, OpGraph]) -> CompiledStep:
+    """The whole step in this process: `meshes[s]` is the mesh stage s runs on (stages
+    may share one, as when layers are profiled one by one)."""
+    plan_tasks = step_tasks(traced, layers, plan)
+    programs = compile_tasks(traced, plan_tasks, meshes, graphs)
+    replicated = plan.num_replicas > 1
     return CompiledStep(
-        traced.exec_graph, traced.full.constants, traced.analysis, programs, set(traced.batch_invars), m,
-        traced.microbatch_size, plan.schedule, tuple(replica_of), tuple(slices),
+        traced.exec_graph, traced.full.constants, traced.analysis, programs, set(traced.batch_invars),
+        plan_tasks.num_microbatches, traced.microbatch_size, plan.schedule,
+        plan_tasks.replica_of if replicated else (), plan_tasks.slices if replicated else (),
+    )
+
+
+def compile_layer_stages(traced: TracedStep, layers: Layers, layer_stage: list[int], meshes: dict[int, Mesh]) -> CompiledStep:
+    """The step with layer i on stage `layer_stage[i]`, no plan needed: how the
+    profiler compiles each layer on its own (all on one mesh)."""
+    m = traced.batch_size // traced.microbatch_size
+    tasks = build_tasks(traced.full, traced.analysis, op_stages(traced.full, traced.analysis, layers, layer_stage))
+    programs = [compile_task(t, traced.exec_graph, traced.full.constants, traced.analysis, meshes[t.stage], m) for t in tasks]
+    return CompiledStep(
+        traced.exec_graph, traced.full.constants, traced.analysis, programs, set(traced.batch_invars), m, traced.microbatch_size
     )

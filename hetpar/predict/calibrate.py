@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hetpar.compile.programs import Program, stage_mesh
-from hetpar.compile.step import compile_step
+from hetpar.compile.step import compile_layer_stages
 from hetpar.predict.compute import ComputeModel
 from hetpar.predict.programs import time_terms
 from hetpar.trace.flops import op_costs
@@ -78,7 +78,7 @@ def profile_layers(
     traced = trace_step(fn, args, batch_argnum, 1)
     layers = build_layers(traced.full, traced.analysis, [c.flops for c in op_costs(traced.full)], num_layers)
     mesh = stage_mesh(tuple(device_ids))
-    compiled = compile_step(traced, layers, list(range(layers.num_layers)), {i: mesh for i in range(layers.num_layers)})
+    compiled = compile_layer_stages(traced, layers, list(range(layers.num_layers)), {i: mesh for i in range(layers.num_layers)})
     samples = []
     for program in compiled.programs:
         terms = time_terms(program.task, compiled.graph, compiled.analysis, len(device_ids), model)

@@ -87,6 +87,8 @@ def predict_step(
     once = 0.0
     comm = 0.0
     for item in compiled.dispatch_order:
+        if item.combine:
+            continue
         est = estimates[item.program]
         if item.microbatch is None:
             once += est.time_s

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hetpar.compile.programs import Program
+from hetpar.runtime.communicator import DevicePath
 from hetpar.runtime.schedule import Step, order, replicated_order
 from hetpar.trace.microbatch import MicrobatchAnalysis, Phase
 from hetpar.trace.opgraph import OpGraph
@@ -51,14 +52,15 @@ class CompiledStep:
         return replicated_order(self.programs, self.replica_of, self.num_microbatches, self.schedule)
 
     def per_microbatch(self, value: int) -> bool:
-        if value in self.batch_invars:
-            return True
-        producer = self.graph.producer.get(value)
-        return (
-            producer is not None
-            and self.analysis.phase[producer] is Phase.MICRO
-            and value not in self.analysis.reductions
-        )
+        return is_per_microbatch(self.graph, self.analysis, self.batch_invars, value)
+
+
+def is_per_microbatch(graph: OpGraph, analysis: MicrobatchAnalysis, batch_invars: set[int], value: int) -> bool:
+    """A batch input, or a value a per-microbatch operator makes (not a reduction)."""
+    if value in batch_invars:
+        return True
+    producer = graph.producer.get(value)
+    return producer is not None and analysis.phase[producer] is Phase.MICRO and value not in analysis.reductions
 
 
 @dataclass
@@ -103,11 +105,9 @@ def run(step: CompiledStep, flat_args: Sequence[Any], stats: RunStats | None = N
     def fetch(value: int, mb: int | None, replica: int, stage: int, sharding: Any) -> Any:
         copies = store.setdefault((value, mb, replica), {})
         if stage not in copies:
-            x = source(value, mb, replica)
             # A value already laid out as the program wants it (a parameter this stage
             # returned last step) is used in place: no copy, no dispatch.
-            same = getattr(x, "sharding", None) is not None and x.sharding.is_equivalent_to(sharding, x.ndim)
-            copies[stage] = x if same else jax.device_put(x, sharding)
+            copies[stage] = _PATH.to_mesh(source(value, mb, replica), sharding)
         return copies[stage]
 
     accumulators: dict[int, tuple] = {}
@@ -142,7 +142,8 @@ def run(step: CompiledStep, flat_args: Sequence[Any], stats: RunStats | None = N
     return [_output(v, step, store, inputs) for v in graph.outvars]
 
 
-_MERGE = {"sum": jnp.add, "mean": jnp.add, "max": jnp.maximum, "min": jnp.minimum}
+_PATH = DevicePath()
+MERGE = {"sum": jnp.add, "mean": jnp.add, "max": jnp.maximum, "min": jnp.minimum}
 
 
 def _combine_replicas(step: CompiledStep, store: dict) -> None:
@@ -158,8 +159,8 @@ def _combine_replicas(step: CompiledStep, store: dict) -> None:
             store[(value, None, 0)] = copies
             continue
         stage, mine = next(iter(home.items()))
-        moved = jax.device_put(other, mine.sharding)
-        store[(value, None, 0)] = {stage: _MERGE[step.analysis.reductions[value]](mine, moved)}
+        moved = _PATH.to_mesh(other, mine.sharding)
+        store[(value, None, 0)] = {stage: MERGE[step.analysis.reductions[value]](mine, moved)}
         del store[(value, mb, replica)]
 
 

@@ -21,7 +21,7 @@ class Step:
     microbatch: int | None  # None for once-per-step work (pre, post)
     last_microbatch: bool = False  # the program's accumulators are final after this
     release: int | None = None  # per-microbatch values of this microbatch are dead after this
-    combine: bool = False  # no program: sum the replicas' accumulated reductions into replica 0's
+    combine: bool = False  # no program: reductions are final; replicas' are summed into replica 0's
 
 
 def order(programs: Sequence, num_microbatches: int, schedule: str = "gpipe") -> list[Step]:
@@ -53,7 +53,7 @@ def order(programs: Sequence, num_microbatches: int, schedule: str = "gpipe") ->
     middle = [Step(s.program, s.microbatch, s.last_microbatch, s.microbatch if last_use[s.microbatch] == i else None)
               for i, s in enumerate(middle)]
     once = lambda kind: [Step(i, None) for i, p in enumerate(programs) if p.task.kind == kind]  # noqa: E731
-    return once("pre") + middle + once("post")
+    return once("pre") + middle + [Step(-1, None, combine=True)] + once("post")
 
 
 def replicated_order(programs: Sequence, replica_of: Sequence[int], num_microbatches: int, schedule: str) -> list[Step]:
@@ -69,7 +69,7 @@ def replicated_order(programs: Sequence, replica_of: Sequence[int], num_microbat
         per_replica.append([
             Step(index[s.program], None if s.microbatch is None else r * num_microbatches + s.microbatch,
                  s.last_microbatch, None if s.release is None else r * num_microbatches + s.release)
-            for s in local
+            for s in local if not s.combine
         ])
     kind = lambda s: programs[s.program].task.kind  # noqa: E731
     pre = [s for steps in per_replica for s in steps if kind(s) == "pre"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import jax
 
@@ -14,6 +14,9 @@ from hetpar.errors import HetparError, PlanError, UnsupportedStepError
 from hetpar.trace import jaxpr_ir
 from hetpar.trace.microbatch import MicrobatchAnalysis, analyze, check_same_structure
 from hetpar.trace.opgraph import OpGraph
+
+if TYPE_CHECKING:
+    from hetpar.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,12 @@ def trace_microbatch(fn: Callable, args: tuple, batch_argnum: int, traced: Trace
     graph = traced.full if size == traced.batch_size else jaxpr_ir.trace(fn, *at_batch(args, batch_argnum, size))
     _check_microbatch_program(traced.full, graph, size)
     return graph
+
+
+def microbatch_graphs(fn: Callable, args: tuple, batch_argnum: int, traced: TracedStep, plan: "Plan") -> dict[int, OpGraph]:
+    """The step at every microbatch size the plan's replicas run with."""
+    sizes = {b // plan.num_microbatches for b in plan.replica_batch} or {traced.microbatch_size}
+    return {size: trace_microbatch(fn, args, batch_argnum, traced, size) for size in sizes}
 
 
 def _check_microbatch_program(full: OpGraph, microbatch: OpGraph, size: int) -> None:

@@ -1,0 +1,131 @@
+"""The multi-process runtime on a real local Ray cluster (loopback only): two actors,
+each a process with 4 CPU virtual devices; the same numbers as jax.jit, clear
+failures, and no process left behind."""
+
+import os
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hetpar
+from models import gpt
+from parity import run_parity
+
+TWO_TYPES = {"A100": 4, "V100": 4}
+FAST_SLOW = {"H100": 4, "V100": 4}
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    hetpar.init(num_cpus=2)
+    import ray
+
+    assert all(n["NodeManagerAddress"] == "127.0.0.1" for n in ray.nodes())  # loopback only
+    yield
+    hetpar.shutdown()
+
+
+@pytest.fixture(scope="module")
+def workload():
+    return gpt.setup(batch_size=16)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(cluster=TWO_TYPES, num_stages=2, num_microbatches=4, num_layers=4, schedule="gpipe"),
+        dict(cluster=TWO_TYPES, num_stages=2, num_microbatches=4, num_layers=4, schedule="1f1b"),
+        dict(cluster=FAST_SLOW, num_replicas=2, num_microbatches=2, num_layers=2),  # 12:4 batch split
+    ],
+    ids=["gpipe", "1f1b", "uneven-replicas"],
+)
+def test_ray_runtime_parity(ray_cluster, workload, options):
+    options = dict(options)
+    cluster = hetpar.Cluster.virtual(options.pop("cluster"))
+    plan = run_parity(workload, cluster, runtime="ray", **options)
+    assert plan.num_stages == 2
+    if plan.num_replicas == 2:
+        assert plan.replica_batch == (12, 4)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_worker_that_dies_mid_step_is_reported_quickly(ray_cluster, workload):
+    import ray
+
+    step = hetpar.parallelize(
+        workload.step, cluster=hetpar.Cluster.virtual(TWO_TYPES), num_stages=2, num_microbatches=4, num_layers=4, runtime="ray"
+    )
+    state, _ = step(workload.state, workload.batch)
+    compiled = step.compiled()
+    victim = compiled.workers[1]
+    errors, finished = [], []
+
+    def train():
+        nonlocal state
+        try:
+            for _ in range(1000):
+                state, _ = step(state, workload.batch)
+        except hetpar.HetparError as e:
+            errors.append(str(e))
+        finished.append(time.monotonic())
+
+    thread = threading.Thread(target=train)
+    thread.start()
+    time.sleep(1.0)
+    killed = time.monotonic()
+    ray.kill(victim)
+    thread.join(timeout=90)
+    assert finished and finished[0] - killed < 60, "the driver hung after a worker died"
+    assert errors and "stage 1" in errors[0] and "died" in errors[0]
+    step.shutdown()
+
+
+def test_an_error_in_a_worker_reaches_the_driver_with_its_message(ray_cluster):
+    driver = os.getpid()
+
+    def step(w, batch):  # traces differently in any process but the driver's
+        def loss_fn(w):
+            y = batch["x"] @ w
+            return jnp.mean(y**2) if os.getpid() == driver else jnp.mean(jnp.abs(y))
+
+        loss, g = jax.value_and_grad(loss_fn)(w)
+        return w - 0.1 * g, loss
+
+    parallel = hetpar.parallelize(step, cluster=hetpar.Cluster.virtual(TWO_TYPES), num_microbatches=2, runtime="ray")
+    with pytest.raises(hetpar.HetparError, match="worker raised PlanError: stage [01]'s worker traced a different program"):
+        parallel(jnp.ones((8, 4)), {"x": jnp.ones((16, 8))})
+    parallel.shutdown()
+
+
+def test_shutdown_leaves_no_worker_process(ray_cluster, workload):
+    step = hetpar.parallelize(
+        workload.step, cluster=hetpar.Cluster.virtual(TWO_TYPES), num_stages=2, num_microbatches=2, num_layers=4, runtime="ray"
+    )
+    step(workload.state, workload.batch)
+    pids = list(step.compiled().pids().values())
+    assert len(pids) == 2 and all(_alive(p) for p in pids)
+    step.shutdown()
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in pids)
+
+
+def test_ray_runtime_returns_host_arrays_the_caller_can_use(ray_cluster, workload):
+    step = hetpar.parallelize(
+        workload.step, cluster=hetpar.Cluster.virtual(TWO_TYPES), num_stages=2, num_microbatches=2, num_layers=4, runtime="ray"
+    )
+    state, loss = step(workload.state, workload.batch)
+    assert isinstance(loss, jax.Array) and np.isfinite(float(loss))
+    step.shutdown()
