@@ -157,7 +157,7 @@ def _cross_replica_s(cluster: Cluster, homes: list[DeviceGroup], nbytes: int) ->
     """Summing a stage's gradients across replicas: a ring over the slowest link
     between them (2(n-1)/n of the bytes cross each link)."""
     n = len(homes)
-    link = min((cluster.link_between(a, b) for i, a in enumerate(homes) for b in homes[i + 1:]), key=lambda l: l.bandwidth)
+    link = min((cluster.link_between(a, b) for i, a in enumerate(homes) for b in homes[i + 1:]), key=lambda link: link.bandwidth)
     return 2 * (n - 1) * link.latency + 2 * (n - 1) / n * nbytes / link.bandwidth
 
 

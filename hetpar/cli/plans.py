@@ -42,7 +42,13 @@ def show(args: argparse.Namespace) -> int:
 def simulate(args: argparse.Namespace) -> int:
     from hetpar.plan import fmt_time
     from hetpar.plan_file import load_plan
-    from hetpar.timeline import breakdown, closed_form_s, plot_timeline, simulate_plan, write_chrome_trace
+    from hetpar.timeline import (
+        breakdown,
+        closed_form_s,
+        plot_timeline,
+        simulate_plan,
+        write_chrome_trace,
+    )
 
     plan = load_plan(args.plan)
     if args.schedule:
