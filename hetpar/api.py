@@ -49,9 +49,9 @@ class ParallelFunction:
     def __init__(self, fn: Callable, options: Options):
         self._fn = fn
         self._options = options
-        self._cache: dict[Any, tuple[Plan, CompiledStep]] = {}
+        self._cache: dict[Any, tuple[Plan, CompiledStep | RayStep]] = {}
         self._last: Plan | None = None
-        self._last_compiled: CompiledStep | None = None
+        self._last_compiled: CompiledStep | RayStep | None = None
         functools.update_wrapper(self, fn)
 
     @property
@@ -61,7 +61,7 @@ class ParallelFunction:
             raise HetparError("no plan yet: the plan is made on the first call, from the arguments' shapes")
         return self._last
 
-    def compiled(self) -> CompiledStep:
+    def compiled(self) -> CompiledStep | RayStep:
         """The compiled step of the most recent call (for the predictor and benchmarks)."""
         if self._last is None:
             raise HetparError("nothing compiled yet: compilation happens on the first call")
