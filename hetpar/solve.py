@@ -10,8 +10,9 @@ from typing import Callable
 from hetpar.cluster.cluster import Cluster, DeviceGroup
 from hetpar.compile.tasks import op_stages
 from hetpar.errors import PlanError
-from hetpar.plan import Plan
+from hetpar.plan import Plan, StagePlan
 from hetpar.planning import assign_replicas, assign_stages
+from hetpar.predict.memory import in_flight
 from hetpar.trace.fingerprint import differences, signature
 from hetpar.trace.flops import op_costs
 from hetpar.trace.layers import Layers, build_layers
@@ -60,17 +61,38 @@ def solve(
         stages = num_stages or min(len(cluster.groups), cluster.num_devices)
         layers = layers_of(traced, num_layers or stages)
         plan = assign_stages(layers, cluster, stages, num_microbatches, schedule)
-    plan = replace(plan, stages=tuple(
-        replace(s, param_specs=specs) for s, specs in zip(plan.stages, _replicated_params(traced, layers, plan))
-    ))
+    placed = _replicated_params(traced, layers, plan)
+    stages = tuple(
+        replace(s, param_specs=tuple((name, spec) for name, spec, _ in specs), memory_bytes=_memory(s, specs, layers, plan))
+        for s, specs in zip(plan.stages, placed)
+    )
+    notes = tuple(
+        f"stage {s.index} needs {s.memory_bytes / 2**30:.1f} GiB per {s.device_type} of {s.memory_capacity / 2**30:.0f} GiB: "
+        "use more microbatches with 1F1B, more stages, or more devices"
+        for s in stages if s.memory_capacity and s.memory_bytes > s.memory_capacity
+    )
+    plan = replace(plan, stages=stages, notes=plan.notes + notes)
     return replace(plan, program=signature(traced.full), tokens_per_step=_tokens(traced)), layers
 
 
-def _replicated_params(traced: TracedStep, layers: Layers, plan: Plan) -> list[tuple[tuple[str, str], ...]]:
-    """Each stage's parameters (batch-free step inputs its operators read) and their
-    sharding: replicated over a data-parallel stage mesh."""
+def _memory(stage: StagePlan, placed: tuple, layers: Layers, plan: Plan) -> int:
+    """Per device: the stage's parameters and optimizer state, a gradient per
+    parameter, and the activations its microbatches in flight keep for the backward
+    (split over its data-parallel devices)."""
+    state = sum(nbytes for _, _, nbytes in placed)
+    grads = sum(layers.param_bytes[stage.layer_start : stage.layer_end]) if layers.param_bytes else 0
+    saved = sum(layers.saved_bytes[stage.layer_start : stage.layer_end]) if layers.saved_bytes else 0
+    stages = plan.replica_stages(stage.replica)
+    position = [s.index for s in stages].index(stage.index)
+    kept = saved * stage.batch_share / plan.num_microbatches * in_flight(plan.schedule, plan.num_microbatches, position, len(stages))
+    return int(state + grads + kept / max(stage.data_parallel or stage.num_devices, 1))
+
+
+def _replicated_params(traced: TracedStep, layers: Layers, plan: Plan) -> list[tuple[tuple[str, str, int], ...]]:
+    """Each stage's parameters and optimizer state (batch-free step inputs its
+    operators read): path, sharding (replicated over a data-parallel stage mesh), bytes."""
     position = {v: i for i, v in enumerate(traced.full.invars)}
-    out: list[list[tuple[str, str]]] = [[] for _ in plan.stages]
+    out: list[list[tuple[str, str, int]]] = [[] for _ in plan.stages]
     for r in range(plan.num_replicas):
         stages = plan.replica_stages(r)
         layer_stage = [s.index for s in stages for _ in range(s.layer_start, s.layer_end)]
@@ -82,7 +104,7 @@ def _replicated_params(traced: TracedStep, layers: Layers, plan: Plan) -> list[t
                     owner.setdefault(v, stage_of_op[op.index])
         for v, stage in sorted(owner.items(), key=lambda kv: position[kv[0]]):
             name = traced.input_paths[position[v]] if traced.input_paths else f"arg {position[v]}"
-            out[stage].append((name, "PartitionSpec()"))
+            out[stage].append((name, "PartitionSpec()", traced.full.nbytes(v)))
     return [tuple(specs) for specs in out]
 
 

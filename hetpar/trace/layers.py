@@ -31,6 +31,7 @@ class Layers:
     boundary_bytes: list[int]  # bytes entering each layer from earlier ones (forward)
     forward_flops: list[float] = field(default_factory=list)  # per layer: the forward part of `flops`
     param_bytes: list[int] = field(default_factory=list)  # per layer: batch-free step inputs its forward reads
+    saved_bytes: list[int] = field(default_factory=list)  # per layer, full batch: forward values its backward reads
 
 
 def build_layers(graph: OpGraph, analysis: MicrobatchAnalysis, op_flops: list[float], num_layers: int) -> Layers:
@@ -82,7 +83,23 @@ def build_layers(graph: OpGraph, analysis: MicrobatchAnalysis, op_flops: list[fl
     ends = cuts + [len(forward)]
     names = [_describe(keys[s:e]) for s, e in zip(starts, ends)]
     boundary = [0] + [int(crossing[c]) for c in cuts]
-    return Layers(op_layer, num_layers, flops, names, boundary, forward_flops, _param_bytes(graph, analysis, op_layer, num_layers))
+    return Layers(
+        op_layer, num_layers, flops, names, boundary, forward_flops,
+        _param_bytes(graph, analysis, op_layer, num_layers), _saved_bytes(graph, analysis, op_layer, num_layers),
+    )
+
+
+def _saved_bytes(graph: OpGraph, analysis: MicrobatchAnalysis, op_layer: dict[int, int], num_layers: int) -> list[int]:
+    """Activations kept for the backward: forward results a backward operator reads,
+    charged to the layer that made them."""
+    out = [0] * num_layers
+    for op, layer in op_layer.items():
+        if analysis.backward[op]:
+            continue
+        for v in graph.ops[op].outputs:
+            if any(analysis.backward[c] for c in graph.consumers.get(v, ()) if c in op_layer):
+                out[layer] += graph.nbytes(v)
+    return out
 
 
 def _param_bytes(graph: OpGraph, analysis: MicrobatchAnalysis, op_layer: dict[int, int], num_layers: int) -> list[int]:
