@@ -3,6 +3,7 @@ does not fit the step or the cluster, or a broken file, is refused with a reason
 
 import json
 import random
+from pathlib import Path
 from dataclasses import replace
 
 import pytest
@@ -147,3 +148,14 @@ def test_mlp_plan_round_trips_with_three_stages(tmp_path):
     step(w.state, w.batch)
     save_plan(step.plan, tmp_path / "p.json")
     assert load_plan(tmp_path / "p.json") == step.plan and step.plan.num_stages == 3
+
+
+def test_plans_predict_memory_by_schedule():
+    w = gpt.setup(batch_size=16)
+    cluster = hetpar.Cluster.from_file(str(Path(__file__).parents[1] / "examples" / "clusters" / "virtual_8.yaml"))
+    memory = {}
+    for schedule in ("gpipe", "1f1b"):
+        plan = hetpar.make_plan(w.step, (w.state, w.batch), cluster, num_microbatches=8, num_stages=2, num_layers=4, schedule=schedule)
+        assert all(0 < s.memory_bytes < s.memory_capacity for s in plan.stages)
+        memory[schedule] = plan.stages[0].memory_bytes
+    assert memory["1f1b"] < memory["gpipe"]  # the first stage keeps 2 microbatches, not 8
