@@ -66,12 +66,14 @@ def solve(
         replace(s, param_specs=tuple((name, spec) for name, spec, _ in specs), memory_bytes=_memory(s, specs, layers, plan))
         for s, specs in zip(plan.stages, placed)
     )
-    notes = tuple(
-        f"stage {s.index} needs {s.memory_bytes / 2**30:.1f} GiB per {s.device_type} of {s.memory_capacity / 2**30:.0f} GiB: "
-        "use more microbatches with 1F1B, more stages, or more devices"
-        for s in stages if s.memory_capacity and s.memory_bytes > s.memory_capacity
-    )
-    plan = replace(plan, stages=stages, notes=plan.notes + notes)
+    too_big = [s for s in stages if s.memory_capacity and s.memory_bytes > s.memory_capacity]
+    if too_big:
+        raise PlanError("the plan does not fit in memory: " + "; ".join(
+            f"stage {s.index} needs {s.memory_bytes / 2**30:.1f} GiB per {s.device_type}, which has {s.memory_capacity / 2**30:.0f} GiB"
+            for s in too_big
+        ) + ". To fit: more microbatches with schedule='1f1b' (fewer activations in flight), more stages, "
+            "more devices, or a smaller batch")
+    plan = replace(plan, stages=stages)
     return replace(plan, program=signature(traced.full), tokens_per_step=_tokens(traced)), layers
 
 

@@ -159,3 +159,21 @@ def test_plans_predict_memory_by_schedule():
         assert all(0 < s.memory_bytes < s.memory_capacity for s in plan.stages)
         memory[schedule] = plan.stages[0].memory_bytes
     assert memory["1f1b"] < memory["gpipe"]  # the first stage keeps 2 microbatches, not 8
+
+
+def test_a_model_that_fits_no_memory_is_refused_with_the_numbers(tmp_path):
+    import jax
+
+    config = gpt.GPTConfig(n_layers=4, d_model=1024, n_heads=16, seq_len=2048, vocab_size=32000)
+    built = {}
+
+    def build():
+        w = gpt.setup(batch_size=256, config=config)
+        built["step"] = w.step
+        return w.state, w.batch
+
+    args = jax.eval_shape(build)  # abstract: nothing is allocated here
+    (tmp_path / "c.yaml").write_text("groups:\n  - name: l4\n    device: L4\n    nodes: 1\n    devices_per_node: 2\n")
+    cluster = hetpar.Cluster.from_file(str(tmp_path / "c.yaml"))
+    with pytest.raises(PlanError, match=r"does not fit in memory: stage \d needs .* GiB per L4, which has 24 GiB.*1f1b"):
+        hetpar.make_plan(built["step"], args, cluster, num_microbatches=2, num_stages=2)
