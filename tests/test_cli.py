@@ -129,3 +129,13 @@ def test_every_command_explains_itself():
     for command in ("devices", "validate", "profile", "solve", "show", "simulate"):
         assert command in out
         assert "usage: hetpar " + command in _hetpar(command, "--help").stdout
+
+
+def test_solve_with_replicas_splits_the_batch_by_speed(tmp_path):
+    plan, _ = _solved(tmp_path, "--replicas", "2", "--stages", "1", "--microbatches", "2")
+    raw = json.loads(plan.read_text())
+    assert [s["replica"] for s in raw["stages"]] == [0, 1] and sum(raw["replica_batch"]) == 16
+    assert raw["replica_batch"][0] > raw["replica_batch"][1]  # the A100 replica takes more
+    png = tmp_path / "replicas.png"
+    out = _hetpar("simulate", str(plan), "--plot", str(png)).stdout
+    assert "simulated step" in out and png.exists()
