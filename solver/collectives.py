@@ -29,7 +29,9 @@ Non-powers of two pay two extra full-message steps in the recursive algorithms
 
 from __future__ import annotations
 
+import itertools
 import math
+from functools import lru_cache
 from dataclasses import dataclass
 from typing import Callable
 
@@ -220,6 +222,32 @@ def best(kind: str, topo: Topology, nbytes: float) -> tuple[str, float]:
     options = costs(kind, topo, nbytes)
     name = min(options, key=options.get)
     return name, options[name]
+
+
+@lru_cache(maxsize=None)
+def affine_costs(kind: str, topo: Topology) -> tuple[tuple[float, float], ...]:
+    """Every algorithm's all-reduce time as (latency term, seconds per byte), so a
+    search can price thousands of message sizes with one numpy expression: the
+    fastest is the least of these lines. The flat closed forms are affine in the
+    size; the hierarchical one picks an algorithm per level, so it contributes one
+    line per combination of those picks."""
+    if kind != "all_reduce":
+        raise ValueError(f"affine_costs covers all_reduce only, not {kind!r}")
+    if topo.size <= 1:
+        return ()
+    unit = 2.0**30
+
+    def line(fn: Callable[[float], float]) -> tuple[float, float]:
+        zero = fn(0.0)
+        return zero, (fn(unit) - zero) / unit
+
+    link = topo.flat_link()
+    lines = [line(lambda m, f=f: f(topo.size, m, link)) for f in FLAT["all_reduce"].values()]
+    if topo.nodes > 1 and topo.devices_per_node > 1:
+        d, nodes = topo.devices_per_node, topo.nodes
+        for rs, ar, ag in itertools.product(FLAT["reduce_scatter"].values(), FLAT["all_reduce"].values(), FLAT["all_gather"].values()):
+            lines.append(line(lambda m, rs=rs, ar=ar, ag=ag: rs(d, m, topo.intra) + ar(nodes, m / d, topo.inter) + ag(d, m, topo.intra)))
+    return tuple(lines)
 
 
 def p2p(nbytes: float, link: LinkCost) -> float:

@@ -1,0 +1,122 @@
+"""Between the traced step and the solver's planner: a step's layers and a Cluster
+become a `solver.planner.Problem`; the planner's choice becomes a `Plan` on the
+cluster's devices.
+
+The runtime runs data-parallel stage meshes today, so plans for `parallelize` keep
+tensor parallelism and rematerialization off and the step's own microbatch count;
+`hetpar solve` for clusters on paper may use all of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetpar.cluster.cluster import Cluster, DeviceGroup
+from hetpar.errors import PlanError
+from hetpar.plan import ClusterGroup, Plan, StagePlan
+from hetpar.trace.layers import Layers
+from solver.collectives import LinkCost
+from solver.planner import DeviceKind, LayerCost, PlanChoice, PlanningError, Problem, SearchResult, plan
+
+LAYER_OVERHEAD_S = 50e-6  # kernel launches of one layer's forward and backward, catalog default
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """What the planner may choose. `None` microbatches: any count dividing the batch."""
+
+    microbatches: tuple[int, ...] | None = None
+    schedules: tuple[str, ...] = ("1f1b", "gpipe")
+    max_tp: int = 1
+    allow_remat: bool = False
+    allow_replicas: bool = True
+    dtype: str = "float32"
+    top_k: int = 5
+
+
+def device_kinds(cluster: Cluster, dtype: str = "float32") -> tuple[DeviceKind, ...]:
+    """One kind per cluster group, named by the group's label."""
+    kinds = []
+    for g in cluster.groups:
+        spec = g.spec
+        intra = _cost(g.intra_link)
+        per_node = g.devices_per_node or g.size
+        kinds.append(DeviceKind(
+            g.label, g.size, per_node, spec.matmul_flops(dtype) * spec.efficiency, spec.memory_bytes, spec.memory_bandwidth,
+            intra, _cost(g.inter_link) if g.size > per_node else intra, LAYER_OVERHEAD_S, spec.matmul_flops(dtype),
+        ))
+    return tuple(kinds)
+
+
+def group_links(cluster: Cluster) -> tuple[tuple[str, str, LinkCost], ...]:
+    groups = cluster.groups
+    return tuple((a.label, b.label, _cost(cluster.link_between(a, b))) for i, a in enumerate(groups) for b in groups[i + 1 :])
+
+
+def layer_costs(layers: Layers, batch_size: int) -> tuple[LayerCost, ...]:
+    """A traced step's layers, per example."""
+    n = layers.num_layers
+    per = lambda values: [v / batch_size for v in values] if values else [0.0] * n  # noqa: E731
+    forward = per(layers.forward_flops) if layers.forward_flops else [f / 3 / batch_size for f in layers.flops]
+    return tuple(
+        LayerCost(f, fw, int(p), s, i)
+        for f, fw, p, s, i in zip(per(layers.flops), forward, layers.param_bytes or [0] * n, per(layers.saved_bytes),
+                                  per(layers.boundary_bytes))
+    )
+
+
+def problem_for(layers: Layers, cluster: Cluster, batch_size: int, tokens_per_example: int = 1,
+                options: SearchOptions = SearchOptions()) -> Problem:
+    return Problem(
+        layer_costs(layers, batch_size), device_kinds(cluster, options.dtype), batch_size, group_links(cluster),
+        tokens_per_example=tokens_per_example, microbatches=options.microbatches, schedules=options.schedules,
+        max_tp=options.max_tp, allow_remat=options.allow_remat, allow_replicas=options.allow_replicas,
+    )
+
+
+def search(layers: Layers, cluster: Cluster, batch_size: int, tokens_per_example: int = 1,
+           options: SearchOptions = SearchOptions()) -> tuple[Plan, SearchResult]:
+    """The planner's best plan for these layers on this cluster, as a Plan."""
+    try:
+        result = plan(problem_for(layers, cluster, batch_size, tokens_per_example, options), top_k=options.top_k)
+    except PlanningError as e:
+        raise PlanError(str(e)) from None
+    return to_plan(result.best, layers, cluster, result.bound_ratio), result
+
+
+def to_plan(choice: PlanChoice, layers: Layers, cluster: Cluster, bound_ratio: float = 0.0) -> Plan:
+    """Stages take the devices of their group in order, a stage's `dp * tp` at a time."""
+    positions = {d: i for i, d in enumerate(d for g in cluster.groups for d in g.device_ids)}
+    groups = {g.label: g for g in cluster.groups}
+    taken = {label: 0 for label in groups}
+    batch = sum(choice.replica_batch)
+    stages = []
+    for index, s in enumerate(choice.stages):
+        group: DeviceGroup = groups[s.kind]
+        ids = group.device_ids[taken[s.kind] : taken[s.kind] + s.devices]
+        taken[s.kind] += s.devices
+        names = layers.names[s.layer_start : s.layer_end]
+        label = names[0] if len(names) == 1 else f"{names[0].split('..')[0]}..{names[-1].split('..')[-1]}"
+        share = choice.replica_batch[s.replica] / batch
+        flops = sum(layers.flops[s.layer_start : s.layer_end])
+        speed = s.devices * group.spec.matmul_flops()
+        stages.append(StagePlan(
+            index, group.type_name, tuple(positions[d] for d in ids), s.layer_start, s.layer_end, label, flops, speed,
+            (s.forward_s + s.backward_s) * choice.num_microbatches, group=s.kind, mesh_shape=(s.devices,),
+            data_parallel=s.dp, tensor_parallel=s.tp, batch_share=share, forward_s=s.forward_s, backward_s=s.backward_s,
+            send_s=s.send_s, sync_s=s.sync_s + choice.cross_sync_s, optimizer_s=s.optimizer_s, memory_bytes=s.memory_bytes,
+            memory_capacity=s.memory_capacity, replica=s.replica,
+        ))
+    if any(s.tensor_parallel > 1 for s in stages):
+        raise PlanError("the plan uses tensor parallelism, which the runtime cannot run yet; search with max_tp=1")
+    return Plan(
+        tuple(stages), choice.num_microbatches, layers.num_layers, cluster.describe(), choice.schedule,
+        cluster_groups=tuple(ClusterGroup(g.label, g.type_name, g.size) for g in cluster.groups),
+        model_flops=sum(layers.flops), peak_flops=choice.peak_flops,
+        replica_batch=choice.replica_batch if len(choice.replica_batch) > 1 else (),
+        bound_ratio=bound_ratio,
+    )
+
+
+def _cost(link) -> LinkCost:  # noqa: ANN001
+    return LinkCost(link.bandwidth, link.latency)

@@ -1,0 +1,134 @@
+"""The exact split of a chain of layers over an ordered row of stages.
+
+For a fixed row of stages and microbatch count, a 1F1B step is
+
+    sum of stage times + 2 x sum of sends + (m - 1) x the slowest stage or send
+    + the slowest tail (gradient sync and optimizer)
+
+(`solver.pipeline_sim.pipeline_time`). The sum is additive over stages, the two
+maxima are not, so the split cannot be one dynamic program. It is one per pair of
+bounds (T on stage and send times, U on tails): with both fixed, the least sum is a
+shortest path over cut positions. Sweeping T and U upward from their least feasible
+values, and stopping when `least unconstrained sum + (m - 1) T + U` can no longer beat
+the best split found, gives the exact optimum after a handful of passes, because the
+bubble term dominates and moves little between neighbouring bounds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from solver.planner.stage_costs import INF, StageTable
+
+
+@dataclass(frozen=True)
+class Split:
+    cuts: tuple[int, ...]  # layer index where each stage after the first starts
+    objective_s: float
+
+
+def score(tables: Sequence[StageTable], sends: Sequence[np.ndarray], m: int, cuts: Sequence[int], schedule: str = "1f1b") -> float:
+    """The closed-form step time of one split (inf if a stage does not fit)."""
+    bounds = list(zip([0, *cuts], [*cuts, tables[0].forward.shape[0] - 1]))
+    fwd = [t.forward[i, j] for t, (i, j) in zip(tables, bounds)]
+    bwd = [t.backward[i, j] for t, (i, j) in zip(tables, bounds)]
+    tail = max(t.tail[i, j] for t, (i, j) in zip(tables, bounds))
+    sent = [s[c] for s, c in zip(sends, cuts)]
+    if not np.isfinite(fwd + bwd + sent).all():
+        return INF
+    if schedule == "gpipe":
+        return (sum(fwd) + sum(bwd) + 2 * sum(sent) + (m - 1) * (max(fwd + sent) + max(bwd + sent)) + tail)
+    per_mb = [f + b for f, b in zip(fwd, bwd)]
+    return sum(per_mb) + 2 * sum(sent) + (m - 1) * max(per_mb + sent) + tail
+
+
+class _Row:
+    """One row of stages, with the masked shortest path over cut positions."""
+
+    def __init__(self, tables: Sequence[StageTable], sends: Sequence[np.ndarray]):
+        self.times = [t.time for t in tables]
+        self.tails = [t.tail for t in tables]
+        self.sends = [np.asarray(s) for s in sends]
+        self.n = self.times[0].shape[0] - 1
+
+    def least_sum(self, t_max: float = INF, u_max: float = INF) -> tuple[float, tuple[int, ...]]:
+        if t_max == INF and u_max == INF:
+            costs = self.times
+        else:
+            costs = [np.where((t <= t_max) & (u <= u_max), t, INF) for t, u in zip(self.times, self.tails)]
+        best = costs[0][0].copy()
+        back = []
+        for p in range(1, len(costs)):
+            start = best + 2 * np.where(self.sends[p - 1] <= t_max, self.sends[p - 1], INF)
+            total = start[:, None] + costs[p]
+            arg = total.argmin(axis=0)
+            best = total[arg, np.arange(total.shape[1])]
+            back.append(arg)
+        value = float(best[self.n])
+        if value == INF:
+            return INF, ()
+        cuts, j = [], self.n
+        for arg in reversed(back):
+            j = int(arg[j])
+            cuts.append(j)
+        return value, tuple(reversed(cuts))
+
+    def least_max(self, t_max: float = INF, of_tails: bool = False) -> float:
+        """The least possible largest stage time (or tail, among splits whose stage and
+        send times stay within `t_max`): a bottleneck path, min over cuts of the max."""
+        def masked(p: int) -> np.ndarray:
+            t = self.times[p]
+            return np.where(t <= t_max, self.tails[p] if of_tails else t, INF)
+
+        best = masked(0)[0].copy()
+        for p in range(1, len(self.times)):
+            send = self.sends[p - 1]
+            start = np.where(send <= t_max, best if of_tails else np.maximum(best, send), INF)
+            best = np.maximum(start[:, None], masked(p)).min(axis=0)
+        return float(best[self.n])
+
+
+def best_split(
+    tables: Sequence[StageTable], sends: Sequence[np.ndarray], m: int, beat: float = INF, schedule: str = "1f1b"
+) -> Split | None:
+    """The split with the least 1F1B step time, or None when none fits or none beats `beat`.
+
+    For GPipe (whose two maxima bound the forward and the backward separately) the same
+    sweep runs on the 1F1B form and the result is scored with GPipe's: close, not
+    proven optimal. 1F1B is never slower nor larger under this model, so a search that
+    may pick either schedule is exact."""
+    row = _Row(tables, sends)
+    n, k = row.n, len(tables)
+    if k > n:
+        return None
+    t_lo = row.least_max()
+    if t_lo == INF or (m - 1) * t_lo >= beat:
+        return None
+    sum0, cuts0 = row.least_sum()
+    t_values = np.unique(np.concatenate([t[np.isfinite(t)] for t in row.times] + [s[1:n] for s in row.sends]))
+    u_values = np.unique(np.concatenate([u[np.isfinite(t)] for u, t in zip(row.tails, row.times)]))
+    u_floor = row.least_max(of_tails=True)
+    if sum0 + (m - 1) * t_lo + u_floor >= beat:
+        return None
+    best = Split(cuts0, score(tables, sends, m, cuts0, schedule))
+    best_value = min(best.objective_s, beat)
+    for t_max in t_values[np.searchsorted(t_values, t_lo):]:
+        if sum0 + (m - 1) * t_max + u_floor >= best_value:
+            break
+        sum_t, _ = row.least_sum(t_max=t_max)
+        u_lo = row.least_max(t_max, of_tails=True)
+        for u_max in u_values[np.searchsorted(u_values, u_lo):]:
+            if sum_t + (m - 1) * t_max + u_max >= best_value:
+                break
+            value, cuts = row.least_sum(t_max, u_max)
+            if value + (m - 1) * t_max + u_max < best_value:
+                objective = score(tables, sends, m, cuts, schedule)
+                if objective < best.objective_s:
+                    best = Split(cuts, objective)
+                    best_value = min(best_value, objective)
+            if value <= sum_t:
+                break  # a looser tail bound cannot shorten the sum further
+    return best if best.objective_s < beat else None

@@ -1,0 +1,173 @@
+"""What the planner is given and what it returns, as plain data.
+
+The planner sees a model as a chain of layers with per-example costs and a cluster
+as a few kinds of devices with counts, speeds, memories and links. It knows nothing
+of JAX: `hetpar.planning` builds a `Problem` from a traced step, and
+`solver.transformer` builds one for a transformer that exists only on paper.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from solver.collectives import LinkCost
+
+SCHEDULES = ("1f1b", "gpipe")
+
+
+class PlanningError(ValueError):
+    """No plan exists under the constraints, or the problem is malformed."""
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer, per example of the batch (a sequence for a language model)."""
+
+    flops: float  # forward + backward
+    forward_flops: float
+    param_bytes: int
+    saved_bytes: float  # activations the backward reads
+    input_bytes: float  # the activation entering the layer: what a cut before it sends, what remat keeps
+    tp_bytes: float = 0.0  # all-reduced per forward under tensor parallelism (Megatron: two hidden-sized sums)
+
+
+@dataclass(frozen=True)
+class DeviceKind:
+    name: str
+    count: int
+    devices_per_node: int
+    flops: float  # achievable FLOP/s per device for the model's matmuls
+    memory_bytes: int
+    memory_bandwidth: float
+    intra: LinkCost  # between devices of one node
+    inter: LinkCost  # between nodes of this kind, per device
+    layer_overhead_s: float = 0.0  # fixed cost of one layer's forward and backward on one microbatch (kernel launches)
+    peak_flops: float = 0.0  # per device, for MFU; 0: same as `flops`
+
+    def tp_degrees(self, max_tp: int) -> list[int]:
+        """Tensor parallelism stays inside a node, where the links are fastest."""
+        return [t for t in (1, 2, 4, 8, 16) if t <= min(max_tp, self.devices_per_node) and self.devices_per_node % t == 0]
+
+
+@dataclass(frozen=True)
+class Problem:
+    layers: tuple[LayerCost, ...]
+    kinds: tuple[DeviceKind, ...]
+    batch_size: int  # examples per step
+    links: tuple[tuple[str, str, LinkCost], ...] = ()  # between kinds; either order
+    tokens_per_example: int = 1
+    state_factor: float = 4.0  # bytes of parameters + gradients + optimizer state per parameter byte (fp32 Adam: 4)
+    optimizer_traffic: float = 7.0  # bytes the update reads and writes per parameter byte
+    memory_reserve: float = 0.0  # fraction of each device's memory kept free for workspace
+    microbatches: tuple[int, ...] | None = None  # allowed counts; None: every divisor of the batch
+    schedules: tuple[str, ...] = SCHEDULES
+    max_tp: int = 8
+    allow_remat: bool = True
+    allow_replicas: bool = True  # pipelines of different kinds side by side, splitting the batch
+    min_examples: int = 1  # per microbatch on each data-parallel device
+    replica_units: int = 64  # the replica batch split is searched in steps of batch/(m x this) at most
+
+    def link(self, a: str, b: str) -> LinkCost:
+        if a == b:
+            return self.kind(a).inter
+        for x, y, cost in self.links:
+            if {x, y} == {a, b}:
+                return cost
+        raise PlanningError(f"no link between {a} and {b}: add one to the cluster (links between groups)")
+
+    def kind(self, name: str) -> DeviceKind:
+        return next(k for k in self.kinds if k.name == name)
+
+    def microbatch_counts(self) -> list[int]:
+        counts = self.microbatches or tuple(m for m in range(1, self.batch_size + 1) if self.batch_size % m == 0)
+        return sorted(m for m in counts if self.batch_size % m == 0)
+
+    def check(self) -> None:
+        if not self.layers:
+            raise PlanningError("the model has no layers")
+        if self.batch_size < 1:
+            raise PlanningError(f"batch size must be positive, got {self.batch_size}")
+        if not self.kinds or any(k.count < 1 for k in self.kinds):
+            raise PlanningError("every device kind needs at least one device")
+        if bad := [s for s in self.schedules if s not in SCHEDULES]:
+            raise PlanningError(f"unknown schedule {bad[0]!r}; known: {', '.join(SCHEDULES)}")
+        if not self.microbatch_counts():
+            raise PlanningError(f"none of the microbatch counts {self.microbatches} divides the batch of {self.batch_size}")
+
+
+@dataclass(frozen=True)
+class StageChoice:
+    """One pipeline stage: a group of `dp * tp` devices of one kind and a range of layers."""
+
+    kind: str
+    dp: int
+    tp: int
+    layer_start: int
+    layer_end: int
+    remat: bool
+    forward_s: float  # one microbatch
+    backward_s: float
+    send_s: float  # to the next stage, one microbatch (0 on the last)
+    sync_s: float  # gradient all-reduce over the stage's data-parallel devices
+    optimizer_s: float
+    memory_bytes: int  # per device
+    memory_capacity: int
+    replica: int = 0
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.tp
+
+
+@dataclass(frozen=True)
+class PlanChoice:
+    stages: tuple[StageChoice, ...]
+    num_microbatches: int
+    schedule: str
+    step_s: float
+    replica_batch: tuple[int, ...]  # examples per replica (one entry: a single pipeline)
+    cross_sync_s: float = 0.0  # gradient sum across replicas
+    tokens_per_step: int = 0
+    model_flops: float = 0.0  # per step, without rematerialization
+    peak_flops: float = 0.0  # of the devices the plan uses
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_s
+
+    @property
+    def throughput(self) -> float:
+        """Examples per second."""
+        return sum(self.replica_batch) / self.step_s
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops / self.step_s / self.peak_flops if self.peak_flops else 0.0
+
+    @property
+    def num_devices(self) -> int:
+        return sum(s.devices for s in self.stages)
+
+    def describe(self) -> str:
+        parts = []
+        for r, share in enumerate(self.replica_batch):
+            stages = [s for s in self.stages if s.replica == r]
+            body = " | ".join(
+                f"{s.kind} dp{s.dp}tp{s.tp} L{s.layer_start}-{s.layer_end - 1}{' remat' if s.remat else ''}" for s in stages
+            )
+            parts.append(f"[{share} ex] {body}" if len(self.replica_batch) > 1 else body)
+        return f"{self.schedule} m={self.num_microbatches}: " + " || ".join(parts)
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    best: PlanChoice
+    alternatives: tuple[PlanChoice, ...]  # next best, in order
+    upper_bound: float  # examples/s: sum over kinds of the best plan on that kind alone
+    search_s: float
+    per_kind: tuple[tuple[str, float], ...] = field(default=())  # examples/s of each kind alone
+    gap: float = 0.0  # 0: proven best under the model; else the best possible may be this fraction faster
+
+    @property
+    def bound_ratio(self) -> float:
+        return self.best.throughput / self.upper_bound if self.upper_bound else 0.0

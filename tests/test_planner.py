@@ -1,0 +1,197 @@
+"""The planner against brute force on small instances, under the same cost model."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from solver.collectives import LinkCost, Topology, affine_costs, best
+from solver.planner import DeviceKind, LayerCost, PlanningError, Problem, plan
+from solver.planner.layer_split import score
+from solver.planner.search import Planner, kind_layouts
+from solver.planner.stage_costs import INF, StageCosts, in_flight
+
+GIB = 2**30
+
+
+def random_problem(rng: np.random.Generator, kinds: int | None = None, allow_replicas: bool = True) -> Problem:
+    n = int(rng.integers(2, 9))
+    layers = tuple(
+        LayerCost(
+            flops=float(f), forward_flops=float(f) / 3, param_bytes=int(rng.integers(1, 40)) * 2**24,
+            saved_bytes=float(rng.integers(1, 30)) * 2**22, input_bytes=float(rng.integers(1, 8)) * 2**20,
+            tp_bytes=float(rng.integers(0, 4)) * 2**20,
+        )
+        for f in rng.uniform(1e11, 1e12, n)
+    )
+    num_kinds = kinds or int(rng.integers(1, 4))
+    counts = rng.multinomial(int(rng.integers(num_kinds, 9)) - num_kinds, [1 / num_kinds] * num_kinds) + 1
+    device_kinds = []
+    for i, count in enumerate(counts):
+        per_node = int(rng.choice([d for d in (1, 2, 4) if count % d == 0]))
+        device_kinds.append(DeviceKind(
+            f"k{i}", int(count), per_node, float(rng.uniform(1e12, 1e13)), int(rng.uniform(1, 8) * GIB), 1e12,
+            LinkCost(float(rng.uniform(5e10, 3e11)), 5e-6), LinkCost(float(rng.uniform(5e9, 5e10)), 1e-5),
+            layer_overhead_s=float(rng.uniform(0, 1e-3)),
+        ))
+    links = tuple((a.name, b.name, LinkCost(float(rng.uniform(1e9, 2e10)), 2e-5))
+                  for a, b in itertools.combinations(device_kinds, 2))
+    return Problem(layers, tuple(device_kinds), batch_size=int(rng.choice([4, 8, 12, 16])), links=links,
+                   allow_replicas=allow_replicas, memory_reserve=float(rng.uniform(0, 0.3)))
+
+
+def compositions(n: int, parts: int):
+    for cuts in itertools.combinations(range(1, n), parts - 1):
+        yield cuts
+
+
+def brute_pipeline(problem: Problem, costs: StageCosts, kinds: tuple[str, ...], batch: int, schedules=("1f1b", "gpipe")) -> float:
+    """Every ordered subset of kinds, layout, microbatch count, schedule and split."""
+    best_value = INF
+    for m in problem.microbatch_counts():
+        if batch % m:
+            continue
+        b = batch // m
+        for r in range(1, len(kinds) + 1):
+            for order in itertools.permutations(kinds, r):
+                for layouts in itertools.product(*(kind_layouts(problem, k) for k in order)):
+                    configs = [lay.config for lay in layouts for _ in range(lay.stages)]
+                    if len(configs) > costs.n or any(b % c.dp or b // c.dp < problem.min_examples for c in configs):
+                        continue
+                    for schedule in schedules:
+                        tables = [costs.table(c, b, in_flight(schedule, m, p, len(configs))) for p, c in enumerate(configs)]
+                        sends = [costs.sends(a, c, b) for a, c in zip(configs, configs[1:])]
+                        for cuts in compositions(costs.n, len(configs)):
+                            best_value = min(best_value, score(tables, sends, m, cuts, schedule))
+    return best_value
+
+
+def brute_force(problem: Problem) -> float:
+    costs = StageCosts(problem)
+    planner = Planner(problem)
+    names = tuple(k.name for k in problem.kinds)
+    best_value = brute_pipeline(problem, costs, names, problem.batch_size)
+    if problem.allow_replicas:
+        for m in problem.microbatch_counts():
+            per_mb = problem.batch_size // m
+            step = max(1, math.ceil(per_mb / problem.replica_units))
+            for r in range(2, len(names) + 1):
+                for subset in itertools.combinations(names, r):
+                    cross = planner._cross_sync(subset)
+                    for shares in itertools.product(range(step, per_mb, step), repeat=r - 1):
+                        if per_mb - sum(shares) < 1:
+                            continue
+                        # each kind alone, at this microbatch count, on its share
+                        times = [brute_pipeline(replace_m(problem, m), costs, (k,), b * m, ("1f1b",))
+                                 for k, b in zip(subset, (*shares, per_mb - sum(shares)))]
+                        best_value = min(best_value, max(times) + cross)
+    return best_value
+
+
+def replace_m(problem: Problem, m: int) -> Problem:
+    from dataclasses import replace
+
+    return replace(problem, microbatches=(m,))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_no_plan_beats_the_planner(seed):
+    rng = np.random.default_rng(seed)
+    problem = random_problem(rng, allow_replicas=seed % 2 == 0)
+    expected = brute_force(problem)
+    if expected == INF:
+        with pytest.raises(PlanningError, match="no plan fits"):
+            plan(problem)
+        return
+    result = plan(problem)
+    assert result.best.step_s <= expected * (1 + 1e-9), (result.best.describe(), expected)
+    assert result.best.step_s >= expected * (1 - 1e-9), "the planner's figure is below every valid plan's"
+    assert result.gap == 0.0
+    for stage in result.best.stages:
+        assert stage.memory_bytes <= stage.memory_capacity
+    assert sum(result.best.replica_batch) == problem.batch_size
+    assert sorted({(s.layer_start, s.layer_end) for s in result.best.stages if s.replica == 0})[0][0] == 0
+
+
+def test_alternatives_are_ordered_and_distinct():
+    from dataclasses import replace
+
+    problem = random_problem(np.random.default_rng(7), kinds=2)
+    roomy = tuple(replace(k, memory_bytes=1000 * GIB) for k in problem.kinds)
+    result = plan(replace(problem, kinds=roomy), top_k=4)
+    times = [result.best.step_s] + [c.step_s for c in result.alternatives]
+    assert times == sorted(times)
+    assert len({c.describe() for c in (result.best, *result.alternatives)}) == len(times)
+
+
+def test_faster_kind_takes_more_layers():
+    layer = LayerCost(1e12, 1e12 / 3, 2**20, 2**20, 2**20)
+    fast = DeviceKind("fast", 1, 1, 4e12, 80 * GIB, 1e12, LinkCost(1e11, 1e-6), LinkCost(1e10, 1e-6))
+    slow = DeviceKind("slow", 1, 1, 1e12, 80 * GIB, 1e12, LinkCost(1e11, 1e-6), LinkCost(1e10, 1e-6))
+    problem = Problem((layer,) * 10, (slow, fast), 64, (("slow", "fast", LinkCost(1e10, 1e-6)),), allow_replicas=False)
+    stages = {s.kind: s.layer_end - s.layer_start for s in plan(problem).best.stages}
+    assert stages == {"slow": 2, "fast": 8}
+
+
+def test_replicas_split_the_batch_by_speed():
+    layer = LayerCost(1e12, 1e12 / 3, 2**30, 2**20, 2**20)
+    fast = DeviceKind("fast", 1, 1, 3e12, 80 * GIB, 1e12, LinkCost(1e11, 1e-6), LinkCost(1e10, 1e-6))
+    slow = DeviceKind("slow", 1, 1, 1e12, 80 * GIB, 1e12, LinkCost(1e11, 1e-6), LinkCost(1e10, 1e-6))
+    # A slow link between the kinds makes a pipeline across them pay for every activation.
+    problem = Problem((LayerCost(1e12, 1e12 / 3, 2**20, 2**20, 2**30),) + (layer,) * 3, (slow, fast), 64,
+                      (("slow", "fast", LinkCost(1e9, 1e-3)),), microbatches=(1,))
+    best_plan = plan(problem).best
+    assert best_plan.replica_batch == (16, 48)
+
+
+def test_memory_limits_are_respected_and_remat_is_used_only_when_needed():
+    rng = np.random.default_rng(3)
+    for _ in range(10):
+        problem = random_problem(rng)
+        try:
+            result = plan(problem)
+        except PlanningError:
+            continue
+        for s in result.best.stages:
+            assert s.memory_bytes <= s.memory_capacity
+
+
+def test_no_fit_names_the_fix():
+    layer = LayerCost(1e12, 1e12 / 3, 4 * GIB, 2**20, 2**20)
+    kind = DeviceKind("small", 2, 2, 1e12, 8 * GIB, 1e12, LinkCost(1e11, 1e-6), LinkCost(1e10, 1e-6))
+    with pytest.raises(PlanningError, match="add devices"):
+        plan(Problem((layer,) * 4, (kind,), 8))
+    big_activations = LayerCost(1e12, 1e12 / 3, 2**20, 4 * GIB, 4 * GIB)
+    with pytest.raises(PlanningError, match="rematerialization"):
+        plan(Problem((big_activations,) * 4, (kind,), 8, allow_remat=False, microbatches=(1,)))
+
+
+def test_missing_link_between_kinds_is_an_error():
+    layer = LayerCost(1e12, 1e12 / 3, 2**20, 2**20, 2**20)
+    a = DeviceKind("a", 1, 1, 1e12, 8 * GIB, 1e12, LinkCost(1e11, 1e-6), LinkCost(1e10, 1e-6))
+    b = DeviceKind("b", 1, 1, 1e12, 8 * GIB, 1e12, LinkCost(1e11, 1e-6), LinkCost(1e10, 1e-6))
+    with pytest.raises(PlanningError, match="no link between a and b"):
+        plan(Problem((layer,) * 4, (a, b), 8))
+
+
+def test_time_limit_returns_a_plan_and_its_gap():
+    from solver.transformer import GPT3_175B
+
+    a100 = DeviceKind("A100", 64, 8, 1.5e14, 80 * GIB, 2e12, LinkCost(3e11, 5e-6), LinkCost(2.5e10, 5e-6))
+    v100 = DeviceKind("V100", 64, 8, 6e13, 32 * GIB, 9e11, LinkCost(1.5e11, 5e-6), LinkCost(1.25e10, 5e-6))
+    problem = Problem(GPT3_175B.layer_costs(), (a100, v100), 512, (("A100", "V100", LinkCost(1.25e10, 1e-5)),),
+                      state_factor=8.0, microbatches=(32, 64, 128))
+    result = plan(problem, top_k=1, time_limit_s=0.01)
+    assert result.best.step_s > 0
+    assert 0 < result.gap < 1
+
+
+@pytest.mark.parametrize("nodes,per_node", [(1, 8), (4, 8), (16, 1), (3, 5)])
+def test_affine_costs_price_every_size_like_best(nodes, per_node):
+    topo = Topology(nodes, per_node, LinkCost(3e11, 5e-6), LinkCost(2.5e10, 1e-5))
+    for nbytes in (1.0, 1e3, 1e6, 3e8, 1e10):
+        fastest = min(a + s * nbytes for a, s in affine_costs("all_reduce", topo))
+        assert fastest == pytest.approx(best("all_reduce", topo, nbytes)[1], rel=1e-7)
