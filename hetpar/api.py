@@ -38,8 +38,8 @@ class Options:
     num_layers: int | None = None  # default: enough for the stages, at module boundaries
     batch_argnum: int = 1  # which positional argument is the batch
     plan: Plan | None = None  # a plan made earlier (e.g. `hetpar solve`), used as it is
-    schedule: str = "gpipe"
-    num_replicas: int = 1  # data-parallel pipelines, each on its own devices and share of the batch
+    schedule: str | None = None  # None: the planner's choice
+    num_replicas: int | None = None  # data-parallel pipelines, each on its own devices and share of the batch
     runtime: str = "local"  # "local": this process; "ray": one Ray actor per stage mesh
 
 
@@ -131,8 +131,8 @@ def parallelize(
     num_microbatches: int = 1,
     num_stages: int | None = None,
     num_layers: int | None = None,
-    schedule: str = "gpipe",
-    num_replicas: int = 1,
+    schedule: str | None = None,
+    num_replicas: int | None = None,
     runtime: str = "local",
     batch_argnum: int = 1,
 ) -> Any:
@@ -141,7 +141,9 @@ def parallelize(
     Use as `parallelize(step, cluster=...)` or as a decorator
     `@parallelize(cluster=...)`. With `plan=` (a Plan or a plan file from `hetpar
     solve`) the plan is used as it is, on its own cluster unless `cluster` is given,
-    after checking that it was made for this step. With `num_replicas` > 1 the
+    after checking that it was made for this step. Otherwise the planner chooses the
+    stages, their devices and layers, data-parallel replicas and the schedule, unless
+    `num_stages`, `num_replicas` or `schedule` fix them. With `num_replicas` > 1 the
     cluster runs that many data-parallel pipelines (of `num_stages` stages each), each
     taking a share of the batch in proportion to its devices' speed. With
     `runtime="ray"` every stage mesh runs in its own Ray actor (see `hetpar.init`).
@@ -153,9 +155,9 @@ def parallelize(
         raise HetparError("parallelize needs a cluster (hetpar.Cluster.virtual/local/from_file) or a plan")
     if num_microbatches < 1:
         raise PlanError(f"num_microbatches must be at least 1, got {num_microbatches}")
-    if schedule not in SCHEDULES:
+    if schedule is not None and schedule not in SCHEDULES:
         raise PlanError(f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
-    if num_replicas < 1:
+    if num_replicas is not None and num_replicas < 1:
         raise PlanError(f"num_replicas must be at least 1, got {num_replicas}")
     if runtime not in ("local", "ray"):
         raise HetparError(f"unknown runtime {runtime!r}; use 'local' (this process) or 'ray' (one process per mesh)")

@@ -32,6 +32,7 @@ class SearchOptions:
     allow_replicas: bool = True
     dtype: str = "float32"
     top_k: int = 5
+    min_microbatch: int = 1  # examples in any pipeline's microbatch
 
 
 def device_kinds(cluster: Cluster, dtype: str = "float32") -> tuple[DeviceKind, ...]:
@@ -71,6 +72,7 @@ def problem_for(layers: Layers, cluster: Cluster, batch_size: int, tokens_per_ex
         layer_costs(layers, batch_size), device_kinds(cluster, options.dtype), batch_size, group_links(cluster),
         tokens_per_example=tokens_per_example, microbatches=options.microbatches, schedules=options.schedules,
         max_tp=options.max_tp, allow_remat=options.allow_remat, allow_replicas=options.allow_replicas,
+        min_microbatch=options.min_microbatch,
     )
 
 

@@ -11,6 +11,7 @@ from hetpar.cluster.cluster import Cluster, DeviceGroup
 from hetpar.compile.tasks import op_stages
 from hetpar.errors import PlanError
 from hetpar.plan import Plan, StagePlan
+from hetpar.planner import SearchOptions, search
 from hetpar.planning import assign_replicas, assign_stages
 from hetpar.predict.memory import in_flight
 from hetpar.trace.fingerprint import differences, signature
@@ -26,9 +27,9 @@ def make_plan(
     num_microbatches: int = 1,
     num_stages: int | None = None,
     num_layers: int | None = None,
-    schedule: str = "gpipe",
+    schedule: str | None = None,
     batch_argnum: int = 1,
-    num_replicas: int = 1,
+    num_replicas: int | None = None,
 ) -> Plan:
     """A plan for `fn(*args)` on `cluster`, without running anything: `args` may be
     abstract (`jax.ShapeDtypeStruct` trees from `jax.eval_shape`) and the cluster a
@@ -48,19 +49,30 @@ def solve(
     cluster: Cluster,
     num_stages: int | None = None,
     num_layers: int | None = None,
-    schedule: str = "gpipe",
-    num_replicas: int = 1,
+    schedule: str | None = None,
+    num_replicas: int | None = None,
 ) -> tuple[Plan, Layers]:
-    """`cluster` needs device ids or positions (`Cluster.numbered()` offline)."""
+    """`cluster` needs device ids or positions (`Cluster.numbered()` offline).
+
+    Without `num_stages` and `num_replicas` the planner chooses stages, their devices,
+    layers, replicas and (without `schedule`) the schedule; with them, layers go to
+    that many stages in proportion to their speed."""
     num_microbatches = traced.batch_size // traced.microbatch_size
-    if num_replicas > 1:
+    if num_stages is None and num_replicas is None:
+        layers = _planning_layers(traced, cluster, num_layers)
+        options = SearchOptions(
+            microbatches=(num_microbatches,), schedules=(schedule,) if schedule else ("1f1b", "gpipe"),
+            min_microbatch=2 if traced.microbatch_size >= 4 else 1,
+        )
+        plan = search(layers, cluster, traced.batch_size, _tokens(traced) // traced.batch_size, options)[0]
+    elif (num_replicas or 1) > 1:
         stages = num_stages or 1
         layers = layers_of(traced, num_layers or stages)
-        plan = assign_replicas(layers, cluster, num_replicas, stages, num_microbatches, traced.batch_size, schedule)
+        plan = assign_replicas(layers, cluster, num_replicas, stages, num_microbatches, traced.batch_size, schedule or "gpipe")
     else:
         stages = num_stages or min(len(cluster.groups), cluster.num_devices)
         layers = layers_of(traced, num_layers or stages)
-        plan = assign_stages(layers, cluster, stages, num_microbatches, schedule)
+        plan = assign_stages(layers, cluster, stages, num_microbatches, schedule or "gpipe")
     placed = _replicated_params(traced, layers, plan)
     stages = tuple(
         replace(s, param_specs=tuple((name, spec) for name, spec, _ in specs), memory_bytes=_memory(s, specs, layers, plan))
@@ -75,6 +87,19 @@ def solve(
             "more devices, or a smaller batch")
     plan = replace(plan, stages=stages)
     return replace(plan, program=signature(traced.full), tokens_per_step=_tokens(traced)), layers
+
+
+def _planning_layers(traced: TracedStep, cluster: Cluster, num_layers: int | None) -> Layers:
+    """As many layers as the planner could want (one per device, at most 8), or as
+    many as the step can be cut into."""
+    if num_layers:
+        return layers_of(traced, num_layers)
+    for n in range(min(cluster.num_devices, 8), 0, -1):
+        try:
+            return layers_of(traced, n)
+        except PlanError:
+            continue
+    raise PlanError("the step cannot be cut into layers")
 
 
 def _memory(stage: StagePlan, placed: tuple, layers: Layers, plan: Plan) -> int:

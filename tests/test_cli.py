@@ -67,7 +67,7 @@ def _solved(tmp_path, *extra):
 
 
 def test_solve_show_and_simulate_a_plan(tmp_path):
-    plan, result = _solved(tmp_path, "--schedule", "1f1b")
+    plan, result = _solved(tmp_path, "--schedule", "1f1b", "--stages", "2")
     assert "wrote" in result.stdout and "predicted step time" in result.stdout
     raw = json.loads(plan.read_text())
     assert raw["version"] == 1 and raw["schedule"] == "1f1b" and len(raw["stages"]) == 2
@@ -82,6 +82,13 @@ def test_solve_show_and_simulate_a_plan(tmp_path):
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["name"] for e in events if e["ph"] == "X"} >= {"F0", "B3", "optimizer"}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_solve_without_stages_lets_the_planner_choose(tmp_path):
+    plan, _ = _solved(tmp_path)
+    raw = json.loads(plan.read_text())
+    assert raw["bound_ratio"] is not None and raw["bound_ratio"] > 0
+    assert sum(s["layer_end"] - s["layer_start"] for s in raw["stages"] if s["replica"] == 0) == 4
 
 
 def test_validate_shows_a_good_cluster_file(tmp_path):

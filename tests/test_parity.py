@@ -116,3 +116,24 @@ def test_stages_follow_given_device_order(mlp_workload):
     plan = run_parity(mlp_workload, hetpar.Cluster.virtual({"V100": 4, "H100": 4}), num_stages=2, num_microbatches=2, num_layers=4)
     assert [s.device_type for s in plan.stages] == ["V100", "H100"]
     assert plan.stages[1].num_layers > plan.stages[0].num_layers
+
+
+PLANNER_CASES = [
+    # (cluster, microbatches, schedule): the planner picks stages, devices, layers and replicas
+    (TWO_TYPES, 1, None),
+    (TWO_TYPES, 4, None),
+    (THREE_TYPES, 2, None),
+    (THREE_TYPES, 4, "gpipe"),
+    (FAST_SLOW, 2, "1f1b"),
+]
+
+
+@pytest.mark.parametrize("case", PLANNER_CASES, ids=lambda c: f"{'+'.join(c[0])}-mb{c[1]}-{c[2] or 'any'}")
+def test_planner_plans_parity(gpt_workload, mlp_workload, case):
+    counts, microbatches, schedule = case
+    for workload in (mlp_workload, gpt_workload):
+        plan = run_parity(workload, hetpar.Cluster.virtual(counts), num_microbatches=microbatches, schedule=schedule)
+        assert plan.bound_ratio is not None  # made by the planner
+        assert plan.schedule == (schedule or plan.schedule)
+        for s in plan.stages:
+            assert s.memory_bytes <= s.memory_capacity

@@ -61,10 +61,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan (JSON)")
     p.add_argument("--batch-size", type=int, help="passed to FUNCTION as batch_size=")
     p.add_argument("--microbatches", type=int, default=1, help="microbatches per step (default 1)")
-    p.add_argument("--stages", type=int, help="pipeline stages (default: one per device group)")
+    p.add_argument("--stages", type=int, help="pipeline stages (default: the planner's choice)")
     p.add_argument("--layers", type=int, help="layers to cut the model into (default: one per stage)")
-    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe")
-    p.add_argument("--replicas", type=int, default=1, help="data-parallel pipelines, each taking a share of the batch by speed")
+    p.add_argument("--schedule", choices=("gpipe", "1f1b"), help="default: the planner's choice")
+    p.add_argument("--replicas", type=int, help="data-parallel pipelines, each taking a share of the batch by speed "
+                   "(default: the planner's choice)")
     p.add_argument("--batch-argnum", type=int, default=1, help="which argument of the step is the batch (default 1)")
     p.set_defaults(run=plans.solve)
 

@@ -65,6 +65,7 @@ class Problem:
     allow_remat: bool = True
     allow_replicas: bool = True  # pipelines of different kinds side by side, splitting the batch
     min_examples: int = 1  # per microbatch on each data-parallel device
+    min_microbatch: int = 1  # examples in any pipeline's microbatch (a replica's share included)
     replica_units: int = 64  # the replica batch split is searched in steps of batch/(m x this) at most
 
     def link(self, a: str, b: str) -> LinkCost:

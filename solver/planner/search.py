@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from solver.collectives import Topology, best
-from solver.planner.layer_split import best_split
+from solver.planner.layer_split import best_split, score
 from solver.planner.problem import PlanChoice, PlanningError, Problem, SearchResult, StageChoice
 from solver.planner.stage_costs import INF, StageConfig, StageCosts, in_flight
 
@@ -69,6 +69,8 @@ class Planner:
         self.time_limit_s = time_limit_s
         self.deadline = INF
         self.unexplored = INF  # the least lower bound of what the time limit left unscored
+        self._fitting: dict[tuple[KindLayout, int, int], tuple[int, int]] = {}
+        self._capacity: dict[tuple[KindLayout, int], tuple[float, int, float, int]] = {}
         self.costs = StageCosts(problem)
         self.top_k = top_k
         self.total_flops = float(self.costs.flops.sum())
@@ -79,14 +81,27 @@ class Planner:
     def pipeline(self, layouts: tuple[KindLayout, ...], m: int, b: int, schedule: str, beat: float = INF) -> PlanChoice | None:
         """The best split of the layers over these stages, if it fits and beats `beat`."""
         configs = [lay.config for lay in layouts for _ in range(lay.stages)]
-        if len(configs) > self.costs.n or any(b % c.dp or b // c.dp < self.problem.min_examples for c in configs):
+        if len(configs) > self.costs.n or b < self.problem.min_microbatch or any(
+                b % c.dp or b // c.dp < self.problem.min_examples for c in configs):
             return None
         tables = [self.costs.table(c, b, in_flight(schedule, m, p, len(configs))) for p, c in enumerate(configs)]
         sends = [self.costs.sends(a, c, b) for a, c in zip(configs, configs[1:])]
         split = best_split(tables, sends, m, beat, schedule)
         if split is None:
             return None
-        bounds = list(zip([0, *split.cuts], [*split.cuts, self.costs.n]))
+        return self._pipeline_choice(configs, tables, sends, m, b, schedule, split.cuts, split.objective_s)
+
+    def fixed_split(self, configs: list[StageConfig], m: int, b: int, schedule: str, cuts: tuple[int, ...]) -> PlanChoice | None:
+        """A given split over given stages, scored by the same model (for baselines)."""
+        if any(b % c.dp for c in configs):
+            return None
+        tables = [self.costs.table(c, b, in_flight(schedule, m, p, len(configs))) for p, c in enumerate(configs)]
+        sends = [self.costs.sends(a, c, b) for a, c in zip(configs, configs[1:])]
+        value = score(tables, sends, m, cuts, schedule)
+        return None if value == INF else self._pipeline_choice(configs, tables, sends, m, b, schedule, cuts, value)
+
+    def _pipeline_choice(self, configs, tables, sends, m: int, b: int, schedule: str, cuts, objective: float) -> PlanChoice:  # noqa: ANN001
+        bounds = list(zip([0, *cuts], [*cuts, self.costs.n]))
         stages = tuple(
             StageChoice(
                 c.kind, c.dp, c.tp, i, j, bool(t.remat[i, j]), float(t.forward[i, j]), float(t.backward[i, j]),
@@ -95,7 +110,7 @@ class Planner:
             )
             for p, (c, t, (i, j)) in enumerate(zip(configs, tables, bounds))
         )
-        return self._choice(stages, m, schedule, split.objective_s, (b * m,))
+        return self._choice(stages, m, schedule, objective, (b * m,))
 
     def _choice(self, stages: tuple[StageChoice, ...], m: int, schedule: str, step_s: float, batch: tuple[int, ...], cross: float = 0.0) -> PlanChoice:
         p = self.problem
@@ -112,6 +127,11 @@ class Planner:
         without and with rematerialization, over the best case of every layer and
         position (one microbatch in flight): no split can do better than a stage
         holding n layers in n times the least layer time."""
+        if (layout, b) not in self._capacity:
+            self._capacity[(layout, b)] = self._stage_capacity(layout, b)
+        return self._capacity[(layout, b)]
+
+    def _stage_capacity(self, layout: KindLayout, b: int) -> tuple[float, int, float, int]:
         kind, p = self.problem.kind(layout.kind), self.problem
         per_device = b / layout.dp
         comm = self.costs._tp_allreduce(kind, layout.tp, self.costs.tp_bytes * per_device)
@@ -142,6 +162,70 @@ class Planner:
             mid = (lo + hi) // 2
             lo, hi = (lo, mid) if held(steps[mid]) >= self.costs.n else (mid + 1, hi)
         return (m - 1) * steps[lo] + self.costs.n * min(c for _, c, _, _, _ in caps)
+
+    def order_bound(self, order: tuple[KindLayout, ...], m: int, b: int, schedule: str, beat: float = INF) -> float:
+        """`bound` for one order of the kinds, and tighter: each stage holds only as many
+        layers as fit beside the activations its position keeps in flight, a stage
+        that cannot hold one layer without recomputing pays the recompute, and the
+        summed stage times (the pipeline's fill and drain) are at least those of the
+        cheapest placement of the layers within the bottleneck. Stops at `beat`: a
+        bound that reaches it is as good as exact for pruning."""
+        stages = [lay for lay in order for _ in range(lay.stages)]
+        caps = {lay: self.stage_capacity(lay, b) for lay in order}
+        c = np.array([caps[lay][0] for lay in stages])
+        cr = np.array([caps[lay][2] for lay in stages])
+        fitting = np.array([self._layers_fitting(lay, b, in_flight(schedule, m, p, len(stages))) for p, lay in enumerate(stages)])
+        n, nr = fitting[:, 0], fitting[:, 1]
+        layers = self.costs.n
+        if np.maximum(n, nr).sum() < layers:
+            return INF
+
+        def room(t: float) -> np.ndarray:
+            if t == INF:
+                return np.maximum(n, nr)
+            return np.maximum(np.minimum(np.floor(t / c * (1 + 1e-12)), n), np.minimum(np.floor(t / cr * (1 + 1e-12)), nr))
+
+        rates = np.where(n >= 1, c, cr)
+        by_rate = np.argsort(rates, kind="stable")
+        sorted_rates = rates[by_rate]
+
+        def least_sum(t: float) -> float:
+            extra = (room(t) - 1)[by_rate]
+            if extra.min() < 0 or extra.sum() < layers - len(stages):
+                return INF
+            before = np.cumsum(extra) - extra
+            take = np.clip(layers - len(stages) - before, 0, extra)
+            return float(rates.sum() + (take * sorted_rates).sum())
+
+        steps = self._steps(tuple(caps.values()))
+        lo, hi = 0, len(steps) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if room(steps[mid]).sum() >= layers else (mid + 1, hi)
+        floor_sum, best = least_sum(INF), beat
+        for t in steps[lo:]:
+            if (m - 1) * t + floor_sum >= best:
+                break
+            best = min(best, (m - 1) * t + least_sum(t))
+        return best
+
+    def _steps(self, caps: tuple[tuple[float, int, float, int], ...]) -> np.ndarray:
+        """Every time a stage of these kinds can take for a whole number of layers."""
+        layers = np.arange(1, self.costs.n + 1)
+        return np.unique(np.concatenate([layers * c for c, _, cr, _ in caps] + [layers * cr for c, _, cr, _ in caps]))
+
+    def _layers_fitting(self, layout: KindLayout, b: int, in_flight_count: int) -> tuple[int, int]:
+        key = (layout, b, in_flight_count)
+        if key not in self._fitting:
+            p, kind = self.problem, self.problem.kind(layout.kind)
+            shard = b / layout.dp / layout.tp
+            state = self.costs.params * p.state_factor / layout.tp
+            capacity = kind.memory_bytes * (1 - p.memory_reserve)
+            whole = float((state + self.costs.saved * shard * in_flight_count).min())
+            inputs = float((state + self.costs.inputs * shard * in_flight_count).min())
+            self._fitting[key] = (int(min(capacity // max(whole, 1.0), self.costs.n)),
+                                  int(min(capacity // max(inputs, 1.0), self.costs.n)) if p.allow_remat else 0)
+        return self._fitting[key]
 
     # --- the search -----------------------------------------------------------------
 
@@ -199,21 +283,35 @@ class Planner:
                         lower = self.bound(layouts, m, b)
                         if lower < INF:
                             candidates.append((lower, m, layouts))
-        candidates.sort(key=lambda c: c[0])
+        # Branch and bound with lazily tightened bounds: a layout's first bound ignores
+        # where its stages sit; when it reaches the front it is re-bounded per order of
+        # its kinds (activations in flight depend on the position) and goes back in line.
+        queue = [(lower, i, m, layouts, None) for i, (lower, m, layouts) in enumerate(candidates)]
+        heapq.heapify(queue)
         heap: list[tuple[float, int, PlanChoice]] = []  # the top_k best, worst on top (negated)
-        counter = itertools.count()
+        counter = itertools.count(len(queue))
         schedules = ["1f1b"] if "1f1b" in p.schedules else list(p.schedules)
-        for lower, m, layouts in candidates:
+        while queue:
+            lower, _, m, layouts, orders = heapq.heappop(queue)
             worst = -heap[0][0] if len(heap) >= top_k else beat
             if lower >= worst:
                 break
             if heap and time.perf_counter() > self.deadline:  # the limit never leaves a user without a plan
                 self.unexplored = min(self.unexplored, lower)
                 break
-            for order in self._orders(layouts):
+            b = batch // m
+            if orders is None:
+                ranked = [(self.order_bound(order, m, b, schedules[0], worst), i, order) for i, order in enumerate(self._orders(layouts))]
+                orders = [(bound, order) for bound, _, order in sorted(ranked)]
+                if orders and orders[0][0] < INF:
+                    heapq.heappush(queue, (orders[0][0], next(counter), m, layouts, orders))
+                continue
+            for order_lower, order in orders:
                 for schedule in schedules:
                     worst = -heap[0][0] if len(heap) >= top_k else beat
-                    plan = self.pipeline(order, m, batch // m, schedule, beat=worst)
+                    if order_lower >= worst:
+                        break
+                    plan = self.pipeline(order, m, b, schedule, beat=worst)
                     if plan is not None:
                         heapq.heappush(heap, (-plan.step_s, next(counter), plan))
                         if len(heap) > top_k:
