@@ -1,5 +1,6 @@
-"""A first stage assignment: contiguous layers to stages, one device group per stage,
-layers in proportion to each stage's speed. The full planner replaces this."""
+"""Stage assignment by hand: when the user fixes `num_stages` or `num_replicas`,
+contiguous layers go to that many stages, one device group each, in proportion to
+each stage's speed. Without them the planner (`hetpar.planner`) decides."""
 
 from __future__ import annotations
 

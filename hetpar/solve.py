@@ -13,7 +13,7 @@ from hetpar.errors import PlanError
 from hetpar.plan import Plan, StagePlan
 from hetpar.planner import SearchOptions, search
 from hetpar.planning import assign_replicas, assign_stages
-from hetpar.predict.memory import in_flight
+from solver.planner.stage_costs import in_flight
 from hetpar.trace.fingerprint import differences, signature
 from hetpar.trace.flops import op_costs
 from hetpar.trace.layers import Layers, build_layers

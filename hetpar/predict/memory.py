@@ -16,6 +16,7 @@ from hetpar.plan import Plan
 from hetpar.predict.programs import ProgramEstimate, share
 from hetpar.runtime.executor import CompiledStep
 from hetpar.trace.microbatch import input_roles
+from solver.planner.stage_costs import in_flight
 
 
 @dataclass(frozen=True)
@@ -34,14 +35,6 @@ class MemoryBreakdown:
     @property
     def fits(self) -> bool:
         return self.total <= self.capacity
-
-
-def in_flight(schedule: str, num_microbatches: int, stage: int, num_stages: int) -> int:
-    if schedule == "gpipe":
-        return num_microbatches
-    if schedule == "1f1b":
-        return min(num_microbatches, num_stages - stage)
-    raise ValueError(f"unknown schedule {schedule!r}; use 'gpipe' or '1f1b'")
 
 
 def stage_memory(

@@ -69,12 +69,12 @@ class StageCosts:
         self.problem = problem
         layers = problem.layers
         self.n = len(layers)
-        self.flops = np.array([l.flops for l in layers])
-        self.fwd_flops = np.array([l.forward_flops for l in layers])
-        self.params = np.array([l.param_bytes for l in layers], dtype=float)
-        self.saved = np.array([l.saved_bytes for l in layers])
-        self.inputs = np.array([l.input_bytes for l in layers])
-        self.tp_bytes = np.array([l.tp_bytes for l in layers])
+        self.flops = np.array([layer.flops for layer in layers])
+        self.fwd_flops = np.array([layer.forward_flops for layer in layers])
+        self.params = np.array([layer.param_bytes for layer in layers], dtype=float)
+        self.saved = np.array([layer.saved_bytes for layer in layers])
+        self.inputs = np.array([layer.input_bytes for layer in layers])
+        self.tp_bytes = np.array([layer.tp_bytes for layer in layers])
         self.saved_max = _range_max(self.saved)
         self.kinds = {k.name: k for k in problem.kinds}
         self._tables = lru_cache(maxsize=None)(self._table)
@@ -150,4 +150,6 @@ def in_flight(schedule: str, num_microbatches: int, position: int, num_stages: i
     1F1B at most one per stage from here to the end of the pipeline."""
     if schedule == "gpipe":
         return num_microbatches
-    return min(num_microbatches, num_stages - position)
+    if schedule == "1f1b":
+        return min(num_microbatches, num_stages - position)
+    raise ValueError(f"unknown schedule {schedule!r}; use 'gpipe' or '1f1b'")
