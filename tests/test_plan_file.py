@@ -144,7 +144,7 @@ def test_one_f_one_b_keeps_fewer_microbatches_in_flight():
 
 def test_mlp_plan_round_trips_with_three_stages(tmp_path):
     w = mlp.setup(batch_size=16, depth=4)
-    step = hetpar.parallelize(w.step, cluster=hetpar.Cluster.virtual({"H100": 2, "A100": 2, "V100": 4}), num_microbatches=2, num_layers=4)
+    step = hetpar.parallelize(w.step, cluster=hetpar.Cluster.virtual({"H100": 2, "A100": 2, "V100": 4}), num_microbatches=2, num_stages=3, num_layers=4)
     step(w.state, w.batch)
     save_plan(step.plan, tmp_path / "p.json")
     assert load_plan(tmp_path / "p.json") == step.plan and step.plan.num_stages == 3

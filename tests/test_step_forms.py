@@ -219,7 +219,7 @@ def test_cluster_from_file_runs_on_this_process_devices(tmp_path):
         loss, g = jax.value_and_grad(lambda p: jnp.mean((net.apply(p, batch["x"]) - batch["y"]) ** 2))(params)
         return jax.tree.map(lambda p, g: p - 0.1 * g, params, g), loss
 
-    parallel = hetpar.parallelize(step, cluster=hetpar.Cluster.from_file(str(path)), num_microbatches=2, num_layers=4)
+    parallel = hetpar.parallelize(step, cluster=hetpar.Cluster.from_file(str(path)), num_microbatches=2, num_stages=2, num_layers=4)
     ref = jax.jit(step)(params, batch)
     assert_close(parallel(params, batch), ref, "cluster-file plan")
     assert [s.device_type for s in parallel.plan.stages] == ["H100", "V100"]
