@@ -70,7 +70,7 @@ class IntraOpProblem:
     with `memory_limit_bytes` set, each such set must fit in the budget."""
 
     nodes: tuple[Node, ...]
-    edges: tuple[Edge, ...]
+    edges: tuple[Edge, ...] = ()
     memory_limit_bytes: int | None = None
     live_sets: tuple[tuple[int, ...], ...] = ()
 
@@ -90,6 +90,10 @@ class IntraOpSolution:
         """Names of the chosen strategies, for logs and plan files."""
         return tuple(n.strategies[c].name for n, c in zip(problem.nodes, self.choice))
 
+    def names(self, problem: IntraOpProblem) -> list[str]:
+        """The same names as a list (the form the tests and plan printers compare against)."""
+        return list(self.strategy_names(problem))
+
 
 def _check_cost(value: float, what: str) -> None:
     if not math.isfinite(value) or value < 0:
@@ -101,19 +105,19 @@ def _validate(problem: IntraOpProblem) -> None:
     n = len(problem.nodes)
     for k, node in enumerate(problem.nodes):
         if not node.strategies:
-            raise IntraOpError(f"node {k} ({node.name!r}) has no strategies; give it at least one (e.g. replicated)")
+            raise IntraOpError(f"node {k} ({node.name!r}) has no sharding strategy; give it at least one (e.g. replicated)")
         for s in node.strategies:
             _check_cost(s.compute_s, f"compute_s of node {k} ({node.name!r}) strategy {s.name!r}")
             _check_cost(s.comm_s, f"comm_s of node {k} ({node.name!r}) strategy {s.name!r}")
             _check_cost(s.memory_bytes, f"memory_bytes of node {k} ({node.name!r}) strategy {s.name!r}")
     for e_idx, e in enumerate(problem.edges):
         if not (0 <= e.src < n and 0 <= e.dst < n):
-            raise IntraOpError(f"edge {e_idx} ({e.src} -> {e.dst}) references a missing node; there are {n} nodes (0..{n - 1})")
+            raise IntraOpError(f"edge {e_idx} ({e.src} -> {e.dst}) references a node that does not exist; there are {n} nodes (0..{n - 1})")
         want = (len(problem.nodes[e.src].strategies), len(problem.nodes[e.dst].strategies))
-        got = np.shape(np.asarray(e.cost_s, dtype=object))
         if len(e.cost_s) != want[0] or any(len(row) != want[1] for row in e.cost_s):
-            raise IntraOpError(f"edge {e_idx} ({e.src} -> {e.dst}) cost matrix has shape {got}, but the nodes have "
-                               f"{want[0]} x {want[1]} strategies; give one row per src strategy and one column per dst strategy")
+            got = f"{len(e.cost_s)} rows of lengths {sorted({len(row) for row in e.cost_s})}"
+            raise IntraOpError(f"edge {e_idx} ({e.src} -> {e.dst}) cost matrix has {got} but needs {want} "
+                               f"(src x dst strategy counts); give one row per src strategy, one column per dst strategy")
         for row in e.cost_s:
             for c in row:
                 _check_cost(float(c), f"resharding cost on edge {e_idx} ({e.src} -> {e.dst})")
@@ -137,6 +141,12 @@ def evaluate(problem: IntraOpProblem, choice: Sequence[int]) -> float:
     return float(total)
 
 
+def peak_bytes(problem: IntraOpProblem, choice: Sequence[int]) -> int:
+    """Largest per-device memory over the program points (live sets) under `choice`; 0 without live sets."""
+    return max((sum(problem.nodes[v].strategies[choice[v]].memory_bytes for v in set(live))
+                for live in problem.live_sets), default=0)
+
+
 def _check_memory_floor(problem: IntraOpProblem) -> None:
     """Fails early, with the figure the user needs, when even the smallest strategies overflow."""
     limit = problem.memory_limit_bytes
@@ -150,9 +160,29 @@ def _check_memory_floor(problem: IntraOpProblem) -> None:
                 f"{floor} bytes; use more devices, a larger memory budget, or rematerialization")
 
 
+def _local_search_start(unary: list[np.ndarray], pairs: dict[tuple[int, int], np.ndarray],
+                        sweeps: int = 8) -> list[int]:
+    """Each node's cheapest strategy given its neighbours', repeated a few sweeps (ICM)."""
+    incident: list[list[tuple[int, np.ndarray]]] = [[] for _ in unary]
+    for (a, b), mat in pairs.items():
+        incident[a].append((b, mat))
+        incident[b].append((a, mat.T))
+    choice = [int(np.argmin(u)) for u in unary]
+    for _ in range(sweeps):
+        changed = False
+        for k, u in enumerate(unary):
+            local = u + sum((mat[:, choice[other]] for other, mat in incident[k]), np.zeros_like(u))
+            best = int(np.argmin(local))
+            changed |= best != choice[k]
+            choice[k] = best
+        if not changed:
+            break
+    return choice
+
+
 def solve_intra_op(problem: IntraOpProblem, time_limit_s: float = 10.0, workers: int = 2) -> IntraOpSolution:
     """Picks one strategy per node minimising total time under the memory limit (CP-SAT)."""
-    start = time.perf_counter()
+    started = time.perf_counter()
     _validate(problem)
     _check_memory_floor(problem)
     nodes = problem.nodes
@@ -185,9 +215,15 @@ def solve_intra_op(problem: IntraOpProblem, time_limit_s: float = 10.0, workers:
         if not pairs[key].any():  # all entries equal: the edge only adds a constant
             del pairs[key]
 
-    largest = max([u.max() for u in unary] + [m.max() for m in pairs.values()])
+    limit = problem.memory_limit_bytes
+    largest = max([u.max() for u in unary] + [m.max() for m in pairs.values()], default=0.0)
     total_max = sum(u.max() for u in unary) + sum(m.max() for m in pairs.values())
     scale = min(_SCALE_TARGET / largest, _TOTAL_CAP / total_max) if largest > 0 else 1.0
+
+    # A complete, cheap starting point: CP-SAT on a large model can spend a short time
+    # limit in presolve and find nothing; the start is then what we return.
+    start = _local_search_start(unary, pairs)
+    start_ok = limit is None or peak_bytes(problem, start) <= limit
 
     model = cp_model.CpModel()
     x = [[model.NewBoolVar(f"x{k}_{i}") for i in range(len(n.strategies))] for k, n in enumerate(nodes)]
@@ -195,10 +231,8 @@ def solve_intra_op(problem: IntraOpProblem, time_limit_s: float = 10.0, workers:
     for k, xs in enumerate(x):
         model.AddExactlyOne(xs)
         objective += [int(round(c * scale)) * v for c, v in zip(unary[k], xs) if round(c * scale)]
-        model.AddHint(xs[int(np.argmin(unary[k]))], 1)  # greedy start: a feasible point fast
         for i, v in enumerate(xs):
-            if i != int(np.argmin(unary[k])):
-                model.AddHint(v, 0)
+            model.AddHint(v, int(i == start[k]))
     for (a, b), mat in pairs.items():
         # e[i][j] = x[a][i] AND x[b][j], via marginals: rows sum to x[a], columns to x[b].
         ev = [[model.NewBoolVar(f"e{a}_{b}_{i}_{j}") for j in range(mat.shape[1])] for i in range(mat.shape[0])]
@@ -206,9 +240,11 @@ def solve_intra_op(problem: IntraOpProblem, time_limit_s: float = 10.0, workers:
             model.Add(sum(ev[i]) == x[a][i])
         for j in range(mat.shape[1]):
             model.Add(sum(ev[i][j] for i in range(mat.shape[0])) == x[b][j])
+        for i in range(mat.shape[0]):
+            for j in range(mat.shape[1]):
+                model.AddHint(ev[i][j], int(i == start[a] and j == start[b]))
         objective += [int(round(mat[i, j] * scale)) * ev[i][j]
                       for i in range(mat.shape[0]) for j in range(mat.shape[1]) if round(mat[i, j] * scale)]
-    limit = problem.memory_limit_bytes
     if limit is not None:
         for live in problem.live_sets:
             live = sorted(set(live))
@@ -227,16 +263,23 @@ def solve_intra_op(problem: IntraOpProblem, time_limit_s: float = 10.0, workers:
         raise IntraOpError(
             f"no sharding fits {limit} bytes per device: every combination of strategies overflows some program "
             f"point; use more devices, a larger memory budget, or rematerialization")
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        choice = tuple(next(i for i, v in enumerate(xs) if solver.BooleanValue(v)) for xs in x)
+        if status == cp_model.FEASIBLE and start_ok and evaluate(problem, start) < evaluate(problem, choice):
+            choice = tuple(start)  # the solver ignored a better start
+    elif status == cp_model.UNKNOWN and start_ok:
+        choice = tuple(start)
+    else:
         raise IntraOpError(
             f"the sharding solver found no solution within {time_limit_s} s ({solver.StatusName(status)}) for "
             f"{len(nodes)} nodes and {len(problem.edges)} edges; give solve_intra_op a longer time_limit_s")
-    choice = tuple(next(i for i, v in enumerate(xs) if solver.BooleanValue(v)) for xs in x)
     cost = evaluate(problem, choice)
     optimal = status == cp_model.OPTIMAL
-    bound = cost if optimal else min(cost, max(0.0, constant + solver.BestObjectiveBound() / scale))
+    # The constant is a proven bound by itself: every remaining integer term is >= 0.
+    proved = constant + max(0.0, solver.BestObjectiveBound() / scale) if status == cp_model.FEASIBLE else constant
+    bound = cost if optimal else min(cost, proved)
     gap = 0.0 if optimal or cost <= 0 else min(1.0, max(0.0, (cost - bound) / cost))
-    elapsed = time.perf_counter() - start
+    elapsed = time.perf_counter() - started
     if not optimal:
         log.warning("intra-op sharding solve hit its %.3g s time limit: returning a choice within %.2f%% of optimal "
                     "(cost %.6g s, bound %.6g s); raise time_limit_s for a proven optimum", time_limit_s,

@@ -103,3 +103,43 @@ def test_time_limit_returns_the_best_found_and_its_gap():
     assert solution.bound_s <= solution.cost_s
     assert 0.0 <= solution.gap <= 1.0
     assert solution.optimal or solution.gap > 0
+
+
+def test_some_random_memory_limits_exclude_the_free_optimum():
+    # Guards the property test above: it must include instances where memory binds.
+    binding = 0
+    for seed in range(30):
+        problem = random_problem(np.random.default_rng(seed))
+        if problem.memory_limit_bytes is None:
+            continue
+        free = brute(IntraOpProblem(problem.nodes, problem.edges))
+        binding += brute(problem) > free * (1 + 1e-9)
+    assert binding >= 3
+
+
+def test_negative_costs_and_bad_choices_are_rejected():
+    with pytest.raises(IntraOpError, match="finite and >= 0"):
+        solve_intra_op(IntraOpProblem((Node("a", (Strategy("r", -1.0, 0.0, 1),)),)))
+    two = Node("b", (Strategy("r", 1.0, 0.0, 1), Strategy("s", 1.0, 0.0, 1)))
+    with pytest.raises(IntraOpError, match="finite and >= 0"):
+        solve_intra_op(IntraOpProblem((two, two), (Edge(0, 1, ((0.0, -2.0), (0.0, 0.0))),)))
+    with pytest.raises(IntraOpError, match="out of range"):
+        evaluate(IntraOpProblem((two,)), (2,))
+
+
+def test_single_strategy_nodes_and_constant_edges_fold_away():
+    one = Node("fixed", (Strategy("r", 0.5, 0.0, 1),))
+    two = Node("b", (Strategy("r", 1.0, 0.0, 1), Strategy("s", 1.1, 0.0, 1)))
+    edges = (Edge(0, 1, ((3.0, 0.0),)), Edge(1, 2, ((0.7, 0.7), (0.7, 0.7))), Edge(2, 1, ((0.0, 0.2), (0.2, 0.0))))
+    problem = IntraOpProblem((one, two, two), edges)
+    solution = solve_intra_op(problem)
+    assert solution.choice == (0, 1, 1)
+    assert solution.cost_s == pytest.approx(0.5 + 1.1 + 1.1 + 0.7)
+
+
+def test_solver_package_does_not_import_jax():
+    import subprocess
+    import sys
+
+    code = "import sys, solver.intra_op; assert 'jax' not in sys.modules, 'solver.intra_op imported jax'"
+    subprocess.run([sys.executable, "-c", code], check=True)
