@@ -41,6 +41,7 @@ class Options:
     schedule: str | None = None  # None: the planner's choice
     num_replicas: int | None = None  # data-parallel pipelines, each on its own devices and share of the batch
     runtime: str = "local"  # "local": this process; "ray": one Ray actor per stage mesh
+    mesh_shape: tuple[int, ...] | None = None  # (data, model) per stage: operators sharded by the intra-op ILP
 
 
 class ParallelFunction:
@@ -108,7 +109,7 @@ class ParallelFunction:
                 check_fits(o.plan, traced, cluster)
                 plan, layers = o.plan, layers_of(traced, o.plan.num_layers)
             else:
-                plan, layers = solve(traced, cluster, o.num_stages, o.num_layers, o.schedule, o.num_replicas)
+                plan, layers = solve(traced, cluster, o.num_stages, o.num_layers, o.schedule, o.num_replicas, o.mesh_shape)
         if o.runtime == "ray":
             with timer("start workers"):
                 compiled = RayStep(self._fn, args, o.batch_argnum, plan, traced, layers)
@@ -116,7 +117,7 @@ class ParallelFunction:
             return plan, compiled
         with timer("compile"):
             order = [d for g in cluster.groups for d in g.device_ids]  # plans name devices by position
-            meshes = {s.index: stage_mesh(tuple(order[p] for p in s.device_ids)) for s in plan.stages}
+            meshes = {s.index: stage_mesh(tuple(order[p] for p in s.device_ids), s.mesh_shape) for s in plan.stages}
             graphs = microbatch_graphs(self._fn, args, o.batch_argnum, traced, plan)
             compiled = compile_step(traced, layers, plan, meshes, graphs)
         log.info("hetpar built a %d-stage plan in %s", plan.num_stages, timer)
@@ -135,6 +136,7 @@ def parallelize(
     num_replicas: int | None = None,
     runtime: str = "local",
     batch_argnum: int = 1,
+    mesh_shape: tuple[int, ...] | None = None,
 ) -> Any:
     """Parallelizes a train step `fn(state, batch)` over `cluster`.
 
@@ -147,6 +149,9 @@ def parallelize(
     cluster runs that many data-parallel pipelines (of `num_stages` stages each), each
     taking a share of the batch in proportion to its devices' speed. With
     `runtime="ray"` every stage mesh runs in its own Ray actor (see `hetpar.init`).
+    With `mesh_shape=(data, model)` every stage's devices form that 2-D mesh and its
+    operators are sharded over it by the intra-op ILP (Megatron-style splits where
+    they pay, data parallelism where they do not).
     The result computes what `jax.jit(fn)` computes.
     """
     if isinstance(plan, str | Path):
@@ -161,7 +166,8 @@ def parallelize(
         raise PlanError(f"num_replicas must be at least 1, got {num_replicas}")
     if runtime not in ("local", "ray"):
         raise HetparError(f"unknown runtime {runtime!r}; use 'local' (this process) or 'ray' (one process per mesh)")
-    options = Options(cluster, num_microbatches, num_stages, num_layers, batch_argnum, plan, schedule, num_replicas, runtime)
+    options = Options(cluster, num_microbatches, num_stages, num_layers, batch_argnum, plan, schedule, num_replicas, runtime,
+                      tuple(mesh_shape) if mesh_shape else None)
     if fn is None:
         return lambda f: ParallelFunction(f, options)
     return ParallelFunction(fn, options)

@@ -48,7 +48,8 @@ def _stages_per_group(sizes: list[int], num_stages: int) -> list[int]:
 
 
 def assign_stages(
-    layers: Layers, cluster: Cluster, num_stages: int, num_microbatches: int, schedule: str = "gpipe"
+    layers: Layers, cluster: Cluster, num_stages: int, num_microbatches: int, schedule: str = "gpipe",
+    mesh_shape: tuple[int, ...] | None = None,
 ) -> Plan:
     if num_stages > layers.num_layers:
         raise PlanError(f"{num_stages} stages need at least {num_stages} layers; the model was cut into {layers.num_layers}")
@@ -60,6 +61,7 @@ def assign_stages(
     m = num_microbatches
     stages = []
     for i, (group, (start, end), speed) in enumerate(zip(groups, bounds, speeds)):
+        shape = _mesh_shape(mesh_shape, group.size, i)
         flops = sum(layers.flops[start:end])
         forward = sum(layers.forward_flops[start:end]) if layers.forward_flops else flops / 3
         names = layers.names[start:end]
@@ -73,8 +75,9 @@ def assign_stages(
             i, group.type_name, tuple(positions[d] for d in group.device_ids) if positions else group.device_ids,
             start, end, label, flops, speed, flops / speed,
             group=_group_of(cluster, group).label,
-            mesh_shape=(group.size,),
-            data_parallel=group.size,
+            mesh_shape=shape,
+            data_parallel=shape[0],
+            tensor_parallel=shape[1] if len(shape) == 2 else 1,
             forward_s=forward / speed / m,
             backward_s=(flops - forward) / speed / m,
             send_s=send,
@@ -89,6 +92,15 @@ def assign_stages(
         model_flops=sum(layers.flops),
         peak_flops=sum(speeds),
     )
+
+
+def _mesh_shape(wanted: tuple[int, ...] | None, devices: int, stage: int) -> tuple[int, ...]:
+    if not wanted:
+        return (devices,)
+    if len(wanted) != 2 or wanted[0] * wanted[1] != devices:
+        raise PlanError(f"mesh_shape {tuple(wanted)} does not fit stage {stage}'s {devices} devices: give (data, model) "
+                        f"sizes whose product is {devices}, or more stages")
+    return tuple(wanted)
 
 
 def assign_replicas(

@@ -4,6 +4,7 @@ the step and cluster it is about to run on. Shared by `parallelize` and `hetpar 
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Callable
 
@@ -12,6 +13,7 @@ from hetpar.compile.tasks import op_stages
 from hetpar.errors import PlanError
 from hetpar.plan import Plan, StagePlan
 from hetpar.planner import SearchOptions, search
+from hetpar.shard import mesh_axes, stage_specs
 from hetpar.planning import assign_replicas, assign_stages
 from solver.planner.stage_costs import in_flight
 from hetpar.trace.fingerprint import differences, signature
@@ -30,6 +32,7 @@ def make_plan(
     schedule: str | None = None,
     batch_argnum: int = 1,
     num_replicas: int | None = None,
+    mesh_shape: tuple[int, ...] | None = None,
 ) -> Plan:
     """A plan for `fn(*args)` on `cluster`, without running anything: `args` may be
     abstract (`jax.ShapeDtypeStruct` trees from `jax.eval_shape`) and the cluster a
@@ -37,7 +40,7 @@ def make_plan(
     traced = trace_step(fn, args, batch_argnum, num_microbatches)
     if not all(g.device_ids for g in cluster.groups):
         cluster = cluster.numbered()
-    return solve(traced, cluster, num_stages, num_layers, schedule, num_replicas)[0]
+    return solve(traced, cluster, num_stages, num_layers, schedule, num_replicas, mesh_shape)[0]
 
 
 def layers_of(traced: TracedStep, num_layers: int) -> Layers:
@@ -51,14 +54,16 @@ def solve(
     num_layers: int | None = None,
     schedule: str | None = None,
     num_replicas: int | None = None,
+    mesh_shape: tuple[int, ...] | None = None,
 ) -> tuple[Plan, Layers]:
     """`cluster` needs device ids or positions (`Cluster.numbered()` offline).
 
     Without `num_stages` and `num_replicas` the planner chooses stages, their devices,
     layers, replicas and (without `schedule`) the schedule; with them, layers go to
-    that many stages in proportion to their speed."""
+    that many stages in proportion to their speed; `mesh_shape` (data, model) makes
+    every stage's mesh two-dimensional, its operators sharded by the intra-op ILP."""
     num_microbatches = traced.batch_size // traced.microbatch_size
-    if num_stages is None and num_replicas is None:
+    if num_stages is None and num_replicas is None and mesh_shape is None:
         layers = _planning_layers(traced, cluster, num_layers)
         options = SearchOptions(
             microbatches=(num_microbatches,), schedules=(schedule,) if schedule else ("1f1b", "gpipe"),
@@ -72,8 +77,8 @@ def solve(
     else:
         stages = num_stages or min(len(cluster.groups), cluster.num_devices)
         layers = layers_of(traced, num_layers or stages)
-        plan = assign_stages(layers, cluster, stages, num_microbatches, schedule or "gpipe")
-    placed = _replicated_params(traced, layers, plan)
+        plan = assign_stages(layers, cluster, stages, num_microbatches, schedule or "gpipe", mesh_shape)
+    placed = _placed_params(traced, layers, plan)
     stages = tuple(
         replace(s, param_specs=tuple((name, spec) for name, spec, _ in specs), memory_bytes=_memory(s, specs, layers, plan))
         for s, specs in zip(plan.stages, placed)
@@ -115,9 +120,11 @@ def _memory(stage: StagePlan, placed: tuple, layers: Layers, plan: Plan) -> int:
     return int(state + grads + kept / max(stage.data_parallel or stage.num_devices, 1))
 
 
-def _replicated_params(traced: TracedStep, layers: Layers, plan: Plan) -> list[tuple[tuple[str, str, int], ...]]:
+def _placed_params(traced: TracedStep, layers: Layers, plan: Plan) -> list[tuple[tuple[str, str, int], ...]]:
     """Each stage's parameters and optimizer state (batch-free step inputs its
-    operators read): path, sharding (replicated over a data-parallel stage mesh), bytes."""
+    operators read): path, sharding (replicated over a data-parallel stage mesh, or
+    as the intra-op ILP lays it out on a data x model mesh), bytes per device."""
+    specs = {s.index: stage_specs(traced, layers, plan, s) for s in plan.stages}
     position = {v: i for i, v in enumerate(traced.full.invars)}
     out: list[list[tuple[str, str, int]]] = [[] for _ in plan.stages]
     for r in range(plan.num_replicas):
@@ -131,7 +138,13 @@ def _replicated_params(traced: TracedStep, layers: Layers, plan: Plan) -> list[t
                     owner.setdefault(v, stage_of_op[op.index])
         for v, stage in sorted(owner.items(), key=lambda kv: position[kv[0]]):
             name = traced.input_paths[position[v]] if traced.input_paths else f"arg {position[v]}"
-            out[stage].append((name, "PartitionSpec()", traced.full.nbytes(v)))
+            spec = specs[stage].get(v)
+            if spec is None:
+                out[stage].append((name, "PartitionSpec()", traced.full.nbytes(v)))
+            else:
+                mesh = mesh_axes(plan.stages[stage])
+                shards = math.prod(mesh[a] for a in spec if a is not None)
+                out[stage].append((name, f"PartitionSpec({', '.join(repr(a) for a in spec)})", traced.full.nbytes(v) // shards))
     return [tuple(specs) for specs in out]
 
 

@@ -23,16 +23,28 @@ from hetpar.trace.microbatch import MicrobatchAnalysis
 from hetpar.trace.opgraph import OpGraph
 
 DATA_AXIS = "data"
+MODEL_AXIS = "model"
 
 
-def stage_mesh(device_ids: tuple[int, ...]) -> Mesh:
-    # Auto axes: the traced step is mesh-agnostic, shardings are steered from outside.
-    return Mesh(np.array(jax_devices(device_ids)), (DATA_AXIS,), axis_types=(AxisType.Auto,))
+def spec_sharding(mesh: Mesh, aval: Any, spec: tuple) -> NamedSharding:
+    """A chosen sharding, minus the axes a dimension of this shape cannot divide by
+    (a microbatch may be smaller than the batch the sharding was chosen for)."""
+    fitted = [a if a is not None and a in mesh.shape and dim % mesh.shape[a] == 0 else None for a, dim in zip(spec, aval.shape)]
+    return NamedSharding(mesh, PartitionSpec(*fitted))
+
+
+def stage_mesh(device_ids: tuple[int, ...], shape: tuple[int, ...] = ()) -> Mesh:
+    """A 1-D data-parallel mesh, or `data` x `model` when `shape` has two dimensions.
+    Auto axes: the traced step is mesh-agnostic, shardings are steered from outside."""
+    devices = np.array(jax_devices(device_ids))
+    if len(shape) == 2 and shape[1] > 1:
+        return Mesh(devices.reshape(shape), (DATA_AXIS, MODEL_AXIS), axis_types=(AxisType.Auto, AxisType.Auto))
+    return Mesh(devices, (DATA_AXIS,), axis_types=(AxisType.Auto,))
 
 
 def value_sharding(mesh: Mesh, aval: Any, batch_axis: int | None) -> NamedSharding:
     ndim = len(getattr(aval, "shape", ()))
-    size = mesh.devices.size
+    size = mesh.shape[DATA_AXIS]
     if batch_axis is not None and size > 1 and aval.shape[batch_axis] % size == 0:
         spec = [None] * ndim
         spec[batch_axis] = DATA_AXIS
@@ -56,13 +68,16 @@ class Program:
 
 def compile_task(
     task: Task, graph: OpGraph, constants: dict[int, Any], analysis: MicrobatchAnalysis, mesh: Mesh, num_microbatches: int,
-    mean_weight: float | None = None,
+    mean_weight: float | None = None, specs: dict[int, tuple] | None = None,
 ) -> Program:
     """`graph` is the trace at the shapes this program runs with (one microbatch);
     `constants` are the full-batch trace's, so means divide by the full batch
     (unless the step is marked: then each microbatch is its own mean, averaged here
     with `mean_weight`, its share of the batch: 1/num_microbatches unless microbatches
-    differ in size, as on data-parallel replicas of different speeds)."""
+    differ in size, as on data-parallel replicas of different speeds). `specs` are
+    the stage's intra-op shardings: weights arrive in them, matmul results are
+    constrained to them, and XLA's partitioner fills in the collectives."""
+    specs = specs or {}
     ops = [graph.ops[i] for i in task.ops]
     needed = {v for op in ops for v in op.inputs if v in graph.constants}
     source = graph.constants if analysis.marked else constants
@@ -76,11 +91,16 @@ def compile_task(
         env.update(zip(task.inputs, args))
         for op in ops:
             env.update(zip(op.outputs, jaxpr_ir.bind(op, [env[v] for v in op.inputs])))
+            for v in op.outputs:
+                if v in specs:
+                    env[v] = jax.lax.with_sharding_constraint(env[v], spec_sharding(mesh, graph.avals[v], specs[v]))
         new = tuple(env[v] if k == 1.0 else env[v] * jnp.asarray(k, env[v].dtype) for v, k in zip(task.reductions, scale))
         acc = tuple(_COMBINE[c](a, x) for c, a, x in zip(combine, acc, new))
         return tuple(env[v] for v in task.outputs), acc
 
     def sharding(v: int) -> NamedSharding:
+        if v in specs:
+            return spec_sharding(mesh, graph.avals[v], specs[v])
         return value_sharding(mesh, graph.avals[v], analysis.batch_axis.get(v))
 
     in_sh = tuple(sharding(v) for v in task.inputs)

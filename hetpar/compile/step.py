@@ -16,6 +16,7 @@ from hetpar.compile.programs import Program, compile_task
 from hetpar.compile.tasks import Task, build_tasks, op_stages
 from hetpar.plan import Plan
 from hetpar.runtime.executor import CompiledStep
+from hetpar.shard import stage_specs
 from hetpar.trace.layers import Layers
 from hetpar.trace.opgraph import OpGraph
 from hetpar.trace.traced_step import TracedStep
@@ -54,16 +55,17 @@ def step_tasks(traced: TracedStep, layers: Layers, plan: Plan) -> StepTasks:
 
 
 def compile_tasks(
-    traced: TracedStep, plan_tasks: StepTasks, meshes: dict[int, Mesh], graphs: dict[int, OpGraph],
+    traced: TracedStep, layers: Layers, plan: Plan, plan_tasks: StepTasks, meshes: dict[int, Mesh], graphs: dict[int, OpGraph],
     keep: Callable[[Task], bool] = lambda t: True,
 ) -> list[Program | None]:
     """One program per task that `keep` accepts (None for the others: another
     process runs them), at its replica's microbatch size (`graphs[size]`)."""
     m = plan_tasks.num_microbatches
+    specs = {s.index: stage_specs(traced, layers, plan, s) for s in plan.stages if any(keep(t) for t in plan_tasks.tasks if t.stage == s.index)}
     return [
         compile_task(
             t, graphs[size], traced.full.constants, traced.analysis, meshes[t.stage], m,
-            mean_weight=size / traced.batch_size,
+            mean_weight=size / traced.batch_size, specs=specs.get(t.stage),
         ) if keep(t) else None
         for t, size in zip(plan_tasks.tasks, plan_tasks.microbatch_sizes)
     ]
@@ -73,7 +75,7 @@ def compile_step(traced: TracedStep, layers: Layers, plan: Plan, meshes: dict[in
     """The whole step in this process: `meshes[s]` is the mesh stage s runs on (stages
     may share one, as when layers are profiled one by one)."""
     plan_tasks = step_tasks(traced, layers, plan)
-    programs = compile_tasks(traced, plan_tasks, meshes, graphs)
+    programs = compile_tasks(traced, layers, plan, plan_tasks, meshes, graphs)
     replicated = plan.num_replicas > 1
     return CompiledStep(
         traced.exec_graph, traced.full.constants, traced.analysis, programs, set(traced.batch_invars),

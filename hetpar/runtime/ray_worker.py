@@ -44,10 +44,11 @@ class StageWorker:
         traced = trace_step(fn, args, batch_argnum, plan.num_microbatches)
         if plan.program is not None and differences(plan.program, signature(traced.full)):
             raise PlanError(f"stage {stage}'s worker traced a different program: {'; '.join(differences(plan.program, signature(traced.full)))}")
-        tasks = step_tasks(traced, layers_of(traced, plan.num_layers), plan)
-        mesh = stage_mesh(tuple(d.id for d in jax.devices()[: self._num_devices]))
+        layers = layers_of(traced, plan.num_layers)
+        tasks = step_tasks(traced, layers, plan)
+        mesh = stage_mesh(tuple(d.id for d in jax.devices()[: self._num_devices]), plan.stages[stage].mesh_shape)
         graphs = microbatch_graphs(fn, args, batch_argnum, traced, plan)
-        self._programs = compile_tasks(traced, tasks, {stage: mesh}, graphs, keep=lambda t: t.stage == stage)
+        self._programs = compile_tasks(traced, layers, plan, tasks, {stage: mesh}, graphs, keep=lambda t: t.stage == stage)
         self._analysis = traced.analysis
         self._batch_invars = set(traced.batch_invars)
         self._graph = traced.exec_graph

@@ -1,0 +1,80 @@
+"""Intra-operator sharding of each stage on its `data` x `model` mesh: the choices
+(`strategies.py`), solved by `solver.intra_op`, become PartitionSpecs per value."""
+
+from __future__ import annotations
+
+import logging
+
+from hetpar.cluster.catalog import device_type
+from hetpar.compile.tasks import op_stages
+from hetpar.plan import Plan, StagePlan
+from hetpar.shard.strategies import AXES, Spec, _to_source, stage_problem
+from hetpar.trace.layers import Layers
+from hetpar.trace.traced_step import TracedStep
+from solver.collectives import LinkCost
+from solver.intra_op import solve_intra_op
+
+log = logging.getLogger(__name__)
+
+TIME_LIMIT_S = 10.0
+
+
+def mesh_axes(stage: StagePlan) -> dict[str, int]:
+    shape = stage.mesh_shape or (stage.num_devices,)
+    return dict(zip(AXES, shape)) if len(shape) == 2 else {AXES[0]: shape[0]}
+
+
+def stage_specs(traced: TracedStep, layers: Layers, plan: Plan, stage: StagePlan, memory_budget: int | None = None) -> dict[int, Spec]:
+    """Value id -> the mesh axis of each dimension, for the values the stage's
+    sharding fixes: every matmul's result and every weight (by its first reader).
+    Empty for a purely data-parallel stage (no `model` axis)."""
+    mesh = mesh_axes(stage)
+    if mesh.get("model", 1) == 1:
+        return {}
+    return _solve(traced, layers, plan, stage.index, tuple(mesh.items()), memory_budget)
+
+
+def _solve(traced: TracedStep, layers: Layers, plan: Plan, index: int, mesh_items: tuple, budget: int | None) -> dict[int, Spec]:
+    stage = plan.stages[index]
+    replica = plan.replica_stages(stage.replica)
+    layer_stage = [s.index for s in replica for _ in range(s.layer_start, s.layer_end)]
+    of_op = op_stages(traced.full, traced.analysis, layers, layer_stage)
+    ops = [i for i, s in enumerate(of_op) if s == index]
+    batch_free = {v for v in traced.full.invars if v not in traced.analysis.batch_axis}
+    spec = device_type(stage.device_type)
+    link = spec.intra_node_link
+    problem = stage_problem(traced.full, ops, batch_free, dict(mesh_items), spec.matmul_flops(), LinkCost(link.bandwidth, link.latency), budget)
+    if problem is None:
+        return {}
+    solution = solve_intra_op(problem.problem, TIME_LIMIT_S)
+    log.info("stage %d sharded on %s: %.3g s predicted (%s)", index, dict(mesh_items), solution.cost_s,
+             "optimal" if solution.optimal else f"gap {solution.gap:.1%}")
+    out: dict[int, Spec] = {}
+    for n, op_index in enumerate(problem.dots):
+        choice = problem.choices[n][solution.choice[n]]
+        out[traced.full.ops[op_index].outputs[0]] = choice.out
+    for weight, (n, pos, dims) in problem.weights.items():
+        choice = problem.choices[n][solution.choice[n]]
+        out[weight] = _to_source((choice.lhs, choice.rhs)[pos], dims)
+    return _follow_state(traced, out)
+
+
+def _follow_state(traced: TracedStep, specs: dict[int, Spec]) -> dict[int, Spec]:
+    """Optimizer state lies like the parameter it belongs to (same shape, path ending
+    in the parameter's path), and the step's new state like the old, so the update
+    runs where the parameters are instead of gathering them."""
+    graph, paths = traced.full, traced.input_paths
+    if paths:
+        laid = {paths[k]: (v, specs[v]) for k, v in enumerate(graph.invars) if v in specs}
+        for k, v in enumerate(graph.invars):
+            if v in specs or v in traced.analysis.batch_axis:
+                continue
+            for path, (w, spec) in laid.items():
+                tail = path.split("params", 1)[-1]
+                if tail and paths[k].endswith(tail) and graph.avals[v].shape == graph.avals[w].shape:
+                    specs[v] = spec
+                    break
+    for new, old in zip(graph.outvars, graph.invars):  # a step returns its new state first
+        if old in specs and graph.avals[new].shape == graph.avals[old].shape:
+            specs.setdefault(new, specs[old])
+    return specs

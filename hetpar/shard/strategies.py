@@ -1,0 +1,198 @@
+"""The JAX half of intra-operator sharding: the choices of a stage's matmuls on its
+mesh, priced, as an `IntraOpProblem` for `solver.intra_op`.
+
+A stage mesh has two axes, `data` and `model` (nodes x devices per node, or any
+split). Every `dot_general` of the stage is a node. Its strategies map each mesh
+axis to one of its dimensions (a batch dimension of the dot, a free dimension of
+either operand, or the contracted dimension) or to none (replicated along that
+axis): splitting the first operand's free dimension of an MLP over `data` is data
+parallelism, splitting a weight's output columns over `model` and the next weight's
+rows is Megatron's split. A contracted dimension split over an axis leaves partial
+sums, so the strategy pays an all-reduce. Elementwise chains between matmuls follow
+their producer, so an edge joins a matmul to the next one its result reaches, and a
+layout change on the way costs an all-gather. Weights are sharded as the first
+matmul that reads them wants; the memory constraint keeps every device's share of
+the weights within its budget.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from hetpar.trace.opgraph import OpGraph
+from solver.collectives import LinkCost, Topology, best
+from solver.intra_op import Edge, IntraOpProblem, Node, Strategy
+
+AXES = ("data", "model")
+Spec = tuple[str | None, ...]  # one mesh axis (or None) per dimension of a value
+
+
+@dataclass(frozen=True)
+class DotChoice:
+    lhs: Spec
+    rhs: Spec
+    out: Spec
+    summed_over: tuple[str, ...]  # axes that split the contraction: partial sums to all-reduce
+
+
+@dataclass(frozen=True)
+class StageProblem:
+    problem: IntraOpProblem
+    dots: tuple[int, ...]  # op index per node
+    choices: tuple[tuple[DotChoice, ...], ...]  # per node, per strategy
+    weights: dict[int, tuple[int, int, tuple[int, ...]]]  # weight -> (node, operand, its dims in the operand) of its first reader
+
+
+def dot_choices(op: Any, avals: list[Any], mesh: dict[str, int]) -> list[DotChoice]:
+    """Every way to place the mesh axes on this dot's dimensions (each axis on at
+    most one role, each role at most one axis, sizes dividing evenly)."""
+    (lc, rc), (lb, rb) = op.params["dimension_numbers"]
+    lhs, rhs = (avals[v].shape for v in op.inputs)
+    l_free = [d for d in range(len(lhs)) if d not in lc and d not in lb]
+    r_free = [d for d in range(len(rhs)) if d not in rc and d not in rb]
+    roles = [("batch", i) for i in range(len(lb))] + [("lhs", d) for d in l_free] + [("rhs", d) for d in r_free]
+    roles += [("contract", i) for i in range(len(lc))]
+    axes = [a for a in AXES if mesh.get(a, 1) > 1]
+    out = []
+    for picks in itertools.product([None, *roles], repeat=len(axes)):
+        used = [p for p in picks if p is not None]
+        if len(used) != len(set(used)):
+            continue
+        l_spec, r_spec = [None] * len(lhs), [None] * len(rhs)
+        o_spec = [None] * (len(lb) + len(l_free) + len(r_free))
+        summed = []
+        ok = True
+        for axis, role in zip(axes, picks):
+            if role is None:
+                continue
+            kind, i = role
+            if kind == "batch":
+                dims = [(l_spec, lb[i], lhs), (r_spec, rb[i], rhs), (o_spec, i, None)]
+            elif kind == "lhs":
+                dims = [(l_spec, i, lhs), (o_spec, len(lb) + l_free.index(i), None)]
+            elif kind == "rhs":
+                dims = [(r_spec, i, rhs), (o_spec, len(lb) + len(l_free) + r_free.index(i), None)]
+            else:
+                dims = [(l_spec, lc[i], lhs), (r_spec, rc[i], rhs)]
+                summed.append(axis)
+            for spec, d, shape in dims:
+                if shape is not None and shape[d] % mesh[axis]:
+                    ok = False
+                spec[d] = axis
+        if ok:
+            out.append(DotChoice(tuple(l_spec), tuple(r_spec), tuple(o_spec), tuple(summed)))
+    return out
+
+
+def _shards(spec: Spec, mesh: dict[str, int]) -> int:
+    return math.prod(mesh[a] for a in spec if a is not None)
+
+
+def _sources(graph: OpGraph, value: int) -> list[tuple[int, tuple[int, ...]]]:
+    """Through elementwise work and transposes, to where a value really comes from:
+    each (source value, for every dimension of `value` the source dimension it is).
+    An elementwise operator with several inputs of the value's shape has several."""
+    out, todo, seen = [], [(value, tuple(range(len(graph.avals[value].shape))))], set()
+    while todo:
+        v, dims = todo.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        op = graph.ops[graph.producer[v]] if v in graph.producer else None
+        if op is not None and op.name == "transpose":
+            perm = op.params["permutation"]
+            todo.append((op.inputs[0], tuple(perm[d] for d in dims)))
+            continue
+        shape = graph.avals[v].shape
+        same = [] if op is None or op.name == "dot_general" or len(op.outputs) != 1 else [
+            u for u in op.inputs if u not in graph.constants and getattr(graph.avals[u], "shape", None) == shape]
+        if same:
+            todo += [(u, dims) for u in same]
+        else:
+            out.append((v, dims))
+    return out
+
+
+def _to_source(spec: Spec, dims: tuple[int, ...]) -> Spec:
+    out: list[str | None] = [None] * len(spec)
+    for axis, d in zip(spec, dims):
+        out[d] = axis
+    return tuple(out)
+
+
+def stage_problem(
+    graph: OpGraph, op_indices: list[int], batch_free_inputs: set[int], mesh: dict[str, int],
+    flops_per_s: float, link: LinkCost, memory_budget: int | None = None, state_factor: float = 4.0,
+) -> StageProblem | None:
+    """The sharding problem of one stage's operators on a `data` x `model` mesh
+    (None when the stage has no matmul to shard)."""
+    dots = [i for i in op_indices if graph.ops[i].name == "dot_general"]
+    if not dots:
+        return None
+    position = {i: n for n, i in enumerate(dots)}
+    nodes, choices, weights = [], [], {}
+    for n, i in enumerate(dots):
+        op = graph.ops[i]
+        options = dot_choices(op, graph.avals, mesh)
+        lhs, rhs = (graph.avals[v].shape for v in op.inputs)
+        (lc, _), _ = op.params["dimension_numbers"]
+        flops = 2 * math.prod(graph.avals[op.outputs[0]].shape) * math.prod(lhs[d] for d in lc)
+        out_bytes = graph.nbytes(op.outputs[0])
+        for pos, v in enumerate(op.inputs):
+            for source, dims in _sources(graph, v):
+                if source in batch_free_inputs:
+                    weights.setdefault(source, (n, pos, dims))
+        strategies = []
+        for c in options:
+            devices = _shards(c.lhs, mesh) * _shards(tuple(a for a in c.rhs if a not in c.lhs), mesh)
+            partial = out_bytes / _shards(c.out, mesh)
+            comm = sum(best("all_reduce", Topology(1, mesh[a], link, link), partial)[1] for a in c.summed_over)
+            held = sum(state_factor * graph.nbytes(w) / _shards((c.lhs, c.rhs)[pos], mesh)
+                       for w, (node, pos, _) in weights.items() if node == n)
+            strategies.append(Strategy(_describe(c), flops / devices / flops_per_s, comm, int(held)))
+        nodes.append(Node(f"{op.scope}/dot_general#{i}", tuple(strategies)))
+        choices.append(tuple(options))
+    edges = []
+    for n, i in enumerate(dots):
+        for pos, v in enumerate(graph.ops[i].inputs):
+            nbytes = graph.nbytes(v)
+            for source, dims in _sources(graph, v):
+                producer = graph.producer.get(source)
+                if producer in position:  # a matmul's result, on the way to this one
+                    src, have = position[producer], lambda a: a.out
+                elif source in weights and weights[source][:2] != (n, pos):  # a weight laid out for its first reader
+                    src, first_pos, first_dims = weights[source]
+                    have = lambda a, p=first_pos, d=first_dims: _to_source((a.lhs, a.rhs)[p], d)  # noqa: E731
+                else:
+                    continue
+                if src == n:
+                    continue
+                table = tuple(
+                    tuple(_reshard_s(have(a), _to_source((b.lhs, b.rhs)[pos], dims), nbytes, mesh, link) for b in choices[n])
+                    for a in choices[src]
+                )
+                edges.append(Edge(src, n, table))
+    holders = tuple(sorted({node for node, _, _ in weights.values()}))
+    return StageProblem(
+        IntraOpProblem(tuple(nodes), tuple(edges), memory_budget, (holders,) if memory_budget is not None and holders else ()),
+        tuple(dots), tuple(choices), weights,
+    )
+
+
+def _reshard_s(have: Spec, want: Spec, nbytes: int, mesh: dict[str, int], link: LinkCost) -> float:
+    """Gathering every axis the producer split on that the consumer does not want on
+    the same dimension; a split the consumer adds is a local slice (free)."""
+    seconds, size = 0.0, nbytes / _shards(have, mesh)
+    for d, axis in enumerate(have):
+        if axis is not None and want[d] != axis:
+            seconds += best("all_gather", Topology(1, mesh[axis], link, link), size * mesh[axis])[1]
+            size *= mesh[axis]
+    return seconds
+
+
+def _describe(c: DotChoice) -> str:
+    fmt = lambda spec: "".join("R" if a is None else ("D" if a == "data" else "M") for a in spec)  # noqa: E731
+    return f"{fmt(c.lhs)} x {fmt(c.rhs)} -> {fmt(c.out)}" + (f" (sum over {', '.join(c.summed_over)})" if c.summed_over else "")

@@ -1,0 +1,136 @@
+"""Intra-op sharding of a stage on a data x model mesh: the known answers, checked in
+the compiled HLO, and parity with one device on every mesh shape."""
+
+from __future__ import annotations
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax.training import train_state
+
+import hetpar
+from hetpar.shard.strategies import stage_problem
+from hetpar.trace.traced_step import trace_step
+from models import gpt, mlp
+from parity import run_parity, with_grads
+from solver.collectives import LinkCost
+from solver.intra_op import solve_intra_op
+
+
+class TwoLayer(nn.Module):
+    hidden: int
+    out: int
+
+    @nn.compact
+    def __call__(self, x):
+        hidden = nn.relu(nn.Dense(self.hidden, use_bias=False, name="up")(x))
+        return nn.Dense(self.out, use_bias=False, name="down")(hidden)
+
+
+def two_layer(batch: int, width: int, hidden: int):
+    model = TwoLayer(hidden, 64)
+    x = jax.random.normal(jax.random.key(1), (batch, width))
+    y = jax.random.normal(jax.random.key(2), (batch, 64))
+    state = train_state.TrainState.create(apply_fn=model.apply, params=model.init(jax.random.key(0), x), tx=optax.sgd(0.1))
+
+    def loss_fn(params, b):
+        return jnp.mean((model.apply(params, b["x"]) - b["y"]) ** 2)
+
+    return state, {"x": x, "y": y}, loss_fn
+
+
+def collectives(par, kind: str) -> dict[str, list[str]]:
+    """The result types of the collective instructions in the compiled programs of
+    one `kind` (pre/fwd/bwd/post), by collective."""
+    step = par.compiled()
+    found: dict[str, list[str]] = {name: [] for name in ("all-reduce", "all-gather", "all-to-all", "reduce-scatter")}
+    for program in step.programs:
+        if program.task.kind != kind:
+            continue
+        avals = step.graph.avals
+        acc = tuple(jax.ShapeDtypeStruct(avals[v].shape, avals[v].dtype, sharding=s)
+                    for v, s in zip(program.task.reductions, program.acc_shardings))
+        ins = [jax.ShapeDtypeStruct(avals[v].shape, avals[v].dtype, sharding=s)
+               for v, s in zip(program.task.inputs, program.in_shardings)]
+        text = program.fn.lower(acc, *ins).compile().as_text()
+        for name in found:  # XLA may combine several into one instruction of a tuple type
+            for result in re.findall(rf"= (.+?) {name}(?:-start)?\(", text):
+                found[name] += re.findall(r"\w+\[[\d,]*\]", result)
+    return found
+
+
+def specs_by_layer(par) -> dict[str, str]:
+    return {path: spec for s in par.plan.stages for path, spec in s.param_specs if "opt_state" not in path}
+
+
+def test_wide_mlp_small_batch_gets_megatrons_split():
+    state, batch, loss_fn = two_layer(batch=8, width=512, hidden=4096)
+    par = hetpar.parallelize(with_grads(loss_fn), cluster=hetpar.Cluster.virtual({"cpu": 4}), num_stages=1, mesh_shape=(1, 4))
+    out = par(state, batch)
+    expected = jax.jit(with_grads(loss_fn))(state, batch)
+    assert jnp.allclose(out[1], expected[1], rtol=1e-5)
+    specs = specs_by_layer(par)
+    assert specs["[0].params['params']['up']['kernel']"] == "PartitionSpec(None, 'model')"  # columns
+    assert specs["[0].params['params']['down']['kernel']"] == "PartitionSpec('model', None)"  # rows
+    found = collectives(par, "fwd")  # the last stage runs forward and backward in one program
+    # One all-reduce, of the second matmul's partial sums; no resharding anywhere.
+    assert found["all-reduce"] == ["f32[8,64]"]
+    assert not found["all-gather"] and not found["all-to-all"]
+
+
+def test_large_batch_small_weights_stay_data_parallel():
+    state, batch, loss_fn = two_layer(batch=4096, width=64, hidden=64)
+    par = hetpar.parallelize(with_grads(loss_fn), cluster=hetpar.Cluster.virtual({"cpu": 4}), num_stages=1, mesh_shape=(1, 4))
+    par(state, batch)
+    specs = specs_by_layer(par)
+    assert specs["[0].params['params']['up']['kernel']"] == "PartitionSpec(None, None)"
+    assert specs["[0].params['params']['down']['kernel']"] == "PartitionSpec(None, None)"
+    found = collectives(par, "fwd")
+    assert not found["all-to-all"]
+    # The weight gradients, summed over the devices that hold the examples.
+    assert found["all-reduce"].count("f32[64,64]") == 2
+    assert not found["all-gather"]
+
+
+def test_memory_budget_below_replicated_weights_shards_them():
+    state, batch, loss_fn = two_layer(batch=256, width=32, hidden=32)
+    traced = trace_step(with_grads(loss_fn), (state, batch), 1, 1)
+    batch_free = {v for v in traced.full.invars if v not in traced.analysis.batch_axis}
+    mesh, link = {"data": 1, "model": 4}, LinkCost(1e10, 1e-5)
+    ops = list(range(len(traced.full.ops)))
+    free = stage_problem(traced.full, ops, batch_free, mesh, 5e10, link)
+    replicated = sum(4 * traced.full.nbytes(w) for w in free.weights)
+    tight = stage_problem(traced.full, ops, batch_free, mesh, 5e10, link, memory_budget=replicated // 2)
+    for problem, sharded in ((free, False), (tight, True)):
+        solution = solve_intra_op(problem.problem)
+        layouts = [problem.choices[n][solution.choice[n]] for n, _, _ in problem.weights.values()]
+        specs = [(c.lhs, c.rhs)[pos] for c, (_, pos, _) in zip(layouts, problem.weights.values())]
+        assert any("model" in spec for spec in specs) == sharded
+
+
+MESHES = [(1, 2), (1, 4), (2, 2), (2, 4)]
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_sharded_stage_parity(shape):
+    devices = shape[0] * shape[1]
+    for workload in (mlp.setup(batch_size=16, depth=2, hidden=64), gpt.setup(batch_size=8)):
+        plan = run_parity(workload, hetpar.Cluster.virtual({"cpu": devices}), num_stages=1, mesh_shape=shape, num_microbatches=2)
+        assert plan.stages[0].mesh_shape == shape
+
+
+def test_two_sharded_stages_of_different_shapes_parity():
+    plan = run_parity(gpt.setup(batch_size=8), hetpar.Cluster.virtual({"cpu": 8}), num_stages=2, mesh_shape=(2, 2),
+                      num_microbatches=2, num_layers=4)
+    assert [s.mesh_shape for s in plan.stages] == [(2, 2), (2, 2)]
+
+
+def test_mesh_shape_must_fit_the_stage():
+    state, batch, loss_fn = two_layer(batch=8, width=32, hidden=32)
+    par = hetpar.parallelize(with_grads(loss_fn), cluster=hetpar.Cluster.virtual({"cpu": 4}), num_stages=1, mesh_shape=(3, 2))
+    with pytest.raises(hetpar.PlanError, match=r"mesh_shape \(3, 2\) does not fit stage 0's 4 devices"):
+        par(state, batch)
