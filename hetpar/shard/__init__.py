@@ -16,7 +16,8 @@ from solver.intra_op import solve_intra_op
 
 log = logging.getLogger(__name__)
 
-TIME_LIMIT_S = 10.0
+TIME_LIMIT_S = 5.0  # per stage; past it the best sharding found is used and its gap logged
+_SOLVED: dict[tuple, tuple[TracedStep, dict[int, Spec]]] = {}  # planning and compiling share one solve
 
 
 def mesh_axes(stage: StagePlan) -> dict[str, int]:
@@ -31,7 +32,12 @@ def stage_specs(traced: TracedStep, layers: Layers, plan: Plan, stage: StagePlan
     mesh = mesh_axes(stage)
     if mesh.get("model", 1) == 1:
         return {}
-    return _solve(traced, layers, plan, stage.index, tuple(mesh.items()), memory_budget)
+    key = (id(traced), tuple(layers.flops), stage.layer_start, stage.layer_end, stage.replica, tuple(mesh.items()), memory_budget)
+    if key not in _SOLVED:
+        if len(_SOLVED) > 32:
+            _SOLVED.clear()
+        _SOLVED[key] = (traced, _solve(traced, layers, plan, stage.index, tuple(mesh.items()), memory_budget))  # holds `traced`: its id stays unique
+    return dict(_SOLVED[key][1])
 
 
 def _solve(traced: TracedStep, layers: Layers, plan: Plan, index: int, mesh_items: tuple, budget: int | None) -> dict[int, Spec]:

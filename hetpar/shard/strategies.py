@@ -27,6 +27,7 @@ from solver.collectives import LinkCost, Topology, best
 from solver.intra_op import Edge, IntraOpProblem, Node, Strategy
 
 AXES = ("data", "model")
+MAX_HOPS = 6  # elementwise operators walked back from a matmul's operand
 Spec = tuple[str | None, ...]  # one mesh axis (or None) per dimension of a value
 
 
@@ -94,24 +95,26 @@ def _shards(spec: Spec, mesh: dict[str, int]) -> int:
 def _sources(graph: OpGraph, value: int) -> list[tuple[int, tuple[int, ...]]]:
     """Through elementwise work and transposes, to where a value really comes from:
     each (source value, for every dimension of `value` the source dimension it is).
-    An elementwise operator with several inputs of the value's shape has several."""
-    out, todo, seen = [], [(value, tuple(range(len(graph.avals[value].shape))))], set()
+    An elementwise operator with several inputs of the value's shape has several; the
+    walk stops after a few operators, so a residual stream links a matmul to its
+    neighbours rather than to every block before it."""
+    out, todo, seen = [], [(value, tuple(range(len(graph.avals[value].shape))), 0)], set()
     while todo:
-        v, dims = todo.pop()
+        v, dims, hops = todo.pop(0)
         if v in seen:
             continue
         seen.add(v)
         op = graph.ops[graph.producer[v]] if v in graph.producer else None
         if op is not None and op.name == "transpose":
             perm = op.params["permutation"]
-            todo.append((op.inputs[0], tuple(perm[d] for d in dims)))
+            todo.append((op.inputs[0], tuple(perm[d] for d in dims), hops + 1))
             continue
         shape = graph.avals[v].shape
         same = [] if op is None or op.name == "dot_general" or len(op.outputs) != 1 else [
             u for u in op.inputs if u not in graph.constants and getattr(graph.avals[u], "shape", None) == shape]
-        if same:
-            todo += [(u, dims) for u in same]
-        else:
+        if same and hops < MAX_HOPS:
+            todo += [(u, dims, hops + 1) for u in same]
+        elif not same:
             out.append((v, dims))
     return out
 
