@@ -103,7 +103,7 @@ def test_an_error_in_a_worker_reaches_the_driver_with_its_message(ray_cluster):
         return w - 0.1 * g, loss
 
     parallel = hetpar.parallelize(step, cluster=hetpar.Cluster.virtual(TWO_TYPES), num_microbatches=2, runtime="ray")
-    with pytest.raises(hetpar.HetparError, match="worker raised PlanError: stage [01]'s worker traced a different program"):
+    with pytest.raises(hetpar.HetparError, match=r"worker raised PlanError: stage \d+'s worker traced a different program"):
         parallel(jnp.ones((8, 4)), {"x": jnp.ones((16, 8))})
     parallel.shutdown()
 
