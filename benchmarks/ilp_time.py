@@ -36,7 +36,8 @@ def solve_gpt(blocks: int, time_limit_s: float) -> tuple[float, int, int, bool, 
     batch_free = {v for v in graph.invars if v not in traced.analysis.batch_axis}
     a100 = device_type("A100-80GB")
     link = LinkCost(a100.intra_node_link.bandwidth, a100.intra_node_link.latency)
-    problem = stage_problem(graph, list(range(len(graph.ops))), batch_free, MESH, a100.matmul_flops(), link)
+    problem = stage_problem(graph, list(range(len(graph.ops))), batch_free, MESH, a100.matmul_flops(), link,
+                            batch_axis=traced.analysis.batch_axis)
     started = time.perf_counter()
     solution = solve_intra_op(problem.problem, time_limit_s)
     seconds = time.perf_counter() - started

@@ -41,7 +41,7 @@ class Options:
     schedule: str | None = None  # None: the planner's choice
     num_replicas: int | None = None  # data-parallel pipelines, each on its own devices and share of the batch
     runtime: str = "local"  # "local": this process; "ray": one Ray actor per stage mesh
-    mesh_shape: tuple[int, ...] | None = None  # (data, model) per stage: operators sharded by the intra-op ILP
+    mesh_shape: tuple | None = None  # (data, model) per stage: operators sharded by the intra-op ILP
 
 
 class ParallelFunction:
@@ -136,7 +136,7 @@ def parallelize(
     num_replicas: int | None = None,
     runtime: str = "local",
     batch_argnum: int = 1,
-    mesh_shape: tuple[int, ...] | None = None,
+    mesh_shape: tuple | None = None,
 ) -> Any:
     """Parallelizes a train step `fn(state, batch)` over `cluster`.
 
@@ -149,7 +149,8 @@ def parallelize(
     cluster runs that many data-parallel pipelines (of `num_stages` stages each), each
     taking a share of the batch in proportion to its devices' speed. With
     `runtime="ray"` every stage mesh runs in its own Ray actor (see `hetpar.init`).
-    With `mesh_shape=(data, model)` every stage's devices form that 2-D mesh and its
+    With `mesh_shape=(data, model)` (or one such shape per stage) every stage's
+    devices form that 2-D mesh and its
     operators are sharded over it by the intra-op ILP (Megatron-style splits where
     they pay, data parallelism where they do not).
     The result computes what `jax.jit(fn)` computes.
@@ -166,6 +167,8 @@ def parallelize(
         raise PlanError(f"num_replicas must be at least 1, got {num_replicas}")
     if runtime not in ("local", "ray"):
         raise HetparError(f"unknown runtime {runtime!r}; use 'local' (this process) or 'ray' (one process per mesh)")
+    if mesh_shape and isinstance(mesh_shape[0], tuple | list):
+        mesh_shape = tuple(tuple(shape) for shape in mesh_shape)
     options = Options(cluster, num_microbatches, num_stages, num_layers, batch_argnum, plan, schedule, num_replicas, runtime,
                       tuple(mesh_shape) if mesh_shape else None)
     if fn is None:

@@ -49,7 +49,7 @@ def _stages_per_group(sizes: list[int], num_stages: int) -> list[int]:
 
 def assign_stages(
     layers: Layers, cluster: Cluster, num_stages: int, num_microbatches: int, schedule: str = "gpipe",
-    mesh_shape: tuple[int, ...] | None = None,
+    mesh_shape: tuple | None = None,
 ) -> Plan:
     if num_stages > layers.num_layers:
         raise PlanError(f"{num_stages} stages need at least {num_stages} layers; the model was cut into {layers.num_layers}")
@@ -94,9 +94,14 @@ def assign_stages(
     )
 
 
-def _mesh_shape(wanted: tuple[int, ...] | None, devices: int, stage: int) -> tuple[int, ...]:
+def _mesh_shape(wanted: tuple | None, devices: int, stage: int) -> tuple[int, ...]:
+    """One (data, model) shape for every stage, or one per stage."""
     if not wanted:
         return (devices,)
+    if isinstance(wanted[0], tuple | list):
+        if stage >= len(wanted):
+            raise PlanError(f"mesh_shape gives {len(wanted)} shapes; the plan has more stages: give one per stage")
+        wanted = tuple(wanted[stage])
     if len(wanted) != 2 or wanted[0] * wanted[1] != devices:
         raise PlanError(f"mesh_shape {tuple(wanted)} does not fit stage {stage}'s {devices} devices: give (data, model) "
                         f"sizes whose product is {devices}, or more stages")

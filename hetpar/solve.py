@@ -32,7 +32,7 @@ def make_plan(
     schedule: str | None = None,
     batch_argnum: int = 1,
     num_replicas: int | None = None,
-    mesh_shape: tuple[int, ...] | None = None,
+    mesh_shape: tuple | None = None,
 ) -> Plan:
     """A plan for `fn(*args)` on `cluster`, without running anything: `args` may be
     abstract (`jax.ShapeDtypeStruct` trees from `jax.eval_shape`) and the cluster a
@@ -54,7 +54,7 @@ def solve(
     num_layers: int | None = None,
     schedule: str | None = None,
     num_replicas: int | None = None,
-    mesh_shape: tuple[int, ...] | None = None,
+    mesh_shape: tuple | None = None,
 ) -> tuple[Plan, Layers]:
     """`cluster` needs device ids or positions (`Cluster.numbered()` offline).
 

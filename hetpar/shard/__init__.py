@@ -49,7 +49,8 @@ def _solve(traced: TracedStep, layers: Layers, plan: Plan, index: int, mesh_item
     batch_free = {v for v in traced.full.invars if v not in traced.analysis.batch_axis}
     spec = device_type(stage.device_type)
     link = spec.intra_node_link
-    problem = stage_problem(traced.full, ops, batch_free, dict(mesh_items), spec.matmul_flops(), LinkCost(link.bandwidth, link.latency), budget)
+    problem = stage_problem(traced.full, ops, batch_free, dict(mesh_items), spec.matmul_flops(), LinkCost(link.bandwidth, link.latency),
+                            budget, batch_axis=traced.analysis.batch_axis)
     if problem is None:
         return {}
     solution = solve_intra_op(problem.problem, TIME_LIMIT_S)

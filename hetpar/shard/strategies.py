@@ -47,9 +47,13 @@ class StageProblem:
     weights: dict[int, tuple[int, int, tuple[int, ...]]]  # weight -> (node, operand, its dims in the operand) of its first reader
 
 
-def dot_choices(op: Any, avals: list[Any], mesh: dict[str, int]) -> list[DotChoice]:
+def dot_choices(op: Any, avals: list[Any], mesh: dict[str, int], examples: tuple[int | None, int | None] = (None, None)) -> list[DotChoice]:
     """Every way to place the mesh axes on this dot's dimensions (each axis on at
-    most one role, each role at most one axis, sizes dividing evenly)."""
+    most one role, each role at most one axis, sizes dividing evenly). The `data`
+    axis only ever splits the examples (`examples`: the batch dimension of each
+    operand, if it has one), as data parallelism does; the `model` axis may split
+    anything. Keeping the two apart keeps layouts from swapping axes between
+    matmuls, which costs all-to-alls and is where partitioners are least tried."""
     (lc, rc), (lb, rb) = op.params["dimension_numbers"]
     lhs, rhs = (avals[v].shape for v in op.inputs)
     l_free = [d for d in range(len(lhs)) if d not in lc and d not in lb]
@@ -57,8 +61,20 @@ def dot_choices(op: Any, avals: list[Any], mesh: dict[str, int]) -> list[DotChoi
     roles = [("batch", i) for i in range(len(lb))] + [("lhs", d) for d in l_free] + [("rhs", d) for d in r_free]
     roles += [("contract", i) for i in range(len(lc))]
     axes = [a for a in AXES if mesh.get(a, 1) > 1]
+
+    def splits_examples(role: tuple[str, int]) -> bool:
+        kind, i = role
+        if kind == "batch":
+            dims = (lb[i], rb[i])
+        elif kind == "contract":
+            dims = (lc[i], rc[i])
+        else:
+            dims = (i, None) if kind == "lhs" else (None, i)
+        return any(d is not None and d == e for d, e in zip(dims, examples))
+
+    options = [[None, *(r for r in roles if a != "data" or splits_examples(r))] for a in axes]
     out = []
-    for picks in itertools.product([None, *roles], repeat=len(axes)):
+    for picks in itertools.product(*options):
         used = [p for p in picks if p is not None]
         if len(used) != len(set(used)):
             continue
@@ -129,17 +145,19 @@ def _to_source(spec: Spec, dims: tuple[int, ...]) -> Spec:
 def stage_problem(
     graph: OpGraph, op_indices: list[int], batch_free_inputs: set[int], mesh: dict[str, int],
     flops_per_s: float, link: LinkCost, memory_budget: int | None = None, state_factor: float = 4.0,
+    batch_axis: dict[int, int] | None = None,
 ) -> StageProblem | None:
     """The sharding problem of one stage's operators on a `data` x `model` mesh
     (None when the stage has no matmul to shard)."""
     dots = [i for i in op_indices if graph.ops[i].name == "dot_general"]
     if not dots:
         return None
+    batch_axis = batch_axis or {}
     position = {i: n for n, i in enumerate(dots)}
     nodes, choices, weights = [], [], {}
     for n, i in enumerate(dots):
         op = graph.ops[i]
-        options = dot_choices(op, graph.avals, mesh)
+        options = dot_choices(op, graph.avals, mesh, tuple(batch_axis.get(v) for v in op.inputs))
         lhs, rhs = (graph.avals[v].shape for v in op.inputs)
         (lc, _), _ = op.params["dimension_numbers"]
         flops = 2 * math.prod(graph.avals[op.outputs[0]].shape) * math.prod(lhs[d] for d in lc)
