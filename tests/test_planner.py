@@ -11,7 +11,8 @@ import pytest
 from solver.collectives import LinkCost, Topology, affine_costs, best
 from solver.planner import DeviceKind, LayerCost, PlanningError, Problem, plan
 from solver.planner.layer_split import score
-from solver.planner.search import Planner, kind_layouts
+from solver.planner.bounds import kind_layouts
+from solver.planner.search import Planner
 from solver.planner.stage_costs import INF, StageCosts, in_flight
 
 GIB = 2**30

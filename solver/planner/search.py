@@ -9,11 +9,12 @@ are split over that row exactly (`layer_split`). A replica plan runs one such
 single-kind pipeline per kind, each on its share of every microbatch, and sums the
 gradients across them.
 
-Search is branch and bound: every layout gets a lower bound from its stages' best
-seconds per FLOP (no split can beat perfect balance), layouts are scored exactly in
-the order of their bounds, and the search stops when the next bound cannot beat the
-k-th best plan found. Nothing is sampled or cut off, so the answer is the optimum of
-the model.
+Search is branch and bound: every layout gets a lower bound (`bounds.py`), layouts
+are scored exactly in the order of their bounds (re-bounded per order of kinds when
+they reach the front), and the search stops when the next bound cannot beat the k-th
+best plan found. Pipelines are therefore the model's optimum; replica batch shares
+are too on grids of up to 16 steps, and found by proportional split and local
+descent beyond. With a time limit, the best plan so far comes back with its gap.
 """
 
 from __future__ import annotations
@@ -23,43 +24,15 @@ import itertools
 import logging
 import math
 import time
-from dataclasses import dataclass
-
 import numpy as np
 
 from solver.collectives import Topology, best
+from solver.planner.bounds import KindLayout, LowerBounds, kind_layouts
 from solver.planner.layer_split import best_split, score
 from solver.planner.problem import PlanChoice, PlanningError, Problem, SearchResult, StageChoice
 from solver.planner.stage_costs import INF, StageConfig, StageCosts, in_flight
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class KindLayout:
-    """How one kind's devices form stages."""
-
-    kind: str
-    stages: int
-    dp: int
-    tp: int
-
-    @property
-    def config(self) -> StageConfig:
-        return StageConfig(self.kind, self.dp, self.tp)
-
-
-def kind_layouts(problem: Problem, kind_name: str) -> list[KindLayout]:
-    kind = problem.kind(kind_name)
-    out = []
-    for tp in kind.tp_degrees(problem.max_tp):
-        if kind.count % tp:
-            continue
-        rest = kind.count // tp
-        for k in range(1, min(rest, len(problem.layers)) + 1):
-            if rest % k == 0:
-                out.append(KindLayout(kind_name, k, rest // k, tp))
-    return out
 
 
 class Planner:
@@ -69,9 +42,8 @@ class Planner:
         self.time_limit_s = time_limit_s
         self.deadline = INF
         self.unexplored = INF  # the least lower bound of what the time limit left unscored
-        self._fitting: dict[tuple[KindLayout, int, int], tuple[int, int]] = {}
-        self._capacity: dict[tuple[KindLayout, int], tuple[float, int, float, int]] = {}
         self.costs = StageCosts(problem)
+        self.bounds = LowerBounds(problem, self.costs)
         self.top_k = top_k
         self.total_flops = float(self.costs.flops.sum())
         self._single: dict[tuple[str, int, int], tuple[PlanChoice | None, float]] = {}  # and the bound it was searched under
@@ -121,111 +93,6 @@ class Planner:
         )
 
     # --- bounds ---------------------------------------------------------------------
-
-    def stage_capacity(self, layout: KindLayout, b: int) -> tuple[float, int, float, int]:
-        """(least seconds per layer, most layers that fit) of one of these stages,
-        without and with rematerialization, over the best case of every layer and
-        position (one microbatch in flight): no split can do better than a stage
-        holding n layers in n times the least layer time."""
-        if (layout, b) not in self._capacity:
-            self._capacity[(layout, b)] = self._stage_capacity(layout, b)
-        return self._capacity[(layout, b)]
-
-    def _stage_capacity(self, layout: KindLayout, b: int) -> tuple[float, int, float, int]:
-        kind, p = self.problem.kind(layout.kind), self.problem
-        per_device = b / layout.dp
-        comm = self.costs._tp_allreduce(kind, layout.tp, self.costs.tp_bytes * per_device)
-        time = self.costs.flops * per_device / (layout.tp * kind.flops) + 2 * comm + kind.layer_overhead_s
-        recompute = self.costs.fwd_flops * per_device / (layout.tp * kind.flops) + comm
-        state = self.costs.params * p.state_factor / layout.tp
-        shard = per_device / layout.tp
-        capacity = kind.memory_bytes * (1 - p.memory_reserve)
-        most = int(min(capacity // max(float((state + self.costs.saved * shard).min()), 1.0), self.costs.n))
-        most_remat = int(min(capacity // max(float((state + self.costs.inputs * shard).min()), 1.0), self.costs.n))
-        return float(time.min()), most, float((time + recompute).min()), most_remat if p.allow_remat else 0
-
-    def bound(self, layouts: tuple[KindLayout, ...], m: int, b: int) -> float:
-        """No split of any order of these stages is faster than this (inf: none fits):
-        the slowest stage takes at least the least T at which the stages, each holding
-        min(T // its least layer time, what fits) layers, hold every layer."""
-        caps = [(lay.stages, *self.stage_capacity(lay, b)) for lay in layouts]
-
-        def held(t: float) -> int:
-            return sum(k * max(min(int(t / c * (1 + 1e-12)), n), min(int(t / cr * (1 + 1e-12)), nr)) for k, c, n, cr, nr in caps)
-
-        if sum(k * max(n, nr) for k, _, n, _, nr in caps) < self.costs.n:
-            return INF
-        steps = sorted({i * c for _, c, n, cr, nr in caps for i in range(1, n + 1)} |
-                       {i * cr for _, c, n, cr, nr in caps for i in range(1, nr + 1)})
-        lo, hi = 0, len(steps) - 1
-        while lo < hi:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if held(steps[mid]) >= self.costs.n else (mid + 1, hi)
-        return (m - 1) * steps[lo] + self.costs.n * min(c for _, c, _, _, _ in caps)
-
-    def order_bound(self, order: tuple[KindLayout, ...], m: int, b: int, schedule: str, beat: float = INF) -> float:
-        """`bound` for one order of the kinds, and tighter: each stage holds only as many
-        layers as fit beside the activations its position keeps in flight, a stage
-        that cannot hold one layer without recomputing pays the recompute, and the
-        summed stage times (the pipeline's fill and drain) are at least those of the
-        cheapest placement of the layers within the bottleneck. Stops at `beat`: a
-        bound that reaches it is as good as exact for pruning."""
-        stages = [lay for lay in order for _ in range(lay.stages)]
-        caps = {lay: self.stage_capacity(lay, b) for lay in order}
-        c = np.array([caps[lay][0] for lay in stages])
-        cr = np.array([caps[lay][2] for lay in stages])
-        fitting = np.array([self._layers_fitting(lay, b, in_flight(schedule, m, p, len(stages))) for p, lay in enumerate(stages)])
-        n, nr = fitting[:, 0], fitting[:, 1]
-        layers = self.costs.n
-        if np.maximum(n, nr).sum() < layers:
-            return INF
-
-        def room(t: float) -> np.ndarray:
-            if t == INF:
-                return np.maximum(n, nr)
-            return np.maximum(np.minimum(np.floor(t / c * (1 + 1e-12)), n), np.minimum(np.floor(t / cr * (1 + 1e-12)), nr))
-
-        rates = np.where(n >= 1, c, cr)
-        by_rate = np.argsort(rates, kind="stable")
-        sorted_rates = rates[by_rate]
-
-        def least_sum(t: float) -> float:
-            extra = (room(t) - 1)[by_rate]
-            if extra.min() < 0 or extra.sum() < layers - len(stages):
-                return INF
-            before = np.cumsum(extra) - extra
-            take = np.clip(layers - len(stages) - before, 0, extra)
-            return float(rates.sum() + (take * sorted_rates).sum())
-
-        steps = self._steps(tuple(caps.values()))
-        lo, hi = 0, len(steps) - 1
-        while lo < hi:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if room(steps[mid]).sum() >= layers else (mid + 1, hi)
-        floor_sum, best = least_sum(INF), beat
-        for t in steps[lo:]:
-            if (m - 1) * t + floor_sum >= best:
-                break
-            best = min(best, (m - 1) * t + least_sum(t))
-        return best
-
-    def _steps(self, caps: tuple[tuple[float, int, float, int], ...]) -> np.ndarray:
-        """Every time a stage of these kinds can take for a whole number of layers."""
-        layers = np.arange(1, self.costs.n + 1)
-        return np.unique(np.concatenate([layers * c for c, _, cr, _ in caps] + [layers * cr for c, _, cr, _ in caps]))
-
-    def _layers_fitting(self, layout: KindLayout, b: int, in_flight_count: int) -> tuple[int, int]:
-        key = (layout, b, in_flight_count)
-        if key not in self._fitting:
-            p, kind = self.problem, self.problem.kind(layout.kind)
-            shard = b / layout.dp / layout.tp
-            state = self.costs.params * p.state_factor / layout.tp
-            capacity = kind.memory_bytes * (1 - p.memory_reserve)
-            whole = float((state + self.costs.saved * shard * in_flight_count).min())
-            inputs = float((state + self.costs.inputs * shard * in_flight_count).min())
-            self._fitting[key] = (int(min(capacity // max(whole, 1.0), self.costs.n)),
-                                  int(min(capacity // max(inputs, 1.0), self.costs.n)) if p.allow_remat else 0)
-        return self._fitting[key]
 
     # --- the search -----------------------------------------------------------------
 
@@ -280,7 +147,7 @@ class Planner:
                             continue
                         if any(b % lay.dp or b // lay.dp < p.min_examples for lay in layouts):
                             continue
-                        lower = self.bound(layouts, m, b)
+                        lower = self.bounds.bound(layouts, m, b)
                         if lower < INF:
                             candidates.append((lower, m, layouts))
         # Branch and bound with lazily tightened bounds: a layout's first bound ignores
@@ -301,7 +168,7 @@ class Planner:
                 break
             b = batch // m
             if orders is None:
-                ranked = [(self.order_bound(order, m, b, schedules[0], worst), i, order) for i, order in enumerate(self._orders(layouts))]
+                ranked = [(self.bounds.order_bound(order, m, b, schedules[0], worst), i, order) for i, order in enumerate(self._orders(layouts))]
                 orders = [(bound, order) for bound, _, order in sorted(ranked)]
                 if orders and orders[0][0] < INF:
                     heapq.heappush(queue, (orders[0][0], next(counter), m, layouts, orders))

@@ -101,7 +101,7 @@ class StageCosts:
         p, kind = self.problem, self.kinds[cfg.kind]
         per_device = b / cfg.dp  # examples each data-parallel slice runs
         speed = cfg.tp * kind.flops
-        tp_comm = self._tp_allreduce(kind, cfg.tp, self.tp_bytes * per_device)
+        tp_comm = self.tp_allreduce(kind, cfg.tp, self.tp_bytes * per_device)
         fwd = self.fwd_flops * per_device / speed + tp_comm + kind.layer_overhead_s / 3
         bwd = (self.flops - self.fwd_flops) * per_device / speed + tp_comm + 2 * kind.layer_overhead_s / 3
         grads = _span(_cumsum(self.params)) / cfg.tp
@@ -111,7 +111,7 @@ class StageCosts:
         return (_span(_cumsum(fwd)), _span(_cumsum(bwd)), grads * p.state_factor, _span(_cumsum(self.saved)) * shard,
                 _span(_cumsum(self.inputs)) * shard, sync, tail)
 
-    def _tp_allreduce(self, kind: DeviceKind, tp: int, nbytes: np.ndarray) -> np.ndarray:
+    def tp_allreduce(self, kind: DeviceKind, tp: int, nbytes: np.ndarray) -> np.ndarray:
         if tp == 1:
             return np.zeros_like(nbytes)
         return 2 * all_reduce_times(Topology(1, tp, kind.intra, kind.intra), nbytes)  # two per forward, two per backward
