@@ -8,7 +8,7 @@ import logging
 from hetpar.cluster.catalog import device_type
 from hetpar.compile.tasks import op_stages
 from hetpar.plan import Plan, StagePlan
-from hetpar.shard.strategies import AXES, Spec, _to_source, stage_problem
+from hetpar.shard.strategies import AXES, Spec, to_source, stage_problem
 from hetpar.trace.layers import Layers
 from hetpar.trace.traced_step import TracedStep
 from solver.collectives import LinkCost
@@ -62,7 +62,7 @@ def _solve(traced: TracedStep, layers: Layers, plan: Plan, index: int, mesh_item
         out[traced.full.ops[op_index].outputs[0]] = choice.out
     for weight, (n, pos, dims) in problem.weights.items():
         choice = problem.choices[n][solution.choice[n]]
-        out[weight] = _to_source((choice.lhs, choice.rhs)[pos], dims)
+        out[weight] = to_source((choice.lhs, choice.rhs)[pos], dims)
     return _follow_state(traced, out)
 
 

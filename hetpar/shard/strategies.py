@@ -135,7 +135,7 @@ def _sources(graph: OpGraph, value: int) -> list[tuple[int, tuple[int, ...]]]:
     return out
 
 
-def _to_source(spec: Spec, dims: tuple[int, ...]) -> Spec:
+def to_source(spec: Spec, dims: tuple[int, ...]) -> Spec:
     out: list[str | None] = [None] * len(spec)
     for axis, d in zip(spec, dims):
         out[d] = axis
@@ -186,13 +186,13 @@ def stage_problem(
                     src, have = position[producer], lambda a: a.out
                 elif source in weights and weights[source][:2] != (n, pos):  # a weight laid out for its first reader
                     src, first_pos, first_dims = weights[source]
-                    have = lambda a, p=first_pos, d=first_dims: _to_source((a.lhs, a.rhs)[p], d)  # noqa: E731
+                    have = lambda a, p=first_pos, d=first_dims: to_source((a.lhs, a.rhs)[p], d)  # noqa: E731
                 else:
                     continue
                 if src == n:
                     continue
                 table = tuple(
-                    tuple(_reshard_s(have(a), _to_source((b.lhs, b.rhs)[pos], dims), nbytes, mesh, link) for b in choices[n])
+                    tuple(_reshard_s(have(a), to_source((b.lhs, b.rhs)[pos], dims), nbytes, mesh, link) for b in choices[n])
                     for a in choices[src]
                 )
                 edges.append(Edge(src, n, table))
