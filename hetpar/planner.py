@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from hetpar.cluster.cluster import Cluster, DeviceGroup
 from hetpar.errors import PlanError
 from hetpar.plan import ClusterGroup, Plan, StagePlan
+from hetpar.planning import link_cost
 from hetpar.trace.layers import Layers
 from solver.collectives import LinkCost
 from solver.planner import DeviceKind, LayerCost, PlanChoice, PlanningError, Problem, SearchResult, plan
@@ -40,18 +41,18 @@ def device_kinds(cluster: Cluster, dtype: str = "float32") -> tuple[DeviceKind, 
     kinds = []
     for g in cluster.groups:
         spec = g.spec
-        intra = _cost(g.intra_link)
+        intra = link_cost(g.intra_link)
         per_node = g.devices_per_node or g.size
         kinds.append(DeviceKind(
             g.label, g.size, per_node, spec.matmul_flops(dtype) * spec.efficiency, spec.memory_bytes, spec.memory_bandwidth,
-            intra, _cost(g.inter_link) if g.size > per_node else intra, LAYER_OVERHEAD_S, spec.matmul_flops(dtype),
+            intra, link_cost(g.inter_link) if g.size > per_node else intra, LAYER_OVERHEAD_S, spec.matmul_flops(dtype),
         ))
     return tuple(kinds)
 
 
 def group_links(cluster: Cluster) -> tuple[tuple[str, str, LinkCost], ...]:
     groups = cluster.groups
-    return tuple((a.label, b.label, _cost(cluster.link_between(a, b))) for i, a in enumerate(groups) for b in groups[i + 1 :])
+    return tuple((a.label, b.label, link_cost(cluster.link_between(a, b))) for i, a in enumerate(groups) for b in groups[i + 1 :])
 
 
 def layer_costs(layers: Layers, batch_size: int) -> tuple[LayerCost, ...]:
@@ -118,7 +119,3 @@ def to_plan(choice: PlanChoice, layers: Layers, cluster: Cluster, bound_ratio: f
         replica_batch=choice.replica_batch if len(choice.replica_batch) > 1 else (),
         bound_ratio=bound_ratio,
     )
-
-
-def _cost(link) -> LinkCost:  # noqa: ANN001
-    return LinkCost(link.bandwidth, link.latency)

@@ -184,11 +184,12 @@ def _allreduce_s(nbytes: int, group: DeviceGroup) -> float:
         return 0.0
     nodes = group.nodes if group.devices_per_node else 1
     per_node = group.devices_per_node or group.size
-    topology = Topology(nodes, per_node, _cost(group.intra_link), _cost(group.inter_link))
+    topology = Topology(nodes, per_node, link_cost(group.intra_link), link_cost(group.inter_link))
     return best("all_reduce", topology, nbytes)[1]
 
 
-def _cost(link) -> LinkCost:  # noqa: ANN001
+def link_cost(link) -> LinkCost:  # noqa: ANN001
+    """A catalog link as the solver's alpha-beta cost."""
     return LinkCost(link.bandwidth, link.latency)
 
 

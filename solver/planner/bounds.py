@@ -61,17 +61,10 @@ class LowerBounds:
         return self._capacity[(layout, b)]
 
     def _stage_capacity(self, layout: KindLayout, b: int) -> tuple[float, int, float, int]:
-        kind, p = self.problem.kind(layout.kind), self.problem
-        per_device = b / layout.dp
-        comm = self.costs.tp_allreduce(kind, layout.tp, self.costs.tp_bytes * per_device)
-        time = self.costs.flops * per_device / (layout.tp * kind.flops) + 2 * comm + kind.layer_overhead_s
-        recompute = self.costs.fwd_flops * per_device / (layout.tp * kind.flops) + comm
-        state = self.costs.params * p.state_factor / layout.tp
-        shard = per_device / layout.tp
-        capacity = kind.memory_bytes * (1 - p.memory_reserve)
-        most = int(min(capacity // max(float((state + self.costs.saved * shard).min()), 1.0), self.costs.n))
-        most_remat = int(min(capacity // max(float((state + self.costs.inputs * shard).min()), 1.0), self.costs.n))
-        return float(time.min()), most, float((time + recompute).min()), most_remat if p.allow_remat else 0
+        layer = self.costs.per_layer(layout.config, b)
+        time = layer.forward + layer.backward
+        most, most_remat = self._layers_fitting(layout, b, 1)
+        return float(time.min()), most, float((time + layer.forward).min()), most_remat
 
     def bound(self, layouts: tuple[KindLayout, ...], m: int, b: int) -> float:
         """No split of any order of these stages is faster than this (inf: none fits):
@@ -144,16 +137,16 @@ class LowerBounds:
         return np.unique(np.concatenate([layers * c for c, _, cr, _ in caps] + [layers * cr for c, _, cr, _ in caps]))
 
     def _layers_fitting(self, layout: KindLayout, b: int, in_flight_count: int) -> tuple[int, int]:
+        """The most layers a stage holds with this many microbatches in flight,
+        keeping every activation or (remat) only layer inputs: capacity over the
+        least bytes any one layer needs."""
         key = (layout, b, in_flight_count)
         if key not in self._fitting:
-            p, kind = self.problem, self.problem.kind(layout.kind)
-            shard = b / layout.dp / layout.tp
-            state = self.costs.params * p.state_factor / layout.tp
-            capacity = kind.memory_bytes * (1 - p.memory_reserve)
-            whole = float((state + self.costs.saved * shard * in_flight_count).min())
-            inputs = float((state + self.costs.inputs * shard * in_flight_count).min())
-            self._fitting[key] = (int(min(capacity // max(whole, 1.0), self.costs.n)),
-                                  int(min(capacity // max(inputs, 1.0), self.costs.n)) if p.allow_remat else 0)
-        return self._fitting[key]
+            layer = self.costs.per_layer(layout.config, b)
+            capacity = self.costs.capacity(layout.kind)
 
-    # --- the search -----------------------------------------------------------------
+            def most(kept: np.ndarray) -> int:
+                return int(min(capacity // max(float((layer.state + kept * in_flight_count).min()), 1.0), self.costs.n))
+
+            self._fitting[key] = (most(layer.saved), most(layer.inputs) if self.problem.allow_remat else 0)
+        return self._fitting[key]

@@ -33,6 +33,17 @@ class StageConfig:
 
 
 @dataclass(frozen=True)
+class PerLayer:
+    """Per layer, on one device of a stage, for one microbatch."""
+
+    forward: np.ndarray  # seconds
+    backward: np.ndarray
+    state: np.ndarray  # bytes of parameters, gradients and optimizer state
+    saved: np.ndarray  # bytes of activations kept for the backward
+    inputs: np.ndarray  # bytes of the layer's input (all that remat keeps)
+
+
+@dataclass(frozen=True)
 class StageTable:
     """Everything about one stage position, for all layer ranges [i, j) (i < j)."""
 
@@ -83,9 +94,29 @@ class StageCosts:
     def table(self, cfg: StageConfig, b: int, in_flight: int) -> StageTable:
         return self._tables(cfg, b, in_flight)
 
+    def capacity(self, kind: str) -> int:
+        """Bytes a stage may use on each device: its memory less the reserve."""
+        return int(self.kinds[kind].memory_bytes * (1 - self.problem.memory_reserve))
+
+    def per_layer(self, cfg: StageConfig, b: int) -> PerLayer:
+        """Each layer alone on one of these stages: the numbers every range sums, and
+        what the planner's lower bounds take the least of."""
+        kind = self.kinds[cfg.kind]
+        per_device = b / cfg.dp  # examples each data-parallel slice runs
+        speed = cfg.tp * kind.flops
+        tp_comm = self.tp_allreduce(kind, cfg.tp, self.tp_bytes * per_device)
+        shard = per_device / cfg.tp  # activations split over tensor-parallel devices too (sequence parallel)
+        return PerLayer(
+            forward=self.fwd_flops * per_device / speed + tp_comm + kind.layer_overhead_s / 3,
+            backward=(self.flops - self.fwd_flops) * per_device / speed + tp_comm + 2 * kind.layer_overhead_s / 3,
+            state=self.params * self.problem.state_factor / cfg.tp,
+            saved=self.saved * shard,
+            inputs=self.inputs * shard,
+        )
+
     def _table(self, cfg: StageConfig, b: int, in_flight: int) -> StageTable:
         f, bw, state, saved, kept_inputs, sync, tail = self._ranges(cfg, b)
-        capacity = int(self.kinds[cfg.kind].memory_bytes * (1 - self.problem.memory_reserve))
+        capacity = self.capacity(cfg.kind)
         kept = state + saved * in_flight
         kept_remat = state + kept_inputs * in_flight + self.saved_max * (b / cfg.dp / cfg.tp)
         fits, fits_remat = kept <= capacity, (kept_remat <= capacity) & self.problem.allow_remat
@@ -99,17 +130,12 @@ class StageCosts:
         """What does not depend on the stage's place in the pipeline: times, state,
         activations of one microbatch (kept whole, or only layer inputs under remat)."""
         p, kind = self.problem, self.kinds[cfg.kind]
-        per_device = b / cfg.dp  # examples each data-parallel slice runs
-        speed = cfg.tp * kind.flops
-        tp_comm = self.tp_allreduce(kind, cfg.tp, self.tp_bytes * per_device)
-        fwd = self.fwd_flops * per_device / speed + tp_comm + kind.layer_overhead_s / 3
-        bwd = (self.flops - self.fwd_flops) * per_device / speed + tp_comm + 2 * kind.layer_overhead_s / 3
+        layer = self.per_layer(cfg, b)
         grads = _span(_cumsum(self.params)) / cfg.tp
-        shard = per_device / cfg.tp  # activations split over tensor-parallel devices too (sequence parallel)
         sync = self._sync(kind, cfg, grads)
         tail = sync + grads * p.optimizer_traffic / kind.memory_bandwidth
-        return (_span(_cumsum(fwd)), _span(_cumsum(bwd)), grads * p.state_factor, _span(_cumsum(self.saved)) * shard,
-                _span(_cumsum(self.inputs)) * shard, sync, tail)
+        return (_span(_cumsum(layer.forward)), _span(_cumsum(layer.backward)), _span(_cumsum(layer.state)),
+                _span(_cumsum(layer.saved)), _span(_cumsum(layer.inputs)), sync, tail)
 
     def tp_allreduce(self, kind: DeviceKind, tp: int, nbytes: np.ndarray) -> np.ndarray:
         if tp == 1:
