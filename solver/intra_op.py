@@ -67,12 +67,34 @@ class IntraOpProblem:
     """The whole program: operators, data edges, and the memory budget per device.
 
     `live_sets[k]` lists the nodes whose outputs are alive together at program point k;
-    with `memory_limit_bytes` set, each such set must fit in the budget."""
+    with `memory_limit_bytes` set, each such set must fit in the budget.
+
+    `same_as[k]` is the node whose strategy node k must copy (k itself when free; empty
+    means all free). Identical layers tie their operators this way, as Alpa does: the
+    solver then has one layer's variables to search however many layers the stage has,
+    and the answer is optimal among the plans where identical layers agree."""
 
     nodes: tuple[Node, ...]
     edges: tuple[Edge, ...] = ()
     memory_limit_bytes: int | None = None
     live_sets: tuple[tuple[int, ...], ...] = ()
+    same_as: tuple[int, ...] = ()
+
+    def leaders(self) -> list[int]:
+        """Node -> the node it copies (itself when free), checked."""
+        if not self.same_as:
+            return list(range(len(self.nodes)))
+        if len(self.same_as) != len(self.nodes):
+            raise IntraOpError(f"same_as has {len(self.same_as)} entries for {len(self.nodes)} nodes; give one per node")
+        for k, r in enumerate(self.same_as):
+            if not 0 <= r < len(self.nodes) or self.same_as[r] != r:
+                raise IntraOpError(f"node {k} copies node {r}, which is not a free node; point every tied node at one "
+                                   f"that copies itself")
+            if len(self.nodes[r].strategies) != len(self.nodes[k].strategies):
+                raise IntraOpError(f"node {k} ({self.nodes[k].name!r}) is tied to node {r} ({self.nodes[r].name!r}) but "
+                                   f"they have {len(self.nodes[k].strategies)} and {len(self.nodes[r].strategies)} "
+                                   f"strategies; only tie operators with the same strategies")
+        return list(self.same_as)
 
 
 @dataclass(frozen=True)
@@ -147,17 +169,50 @@ def peak_bytes(problem: IntraOpProblem, choice: Sequence[int]) -> int:
                 for live in problem.live_sets), default=0)
 
 
-def _check_memory_floor(problem: IntraOpProblem) -> None:
-    """Fails early, with the figure the user needs, when even the smallest strategies overflow."""
-    limit = problem.memory_limit_bytes
-    if limit is None:
-        return
-    for k, live in enumerate(problem.live_sets):
-        floor = sum(min(s.memory_bytes for s in problem.nodes[v].strategies) for v in set(live))
-        if floor > limit:
-            raise IntraOpError(
-                f"no sharding fits {limit} bytes per device: the smallest possible at program point {k} is "
-                f"{floor} bytes; use more devices, a larger memory budget, or rematerialization")
+def _memory_rows(problem: IntraOpProblem, leaders: list[int], index: dict[int, int]) -> list[dict[int, np.ndarray]]:
+    """Per live set: free node -> bytes per strategy of the live nodes that copy it."""
+    rows = []
+    for live in problem.live_sets:
+        row: dict[int, np.ndarray] = {}
+        for v in sorted(set(live)):
+            j = index[leaders[v]]
+            row[j] = row.get(j, 0) + np.array([s.memory_bytes for s in problem.nodes[v].strategies], dtype=np.int64)
+        rows.append(row)
+    return rows
+
+
+def _least_budget(rows: list[dict[int, np.ndarray]], time_limit_s: float) -> tuple[int, bool]:
+    """The smallest per-device budget some choice of strategies fits, and whether
+    that figure is exact (one program point, or the small model solved in time);
+    otherwise it is a lower bound."""
+    floors = [int(sum(m.min() for m in row.values())) for row in rows]
+    if len(rows) <= 1:
+        return max(floors, default=0), True
+    model = cp_model.CpModel()
+    free = sorted({j for row in rows for j in row})
+    size = {j: len(m) for row in rows for j, m in row.items()}
+    x = {j: [model.NewBoolVar(f"x{j}_{i}") for i in range(size[j])] for j in free}
+    for xs in x.values():
+        model.AddExactlyOne(xs)
+    top = sum(int(max(m.max() for m in row.values())) for row in rows)
+    budget = model.NewIntVar(0, top, "budget")
+    for row in rows:
+        model.Add(sum(int(b) * x[j][i] for j, m in row.items() for i, b in enumerate(m)) <= budget)
+    model.Minimize(budget)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit_s
+    status = solver.Solve(model)
+    if status == cp_model.OPTIMAL:
+        return int(solver.ObjectiveValue()), True
+    return max(max(floors), int(solver.BestObjectiveBound())), False
+
+
+def _no_fit(limit: int, rows: list[dict[int, np.ndarray]], time_limit_s: float) -> IntraOpError:
+    least, exact = _least_budget(rows, time_limit_s)
+    return IntraOpError(
+        f"no sharding fits {limit} bytes per device: the smallest budget any sharding fits is "
+        f"{'' if exact else 'at least '}{least} bytes ({least / 2**30:.3g} GiB); use more devices, a budget of at "
+        f"least {least} bytes, or rematerialization")
 
 
 def _local_search_start(unary: list[np.ndarray], pairs: dict[tuple[int, int], np.ndarray],
@@ -184,17 +239,26 @@ def solve_intra_op(problem: IntraOpProblem, time_limit_s: float = 10.0, workers:
     """Picks one strategy per node minimising total time under the memory limit (CP-SAT)."""
     started = time.perf_counter()
     _validate(problem)
-    _check_memory_floor(problem)
-    nodes = problem.nodes
+    leaders = problem.leaders()
+    free = sorted(set(leaders))
+    index = {r: j for j, r in enumerate(free)}
+    rows = _memory_rows(problem, leaders, index)
+    limit = problem.memory_limit_bytes
+    if limit is not None and any(sum(m.min() for m in row.values()) > limit for row in rows):
+        raise _no_fit(limit, rows, time_limit_s)  # fails early: even the smallest strategies overflow
 
-    # Unary cost per node, plus pairwise matrices per node pair. Edges touching a
-    # one-strategy node fold into the other node's unary costs; parallel edges merge.
-    unary = [np.array([s.compute_s + s.comm_s for s in n.strategies], dtype=float) for n in nodes]
+    # Unary cost per free node (its copies' costs added in), plus pairwise matrices per
+    # free-node pair. Edges touching a one-strategy node fold into the other node's
+    # unary costs; parallel edges merge; an edge between copies of one node keeps only
+    # the agreeing pairs.
+    unary = [np.zeros(len(problem.nodes[r].strategies)) for r in free]
+    for k, node in enumerate(problem.nodes):
+        unary[index[leaders[k]]] += [s.compute_s + s.comm_s for s in node.strategies]
     pairs: dict[tuple[int, int], np.ndarray] = {}
     for e in problem.edges:
         mat = np.asarray(e.cost_s, dtype=float)
-        a, b = e.src, e.dst
-        if a == b:  # self-edge: only the diagonal can ever be chosen
+        a, b = index[leaders[e.src]], index[leaders[e.dst]]
+        if a == b:
             unary[a] += np.diag(mat)
         elif mat.shape[0] == 1:
             unary[b] += mat[0]
@@ -215,24 +279,26 @@ def solve_intra_op(problem: IntraOpProblem, time_limit_s: float = 10.0, workers:
         if not pairs[key].any():  # all entries equal: the edge only adds a constant
             del pairs[key]
 
-    limit = problem.memory_limit_bytes
     largest = max([u.max() for u in unary] + [m.max() for m in pairs.values()], default=0.0)
     total_max = sum(u.max() for u in unary) + sum(m.max() for m in pairs.values())
     scale = min(_SCALE_TARGET / largest, _TOTAL_CAP / total_max) if largest > 0 else 1.0
 
+    def expand(picks: Sequence[int]) -> tuple[int, ...]:
+        return tuple(int(picks[index[r]]) for r in leaders)
+
     # A complete, cheap starting point: CP-SAT on a large model can spend a short time
     # limit in presolve and find nothing; the start is then what we return.
     start = _local_search_start(unary, pairs)
-    start_ok = limit is None or peak_bytes(problem, start) <= limit
+    start_ok = limit is None or peak_bytes(problem, expand(start)) <= limit
 
     model = cp_model.CpModel()
-    x = [[model.NewBoolVar(f"x{k}_{i}") for i in range(len(n.strategies))] for k, n in enumerate(nodes)]
+    x = [[model.NewBoolVar(f"x{j}_{i}") for i in range(len(u))] for j, u in enumerate(unary)]
     objective = []
-    for k, xs in enumerate(x):
+    for j, xs in enumerate(x):
         model.AddExactlyOne(xs)
-        objective += [int(round(c * scale)) * v for c, v in zip(unary[k], xs) if round(c * scale)]
+        objective += [int(round(c * scale)) * v for c, v in zip(unary[j], xs) if round(c * scale)]
         for i, v in enumerate(xs):
-            model.AddHint(v, int(i == start[k]))
+            model.AddHint(v, int(i == start[j]))
     for (a, b), mat in pairs.items():
         # e[i][j] = x[a][i] AND x[b][j], via marginals: rows sum to x[a], columns to x[b].
         ev = [[model.NewBoolVar(f"e{a}_{b}_{i}_{j}") for j in range(mat.shape[1])] for i in range(mat.shape[0])]
@@ -246,12 +312,10 @@ def solve_intra_op(problem: IntraOpProblem, time_limit_s: float = 10.0, workers:
         objective += [int(round(mat[i, j] * scale)) * ev[i][j]
                       for i in range(mat.shape[0]) for j in range(mat.shape[1]) if round(mat[i, j] * scale)]
     if limit is not None:
-        for live in problem.live_sets:
-            live = sorted(set(live))
-            if sum(max(s.memory_bytes for s in nodes[v].strategies) for v in live) <= limit:
+        for row in rows:
+            if sum(int(m.max()) for m in row.values()) <= limit:
                 continue  # cannot be violated
-            model.Add(sum(int(s.memory_bytes) * x[v][i] for v in live
-                          for i, s in enumerate(nodes[v].strategies)) <= int(limit))
+            model.Add(sum(int(b) * x[j][i] for j, m in row.items() for i, b in enumerate(m)) <= int(limit))
     model.Minimize(sum(objective))
 
     solver = cp_model.CpSolver()
@@ -260,19 +324,17 @@ def solve_intra_op(problem: IntraOpProblem, time_limit_s: float = 10.0, workers:
     solver.parameters.random_seed = 0
     status = solver.Solve(model)
     if status == cp_model.INFEASIBLE:
-        raise IntraOpError(
-            f"no sharding fits {limit} bytes per device: every combination of strategies overflows some program "
-            f"point; use more devices, a larger memory budget, or rematerialization")
+        raise _no_fit(int(limit), rows, time_limit_s)
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        choice = tuple(next(i for i, v in enumerate(xs) if solver.BooleanValue(v)) for xs in x)
-        if status == cp_model.FEASIBLE and start_ok and evaluate(problem, start) < evaluate(problem, choice):
-            choice = tuple(start)  # the solver ignored a better start
+        choice = expand([next(i for i, v in enumerate(xs) if solver.BooleanValue(v)) for xs in x])
+        if status == cp_model.FEASIBLE and start_ok and evaluate(problem, expand(start)) < evaluate(problem, choice):
+            choice = expand(start)  # the solver ignored a better start
     elif status == cp_model.UNKNOWN and start_ok:
-        choice = tuple(start)
+        choice = expand(start)
     else:
         raise IntraOpError(
             f"the sharding solver found no solution within {time_limit_s} s ({solver.StatusName(status)}) for "
-            f"{len(nodes)} nodes and {len(problem.edges)} edges; give solve_intra_op a longer time_limit_s")
+            f"{len(problem.nodes)} nodes and {len(problem.edges)} edges; give solve_intra_op a longer time_limit_s")
     cost = evaluate(problem, choice)
     optimal = status == cp_model.OPTIMAL
     # The constant is a proven bound by itself: every remaining integer term is >= 0.

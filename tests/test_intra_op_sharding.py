@@ -14,11 +14,12 @@ from flax.training import train_state
 
 import hetpar
 from hetpar.shard.strategies import stage_problem
+from hetpar.solve import layers_of
 from hetpar.trace.traced_step import trace_step
 from models import gpt, mlp
-from parity import run_parity, with_grads
+from parity import assert_close, run_parity, with_grads
 from solver.collectives import LinkCost
-from solver.intra_op import solve_intra_op
+from solver.intra_op import IntraOpError, solve_intra_op
 
 
 class TwoLayer(nn.Module):
@@ -82,6 +83,36 @@ def test_wide_mlp_small_batch_gets_megatrons_split():
     assert not found["all-gather"] and not found["all-to-all"]
 
 
+class Attention(nn.Module):
+    heads: int
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.MultiHeadDotProductAttention(num_heads=self.heads, use_bias=False, name="attn")(x)
+
+
+def test_attention_splits_by_heads():
+    model = Attention(heads=8)
+    x = jax.random.normal(jax.random.key(1), (2, 16, 512))
+    batch = {"x": x, "y": jax.random.normal(jax.random.key(2), (2, 16, 512))}
+    state = train_state.TrainState.create(apply_fn=model.apply, params=model.init(jax.random.key(0), x), tx=optax.sgd(0.1))
+
+    def loss_fn(params, b):
+        return jnp.mean((model.apply(params, b["x"]) - b["y"]) ** 2)
+
+    par = hetpar.parallelize(with_grads(loss_fn), cluster=hetpar.Cluster.virtual({"cpu": 4}), num_stages=1, mesh_shape=(1, 4))
+    out = par(state, batch)
+    assert_close(out[1:], jax.jit(with_grads(loss_fn))(state, batch)[1:], "loss and gradients")
+    specs = specs_by_layer(par)
+    for projection in ("query", "key", "value"):  # (d_model, heads, head_dim): by heads
+        assert specs[f"[0].params['params']['attn']['{projection}']['kernel']"] == "PartitionSpec(None, 'model', None)"
+    assert specs["[0].params['params']['attn']['out']['kernel']"] == "PartitionSpec('model', None, None)"
+    found = collectives(par, "fwd")
+    # Each device attends with its own heads; one all-reduce joins the output projection's partial sums.
+    assert found["all-reduce"] == ["f32[2,16,512]"]
+    assert not found["all-gather"] and not found["all-to-all"]
+
+
 def test_large_batch_small_weights_stay_data_parallel():
     state, batch, loss_fn = two_layer(batch=4096, width=64, hidden=64)
     par = hetpar.parallelize(with_grads(loss_fn), cluster=hetpar.Cluster.virtual({"cpu": 4}), num_stages=1, mesh_shape=(1, 4))
@@ -110,6 +141,27 @@ def test_memory_budget_below_replicated_weights_shards_them():
         layouts = [problem.choices[n][solution.choice[n]] for n, _, _ in problem.weights.values()]
         specs = [(c.lhs, c.rhs)[pos] for c, (_, pos, _) in zip(layouts, problem.weights.values())]
         assert any("model" in spec for spec in specs) == sharded
+    # Below a quarter of the replicated state nothing fits: the error names the least budget.
+    smallest = sum(4 * traced.full.nbytes(w) // 4 for w in free.weights)
+    impossible = stage_problem(traced.full, ops, batch_free, mesh, 5e10, link, memory_budget=smallest - 1)
+    with pytest.raises(IntraOpError, match=f"smallest budget any sharding fits is {smallest} bytes"):
+        solve_intra_op(impossible.problem)
+
+
+def test_identical_blocks_are_solved_once():
+    workload = gpt.setup(batch_size=4, config=gpt.GPTConfig(n_layers=4))
+    traced = trace_step(with_grads(workload.loss_fn), (workload.state, workload.batch), 1, 1)
+    batch_free = {v for v in traced.full.invars if v not in traced.analysis.batch_axis}
+    ops = list(range(len(traced.full.ops)))
+    layers = layers_of(traced, 4)
+    stage = stage_problem(traced.full, ops, batch_free, {"data": 2, "model": 4}, 5e10, LinkCost(1e10, 1e-5),
+                          batch_axis=traced.analysis.batch_axis, op_layer=layers.op_layer)
+    problem = stage.problem
+    copies = [k for k, r in enumerate(problem.same_as) if k != r]
+    blocks = [{problem.same_as[k] for k, i in enumerate(stage.dots) if layers.op_layer.get(i) == b} for b in range(4)]
+    assert copies and blocks[1] and blocks[1] == blocks[2]  # the middle blocks copy one set of free matmuls
+    solution = solve_intra_op(problem)
+    assert all(solution.choice[k] == solution.choice[problem.same_as[k]] for k in copies)
 
 
 MESHES = [(1, 2), (1, 4), (2, 2), (2, 4)]

@@ -75,8 +75,64 @@ def test_memory_limit_moves_the_choice():
 
 def test_nothing_fits_names_the_smallest_figure():
     nodes = (Node("w", (Strategy("r", 1.0, 0.0, 100), Strategy("s", 1.0, 0.0, 60))),)
-    with pytest.raises(IntraOpError, match="smallest possible at program point 0 is 60 bytes"):
+    with pytest.raises(IntraOpError, match="smallest budget any sharding fits is 60 bytes"):
         solve_intra_op(IntraOpProblem(nodes, (), memory_limit_bytes=50, live_sets=((0,),)))
+
+
+def test_tied_program_points_name_the_least_budget():
+    # Each program point alone fits 50 bytes, but c and its copy d want opposite strategies.
+    c = Node("c", (Strategy("r", 1.0, 0.0, 10), Strategy("s", 1.0, 0.0, 90)))
+    d = Node("d", (Strategy("r", 1.0, 0.0, 90), Strategy("s", 1.0, 0.0, 10)))
+    e = Node("e", (Strategy("r", 1.0, 0.0, 30), Strategy("s", 1.0, 0.0, 40)))
+    problem = IntraOpProblem((c, d, e), (), memory_limit_bytes=50, live_sets=((0, 2), (1, 2)), same_as=(0, 0, 2))
+    least = min(max(sum(problem.nodes[v].strategies[choice[v]].memory_bytes for v in live) for live in problem.live_sets)
+                for choice in itertools.product(range(2), repeat=3) if choice[0] == choice[1])
+    assert least == 120
+    with pytest.raises(IntraOpError, match=f"smallest budget any sharding fits is {least} bytes"):
+        solve_intra_op(problem)
+
+
+def tied_brute(problem: IntraOpProblem) -> float:
+    best = float("inf")
+    for choice in itertools.product(*(range(len(n.strategies)) for n in problem.nodes)):
+        if any(choice[k] != choice[r] for k, r in enumerate(problem.same_as)):
+            continue
+        if problem.memory_limit_bytes is not None and peak_bytes(problem, choice) > problem.memory_limit_bytes:
+            continue
+        best = min(best, evaluate(problem, choice))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_tied_nodes_solve_to_the_best_agreeing_choice(seed):
+    rng = np.random.default_rng(100 + seed)
+    base = random_problem(rng)
+    # Tie a random set of nodes with as many strategies as an earlier node to that node.
+    same_as = list(range(len(base.nodes)))
+    for k, node in enumerate(base.nodes):
+        earlier = [r for r in range(k) if same_as[r] == r and len(base.nodes[r].strategies) == len(node.strategies)]
+        if earlier and rng.uniform() < 0.6:
+            same_as[k] = int(rng.choice(earlier))
+    problem = IntraOpProblem(base.nodes, base.edges, base.memory_limit_bytes, base.live_sets, tuple(same_as))
+    expected = tied_brute(problem)
+    if expected == float("inf"):
+        with pytest.raises(IntraOpError, match="smallest budget"):
+            solve_intra_op(problem)
+        return
+    solution = solve_intra_op(problem)
+    assert all(solution.choice[k] == solution.choice[r] for k, r in enumerate(same_as))
+    assert solution.cost_s == pytest.approx(expected, rel=1e-6, abs=1e-9)
+
+
+def test_bad_ties_are_named():
+    one = Node("a", (Strategy("r", 1.0, 0.0, 1),))
+    two = Node("b", (Strategy("r", 1.0, 0.0, 1), Strategy("s", 1.0, 0.0, 1)))
+    with pytest.raises(IntraOpError, match="only tie operators with the same strategies"):
+        solve_intra_op(IntraOpProblem((one, two), same_as=(0, 0)))
+    with pytest.raises(IntraOpError, match="not a free node"):
+        solve_intra_op(IntraOpProblem((two, two, two), same_as=(1, 0, 0)))
+    with pytest.raises(IntraOpError, match="one per node"):
+        solve_intra_op(IntraOpProblem((two, two), same_as=(0,)))
 
 
 def test_malformed_problems_are_named():

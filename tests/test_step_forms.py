@@ -47,7 +47,9 @@ def test_tuple_state_with_plain_optax():
 
     def step(state, batch):
         params, opt_state = state
-        loss_fn = lambda p: jnp.mean((net.apply(p, batch["x"]) - batch["y"]) ** 2)
+        def loss_fn(p):
+            return jnp.mean((net.apply(p, batch["x"]) - batch["y"]) ** 2)
+
         loss, grads = jax.value_and_grad(loss_fn)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), loss
@@ -179,7 +181,7 @@ def test_batch_statistics_run_with_markers():
     new_w, loss = parallel(w, batch)
     halves = [jax.tree.map(lambda a: a[i * 8 : (i + 1) * 8], batch) for i in range(2)]
     parts = [jax.jit(jax.value_and_grad(loss_fn))(w, h) for h in halves]
-    expected_loss = np.mean([float(l) for l, _ in parts])
+    expected_loss = np.mean([float(loss) for loss, _ in parts])
     expected_w = w - 0.1 * (parts[0][1] + parts[1][1]) / 2
     assert_close(loss, expected_loss, "per-microbatch mean loss")
     assert_close(new_w, expected_w, "per-microbatch mean gradient")

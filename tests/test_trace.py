@@ -142,7 +142,9 @@ def test_input_roles_come_from_the_program():
 
 
 def test_op_bytes_in_and_out():
-    fn = lambda x, w: x @ w
+    def fn(x, w):
+        return x @ w
+
     graph = jaxpr_ir.trace(fn, jnp.ones((4, 8)), jnp.ones((8, 2)))
     (cost,) = op_costs(graph)
     assert (cost.flops, cost.bytes_in, cost.bytes_out) == (2 * 4 * 2 * 8, (32 + 16) * 4, 8 * 4)

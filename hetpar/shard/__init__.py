@@ -50,7 +50,7 @@ def _solve(traced: TracedStep, layers: Layers, plan: Plan, index: int, mesh_item
     spec = device_type(stage.device_type)
     link = spec.intra_node_link
     problem = stage_problem(traced.full, ops, batch_free, dict(mesh_items), spec.matmul_flops(), LinkCost(link.bandwidth, link.latency),
-                            budget, batch_axis=traced.analysis.batch_axis)
+                            budget, batch_axis=traced.analysis.batch_axis, op_layer=layers.op_layer)
     if problem is None:
         return {}
     solution = solve_intra_op(problem.problem, TIME_LIMIT_S)

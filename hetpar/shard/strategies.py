@@ -145,10 +145,12 @@ def to_source(spec: Spec, dims: tuple[int, ...]) -> Spec:
 def stage_problem(
     graph: OpGraph, op_indices: list[int], batch_free_inputs: set[int], mesh: dict[str, int],
     flops_per_s: float, link: LinkCost, memory_budget: int | None = None, state_factor: float = 4.0,
-    batch_axis: dict[int, int] | None = None,
+    batch_axis: dict[int, int] | None = None, op_layer: dict[int, int] | None = None,
 ) -> StageProblem | None:
     """The sharding problem of one stage's operators on a `data` x `model` mesh
-    (None when the stage has no matmul to shard)."""
+    (None when the stage has no matmul to shard). With `op_layer` (operator -> layer),
+    the matmuls of identical layers are tied: one layer's choices are solved and
+    every copy of it takes them."""
     dots = [i for i in op_indices if graph.ops[i].name == "dot_general"]
     if not dots:
         return None
@@ -197,10 +199,39 @@ def stage_problem(
                 )
                 edges.append(Edge(src, n, table))
     holders = tuple(sorted({node for node, _, _ in weights.values()}))
+    same_as = _same_as(graph, dots, weights, batch_axis, op_layer) if op_layer else ()
     return StageProblem(
-        IntraOpProblem(tuple(nodes), tuple(edges), memory_budget, (holders,) if memory_budget is not None and holders else ()),
+        IntraOpProblem(tuple(nodes), tuple(edges), memory_budget, (holders,) if memory_budget is not None and holders else (),
+                       same_as),
         tuple(dots), tuple(choices), weights,
     )
+
+
+def _same_as(graph: OpGraph, dots: list[int], weights: dict, batch_axis: dict[int, int], op_layer: dict[int, int]) -> tuple[int, ...]:
+    """Node -> the node it copies: the matmul at the same place in the first layer
+    whose matmuls are the same (shapes, contraction, example axes, weights first read
+    there). Layers that differ (the embedding's, the head's) stay free."""
+    held: dict[int, list] = {}
+    for w, (node, pos, dims) in weights.items():
+        held.setdefault(node, []).append((pos, dims, graph.avals[w].shape))
+    by_layer: dict[int, list[int]] = {}
+    for n, i in enumerate(dots):
+        if i in op_layer:
+            by_layer.setdefault(op_layer[i], []).append(n)
+
+    def signature(n: int) -> tuple:
+        op = graph.ops[dots[n]]
+        ins = tuple((graph.avals[v].shape, str(graph.avals[v].dtype), batch_axis.get(v)) for v in op.inputs)
+        return repr(op.params["dimension_numbers"]), ins, tuple(sorted(held.get(n, ())))
+
+    same_as = list(range(len(dots)))
+    first: dict[tuple, list[int]] = {}
+    for layer in sorted(by_layer):
+        members = by_layer[layer]
+        leader = first.setdefault(tuple(signature(n) for n in members), members)
+        for n, r in zip(members, leader):
+            same_as[n] = r
+    return tuple(same_as)
 
 
 def _reshard_s(have: Spec, want: Spec, nbytes: int, mesh: dict[str, int], link: LinkCost) -> float:
