@@ -235,8 +235,13 @@ def _local_search_start(unary: list[np.ndarray], pairs: dict[tuple[int, int], np
     return choice
 
 
-def solve_intra_op(problem: IntraOpProblem, time_limit_s: float = 10.0, workers: int = 2) -> IntraOpSolution:
-    """Picks one strategy per node minimising total time under the memory limit (CP-SAT)."""
+def solve_intra_op(problem: IntraOpProblem, time_limit_s: float = 10.0, workers: int = 1) -> IntraOpSolution:
+    """Picks one strategy per node minimising total time under the memory limit (CP-SAT).
+
+    One worker by default: a single-threaded CP-SAT search is deterministic, so the
+    driver that plans and every process that compiles a stage (Ray workers, a plan
+    file loaded on the cluster) solve to the same shardings, unless the time limit
+    cuts the search short. Tied layers keep one worker fast enough (see ilp_time)."""
     started = time.perf_counter()
     _validate(problem)
     leaders = problem.leaders()

@@ -199,3 +199,13 @@ def test_solver_package_does_not_import_jax():
 
     code = "import sys, solver.intra_op; assert 'jax' not in sys.modules, 'solver.intra_op imported jax'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_equal_optima_resolve_the_same_way_every_time():
+    # Every process that compiles a stage re-solves its sharding: they must agree.
+    rng = np.random.default_rng(7)
+    nodes = tuple(Node(f"op{i}", tuple(Strategy(f"s{j}", 1.0, 0.0, 1) for j in range(4))) for i in range(40))
+    edges = tuple(Edge(i, i + 1, tuple(tuple(float(rng.integers(0, 2)) for _ in range(4)) for _ in range(4))) for i in range(39))
+    problem = IntraOpProblem(nodes, edges)
+    choices = {solve_intra_op(problem).choice for _ in range(5)}
+    assert len(choices) == 1
