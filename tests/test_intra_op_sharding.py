@@ -185,6 +185,16 @@ def test_sharded_stages_of_different_shapes_parity():
     assert any("'model'" in spec for spec in specs)  # weights split over the model axis, differently per stage
 
 
+def test_three_device_types_with_meshes_of_different_shapes_parity():
+    shapes = ((2, 2), (1, 2), (2, 1))  # a model axis, then all model, then all data
+    wide = gpt.GPTConfig(d_model=256, n_heads=4, n_layers=3)
+    cluster = hetpar.Cluster.virtual({"H100": 4, "A100": 2, "V100": 2})
+    plan = run_parity(gpt.setup(batch_size=8, config=wide), cluster, num_stages=3, mesh_shape=shapes, num_microbatches=2,
+                      num_layers=3, schedule="1f1b")
+    assert tuple(s.mesh_shape for s in plan.stages) == shapes
+    assert [s.device_type for s in plan.stages] == ["H100", "A100", "V100"]
+
+
 def test_mesh_shape_must_fit_the_stage():
     state, batch, loss_fn = two_layer(batch=8, width=32, hidden=32)
     par = hetpar.parallelize(with_grads(loss_fn), cluster=hetpar.Cluster.virtual({"cpu": 4}), num_stages=1, mesh_shape=(3, 2))
