@@ -2,9 +2,11 @@
 become a `solver.planner.Problem`; the planner's choice becomes a `Plan` on the
 cluster's devices.
 
-The runtime runs data-parallel stage meshes today, so plans for `parallelize` keep
-tensor parallelism and rematerialization off and the step's own microbatch count;
-`hetpar solve` for clusters on paper may use all of them.
+The planner prices tensor parallelism from each layer's Megatron-style estimate
+(`Layers.tp_bytes`); a stage it gives `dp x tp` devices runs on a `data` x `model`
+mesh whose final split and layouts the intra-op ILP decides. Rematerialization
+stays off (the runtime does not rematerialize yet), and `parallelize` keeps the
+step's own microbatch count.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ class SearchOptions:
 
     microbatches: tuple[int, ...] | None = None
     schedules: tuple[str, ...] = ("1f1b", "gpipe")
-    max_tp: int = 1
+    max_tp: int = 8  # within a node
     allow_remat: bool = False
     allow_replicas: bool = True
     dtype: str = "float32"
@@ -61,9 +63,9 @@ def layer_costs(layers: Layers, batch_size: int) -> tuple[LayerCost, ...]:
     per = lambda values: [v / batch_size for v in values] if values else [0.0] * n  # noqa: E731
     forward = per(layers.forward_flops) if layers.forward_flops else [f / 3 / batch_size for f in layers.flops]
     return tuple(
-        LayerCost(f, fw, int(p), s, i)
-        for f, fw, p, s, i in zip(per(layers.flops), forward, layers.param_bytes or [0] * n, per(layers.saved_bytes),
-                                  per(layers.boundary_bytes))
+        LayerCost(f, fw, int(p), s, i, t)
+        for f, fw, p, s, i, t in zip(per(layers.flops), forward, layers.param_bytes or [0] * n, per(layers.saved_bytes),
+                                     per(layers.boundary_bytes), per(layers.tp_bytes))
     )
 
 
@@ -105,13 +107,12 @@ def to_plan(choice: PlanChoice, layers: Layers, cluster: Cluster, bound_ratio: f
         speed = s.devices * group.spec.matmul_flops()
         stages.append(StagePlan(
             index, group.type_name, tuple(positions[d] for d in ids), s.layer_start, s.layer_end, label, flops, speed,
-            (s.forward_s + s.backward_s) * choice.num_microbatches, group=s.kind, mesh_shape=(s.devices,),
+            (s.forward_s + s.backward_s) * choice.num_microbatches, group=s.kind,
+            mesh_shape=(s.dp, s.tp) if s.tp > 1 else (s.devices,),
             data_parallel=s.dp, tensor_parallel=s.tp, batch_share=share, forward_s=s.forward_s, backward_s=s.backward_s,
             send_s=s.send_s, sync_s=s.sync_s + choice.cross_sync_s, optimizer_s=s.optimizer_s, memory_bytes=s.memory_bytes,
             memory_capacity=s.memory_capacity, replica=s.replica,
         ))
-    if any(s.tensor_parallel > 1 for s in stages):
-        raise PlanError("the plan uses tensor parallelism, which the runtime cannot run yet; search with max_tp=1")
     return Plan(
         tuple(stages), choice.num_microbatches, layers.num_layers, cluster.describe(), choice.schedule,
         cluster_groups=tuple(ClusterGroup(g.label, g.type_name, g.size) for g in cluster.groups),

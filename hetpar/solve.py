@@ -13,7 +13,7 @@ from hetpar.compile.tasks import op_stages
 from hetpar.errors import PlanError
 from hetpar.plan import Plan, StagePlan
 from hetpar.planner import SearchOptions, search
-from hetpar.shard import mesh_axes, stage_specs
+from hetpar.shard import choose_mesh_shapes, mesh_axes, stage_specs
 from hetpar.planning import assign_replicas, assign_stages
 from solver.planner.stage_costs import in_flight
 from hetpar.trace.fingerprint import differences, signature
@@ -59,7 +59,8 @@ def solve(
     """`cluster` needs device ids or positions (`Cluster.numbered()` offline).
 
     Without `num_stages` and `num_replicas` the planner chooses stages, their devices,
-    layers, replicas and (without `schedule`) the schedule; with them, layers go to
+    layers, replicas and (without `schedule`) the schedule, and the sharding solver
+    each stage's (data, model) mesh; with them, layers go to
     that many stages in proportion to their speed; `mesh_shape` (data, model) makes
     every stage's mesh two-dimensional, its operators sharded by the intra-op ILP."""
     num_microbatches = traced.batch_size // traced.microbatch_size
@@ -70,6 +71,7 @@ def solve(
             min_microbatch=2 if traced.microbatch_size >= 4 else 1,
         )
         plan = search(layers, cluster, traced.batch_size, _tokens(traced) // traced.batch_size, options)[0]
+        plan = choose_mesh_shapes(traced, layers, plan, {g.label: g.devices_per_node or g.size for g in cluster.groups})
     elif (num_replicas or 1) > 1:
         stages = num_stages or 1
         layers = layers_of(traced, num_layers or stages)

@@ -113,6 +113,22 @@ def test_attention_splits_by_heads():
     assert not found["all-gather"] and not found["all-to-all"]
 
 
+@pytest.mark.parametrize("batch, width, hidden, shape", [(8, 512, 4096, (1, 4)), (512, 64, 64, (4,))],
+                         ids=["wide-small-batch", "narrow-large-batch"])
+def test_single_type_cluster_gets_one_stage_meshed_by_the_ilp(batch, width, hidden, shape):
+    """No stage count, no mesh shape: the planner makes one 4-device stage and the
+    sharding solver splits it into a model axis only where that pays."""
+    state, data, loss_fn = two_layer(batch=batch, width=width, hidden=hidden)
+    par = hetpar.parallelize(with_grads(loss_fn), cluster=hetpar.Cluster.virtual({"cpu": 4}))
+    out = par(state, data)
+    assert_close(out[1:], jax.jit(with_grads(loss_fn))(state, data)[1:], "loss and gradients")
+    assert [s.mesh_shape for s in par.plan.stages] == [shape]
+    if shape == (1, 4):
+        specs = specs_by_layer(par)
+        assert specs["[0].params['params']['up']['kernel']"] == "PartitionSpec(None, 'model')"
+        assert specs["[0].params['params']['down']['kernel']"] == "PartitionSpec('model', None)"
+
+
 def test_large_batch_small_weights_stay_data_parallel():
     state, batch, loss_fn = two_layer(batch=4096, width=64, hidden=64)
     par = hetpar.parallelize(with_grads(loss_fn), cluster=hetpar.Cluster.virtual({"cpu": 4}), num_stages=1, mesh_shape=(1, 4))
@@ -131,7 +147,7 @@ def test_memory_budget_below_replicated_weights_shards_them():
     state, batch, loss_fn = two_layer(batch=256, width=32, hidden=32)
     traced = trace_step(with_grads(loss_fn), (state, batch), 1, 1)
     batch_free = {v for v in traced.full.invars if v not in traced.analysis.batch_axis}
-    mesh, link = {"data": 1, "model": 4}, LinkCost(1e10, 1e-5)
+    mesh, link = {"data": 1, "model": 4}, LinkCost(1e9, 1e-3)  # collectives dear: unbudgeted, nothing is split
     ops = list(range(len(traced.full.ops)))
     free = stage_problem(traced.full, ops, batch_free, mesh, 5e10, link)
     replicated = sum(4 * traced.full.nbytes(w) for w in free.weights)

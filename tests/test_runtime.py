@@ -61,3 +61,14 @@ def test_one_f_one_b_holds_fewer_activations(stages, microbatches):
     # under GPipe, at most one per stage in the pipeline under 1F1B.
     assert peaks["1f1b"][0] <= peaks["gpipe"][0] * (stages + 1) / microbatches
     assert sum(peaks["1f1b"].values()) < sum(peaks["gpipe"].values())
+
+
+def test_local_cluster_numbers_devices_by_position():
+    # On this CPU-only machine one kind; on a GPU machine the host CPU joins as a second.
+    cluster = hetpar.Cluster.local()
+    assert [g.type_name for g in cluster.groups] == ["cpu"]
+    assert cluster.groups[0].device_ids == tuple(range(len(jax.devices())))
+    w = mlp.setup(batch_size=16)
+    step = hetpar.parallelize(w.step, cluster=cluster, num_stages=2, num_microbatches=2)
+    _, loss = step(w.state, w.batch)
+    assert abs(float(loss) - float(jax.jit(w.step)(w.state, w.batch)[1])) < 1e-5

@@ -122,6 +122,16 @@ def test_gpt_with_n_blocks_cut_into_n_layers_cuts_at_block_boundaries(n_blocks):
     assert blocks_in_layer == [{f"Block_{i}"} for i in range(n_blocks)]
 
 
+def test_tensor_parallel_bytes_are_megatrons_two_sums_per_block():
+    config = gpt.GPTConfig(n_layers=3)
+    w = gpt.setup(batch_size=4, config=config)
+    graph, analysis = _analyzed(w, 4)
+    layers = build_layers(graph, analysis, [c.flops for c in op_costs(graph)], 3)
+    hidden = 4 * config.seq_len * config.d_model * 4  # one f32 residual-stream activation, whole batch
+    # (qkv, proj) and (up, down) pair up; each pair sums the narrow result. The head has no partner.
+    assert layers.tp_bytes == [2 * hidden] * 3
+
+
 def test_layers_are_balanced_by_flops():
     w = mlp.setup(batch_size=32, in_dim=64, hidden=64, depth=8)
     graph, analysis = _analyzed(w, 32)

@@ -68,7 +68,7 @@ class Cluster:
     def virtual(counts: Mapping[str, int]) -> "Cluster":
         """Labels this process's devices (CPU virtual devices in tests) as device types,
         in the order given: {"A100": 4, "V100": 4} makes devices 0-3 A100s."""
-        available = jax.devices()
+        available = local_devices()
         for name, count in counts.items():
             device_type(name)  # unknown types fail here, with the list of known ones
             if not isinstance(count, int) or count <= 0:
@@ -81,17 +81,19 @@ class Cluster:
             )
         groups, start = [], 0
         for name, count in counts.items():
-            ids = tuple(d.id for d in available[start : start + count])
+            ids = tuple(range(start, start + count))
             groups.append(DeviceGroup(name, ids, name=name, nodes=1, devices_per_node=count))
             start += count
         return Cluster(tuple(groups), name="virtual")
 
     @staticmethod
-    def local() -> "Cluster":
-        """The devices this process sees, one group per device kind."""
+    def local(include_cpu: bool = True) -> "Cluster":
+        """The devices this process sees, one group per device kind: on a GPU machine
+        the GPUs and (unless `include_cpu` is False) the host's CPU as another kind,
+        which the planner uses only where it helps."""
         by_kind: dict[str, list[int]] = {}
-        for d in jax.devices():
-            by_kind.setdefault(_type_of(d), []).append(d.id)
+        for position, d in enumerate(local_devices(include_cpu)):
+            by_kind.setdefault(_type_of(d), []).append(position)
         return Cluster(tuple(DeviceGroup(k, tuple(ids), name=k) for k, ids in by_kind.items()), name="local")
 
     @staticmethod
@@ -105,12 +107,12 @@ class Cluster:
     def bind(self) -> "Cluster":
         """Assigns this process's devices to the groups in order (for running a plan
         made offline from a cluster file)."""
-        available = jax.devices()
+        available = local_devices()
         if self.num_devices > len(available):
             raise ClusterError(f"the cluster file describes {self.num_devices} devices but this process sees {len(available)}")
         groups, start = [], 0
         for g in self.groups:
-            groups.append(replace(g, device_ids=tuple(d.id for d in available[start : start + g.size])))
+            groups.append(replace(g, device_ids=tuple(range(start, start + g.size))))
             start += g.size
         return replace(self, groups=tuple(groups))
 
@@ -150,6 +152,20 @@ def _type_of(device: Any) -> str:
     return "cpu" if device.platform == "cpu" else kind
 
 
+def local_devices(include_cpu: bool = True) -> list[Any]:
+    """Every device this process can place a stage on, in hetpar's order: the
+    default backend's devices, then the host CPU's when that backend is an
+    accelerator. A device's id in a Cluster is its position here, because JAX numbers
+    each platform's devices from zero."""
+    devices = list(jax.devices())
+    if include_cpu and devices[0].platform != "cpu":
+        try:
+            devices += jax.devices("cpu")
+        except RuntimeError:  # a JAX built without its CPU backend
+            pass
+    return devices
+
+
 def jax_devices(ids: tuple[int, ...]) -> list[Any]:
-    by_id = {d.id: d for d in jax.devices()}
-    return [by_id[i] for i in ids]
+    devices = local_devices()
+    return [devices[i] for i in ids]

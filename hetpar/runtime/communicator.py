@@ -19,11 +19,20 @@ def already_there(x: Any, sharding: Any) -> bool:
     return getattr(x, "sharding", None) is not None and x.sharding.is_equivalent_to(sharding, x.ndim)
 
 
+def _platform(devices: Any) -> str:
+    return next(iter(devices)).platform
+
+
 class DevicePath:
-    """Within one process: device to device."""
+    """Within one process: device to device, or through the host between kinds of
+    device that share no link (a GPU stage and a CPU stage)."""
 
     def to_mesh(self, x: Any, sharding: Any) -> Any:
-        return x if already_there(x, sharding) else jax.device_put(x, sharding)
+        if already_there(x, sharding):
+            return x
+        if isinstance(x, jax.Array) and _platform(x.devices()) != _platform(sharding.device_set):
+            return jax.device_put(np.asarray(jax.device_get(x)), sharding)
+        return jax.device_put(x, sharding)
 
 
 class HostPath:

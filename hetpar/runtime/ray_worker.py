@@ -32,8 +32,6 @@ class StageWorker:
 
     def build(self, fn: Callable, args: tuple, batch_argnum: int, plan: Plan, stage: int) -> int:
         """Traces, checks and compiles this stage's programs. Returns how many."""
-        import jax
-
         from hetpar.compile.programs import stage_mesh
         from hetpar.compile.step import compile_tasks, step_tasks
         from hetpar.errors import PlanError
@@ -46,7 +44,7 @@ class StageWorker:
             raise PlanError(f"stage {stage}'s worker traced a different program: {'; '.join(differences(plan.program, signature(traced.full)))}")
         layers = layers_of(traced, plan.num_layers)
         tasks = step_tasks(traced, layers, plan)
-        mesh = stage_mesh(tuple(d.id for d in jax.devices()[: self._num_devices]), plan.stages[stage].mesh_shape)
+        mesh = stage_mesh(tuple(range(self._num_devices)), plan.stages[stage].mesh_shape)  # the first devices of this process
         graphs = microbatch_graphs(fn, args, batch_argnum, traced, plan)
         self._programs = compile_tasks(traced, layers, plan, tasks, {stage: mesh}, graphs, keep=lambda t: t.stage == stage)
         self._analysis = traced.analysis

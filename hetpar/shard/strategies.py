@@ -11,8 +11,9 @@ rows is Megatron's split. A contracted dimension split over an axis leaves parti
 sums, so the strategy pays an all-reduce. Elementwise chains between matmuls follow
 their producer, so an edge joins a matmul to the next one its result reaches, and a
 layout change on the way costs an all-gather. Weights are sharded as the first
-matmul that reads them wants; the memory constraint keeps every device's share of
-the weights within its budget.
+matmul that reads them wants, and the matmul that makes a weight's gradient pays to
+bring it to that layout for the optimizer's update; the memory constraint keeps
+every device's share of the weights within its budget.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from solver.intra_op import Edge, IntraOpProblem, Node, Strategy
 
 AXES = ("data", "model")
 MAX_HOPS = 6  # elementwise operators walked back from a matmul's operand
+UPDATE_HOPS = 24  # ... and from a new parameter back to its gradient, through an optimizer's update
 Spec = tuple[str | None, ...]  # one mesh axis (or None) per dimension of a value
 
 
@@ -108,7 +110,7 @@ def _shards(spec: Spec, mesh: dict[str, int]) -> int:
     return math.prod(mesh[a] for a in spec if a is not None)
 
 
-def _sources(graph: OpGraph, value: int) -> list[tuple[int, tuple[int, ...]]]:
+def _sources(graph: OpGraph, value: int, max_hops: int = MAX_HOPS) -> list[tuple[int, tuple[int, ...]]]:
     """Through elementwise work and transposes, to where a value really comes from:
     each (source value, for every dimension of `value` the source dimension it is).
     An elementwise operator with several inputs of the value's shape has several; the
@@ -128,7 +130,7 @@ def _sources(graph: OpGraph, value: int) -> list[tuple[int, tuple[int, ...]]]:
         shape = graph.avals[v].shape
         same = [] if op is None or op.name == "dot_general" or len(op.outputs) != 1 else [
             u for u in op.inputs if u not in graph.constants and getattr(graph.avals[u], "shape", None) == shape]
-        if same and hops < MAX_HOPS:
+        if same and hops < max_hops:
             todo += [(u, dims, hops + 1) for u in same]
         elif not same:
             out.append((v, dims))
@@ -198,6 +200,7 @@ def stage_problem(
                     for a in choices[src]
                 )
                 edges.append(Edge(src, n, table))
+    edges += _update_edges(graph, position, choices, weights, mesh, link)
     holders = tuple(sorted({node for node, _, _ in weights.values()}))
     same_as = _same_as(graph, dots, weights, batch_axis, op_layer) if op_layer else ()
     return StageProblem(
@@ -205,6 +208,29 @@ def stage_problem(
                        same_as),
         tuple(dots), tuple(choices), weights,
     )
+
+
+def _update_edges(graph: OpGraph, position: dict[int, int], choices: list, weights: dict, mesh: dict[str, int],
+                  link: LinkCost) -> list[Edge]:
+    """The optimizer update reads a weight's gradient where the weight lies, so the
+    matmul that makes the gradient pays to bring it into the weight's layout (a
+    gradient split over an axis the weight is not split over must be gathered). The
+    step returns each new parameter where its old one came in."""
+    edges = []
+    for new, old in zip(graph.outvars, graph.invars):
+        if old not in weights or getattr(graph.avals[new], "shape", None) != graph.avals[old].shape:
+            continue
+        reader, pos, dims = weights[old]
+        lies = [to_source((c.lhs, c.rhs)[pos], dims) for c in choices[reader]]
+        for source, path in _sources(graph, new, UPDATE_HOPS):
+            maker = position.get(graph.producer.get(source))
+            if maker is None or maker == reader:
+                continue
+            nbytes = graph.nbytes(source)
+            table = tuple(tuple(_reshard_s(a.out, to_source(want, path), nbytes, mesh, link) for want in lies)
+                          for a in choices[maker])
+            edges.append(Edge(maker, reader, table))
+    return edges
 
 
 def _same_as(graph: OpGraph, dots: list[int], weights: dict, batch_axis: dict[int, int], op_layer: dict[int, int]) -> tuple[int, ...]:

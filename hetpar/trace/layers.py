@@ -32,6 +32,7 @@ class Layers:
     forward_flops: list[float] = field(default_factory=list)  # per layer: the forward part of `flops`
     param_bytes: list[int] = field(default_factory=list)  # per layer: batch-free step inputs its forward reads
     saved_bytes: list[int] = field(default_factory=list)  # per layer, full batch: forward values its backward reads
+    tp_bytes: list[int] = field(default_factory=list)  # per layer, full batch: all-reduced per forward if split Megatron's way
 
 
 def build_layers(graph: OpGraph, analysis: MicrobatchAnalysis, op_flops: list[float], num_layers: int) -> Layers:
@@ -86,7 +87,23 @@ def build_layers(graph: OpGraph, analysis: MicrobatchAnalysis, op_flops: list[fl
     return Layers(
         op_layer, num_layers, flops, names, boundary, forward_flops,
         _param_bytes(graph, analysis, op_layer, num_layers), _saved_bytes(graph, analysis, op_layer, num_layers),
+        _tp_bytes(graph, analysis, op_layer, num_layers),
     )
+
+
+def _tp_bytes(graph: OpGraph, analysis: MicrobatchAnalysis, op_layer: dict[int, int], num_layers: int) -> list[int]:
+    """What tensor parallelism would all-reduce in each layer's forward, the way
+    Megatron splits: matmuls with a weight pair up, the first split by columns and the
+    second by rows, and the second's (narrower) result is summed across devices. An
+    estimate for the planner to price a model axis with; the intra-op ILP then lays
+    the stage out for real."""
+    weighted: list[list[int]] = [[] for _ in range(num_layers)]
+    for op, layer in sorted(op_layer.items()):
+        node = graph.ops[op]
+        if node.name == "dot_general" and not analysis.backward[op] and any(
+                v not in analysis.batch_axis and v not in graph.constants for v in node.inputs):
+            weighted[layer].append(graph.nbytes(node.outputs[0]))
+    return [sum(min(a, b) for a, b in zip(outs[::2], outs[1::2])) for outs in weighted]
 
 
 def _saved_bytes(graph: OpGraph, analysis: MicrobatchAnalysis, op_layer: dict[int, int], num_layers: int) -> list[int]:
