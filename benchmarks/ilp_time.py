@@ -47,7 +47,7 @@ def solve_gpt(blocks: int, time_limit_s: float, tie: bool = True) -> tuple[float
     solution = solve_intra_op(problem.problem, time_limit_s)
     seconds = time.perf_counter() - started
     strategies = sum(len(n.strategies) for n in problem.problem.nodes)
-    free = len(set(problem.problem.same_as)) if problem.problem.same_as else len(problem.dots)
+    free = len(set(problem.problem.leaders()))
     print(f"{blocks:>2} block(s){'' if tie else ' untied'}: {len(graph.ops)} operators, {len(problem.dots)} matmuls "
           f"({free} free), {strategies} strategies, {len(problem.problem.edges)} edges; solved in {seconds:.2f} s, "
           f"cost {solution.cost_s * 1e3:.4f} ms, "

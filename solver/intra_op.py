@@ -81,20 +81,8 @@ class IntraOpProblem:
     same_as: tuple[int, ...] = ()
 
     def leaders(self) -> list[int]:
-        """Node -> the node it copies (itself when free), checked."""
-        if not self.same_as:
-            return list(range(len(self.nodes)))
-        if len(self.same_as) != len(self.nodes):
-            raise IntraOpError(f"same_as has {len(self.same_as)} entries for {len(self.nodes)} nodes; give one per node")
-        for k, r in enumerate(self.same_as):
-            if not 0 <= r < len(self.nodes) or self.same_as[r] != r:
-                raise IntraOpError(f"node {k} copies node {r}, which is not a free node; point every tied node at one "
-                                   f"that copies itself")
-            if len(self.nodes[r].strategies) != len(self.nodes[k].strategies):
-                raise IntraOpError(f"node {k} ({self.nodes[k].name!r}) is tied to node {r} ({self.nodes[r].name!r}) but "
-                                   f"they have {len(self.nodes[k].strategies)} and {len(self.nodes[r].strategies)} "
-                                   f"strategies; only tie operators with the same strategies")
-        return list(self.same_as)
+        """Node -> the node it copies (itself when free)."""
+        return list(self.same_as) if self.same_as else list(range(len(self.nodes)))
 
 
 @dataclass(frozen=True)
@@ -143,6 +131,17 @@ def _validate(problem: IntraOpProblem) -> None:
         for row in e.cost_s:
             for c in row:
                 _check_cost(float(c), f"resharding cost on edge {e_idx} ({e.src} -> {e.dst})")
+    if problem.same_as:
+        if len(problem.same_as) != n:
+            raise IntraOpError(f"same_as has {len(problem.same_as)} entries for {n} nodes; give one per node")
+        for k, r in enumerate(problem.same_as):
+            if not 0 <= r < n or problem.same_as[r] != r:
+                raise IntraOpError(f"node {k} copies node {r}, which is not a free node; point every tied node at one "
+                                   f"that copies itself")
+            if len(problem.nodes[r].strategies) != len(problem.nodes[k].strategies):
+                raise IntraOpError(f"node {k} ({problem.nodes[k].name!r}) is tied to node {r} ({problem.nodes[r].name!r}) "
+                                   f"but they have {len(problem.nodes[k].strategies)} and {len(problem.nodes[r].strategies)} "
+                                   f"strategies; only tie operators with the same strategies")
     for k, live in enumerate(problem.live_sets):
         for v in live:
             if not 0 <= v < n:
