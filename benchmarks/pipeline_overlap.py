@@ -53,7 +53,7 @@ def main() -> None:
         )
         measured = step_time(step, w.state, w.batch, args.repeats)
         compiled = step.compiled()
-        one_by_one = sum(time_program(compiled.programs[s.program], compiled.graph, args.repeats) for s in compiled.dispatch_order)
+        one_by_one = sum(time_program(compiled.programs[s.program], compiled.graph, args.repeats) for s in compiled.order)
         stats = RunStats()
         step.call_with_stats(w.state, w.batch, stats=stats)
         peaks[schedule] = sum(stats.peak_activation_bytes.values())

@@ -5,6 +5,7 @@ from hetpar.cluster.catalog import DeviceType, devices
 from hetpar.cluster.cluster import Cluster, DeviceGroup
 from hetpar.errors import ClusterError, HetparError, PlanError, UnsupportedStepError
 from hetpar.markers import grad, value_and_grad
+from hetpar.options import RuntimeOption, ShardingOption, StageOption
 from hetpar.plan import Plan, StagePlan
 from hetpar.plan_file import load_plan, save_plan
 from hetpar.runtime.ray_runtime import init, shutdown
@@ -18,6 +19,9 @@ __all__ = [
     "HetparError",
     "ParallelFunction",
     "Plan",
+    "RuntimeOption",
+    "ShardingOption",
+    "StageOption",
     "PlanError",
     "StagePlan",
     "UnsupportedStepError",

@@ -1,8 +1,9 @@
 """`hetpar.parallelize`: the user's entry point.
 
-The first call with new shapes runs the pipeline of passes (trace, analyze
-microbatches, build layers, assign stages, cut tasks, compile) and caches the
-result by the arguments' structure, shapes and dtypes, as `jax.jit` does.
+The first call with new shapes runs the pipeline of passes (trace; layers, stage
+assignment, sharding and placement, which make the Plan; compile, which reads only
+the Plan) and caches the result by the arguments' structure, shapes and dtypes, as
+`jax.jit` does.
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ from hetpar.cluster.cluster import Cluster
 from hetpar.compile.programs import stage_mesh
 from hetpar.compile.step import compile_step
 from hetpar.errors import HetparError, PlanError
+from hetpar.compile.compiled import CompiledStep
+from hetpar.options import RuntimeOption, ShardingOption, StageOption, build_options
 from hetpar.plan import Plan
-from hetpar.plan_file import SCHEDULES, load_plan
-from hetpar.runtime.executor import CompiledStep, RunStats, run
+from hetpar.plan_file import load_plan
+from hetpar.runtime.executor import RunStats, run
 from hetpar.runtime.ray_runtime import RayStep
-from hetpar.solve import check_fits, cluster_for, layers_of, solve
+from hetpar.solve import check_fits, cluster_for, solve
 from hetpar.trace.traced_step import as_array, microbatch_graphs, trace_step
 
 log = logging.getLogger("hetpar")
@@ -32,16 +35,15 @@ log = logging.getLogger("hetpar")
 
 @dataclass(frozen=True)
 class Options:
+    """Everything `parallelize` was told, one option object per pass."""
+
     cluster: Cluster | None
-    num_microbatches: int = 1
-    num_stages: int | None = None  # default: one per device type
-    num_layers: int | None = None  # default: enough for the stages, at module boundaries
-    batch_argnum: int = 1  # which positional argument is the batch
-    plan: Plan | None = None  # a plan made earlier (e.g. `hetpar solve`), used as it is
-    schedule: str | None = None  # None: the planner's choice
-    num_replicas: int | None = None  # data-parallel pipelines, each on its own devices and share of the batch
-    runtime: str = "local"  # "local": this process; "ray": one Ray actor per stage mesh
-    mesh_shape: tuple | None = None  # (data, model) per stage: operators sharded by the intra-op ILP
+    plan: Plan | None  # a plan made earlier (e.g. `hetpar solve`), used as it is
+    num_microbatches: int
+    batch_argnum: int  # which positional argument is the batch
+    stage: StageOption
+    sharding: ShardingOption
+    runtime: RuntimeOption
 
 
 class ParallelFunction:
@@ -94,6 +96,7 @@ class ParallelFunction:
         self._cache.clear()
 
     def _build(self, args: tuple) -> tuple[Plan, CompiledStep | RayStep]:
+        """The passes, in order: trace, plan (or check a given plan), compile."""
         o = self._options
         timer = _Timer()
         microbatches = o.plan.num_microbatches if o.plan else o.num_microbatches
@@ -107,19 +110,19 @@ class ParallelFunction:
         with timer("plan"):
             if o.plan is not None:
                 check_fits(o.plan, traced, cluster)
-                plan, layers = o.plan, layers_of(traced, o.plan.num_layers)
+                plan = o.plan
             else:
-                plan, layers = solve(traced, cluster, o.num_stages, o.num_layers, o.schedule, o.num_replicas, o.mesh_shape)
-        if o.runtime == "ray":
+                plan = solve(traced, cluster, o.stage, o.sharding)
+        if o.runtime.runtime == "ray":
             with timer("start workers"):
-                compiled = RayStep(self._fn, args, o.batch_argnum, plan, traced, layers)
+                compiled = RayStep(self._fn, args, o.batch_argnum, plan, traced, o.runtime.timeout_s)
             log.info("hetpar built a %d-stage plan on Ray in %s", plan.num_stages, timer)
             return plan, compiled
         with timer("compile"):
             order = [d for g in cluster.groups for d in g.device_ids]  # plans name devices by position
             meshes = {s.index: stage_mesh(tuple(order[p] for p in s.device_ids), s.mesh_shape) for s in plan.stages}
             graphs = microbatch_graphs(self._fn, args, o.batch_argnum, traced, plan)
-            compiled = compile_step(traced, layers, plan, meshes, graphs)
+            compiled = compile_step(traced, plan, meshes, graphs)
         log.info("hetpar built a %d-stage plan in %s", plan.num_stages, timer)
         return plan, compiled
 
@@ -130,29 +133,35 @@ def parallelize(
     cluster: Cluster | None = None,
     plan: Plan | str | None = None,
     num_microbatches: int = 1,
+    batch_argnum: int = 1,
+    stage_option: StageOption | None = None,
+    sharding_option: ShardingOption | None = None,
+    runtime_option: RuntimeOption | None = None,
     num_stages: int | None = None,
     num_layers: int | None = None,
     schedule: str | None = None,
     num_replicas: int | None = None,
-    runtime: str = "local",
-    batch_argnum: int = 1,
+    runtime: str | None = None,
     mesh_shape: tuple | None = None,
 ) -> Any:
     """Parallelizes a train step `fn(state, batch)` over `cluster`.
 
     Use as `parallelize(step, cluster=...)` or as a decorator
     `@parallelize(cluster=...)`. With `plan=` (a Plan or a plan file from `hetpar
-    solve`) the plan is used as it is, on its own cluster unless `cluster` is given,
-    after checking that it was made for this step. Otherwise the planner chooses the
-    stages, their devices and layers, data-parallel replicas and the schedule, unless
-    `num_stages`, `num_replicas` or `schedule` fix them. With `num_replicas` > 1 the
-    cluster runs that many data-parallel pipelines (of `num_stages` stages each), each
-    taking a share of the batch in proportion to its devices' speed. With
-    `runtime="ray"` every stage mesh runs in its own Ray actor (see `hetpar.init`).
-    With `mesh_shape=(data, model)` (or one such shape per stage) every stage's
-    devices form that 2-D mesh and its
-    operators are sharded over it by the intra-op ILP (Megatron-style splits where
-    they pay, data parallelism where they do not).
+    solve`) the plan is used exactly as it is, on its own cluster unless `cluster` is
+    given, after checking that it was made for this step. Otherwise the planning
+    passes make one, as the option objects say (`hetpar.StageOption`,
+    `hetpar.ShardingOption`, `hetpar.RuntimeOption`); the keyword shortcuts set their
+    most used fields:
+
+    - `num_stages`, `num_replicas`: fix the pipeline (layers split by speed; with
+      `num_replicas` > 1, that many data-parallel pipelines, each taking a share of
+      the batch in proportion to its speed); without them the planner decides;
+    - `num_layers`, `schedule`: the layer count and "gpipe"/"1f1b";
+    - `mesh_shape=(data, model)` (or one per stage): every stage's devices form that
+      2-D mesh, its operators sharded over it by the intra-op ILP;
+    - `runtime="ray"`: every stage mesh in its own Ray actor (see `hetpar.init`).
+
     The result computes what `jax.jit(fn)` computes.
     """
     if isinstance(plan, str | Path):
@@ -161,16 +170,12 @@ def parallelize(
         raise HetparError("parallelize needs a cluster (hetpar.Cluster.virtual/local/from_file) or a plan")
     if num_microbatches < 1:
         raise PlanError(f"num_microbatches must be at least 1, got {num_microbatches}")
-    if schedule is not None and schedule not in SCHEDULES:
-        raise PlanError(f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
-    if num_replicas is not None and num_replicas < 1:
-        raise PlanError(f"num_replicas must be at least 1, got {num_replicas}")
-    if runtime not in ("local", "ray"):
-        raise HetparError(f"unknown runtime {runtime!r}; use 'local' (this process) or 'ray' (one process per mesh)")
-    if mesh_shape and isinstance(mesh_shape[0], tuple | list):
-        mesh_shape = tuple(tuple(shape) for shape in mesh_shape)
-    options = Options(cluster, num_microbatches, num_stages, num_layers, batch_argnum, plan, schedule, num_replicas, runtime,
-                      tuple(mesh_shape) if mesh_shape else None)
+    stage, sharding, runtime_opt = build_options(
+        stage_option, sharding_option, runtime_option, num_stages=num_stages, num_replicas=num_replicas,
+        num_layers=num_layers, schedule=schedule, mesh_shape=mesh_shape, runtime=runtime,
+    )
+    options = Options(cluster=cluster, plan=plan, num_microbatches=num_microbatches, batch_argnum=batch_argnum,
+                      stage=stage, sharding=sharding, runtime=runtime_opt)
     if fn is None:
         return lambda f: ParallelFunction(f, options)
     return ParallelFunction(fn, options)

@@ -4,8 +4,12 @@ JSON (see plan_file.py), and checked against the program it was made for."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from solver.pipeline_sim import StageTimes, simulate
+
+# A PartitionSpec as plain data: the mesh axis (or None) of each dimension.
+Spec = tuple[Optional[str], ...]
 
 
 @dataclass(frozen=True)
@@ -41,8 +45,11 @@ class StagePlan:
     optimizer_s: float = 0.0
     memory_bytes: int = 0  # predicted peak per device
     memory_capacity: int = 0  # per device
-    param_specs: tuple[tuple[str, str], ...] = ()  # (parameter path, PartitionSpec)
+    param_specs: tuple[tuple[str, Spec], ...] = ()  # (parameter path, mesh axis per dimension), for people and checks
     replica: int = 0  # which data-parallel pipeline this stage belongs to
+    # The stage's intra-op sharding, as compile applies it: (value id in the traced
+    # program, mesh axis per dimension) for every weight and matmul result it fixes.
+    shardings: tuple[tuple[int, Spec], ...] = ()
 
     @property
     def num_layers(self) -> int:
@@ -81,6 +88,14 @@ class Plan:
     # Examples each data-parallel pipeline takes per step, when there are several: a
     # pipeline of faster devices takes more (a non-uniform batch split).
     replica_batch: tuple[int, ...] = ()
+    # Which stage runs each operator of the traced program, per replica: runs of
+    # (stage, number of consecutive operators). Compile reads this and nothing else
+    # to cut the step, so a saved plan runs exactly as it was solved.
+    operator_stages: tuple[tuple[tuple[int, int], ...], ...] = ()
+
+    def stage_of_operators(self, replica: int) -> list[int]:
+        """The stage of every operator of replica `replica`'s pipeline."""
+        return [stage for stage, count in self.operator_stages[replica] for _ in range(count)]
 
     @property
     def num_stages(self) -> int:
@@ -134,6 +149,21 @@ class Plan:
         lines.append(f"  predicted step time {fmt_time(self.predicted_step_time_s)}")
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+
+def runs(values: list[int]) -> tuple[tuple[int, int], ...]:
+    """`values` as (value, repeat count) runs: how a plan keeps operator stages short."""
+    out: list[list[int]] = []
+    for v in values:
+        if out and out[-1][0] == v:
+            out[-1][1] += 1
+        else:
+            out.append([v, 1])
+    return tuple((v, n) for v, n in out)
+
+
+def spec_text(spec: Spec) -> str:
+    return f"PartitionSpec({', '.join(repr(a) for a in spec)})"
 
 
 def fmt_time(seconds: float) -> str:

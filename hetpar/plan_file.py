@@ -12,9 +12,10 @@ from typing import Any
 from hetpar.cluster.catalog import device_type
 from hetpar.errors import ClusterError, PlanError
 from hetpar.plan import ClusterGroup, Plan, ProgramSignature, StagePlan
+from solver.pipeline_sim import SCHEDULES
 
-PLAN_VERSION = 1
-SCHEDULES = ("gpipe", "1f1b")
+# 2: operator stages and structured shardings, so compile needs nothing but the plan.
+PLAN_VERSION = 2
 
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
@@ -80,6 +81,30 @@ def check_plan(plan: Plan, where: str = "plan") -> None:
     used = [i for s in plan.stages for i in s.device_ids]
     if len(used) != len(set(used)):
         raise PlanError(f"{where}: two stages share a device; each device belongs to one stage")
+    _check_operator_stages(plan, where)
+    for s in plan.stages:
+        _check_shardings(s, f"{where}: stage {s.index}")
+
+
+def _check_operator_stages(plan: Plan, where: str) -> None:
+    """Every replica places each operator on one of its own stages."""
+    if len(plan.operator_stages) != len(replicas := sorted({s.replica for s in plan.stages})):
+        raise PlanError(f"{where}: operator_stages must list each of the {len(replicas)} replica(s)' operator placement "
+                        f"(found {len(plan.operator_stages)}); solve the plan again")
+    for r in replicas:
+        own = {s.index for s in plan.stages if s.replica == r}
+        for run in plan.operator_stages[r]:
+            if len(run) != 2 or run[0] not in own or not isinstance(run[1], int) or run[1] < 1:
+                raise PlanError(f"{where}: operator_stages[{r}] has the run {list(run)}; each run is [stage, count] with a stage "
+                                f"of replica {r} ({sorted(own)}) and a positive count")
+
+
+def _check_shardings(stage: StagePlan, label: str) -> None:
+    axes = {"data", "model"} if len(stage.mesh_shape) == 2 else {"data"}
+    for entry in stage.shardings:
+        if len(entry) != 2 or not isinstance(entry[0], int) or entry[0] < 0 or any(a is not None and a not in axes for a in entry[1]):
+            raise PlanError(f"{label}: the sharding {list(entry)} is not [value id, [mesh axis or null per dimension]] "
+                            f"over this stage's axes {sorted(axes)}")
 
 
 def _check_stages(stages: list[StagePlan], plan: Plan, where: str) -> None:

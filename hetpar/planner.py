@@ -21,8 +21,6 @@ from hetpar.trace.layers import Layers
 from solver.collectives import LinkCost
 from solver.planner import DeviceKind, LayerCost, PlanChoice, PlanningError, Problem, SearchResult, plan
 
-LAYER_OVERHEAD_S = 50e-6  # kernel launches of one layer's forward and backward, catalog default
-
 
 @dataclass(frozen=True)
 class SearchOptions:
@@ -36,9 +34,11 @@ class SearchOptions:
     dtype: str = "float32"
     top_k: int = 5
     min_microbatch: int = 1  # examples in any pipeline's microbatch
+    time_limit_s: float | None = None  # None: search until the best plan is proven
+    layer_overhead_s: float = 50e-6  # kernel launches of one layer's forward and backward, catalog default
 
 
-def device_kinds(cluster: Cluster, dtype: str = "float32") -> tuple[DeviceKind, ...]:
+def device_kinds(cluster: Cluster, dtype: str = "float32", layer_overhead_s: float = 50e-6) -> tuple[DeviceKind, ...]:
     """One kind per cluster group, named by the group's label."""
     kinds = []
     for g in cluster.groups:
@@ -47,7 +47,7 @@ def device_kinds(cluster: Cluster, dtype: str = "float32") -> tuple[DeviceKind, 
         per_node = g.devices_per_node or g.size
         kinds.append(DeviceKind(
             g.label, g.size, per_node, spec.matmul_flops(dtype) * spec.efficiency, spec.memory_bytes, spec.memory_bandwidth,
-            intra, link_cost(g.inter_link) if g.size > per_node else intra, LAYER_OVERHEAD_S, spec.matmul_flops(dtype),
+            intra, link_cost(g.inter_link) if g.size > per_node else intra, layer_overhead_s, spec.matmul_flops(dtype),
         ))
     return tuple(kinds)
 
@@ -72,7 +72,7 @@ def layer_costs(layers: Layers, batch_size: int) -> tuple[LayerCost, ...]:
 def problem_for(layers: Layers, cluster: Cluster, batch_size: int, tokens_per_example: int = 1,
                 options: SearchOptions = SearchOptions()) -> Problem:
     return Problem(
-        layer_costs(layers, batch_size), device_kinds(cluster, options.dtype), batch_size, group_links(cluster),
+        layer_costs(layers, batch_size), device_kinds(cluster, options.dtype, options.layer_overhead_s), batch_size, group_links(cluster),
         tokens_per_example=tokens_per_example, microbatches=options.microbatches, schedules=options.schedules,
         max_tp=options.max_tp, allow_remat=options.allow_remat, allow_replicas=options.allow_replicas,
         min_microbatch=options.min_microbatch,
@@ -83,7 +83,8 @@ def search(layers: Layers, cluster: Cluster, batch_size: int, tokens_per_example
            options: SearchOptions = SearchOptions()) -> tuple[Plan, SearchResult]:
     """The planner's best plan for these layers on this cluster, as a Plan."""
     try:
-        result = plan(problem_for(layers, cluster, batch_size, tokens_per_example, options), top_k=options.top_k)
+        result = plan(problem_for(layers, cluster, batch_size, tokens_per_example, options), top_k=options.top_k,
+                      time_limit_s=options.time_limit_s)
     except PlanningError as e:
         raise PlanError(str(e)) from None
     return to_plan(result.best, layers, cluster, result.bound_ratio), result

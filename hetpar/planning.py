@@ -49,13 +49,18 @@ def _stages_per_group(sizes: list[int], num_stages: int) -> list[int]:
 
 def assign_stages(
     layers: Layers, cluster: Cluster, num_stages: int, num_microbatches: int, schedule: str = "gpipe",
-    mesh_shape: tuple | None = None,
+    mesh_shape: tuple | None = None, uniform: bool = False,
 ) -> Plan:
+    """Layers over `num_stages` stages in proportion to each stage's speed, or
+    (`uniform`) the same number of layers each, as Megatron splits."""
     if num_stages > layers.num_layers:
         raise PlanError(f"{num_stages} stages need at least {num_stages} layers; the model was cut into {layers.num_layers}")
     groups = stage_groups(cluster, num_stages)
     speeds = [g.size * g.spec.matmul_flops() for g in groups]
-    cuts = min_max_cuts(layers.flops, range(1, layers.num_layers), num_stages, part_speeds=speeds)
+    if uniform:
+        cuts = [round(i * layers.num_layers / num_stages) for i in range(1, num_stages)]
+    else:
+        cuts = min_max_cuts(layers.flops, range(1, layers.num_layers), num_stages, part_speeds=speeds)
     bounds = list(zip([0] + cuts, cuts + [layers.num_layers]))
     positions = _positions(cluster)
     m = num_microbatches
@@ -110,14 +115,14 @@ def _mesh_shape(wanted: tuple | None, devices: int, stage: int) -> tuple[int, ..
 
 def assign_replicas(
     layers: Layers, cluster: Cluster, num_replicas: int, stages_per_replica: int, num_microbatches: int,
-    batch_size: int, schedule: str = "gpipe",
+    batch_size: int, schedule: str = "gpipe", uniform: bool = False,
 ) -> Plan:
     """Data parallelism across device types: `num_replicas` pipelines, each on its own
     devices, each taking a share of the batch in proportion to its speed (a replica
     twice as fast takes twice the examples). Gradients are summed across replicas
     before the update, so the result is the full batch's."""
     if num_replicas == 1:
-        return assign_stages(layers, cluster, stages_per_replica, num_microbatches, schedule)
+        return assign_stages(layers, cluster, stages_per_replica, num_microbatches, schedule, uniform=uniform)
     homes = stage_groups(cluster, num_replicas)
     speeds = [g.size * g.spec.matmul_flops() for g in homes]
     examples = split_batch(batch_size, num_microbatches, speeds)
@@ -131,7 +136,7 @@ def assign_replicas(
         size = home.size // stages_per_replica
         parts = tuple(DeviceGroup(home.type_name, home.device_ids[i * size : (i + 1) * size], name=_group_of(cluster, home).label,
                                   nodes=1, devices_per_node=size) for i in range(stages_per_replica))
-        sub = assign_stages(layers, replace(cluster, groups=parts), stages_per_replica, num_microbatches, schedule)
+        sub = assign_stages(layers, replace(cluster, groups=parts), stages_per_replica, num_microbatches, schedule, uniform=uniform)
         fraction = share / batch_size
         for st in sub.stages:
             stages.append(replace(

@@ -1,86 +1,130 @@
-"""From a traced step and a cluster to a Plan, and the checks that a saved plan fits
-the step and cluster it is about to run on. Shared by `parallelize` and `hetpar solve`
-(which runs offline: it needs the step's shapes, not the cluster's devices)."""
+"""The planning passes, from a traced step and a cluster to a Plan (layers → stage
+assignment → operator stages → sharding → placement, each timed), and the checks
+that a saved plan fits the step and cluster it is about to run on. Shared by
+`parallelize` and `hetpar solve` (which runs offline: it needs the step's shapes,
+not the cluster's devices). The Plan it returns holds everything compile needs."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Callable
+from typing import Any, Callable
 
 from hetpar.cluster.cluster import Cluster, DeviceGroup
 from hetpar.compile.tasks import op_stages
 from hetpar.errors import PlanError
-from hetpar.plan import Plan, StagePlan
+from hetpar.options import ShardingOption, StageOption, build_options
+from hetpar.passes import timed_pass
+from hetpar.plan import Plan, Spec, StagePlan, runs
 from hetpar.planner import SearchOptions, search
-from hetpar.shard import choose_mesh_shapes, mesh_axes, stage_specs
 from hetpar.planning import assign_replicas, assign_stages
-from solver.planner.stage_costs import in_flight
+from hetpar.shard import mesh_axes, shard_stages
 from hetpar.trace.fingerprint import differences, signature
 from hetpar.trace.flops import op_costs
 from hetpar.trace.layers import Layers, build_layers
 from hetpar.trace.traced_step import TracedStep, trace_step
+from solver.planner.stage_costs import in_flight
 
 
 def make_plan(
     fn: Callable,
     args: tuple,
     cluster: Cluster,
+    *,
     num_microbatches: int = 1,
-    num_stages: int | None = None,
-    num_layers: int | None = None,
-    schedule: str | None = None,
     batch_argnum: int = 1,
-    num_replicas: int | None = None,
-    mesh_shape: tuple | None = None,
+    stage_option: StageOption | None = None,
+    sharding_option: ShardingOption | None = None,
+    **shortcuts: Any,
 ) -> Plan:
     """A plan for `fn(*args)` on `cluster`, without running anything: `args` may be
     abstract (`jax.ShapeDtypeStruct` trees from `jax.eval_shape`) and the cluster a
-    file's description of machines this process does not have."""
+    file's description of machines this process does not have. Options and their
+    keyword shortcuts (`num_stages`, `schedule`, `mesh_shape`, ...) as `parallelize`."""
+    stage, sharding, _ = build_options(stage_option, sharding_option, **shortcuts)
     traced = trace_step(fn, args, batch_argnum, num_microbatches)
     if not all(g.device_ids for g in cluster.groups):
         cluster = cluster.numbered()
-    return solve(traced, cluster, num_stages, num_layers, schedule, num_replicas, mesh_shape)[0]
+    return solve(traced, cluster, stage, sharding)
 
 
 def layers_of(traced: TracedStep, num_layers: int) -> Layers:
     return build_layers(traced.full, traced.analysis, [c.flops for c in op_costs(traced.full)], num_layers)
 
 
-def solve(
-    traced: TracedStep,
-    cluster: Cluster,
-    num_stages: int | None = None,
-    num_layers: int | None = None,
-    schedule: str | None = None,
-    num_replicas: int | None = None,
-    mesh_shape: tuple | None = None,
-) -> tuple[Plan, Layers]:
-    """`cluster` needs device ids or positions (`Cluster.numbered()` offline).
+def solve(traced: TracedStep, cluster: Cluster, stage_option: StageOption = StageOption(),
+          sharding_option: ShardingOption = ShardingOption()) -> Plan:
+    """The planning passes, from a traced step to a Plan that holds everything compile
+    needs: layers, stage assignment, operator stages, sharding, placement.
 
-    Without `num_stages` and `num_replicas` the planner chooses stages, their devices,
-    layers, replicas and (without `schedule`) the schedule, and the sharding solver
-    each stage's (data, model) mesh; with them, layers go to
-    that many stages in proportion to their speed; `mesh_shape` (data, model) makes
-    every stage's mesh two-dimensional, its operators sharded by the intra-op ILP."""
+    `cluster` needs device ids or positions (`Cluster.numbered()` offline)."""
+    auto = stage_option.mode == "auto" and sharding_option.mesh_shape is None
+    layers = layers_pass(traced, cluster, stage_option, auto)
+    plan = stage_pass(traced, layers, cluster, stage_option, sharding_option, auto)
+    plan = replace(plan, operator_stages=_operator_stages(traced, layers, plan))
+    per_node = {g.label: g.devices_per_node or g.size for g in cluster.groups} if auto else None
+    plan = sharding_pass(traced, layers, plan, sharding_option, per_node)
+    plan = placement_pass(traced, layers, plan)
+    return replace(plan, program=signature(traced.full), tokens_per_step=_tokens(traced))
+
+
+@timed_pass("layers")
+def layers_pass(traced: TracedStep, cluster: Cluster, option: StageOption, auto: bool) -> Layers:
+    """The step cut into layers at module boundaries: as many as the user asked for,
+    enough for the stages, or (for the planner) as many as it could want."""
+    if option.num_layers:
+        return layers_of(traced, option.num_layers)
+    if not auto:
+        return layers_of(traced, _stages_per_pipeline(option, cluster))
+    for n in range(min(cluster.num_devices, option.max_planning_layers), 0, -1):
+        try:
+            return layers_of(traced, n)
+        except PlanError:
+            continue
+    raise PlanError("the step cannot be cut into layers")
+
+
+@timed_pass("stage assignment")
+def stage_pass(traced: TracedStep, layers: Layers, cluster: Cluster, option: StageOption, sharding: ShardingOption,
+               auto: bool) -> Plan:
+    """Which layers form which stage on which devices: the planner's search, or the
+    user's stage count with layers split by speed ("manual") or evenly ("uniform")."""
     num_microbatches = traced.batch_size // traced.microbatch_size
-    if num_stages is None and num_replicas is None and mesh_shape is None:
-        layers = _planning_layers(traced, cluster, num_layers)
+    if auto:
         options = SearchOptions(
-            microbatches=(num_microbatches,), schedules=(schedule,) if schedule else ("1f1b", "gpipe"),
-            min_microbatch=2 if traced.microbatch_size >= 4 else 1,
+            microbatches=(num_microbatches,), schedules=(option.schedule,) if option.schedule else ("1f1b", "gpipe"),
+            min_microbatch=2 if traced.microbatch_size >= 4 else 1, time_limit_s=option.time_limit_s,
+            layer_overhead_s=option.layer_overhead_s,
         )
-        plan = search(layers, cluster, traced.batch_size, _tokens(traced) // traced.batch_size, options)[0]
-        plan = choose_mesh_shapes(traced, layers, plan, {g.label: g.devices_per_node or g.size for g in cluster.groups})
-    elif (num_replicas or 1) > 1:
-        stages = num_stages or 1
-        layers = layers_of(traced, num_layers or stages)
-        plan = assign_replicas(layers, cluster, num_replicas, stages, num_microbatches, traced.batch_size, schedule or "gpipe")
-    else:
-        stages = num_stages or min(len(cluster.groups), cluster.num_devices)
-        layers = layers_of(traced, num_layers or stages)
-        plan = assign_stages(layers, cluster, stages, num_microbatches, schedule or "gpipe", mesh_shape)
-    placed = _placed_params(traced, layers, plan)
+        return search(layers, cluster, traced.batch_size, _tokens(traced) // traced.batch_size, options)[0]
+    uniform = option.mode == "uniform"
+    stages = _stages_per_pipeline(option, cluster)
+    if (option.num_replicas or 1) > 1:
+        return assign_replicas(layers, cluster, option.num_replicas, stages, num_microbatches, traced.batch_size,
+                               option.schedule or "gpipe", uniform=uniform)
+    return assign_stages(layers, cluster, stages, num_microbatches, option.schedule or "gpipe", sharding.mesh_shape, uniform=uniform)
+
+
+def _stages_per_pipeline(option: StageOption, cluster: Cluster) -> int:
+    """The user's stage count; without one, a pipeline per replica has one stage and
+    a single pipeline one stage per device group."""
+    if option.num_stages:
+        return option.num_stages
+    return 1 if (option.num_replicas or 1) > 1 else min(len(cluster.groups), cluster.num_devices)
+
+
+@timed_pass("sharding")
+def sharding_pass(traced: TracedStep, layers: Layers, plan: Plan, option: ShardingOption,
+                  devices_per_node: dict[str, int] | None) -> Plan:
+    """Each stage's operator shardings (and, with `devices_per_node`, its mesh)."""
+    return shard_stages(traced, layers, plan, option, devices_per_node)
+
+
+@timed_pass("placement")
+def placement_pass(traced: TracedStep, layers: Layers, plan: Plan) -> Plan:
+    """Where each parameter and optimizer state lives, and each stage's memory per
+    device; refuses a plan that does not fit."""
+    placed = _placed_params(traced, plan)
     stages = tuple(
         replace(s, param_specs=tuple((name, spec) for name, spec, _ in specs), memory_bytes=_memory(s, specs, layers, plan))
         for s, specs in zip(plan.stages, placed)
@@ -92,21 +136,16 @@ def solve(
             for s in too_big
         ) + ". To fit: more microbatches with schedule='1f1b' (fewer activations in flight), more stages, "
             "more devices, or a smaller batch")
-    plan = replace(plan, stages=stages)
-    return replace(plan, program=signature(traced.full), tokens_per_step=_tokens(traced)), layers
+    return replace(plan, stages=stages)
 
 
-def _planning_layers(traced: TracedStep, cluster: Cluster, num_layers: int | None) -> Layers:
-    """As many layers as the planner could want (one per device, at most 8), or as
-    many as the step can be cut into."""
-    if num_layers:
-        return layers_of(traced, num_layers)
-    for n in range(min(cluster.num_devices, 8), 0, -1):
-        try:
-            return layers_of(traced, n)
-        except PlanError:
-            continue
-    raise PlanError("the step cannot be cut into layers")
+def _operator_stages(traced: TracedStep, layers: Layers, plan: Plan) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Each replica's stage of every operator, from the stages' layer ranges."""
+    out = []
+    for r in range(plan.num_replicas):
+        layer_stage = [s.index for s in plan.replica_stages(r) for _ in range(s.layer_start, s.layer_end)]
+        out.append(runs(op_stages(traced.full, traced.analysis, layers, layer_stage)))
+    return tuple(out)
 
 
 def _memory(stage: StagePlan, placed: tuple, layers: Layers, plan: Plan) -> int:
@@ -122,17 +161,15 @@ def _memory(stage: StagePlan, placed: tuple, layers: Layers, plan: Plan) -> int:
     return int(state + grads + kept / max(stage.data_parallel or stage.num_devices, 1))
 
 
-def _placed_params(traced: TracedStep, layers: Layers, plan: Plan) -> list[tuple[tuple[str, str, int], ...]]:
+def _placed_params(traced: TracedStep, plan: Plan) -> list[tuple[tuple[str, Spec, int], ...]]:
     """Each stage's parameters and optimizer state (batch-free step inputs its
     operators read): path, sharding (replicated over a data-parallel stage mesh, or
     as the intra-op ILP lays it out on a data x model mesh), bytes per device."""
-    specs = {s.index: stage_specs(traced, layers, plan, s) for s in plan.stages}
+    specs = {s.index: dict(s.shardings) for s in plan.stages}
     position = {v: i for i, v in enumerate(traced.full.invars)}
-    out: list[list[tuple[str, str, int]]] = [[] for _ in plan.stages]
+    out: list[list[tuple[str, Spec, int]]] = [[] for _ in plan.stages]
     for r in range(plan.num_replicas):
-        stages = plan.replica_stages(r)
-        layer_stage = [s.index for s in stages for _ in range(s.layer_start, s.layer_end)]
-        stage_of_op = op_stages(traced.full, traced.analysis, layers, layer_stage)
+        stage_of_op = plan.stage_of_operators(r)
         owner: dict[int, int] = {}
         for op in traced.full.ops:  # the first operator to read a parameter places it
             for v in op.inputs:
@@ -142,11 +179,11 @@ def _placed_params(traced: TracedStep, layers: Layers, plan: Plan) -> list[tuple
             name = traced.input_paths[position[v]] if traced.input_paths else f"arg {position[v]}"
             spec = specs[stage].get(v)
             if spec is None:
-                out[stage].append((name, "PartitionSpec()", traced.full.nbytes(v)))
+                out[stage].append((name, (), traced.full.nbytes(v)))
             else:
                 mesh = mesh_axes(plan.stages[stage])
                 shards = math.prod(mesh[a] for a in spec if a is not None)
-                out[stage].append((name, f"PartitionSpec({', '.join(repr(a) for a in spec)})", traced.full.nbytes(v) // shards))
+                out[stage].append((name, tuple(spec), traced.full.nbytes(v) // shards))
     return [tuple(specs) for specs in out]
 
 

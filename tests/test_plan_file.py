@@ -10,7 +10,7 @@ import pytest
 
 import hetpar
 from hetpar.errors import PlanError
-from hetpar.plan_file import load_plan, plan_to_dict, save_plan
+from hetpar.plan_file import PLAN_VERSION, load_plan, plan_to_dict, save_plan
 from models import gpt, mlp
 from parity import run_parity, with_grads
 from solver.pipeline_sim import StageTimes, pipeline_time, simulate
@@ -94,7 +94,7 @@ def test_a_truncated_plan_file_says_so(saved, tmp_path):
 def test_plan_files_are_plain_json(saved):
     _, plan, _ = saved
     raw = plan_to_dict(plan)
-    assert raw["version"] == 1 and json.loads(json.dumps(raw)) == raw
+    assert raw["version"] == PLAN_VERSION and json.loads(json.dumps(raw)) == raw
 
 
 def test_the_step_time_of_a_plan_is_its_simulated_schedule(saved):

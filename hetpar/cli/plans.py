@@ -22,10 +22,8 @@ def solve(args: argparse.Namespace) -> int:
         task = progress.add_task(f"building {args.function}", total=None)
         workload = load_workload(args.function, batch_size=args.batch_size)
         progress.update(task, description=f"tracing the step and solving for {cluster.describe()}")
-        plan = make_plan(
-            workload.step, workload.args, cluster, args.microbatches, args.stages, args.layers, args.schedule,
-            args.batch_argnum, args.replicas,
-        )
+        plan = make_plan(workload.step, workload.args, cluster, num_microbatches=args.microbatches, batch_argnum=args.batch_argnum,
+                         num_stages=args.stages, num_replicas=args.replicas, num_layers=args.layers, schedule=args.schedule)
     save_plan(plan, args.output)
     _print_plan(plan)
     print(f"wrote {args.output}")
@@ -79,7 +77,7 @@ def simulate(args: argparse.Namespace) -> int:
 def _print_plan(plan, shardings: bool = False) -> None:  # noqa: ANN001
     from rich.table import Table
 
-    from hetpar.plan import fmt_time
+    from hetpar.plan import fmt_time, spec_text
     from hetpar.timeline import breakdown, simulate_plan
 
     out = console()
@@ -95,7 +93,7 @@ def _print_plan(plan, shardings: bool = False) -> None:  # noqa: ANN001
             f"{s.batch_share:.0%}", fmt_time(s.forward_s), fmt_time(s.backward_s), memory,
         )
     out.print(table)
-    specs = [(s.index, path, spec) for s in plan.stages for path, spec in s.param_specs]
+    specs = [(s.index, path, spec_text(spec)) for s in plan.stages for path, spec in s.param_specs]
     if specs and not shardings:
         kinds = sorted({spec for _, _, spec in specs})
         out.print(f"{len(specs)} parameter and optimizer-state arrays placed, shardings: {', '.join(kinds)} (hetpar show --shardings lists them)")

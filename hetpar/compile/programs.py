@@ -64,6 +64,12 @@ class Program:
     in_shardings: tuple[NamedSharding, ...]
     acc_shardings: tuple[NamedSharding, ...]
     init_acc: Callable | None  # () -> accumulators of zeros (or the combine's identity)
+    arg_types: tuple = ()  # (accumulators, *inputs) as ShapeDtypeStructs with their shardings
+
+    def lower(self) -> Any:
+        """The program lowered for its argument types, e.g. `.as_text()` for StableHLO:
+        what two processes compare to know they run the same thing."""
+        return self.fn.lower(*self.arg_types)
 
 
 def compile_task(
@@ -115,4 +121,6 @@ def compile_task(
             lambda: tuple(jnp.full(a.shape, _IDENTITY[c], a.dtype) for a, c in zip(avals, combine)),
             out_shardings=acc_sh,
         )
-    return Program(task, mesh, fn, in_sh, acc_sh, init_acc)
+    typed = lambda v, sh: jax.ShapeDtypeStruct(graph.avals[v].shape, graph.avals[v].dtype, sharding=sh)  # noqa: E731
+    arg_types = (tuple(map(typed, task.reductions, acc_sh)), *map(typed, task.inputs, in_sh))
+    return Program(task, mesh, fn, in_sh, acc_sh, init_acc, arg_types)

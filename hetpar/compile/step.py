@@ -1,8 +1,10 @@
 """Compile a traced step, cut into stages, into one program per task.
 
-`step_tasks` decides what runs where without touching devices: it is deterministic
-in the traced program and the plan, so a driver and its workers (one process per
-mesh, runtime/ray_runtime.py) derive the same tasks and agree on every index.
+Compile reads the plan and nothing else: each operator's stage and each stage's
+shardings are the plan's (`Plan.operator_stages`, `StagePlan.shardings`); no layer
+is rebuilt and no solver runs here, so a saved plan compiles to the programs it was
+solved for. `step_tasks` touches no device, so a driver and its workers (one process
+per mesh, runtime/ray_runtime.py) derive the same tasks and agree on every index.
 """
 
 from __future__ import annotations
@@ -12,11 +14,11 @@ from typing import Callable
 
 from jax.sharding import Mesh
 
+from hetpar.compile.compiled import CompiledStep
 from hetpar.compile.programs import Program, compile_task
 from hetpar.compile.tasks import Task, build_tasks, op_stages
+from hetpar.errors import PlanError
 from hetpar.plan import Plan
-from hetpar.runtime.executor import CompiledStep
-from hetpar.shard import stage_specs
 from hetpar.trace.layers import Layers
 from hetpar.trace.opgraph import OpGraph
 from hetpar.trace.traced_step import TracedStep
@@ -31,19 +33,21 @@ class StepTasks:
     num_microbatches: int  # per replica
 
 
-def step_tasks(traced: TracedStep, layers: Layers, plan: Plan) -> StepTasks:
+def step_tasks(traced: TracedStep, plan: Plan) -> StepTasks:
     """Every data-parallel replica's tasks; replica r's microbatches are global
     microbatches r*m .. r*m+m-1, laid end to end over the batch. Only replica 0 runs
     the post work (the update), on the reductions of all replicas combined."""
+    if len(plan.operator_stages) != plan.num_replicas or any(
+            sum(n for _, n in runs) != len(traced.full.ops) for runs in plan.operator_stages):
+        raise PlanError(f"the plan places {[sum(n for _, n in r) for r in plan.operator_stages]} operators per replica; this step "
+                        f"has {len(traced.full.ops)} in each of {plan.num_replicas} replica(s). Solve the plan again for this step.")
     m = plan.num_microbatches
     batches = plan.replica_batch or (traced.batch_size,)
     tasks, replica_of, sizes, slices = [], [], [], []
     start = 0
     for r, examples in enumerate(batches):
         size = examples // m
-        stages = plan.replica_stages(r)
-        layer_stage = [s.index for s in stages for _ in range(s.layer_start, s.layer_end)]
-        for t in build_tasks(traced.full, traced.analysis, op_stages(traced.full, traced.analysis, layers, layer_stage)):
+        for t in build_tasks(traced.full, traced.analysis, plan.stage_of_operators(r)):
             if t.kind == "post" and r > 0:
                 continue
             tasks.append(t)
@@ -55,13 +59,13 @@ def step_tasks(traced: TracedStep, layers: Layers, plan: Plan) -> StepTasks:
 
 
 def compile_tasks(
-    traced: TracedStep, layers: Layers, plan: Plan, plan_tasks: StepTasks, meshes: dict[int, Mesh], graphs: dict[int, OpGraph],
+    traced: TracedStep, plan: Plan, plan_tasks: StepTasks, meshes: dict[int, Mesh], graphs: dict[int, OpGraph],
     keep: Callable[[Task], bool] = lambda t: True,
 ) -> list[Program | None]:
     """One program per task that `keep` accepts (None for the others: another
     process runs them), at its replica's microbatch size (`graphs[size]`)."""
     m = plan_tasks.num_microbatches
-    specs = {s.index: stage_specs(traced, layers, plan, s) for s in plan.stages if any(keep(t) for t in plan_tasks.tasks if t.stage == s.index)}
+    specs = {s.index: dict(s.shardings) for s in plan.stages}
     return [
         compile_task(
             t, graphs[size], traced.full.constants, traced.analysis, meshes[t.stage], m,
@@ -71,11 +75,11 @@ def compile_tasks(
     ]
 
 
-def compile_step(traced: TracedStep, layers: Layers, plan: Plan, meshes: dict[int, Mesh], graphs: dict[int, OpGraph]) -> CompiledStep:
-    """The whole step in this process: `meshes[s]` is the mesh stage s runs on (stages
-    may share one, as when layers are profiled one by one)."""
-    plan_tasks = step_tasks(traced, layers, plan)
-    programs = compile_tasks(traced, layers, plan, plan_tasks, meshes, graphs)
+def compile_step(traced: TracedStep, plan: Plan, meshes: dict[int, Mesh], graphs: dict[int, OpGraph]) -> CompiledStep:
+    """The compile pass, for the whole step in this process: `meshes[s]` is the mesh
+    stage s runs on (stages may share one, as when layers are profiled one by one)."""
+    plan_tasks = step_tasks(traced, plan)
+    programs = compile_tasks(traced, plan, plan_tasks, meshes, graphs)
     replicated = plan.num_replicas > 1
     return CompiledStep(
         traced.exec_graph, traced.full.constants, traced.analysis, programs, set(traced.batch_invars),

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from hetpar.plan import Plan
 from hetpar.predict.programs import ProgramEstimate, share
-from hetpar.runtime.executor import CompiledStep
+from hetpar.compile.compiled import CompiledStep
 from hetpar.trace.microbatch import input_roles
 from solver.planner.stage_costs import in_flight
 

@@ -15,7 +15,7 @@ from hetpar.plan import Plan
 from hetpar.predict.compute import ComputeModel
 from hetpar.predict.profile import Profile
 from hetpar.predict.programs import ProgramEstimate, estimate_task
-from hetpar.runtime.executor import CompiledStep
+from hetpar.compile.compiled import CompiledStep
 from solver.collectives import LinkCost
 
 
@@ -86,7 +86,7 @@ def predict_step(
     per_mb = {s.index: transfer[s.index] for s in plan.stages}
     once = 0.0
     comm = 0.0
-    for item in compiled.dispatch_order:
+    for item in compiled.order:
         if item.combine:
             continue
         est = estimates[item.program]

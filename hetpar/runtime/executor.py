@@ -9,58 +9,14 @@ meshes overlap without explicit threads; nothing here blocks on a result.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hetpar.compile.programs import Program
+from hetpar.compile.compiled import CompiledStep
 from hetpar.runtime.communicator import DevicePath
-from hetpar.runtime.schedule import Step, order, replicated_order
-from hetpar.trace.microbatch import MicrobatchAnalysis, Phase
-from hetpar.trace.opgraph import OpGraph
-
-
-@dataclass
-class CompiledStep:
-    graph: OpGraph  # traced at one microbatch
-    constants: dict[int, Any]  # full-batch trace constants
-    analysis: MicrobatchAnalysis
-    programs: list[Program]  # in task order
-    batch_invars: set[int]
-    num_microbatches: int  # per replica
-    microbatch_size: int
-    schedule: str = "gpipe"
-    # Data-parallel replicas (several pipelines, each on part of the batch): each
-    # program's replica, and each global microbatch's (start, size) in the batch.
-    replica_of: tuple[int, ...] = ()
-    slices: tuple[tuple[int, int], ...] = ()
-
-    @property
-    def num_replicas(self) -> int:
-        return max(self.replica_of, default=0) + 1
-
-    def microbatch_slice(self, mb: int) -> tuple[int, int]:
-        return self.slices[mb] if self.slices else (mb * self.microbatch_size, self.microbatch_size)
-
-    @cached_property
-    def dispatch_order(self) -> list[Step]:
-        if self.num_replicas == 1:
-            return order(self.programs, self.num_microbatches, self.schedule)
-        return replicated_order(self.programs, self.replica_of, self.num_microbatches, self.schedule)
-
-    def per_microbatch(self, value: int) -> bool:
-        return is_per_microbatch(self.graph, self.analysis, self.batch_invars, value)
-
-
-def is_per_microbatch(graph: OpGraph, analysis: MicrobatchAnalysis, batch_invars: set[int], value: int) -> bool:
-    """A batch input, or a value a per-microbatch operator makes (not a reduction)."""
-    if value in batch_invars:
-        return True
-    producer = graph.producer.get(value)
-    return producer is not None and analysis.phase[producer] is Phase.MICRO and value not in analysis.reductions
 
 
 @dataclass
@@ -111,7 +67,7 @@ def run(step: CompiledStep, flat_args: Sequence[Any], stats: RunStats | None = N
         return copies[stage]
 
     accumulators: dict[int, tuple] = {}
-    for item in step.dispatch_order:
+    for item in step.order:
         if item.combine:
             _combine_replicas(step, store)
             continue

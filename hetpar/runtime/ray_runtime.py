@@ -21,10 +21,9 @@ import numpy as np
 from hetpar.compile.step import step_tasks
 from hetpar.errors import HetparError
 from hetpar.plan import Plan
-from hetpar.runtime.executor import is_per_microbatch
+from hetpar.compile.compiled import is_per_microbatch
 from hetpar.runtime.ray_worker import StageWorker
-from hetpar.runtime.schedule import order, replicated_order
-from hetpar.trace.layers import Layers
+from hetpar.compile.order import order, replicated_order
 from hetpar.trace.traced_step import TracedStep
 
 log = logging.getLogger("hetpar.ray")
@@ -57,14 +56,14 @@ def shutdown() -> None:
 class RayStep:
     """A compiled step whose stages run in Ray actors. Call it with the flat arguments."""
 
-    def __init__(self, fn: Callable, args: tuple, batch_argnum: int, plan: Plan, traced: TracedStep, layers: Layers,
+    def __init__(self, fn: Callable, args: tuple, batch_argnum: int, plan: Plan, traced: TracedStep,
                  timeout_s: float = DEFAULT_TIMEOUT_S):
         import ray
 
         init()
         self.graph = traced.exec_graph
         self._traced, self._plan, self._timeout_s = traced, plan, timeout_s
-        self._tasks = step_tasks(traced, layers, plan)
+        self._tasks = step_tasks(traced, plan)
         worker = ray.remote(num_cpus=0, max_restarts=0)(StageWorker)
         self.workers = {s.index: worker.remote(len(s.device_ids)) for s in plan.stages}
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.asarray(x).dtype), args)

@@ -1,8 +1,9 @@
 """A stage's process in the multi-process runtime: owns one mesh, runs its programs.
 
 The worker receives the train step and abstract arguments (cloudpickled by Ray),
-traces it again and checks the trace against the plan's fingerprint, so what runs
-here is exactly the program the plan was made for. (Re-tracing rather than shipping
+traces it again and checks the trace against the plan's fingerprint, then compiles
+its programs from the plan alone (operator stages and shardings are the plan's; it
+solves nothing), so what runs here is exactly the program the plan was made for. (Re-tracing rather than shipping
 serialized StableHLO keeps JAX versions free to differ between vendors' machines,
 and the fingerprint turns any drift into a clear error.) Values its own later
 programs read stay on its devices; only what other stages need leaves, as host
@@ -35,25 +36,23 @@ class StageWorker:
         from hetpar.compile.programs import stage_mesh
         from hetpar.compile.step import compile_tasks, step_tasks
         from hetpar.errors import PlanError
-        from hetpar.solve import layers_of
         from hetpar.trace.fingerprint import differences, signature
         from hetpar.trace.traced_step import microbatch_graphs, trace_step
 
         traced = trace_step(fn, args, batch_argnum, plan.num_microbatches)
         if plan.program is not None and differences(plan.program, signature(traced.full)):
             raise PlanError(f"stage {stage}'s worker traced a different program: {'; '.join(differences(plan.program, signature(traced.full)))}")
-        layers = layers_of(traced, plan.num_layers)
-        tasks = step_tasks(traced, layers, plan)
+        tasks = step_tasks(traced, plan)
         mesh = stage_mesh(tuple(range(self._num_devices)), plan.stages[stage].mesh_shape)  # the first devices of this process
         graphs = microbatch_graphs(fn, args, batch_argnum, traced, plan)
-        self._programs = compile_tasks(traced, layers, plan, tasks, {stage: mesh}, graphs, keep=lambda t: t.stage == stage)
+        self._programs = compile_tasks(traced, plan, tasks, {stage: mesh}, graphs, keep=lambda t: t.stage == stage)
         self._analysis = traced.analysis
         self._batch_invars = set(traced.batch_invars)
         self._graph = traced.exec_graph
         return sum(p is not None for p in self._programs)
 
     def _per_microbatch(self, value: int) -> bool:
-        from hetpar.runtime.executor import is_per_microbatch
+        from hetpar.compile.compiled import is_per_microbatch
 
         return is_per_microbatch(self._graph, self._analysis, self._batch_invars, value)
 

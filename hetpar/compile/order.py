@@ -1,4 +1,5 @@
-"""Pipeline schedules: the order in which this process dispatches stage programs.
+"""Pipeline schedules as a dispatch order: the order in which a runtime dispatches
+stage programs, fixed at compile time (it depends only on the tasks and the plan).
 
 Dispatch is asynchronous, so the order is not the timing: each mesh runs its programs
 as their inputs arrive. What the order fixes is which microbatches a stage holds at

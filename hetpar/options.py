@@ -1,0 +1,126 @@
+"""The settings of each pass, as typed option objects (Alpa's style).
+
+`parallelize` and `hetpar solve` build one of each from their keyword arguments and
+hand each pass its own; every tuning value a user may want to change lives here,
+not as a module constant. The objects are frozen: a pass cannot change another's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from hetpar.errors import HetparError, PlanError
+from solver.pipeline_sim import SCHEDULES
+
+STAGE_MODES = ("auto", "manual", "uniform")
+RUNTIMES = ("local", "ray")
+
+
+@dataclass(frozen=True)
+class StageOption:
+    """How the step's layers become pipeline stages.
+
+    - "auto": the planner chooses stages, their devices, the layer split, replicas,
+      microbatches and (without `schedule`) the schedule.
+    - "manual": `num_stages` stages (or `num_replicas` pipelines of them), one device
+      group each, layers split in proportion to each stage's speed.
+    - "uniform": like "manual", but every stage takes the same number of layers
+      (Megatron's split), the baseline a heterogeneous split is compared with.
+    """
+
+    mode: str = "auto"
+    num_stages: int | None = None
+    num_replicas: int | None = None
+    num_layers: int | None = None  # None: enough for the stages, cut at module boundaries
+    schedule: str | None = None  # None: the planner's choice ("auto"), GPipe otherwise
+    time_limit_s: float | None = None  # the planner's search; None: until proven optimal
+    max_planning_layers: int = 8  # "auto" cuts the step into at most this many layers
+    layer_overhead_s: float = 50e-6  # kernel launches of one layer's forward and backward
+
+
+@dataclass(frozen=True)
+class ShardingOption:
+    """How each stage's operators are sharded over its devices (the intra-op ILP)."""
+
+    mesh_shape: tuple | None = None  # (data, model), or one per stage; None: the ILP picks each stage's split
+    time_limit_s: float = 5.0  # per stage solve; past it the best sharding found is used and its gap logged
+    # The ILP prices matmuls and their collectives; the elementwise work between them,
+    # which it does not see, is repeated on every device of a model axis, so a model
+    # axis must win by this fraction to be chosen.
+    model_axis_margin: float = 0.10
+
+
+@dataclass(frozen=True)
+class RuntimeOption:
+    """Where and how the compiled stages run."""
+
+    runtime: str = "local"  # "local": this process; "ray": one Ray actor per stage mesh
+    timeout_s: float = 300.0  # the Ray runtime's wait for a step or a build before it reports a stuck worker
+
+
+def check_options(stage: StageOption, sharding: ShardingOption, runtime: RuntimeOption) -> None:
+    """Refuses settings no pass could honour, naming the field and what it takes."""
+    if stage.mode not in STAGE_MODES:
+        raise PlanError(f"StageOption.mode {stage.mode!r} is not one of {', '.join(STAGE_MODES)}")
+    if stage.mode == "auto" and (stage.num_stages or stage.num_replicas):
+        raise PlanError("StageOption(mode='auto') lets the planner choose stages and replicas: "
+                        "drop num_stages/num_replicas, or use mode='manual' or 'uniform'")
+    for name in ("num_stages", "num_replicas", "num_layers"):
+        value = getattr(stage, name)
+        if value is not None and value < 1:
+            raise PlanError(f"{name} must be at least 1, got {value}")
+    if stage.schedule is not None and stage.schedule not in SCHEDULES:
+        raise PlanError(f"unknown schedule {stage.schedule!r}; use one of {', '.join(SCHEDULES)}")
+    if stage.time_limit_s is not None and not stage.time_limit_s > 0:
+        raise PlanError(f"StageOption.time_limit_s must be positive (or None for no limit), got {stage.time_limit_s}")
+    if stage.max_planning_layers < 1:
+        raise PlanError(f"StageOption.max_planning_layers must be at least 1, got {stage.max_planning_layers}")
+    if not sharding.time_limit_s > 0:
+        raise PlanError(f"ShardingOption.time_limit_s must be positive, got {sharding.time_limit_s}")
+    if not 0 <= sharding.model_axis_margin < 1:
+        raise PlanError(f"ShardingOption.model_axis_margin is a fraction in [0, 1), got {sharding.model_axis_margin}")
+    if runtime.runtime not in RUNTIMES:
+        raise HetparError(f"unknown runtime {runtime.runtime!r}; use 'local' (this process) or 'ray' (one process per mesh)")
+    if not runtime.timeout_s > 0:
+        raise HetparError(f"RuntimeOption.timeout_s must be positive, got {runtime.timeout_s}")
+
+
+def build_options(
+    stage_option: StageOption | None = None,
+    sharding_option: ShardingOption | None = None,
+    runtime_option: RuntimeOption | None = None,
+    *,
+    num_stages: int | None = None,
+    num_replicas: int | None = None,
+    num_layers: int | None = None,
+    schedule: str | None = None,
+    mesh_shape: tuple | None = None,
+    runtime: str | None = None,
+) -> tuple[StageOption, ShardingOption, RuntimeOption]:
+    """The option objects, with the keyword shortcuts `parallelize` and `make_plan`
+    take folded in (a stage or replica count fixes the pipeline: mode "manual"), and
+    checked."""
+    if mesh_shape and isinstance(mesh_shape[0], tuple | list):
+        mesh_shape = tuple(tuple(shape) for shape in mesh_shape)
+    stage = _with(stage_option or StageOption(), "stage_option",
+                  num_stages=num_stages, num_replicas=num_replicas, num_layers=num_layers, schedule=schedule)
+    if stage.mode == "auto" and (stage.num_stages or stage.num_replicas):
+        stage = replace(stage, mode="manual")
+    sharding = _with(sharding_option or ShardingOption(), "sharding_option", mesh_shape=tuple(mesh_shape) if mesh_shape else None)
+    runtime_opt = _with(runtime_option or RuntimeOption(), "runtime_option", runtime=runtime)
+    check_options(stage, sharding, runtime_opt)
+    return stage, sharding, runtime_opt
+
+
+def _with(option: Any, name: str, **shortcuts: Any) -> Any:
+    """`option` with the shortcut keywords that were given; a shortcut that disagrees
+    with a field set in the option object given beside it is an error, not a silent
+    choice."""
+    given = {k: v for k, v in shortcuts.items() if v is not None}
+    default = type(option)()
+    for key, value in given.items():
+        current = getattr(option, key)
+        if current != getattr(default, key) and current != value:
+            raise HetparError(f"{key}={value!r} disagrees with {name}.{key}={current!r}; give it once")
+    return replace(option, **given) if given else option
