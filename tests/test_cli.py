@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+from hetpar.plan_file import PLAN_VERSION
+
 
 def _hetpar(*args, check=True):
     return subprocess.run([sys.executable, "-m", "hetpar.cli", *args], capture_output=True, text=True, check=check, timeout=300)
@@ -70,7 +72,7 @@ def test_solve_show_and_simulate_a_plan(tmp_path):
     plan, result = _solved(tmp_path, "--schedule", "1f1b", "--stages", "2")
     assert "wrote" in result.stdout and "predicted step time" in result.stdout
     raw = json.loads(plan.read_text())
-    assert raw["version"] == 1 and raw["schedule"] == "1f1b" and len(raw["stages"]) == 2
+    assert raw["version"] == PLAN_VERSION and raw["schedule"] == "1f1b" and len(raw["stages"]) == 2
 
     shown = _hetpar("show", str(plan)).stdout
     for word in ("A100", "V100", "DP x TP", "memory / capacity", "MFU", "tokens/s", "bubble"):
@@ -119,7 +121,7 @@ def test_bad_plan_files_fail_with_one_line(tmp_path):
     text = plan.read_text()
     cases = {
         "truncated.json": (text[: len(text) // 2], "cut short"),
-        "version.json": (text.replace('"version": 1', '"version": 7'), "version 7"),
+        "version.json": (text.replace(f'"version": {PLAN_VERSION}', '"version": 7'), "version 7"),
         "device.json": (text.replace('"device_type": "V100"', '"device_type": "V900"'), "unknown device type"),
         "negative.json": (text.replace('"num_microbatches": 4', '"num_microbatches": -4'), "num_microbatches"),
     }
