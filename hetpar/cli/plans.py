@@ -23,7 +23,8 @@ def solve(args: argparse.Namespace) -> int:
         workload = load_workload(args.function, batch_size=args.batch_size)
         progress.update(task, description=f"tracing the step and solving for {cluster.describe()}")
         plan = make_plan(workload.step, workload.args, cluster, num_microbatches=args.microbatches, batch_argnum=args.batch_argnum,
-                         num_stages=args.stages, num_replicas=args.replicas, num_layers=args.layers, schedule=args.schedule)
+                         num_stages=args.stages, num_replicas=args.replicas, num_layers=args.layers, schedule=args.schedule,
+                         chunks=args.chunks)
     save_plan(plan, args.output)
     _print_plan(plan)
     print(f"wrote {args.output}")
