@@ -82,7 +82,8 @@ def _print_plan(plan, shardings: bool = False) -> None:  # noqa: ANN001
     from hetpar.timeline import breakdown, simulate_plan
 
     out = console()
-    table = Table(title=f"hetpar plan: {plan.num_stages} stage(s) on {plan.cluster}, {plan.num_microbatches} microbatch(es), {plan.schedule}")
+    table = Table(title=f"hetpar plan: {plan.num_stages} stage(s) on {plan.cluster}, {plan.num_microbatches} microbatch(es), {plan.schedule}"
+                  + (f", {plan.chunks} chunks per device group" if plan.chunks > 1 else ""))
     for col in ("stage", "replica", "layers", "modules", "device", "devices", "mesh", "DP x TP", "batch", "fwd/mb", "bwd/mb", "memory / capacity"):
         table.add_column(col, justify="left" if col in ("modules", "device") else "right")
     for s in plan.stages:
