@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -112,7 +112,10 @@ class ParallelFunction:
                 check_fits(o.plan, traced, cluster)
                 plan = o.plan
             else:
-                plan = solve(traced, cluster, o.stage, o.sharding)
+                stage = o.stage
+                if o.runtime.runtime == "ray" and stage.schedule is None and stage.chunks is None:
+                    stage = replace(stage, chunks=1)  # one actor per stage: no chunks sharing a device group
+                plan = solve(traced, cluster, stage, o.sharding)
         if o.runtime.runtime == "ray":
             if plan.chunks > 1:
                 raise HetparError(f"the Ray runtime runs one actor per stage; this {plan.schedule} plan puts {plan.chunks} stages "

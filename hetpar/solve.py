@@ -92,10 +92,11 @@ def stage_pass(traced: TracedStep, layers: Layers, cluster: Cluster, option: Sta
     user's stage count with layers split by speed ("manual") or evenly ("uniform")."""
     num_microbatches = traced.batch_size // traced.microbatch_size
     if auto:
+        chunks = {"chunks": (option.chunks,)} if option.chunks else {}  # else the planner's choices
         options = SearchOptions(
             microbatches=(num_microbatches,), schedules=(option.schedule,) if option.schedule else schedules.names(),
-            **({"chunks": (option.chunks,)} if option.chunks else {}), min_microbatch=2 if traced.microbatch_size >= 4 else 1, time_limit_s=option.time_limit_s,
-            layer_overhead_s=option.layer_overhead_s,
+            min_microbatch=2 if traced.microbatch_size >= 4 else 1, time_limit_s=option.time_limit_s,
+            layer_overhead_s=option.layer_overhead_s, **chunks,
         )
         return search(layers, cluster, traced.batch_size, _tokens(traced) // traced.batch_size, options)[0]
     uniform = option.mode == "uniform"
@@ -187,7 +188,8 @@ def _memory(stage: StagePlan, placed: tuple, layers: Layers, plan: Plan) -> int:
     saved = sum(layers.saved_bytes[stage.layer_start : stage.layer_end]) if layers.saved_bytes else 0
     stages = plan.replica_stages(stage.replica)
     position = [s.index for s in stages].index(stage.index)
-    kept = saved * stage.batch_share / plan.num_microbatches * in_flight(plan.schedule, plan.num_microbatches, position, len(stages), plan.chunks)
+    held = in_flight(plan.schedule, plan.num_microbatches, position, len(stages), plan.chunks)
+    kept = saved * stage.batch_share / plan.num_microbatches * held
     return int(state + grads + kept / max(stage.data_parallel or stage.num_devices, 1))
 
 

@@ -194,7 +194,6 @@ def tiny_gpt():
 PARITY = [
     # (cluster, device groups, chunks, microbatches, layers)
     (TWO_TYPES, 2, 2, 4, 4),
-    (TWO_TYPES, 2, 3, 2, 6),
     (TWO_TYPES, 2, 4, 6, 8),
     (THREE_TYPES, 3, 2, 3, 6),
     (THREE_TYPES, 3, 3, 6, 9),

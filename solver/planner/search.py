@@ -15,6 +15,12 @@ they reach the front), and the search stops when the next bound cannot beat the 
 best plan found. Pipelines are therefore the model's optimum; replica batch shares
 are too on grids of up to 16 steps, and found by proportional split and local
 descent beyond. With a time limit, the best plan so far comes back with its gap.
+
+Schedules come from the registry (`solver.schedules`); an interleaved one is tried with
+each allowed chunk count, its device groups' chunks splitting the layers in a row
+repeated `chunks` times. Its splits are close, not proven optimal (`layer_split`), and
+with it among the choices the layout bounds are relaxed by the largest bubble it could
+save (`_relax`), a heuristic rather than a proof.
 """
 
 from __future__ import annotations
