@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -112,8 +112,14 @@ class ParallelFunction:
                 check_fits(o.plan, traced, cluster)
                 plan = o.plan
             else:
-                plan = solve(traced, cluster, o.stage, o.sharding)
+                stage = o.stage
+                if o.runtime.runtime == "ray" and stage.schedule is None and stage.chunks is None:
+                    stage = replace(stage, chunks=1)  # one actor per stage: no chunks sharing a device group
+                plan = solve(traced, cluster, stage, o.sharding)
         if o.runtime.runtime == "ray":
+            if plan.chunks > 1:
+                raise HetparError(f"the Ray runtime runs one actor per stage; this {plan.schedule} plan puts {plan.chunks} stages "
+                                  "on each device group: run it with runtime='local', or plan it without chunks")
             with timer("start workers"):
                 compiled = RayStep(self._fn, args, o.batch_argnum, plan, traced, o.runtime.timeout_s)
             log.info("hetpar built a %d-stage plan on Ray in %s", plan.num_stages, timer)
@@ -140,6 +146,7 @@ def parallelize(
     num_stages: int | None = None,
     num_layers: int | None = None,
     schedule: str | None = None,
+    chunks: int | None = None,
     num_replicas: int | None = None,
     runtime: str | None = None,
     mesh_shape: tuple | None = None,
@@ -157,7 +164,9 @@ def parallelize(
     - `num_stages`, `num_replicas`: fix the pipeline (layers split by speed; with
       `num_replicas` > 1, that many data-parallel pipelines, each taking a share of
       the batch in proportion to its speed); without them the planner decides;
-    - `num_layers`, `schedule`: the layer count and "gpipe"/"1f1b";
+    - `num_layers`, `schedule`: the layer count and a schedule of
+      `solver.schedules.names()`; `chunks`: stages per device group under an
+      interleaved schedule (`num_stages` device groups hold `chunks` stages each);
     - `mesh_shape=(data, model)` (or one per stage): every stage's devices form that
       2-D mesh, its operators sharded over it by the intra-op ILP;
     - `runtime="ray"`: every stage mesh in its own Ray actor (see `hetpar.init`).
@@ -172,7 +181,7 @@ def parallelize(
         raise PlanError(f"num_microbatches must be at least 1, got {num_microbatches}")
     stage, sharding, runtime_opt = build_options(
         stage_option, sharding_option, runtime_option, num_stages=num_stages, num_replicas=num_replicas,
-        num_layers=num_layers, schedule=schedule, mesh_shape=mesh_shape, runtime=runtime,
+        num_layers=num_layers, schedule=schedule, chunks=chunks, mesh_shape=mesh_shape, runtime=runtime,
     )
     options = Options(cluster=cluster, plan=plan, num_microbatches=num_microbatches, batch_argnum=batch_argnum,
                       stage=stage, sharding=sharding, runtime=runtime_opt)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from hetpar.errors import HetparError, PlanError
-from solver.pipeline_sim import SCHEDULES
+from solver import schedules
 
 STAGE_MODES = ("auto", "manual", "uniform")
 RUNTIMES = ("local", "ray")
@@ -34,6 +34,10 @@ class StageOption:
     num_replicas: int | None = None
     num_layers: int | None = None  # None: enough for the stages, cut at module boundaries
     schedule: str | None = None  # None: the planner's choice ("auto"), GPipe otherwise
+    # Stages per device group under an interleaved schedule (Megatron's virtual stages):
+    # "manual"/"uniform" put `chunks` non-adjacent stages on each of `num_stages` groups;
+    # "auto" lets the planner try this count (None: its default choices).
+    chunks: int | None = None
     time_limit_s: float | None = None  # the planner's search; None: until proven optimal
     max_planning_layers: int = 8  # "auto" cuts the step into at most this many layers
     layer_overhead_s: float = 50e-6  # kernel launches of one layer's forward and backward
@@ -70,8 +74,14 @@ def check_options(stage: StageOption, sharding: ShardingOption, runtime: Runtime
         value = getattr(stage, name)
         if value is not None and value < 1:
             raise PlanError(f"{name} must be at least 1, got {value}")
-    if stage.schedule is not None and stage.schedule not in SCHEDULES:
-        raise PlanError(f"unknown schedule {stage.schedule!r}; use one of {', '.join(SCHEDULES)}")
+    if stage.schedule is not None and stage.schedule not in schedules.names():
+        raise PlanError(f"unknown schedule {stage.schedule!r}; use one of {', '.join(schedules.names())}")
+    if stage.chunks is not None and stage.chunks < 1:
+        raise PlanError(f"StageOption.chunks must be at least 1, got {stage.chunks}")
+    if (stage.chunks or 1) > 1 and stage.schedule is not None and not schedules.get(stage.schedule).interleaved:
+        interleaved = [n for n in schedules.names() if schedules.get(n).interleaved]
+        raise PlanError(f"StageOption.chunks={stage.chunks} puts several stages on each device group, which only an "
+                        f"interleaved schedule runs: use schedule={interleaved[0]!r}, or drop chunks")
     if stage.time_limit_s is not None and not stage.time_limit_s > 0:
         raise PlanError(f"StageOption.time_limit_s must be positive (or None for no limit), got {stage.time_limit_s}")
     if stage.max_planning_layers < 1:
@@ -95,6 +105,7 @@ def build_options(
     num_replicas: int | None = None,
     num_layers: int | None = None,
     schedule: str | None = None,
+    chunks: int | None = None,
     mesh_shape: tuple | None = None,
     runtime: str | None = None,
 ) -> tuple[StageOption, ShardingOption, RuntimeOption]:
@@ -104,7 +115,7 @@ def build_options(
     if mesh_shape and isinstance(mesh_shape[0], tuple | list):
         mesh_shape = tuple(tuple(shape) for shape in mesh_shape)
     stage = _with(stage_option or StageOption(), "stage_option",
-                  num_stages=num_stages, num_replicas=num_replicas, num_layers=num_layers, schedule=schedule)
+                  num_stages=num_stages, num_replicas=num_replicas, num_layers=num_layers, schedule=schedule, chunks=chunks)
     if stage.mode == "auto" and (stage.num_stages or stage.num_replicas):
         stage = replace(stage, mode="manual")
     sharding = _with(sharding_option or ShardingOption(), "sharding_option", mesh_shape=tuple(mesh_shape) if mesh_shape else None)

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from solver.pipeline_sim import StageTimes, simulate
+from solver.pipeline_sim import simulate
+from solver.schedules import DEFAULT, StageTimes
 
 # A PartitionSpec as plain data: the mesh axis (or None) of each dimension.
 Spec = tuple[Optional[str], ...]
@@ -50,6 +51,9 @@ class StagePlan:
     # The stage's intra-op sharding, as compile applies it: (value id in the traced
     # program, mesh axis per dimension) for every weight and matmul result it fixes.
     shardings: tuple[tuple[int, Spec], ...] = ()
+    # Which of its device group's chunks this stage is (interleaved schedules): stages
+    # with the same device_ids are chunks of one group and share its mesh.
+    chunk: int = 0
 
     @property
     def num_layers(self) -> int:
@@ -77,7 +81,7 @@ class Plan:
     num_microbatches: int
     num_layers: int
     cluster: str  # for people: "4xA100 + 4xV100"
-    schedule: str = "gpipe"
+    schedule: str = DEFAULT
     notes: tuple[str, ...] = field(default=())
     cluster_groups: tuple[ClusterGroup, ...] = ()
     program: ProgramSignature | None = None
@@ -109,6 +113,11 @@ class Plan:
         return tuple(s for s in self.stages if s.replica == replica)
 
     @property
+    def chunks(self) -> int:
+        """Stages per device group: 1, or more under an interleaved schedule."""
+        return max(s.chunk for s in self.stages) + 1 if self.stages else 1
+
+    @property
     def has_timings(self) -> bool:
         return any(s.forward_s or s.backward_s for s in self.stages)
 
@@ -119,7 +128,7 @@ class Plan:
         the rest follow at the pace of the slowest."""
         if self.has_timings:
             return max(
-                simulate([s.times for s in self.replica_stages(r)], self.num_microbatches, self.schedule).step_s
+                simulate([s.times for s in self.replica_stages(r)], self.num_microbatches, self.schedule, self.chunks).step_s
                 for r in range(self.num_replicas)
             )
         per_mb = [s.predicted_time_s / self.num_microbatches for s in self.stages]
@@ -137,7 +146,9 @@ class Plan:
     def __str__(self) -> str:
         lines = [
             f"hetpar plan: {self.num_stages} stage(s) on {self.cluster}, {self.num_layers} layers, "
-            f"{self.num_microbatches} microbatch(es), {self.schedule}",
+            f"{self.num_microbatches} microbatch(es), {self.schedule}"
+            + (f" ({self.chunks} chunks per device group: stage i on the devices of stage i mod {len(self.replica_stages(0)) // self.chunks})"
+               if self.chunks > 1 else ""),
             f"  {'stage':>5}  {'device':<8} {'devices':>7} {'TFLOP/s':>8}  {'layers':<10} {'GFLOP':>9} {'time/step':>11}  modules",
         ]
         for s in self.stages:

@@ -12,7 +12,7 @@ from typing import Any
 from hetpar.cluster.catalog import device_type
 from hetpar.errors import ClusterError, PlanError
 from hetpar.plan import ClusterGroup, Plan, ProgramSignature, StagePlan
-from solver.pipeline_sim import SCHEDULES
+from solver import schedules
 
 # 2: operator stages and structured shardings, so compile needs nothing but the plan.
 PLAN_VERSION = 2
@@ -63,8 +63,8 @@ def check_plan(plan: Plan, where: str = "plan") -> None:
         raise PlanError(f"{where}: the plan has no stages")
     if plan.num_microbatches < 1:
         raise PlanError(f"{where}: num_microbatches must be at least 1, got {plan.num_microbatches}")
-    if plan.schedule not in SCHEDULES:
-        raise PlanError(f"{where}: unknown schedule {plan.schedule!r}; use one of {', '.join(SCHEDULES)}")
+    if plan.schedule not in schedules.names():
+        raise PlanError(f"{where}: unknown schedule {plan.schedule!r}; use one of {', '.join(schedules.names())}")
     for g in plan.cluster_groups:
         _known_type(g.device_type, f"{where}: cluster group {g.name!r}")
         if g.devices < 1:
@@ -78,9 +78,11 @@ def check_plan(plan: Plan, where: str = "plan") -> None:
         raise PlanError(f"{where}: each replica's examples {list(plan.replica_batch)} must be a positive multiple of num_microbatches")
     for replica in replicas:
         _check_stages([s for s in plan.stages if s.replica == replica], plan, where)
-    used = [i for s in plan.stages for i in s.device_ids]
+        _check_chunks([s for s in plan.stages if s.replica == replica], plan, where)
+    used = [i for s in plan.stages if s.chunk == 0 for i in s.device_ids]
     if len(used) != len(set(used)):
-        raise PlanError(f"{where}: two stages share a device; each device belongs to one stage")
+        raise PlanError(f"{where}: two stages share a device; each device belongs to one stage "
+                        "(or, under an interleaved schedule, to the chunks of one device group)")
     _check_operator_stages(plan, where)
     for s in plan.stages:
         _check_shardings(s, f"{where}: stage {s.index}")
@@ -106,6 +108,30 @@ def _check_shardings(stage: StagePlan, label: str) -> None:
         if len(entry) != 2 or not isinstance(entry[0], int) or entry[0] < 0 or any(a is not None and a not in axes for a in entry[1]):
             raise PlanError(f"{label}: the sharding {list(entry)} is not [value id, [mesh axis or null per dimension]] "
                             f"over this stage's axes {sorted(axes)}")
+
+
+def _check_chunks(stages: list[StagePlan], plan: Plan, where: str) -> None:
+    """Stages may share devices only as chunks of one device group under an
+    interleaved schedule: stage p of D x v is chunk p // D on group p mod D's devices."""
+    schedule = schedules.get(plan.schedule)
+    v = plan.chunks
+    if not schedule.interleaved:
+        if v > 1:
+            raise PlanError(f"{where}: stages have chunk numbers up to {v - 1}, but schedule {plan.schedule!r} runs one chunk "
+                            f"per device group; use an interleaved schedule or set every chunk to 0")
+        return
+    if len(stages) % v:
+        raise PlanError(f"{where}: {len(stages)} stages do not split into {v} chunks per device group")
+    d = len(stages) // v
+    for p, s in enumerate(stages):
+        home = stages[p % d]
+        if s.chunk != p // d or s.device_ids != home.device_ids:
+            raise PlanError(f"{where}: stage {s.index} is chunk {s.chunk} on devices {list(s.device_ids)}; under "
+                            f"{plan.schedule!r} with {v} chunks over {d} device groups, stage {s.index} must be chunk {p // d} "
+                            f"on the devices of stage {home.index} ({list(home.device_ids)})")
+    why = schedule.check(d, plan.num_microbatches, v)
+    if why:
+        raise PlanError(f"{where}: {why}")
 
 
 def _check_stages(stages: list[StagePlan], plan: Plan, where: str) -> None:

@@ -11,7 +11,7 @@ step's own microbatch count.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hetpar.cluster.cluster import Cluster, DeviceGroup
 from hetpar.errors import PlanError
@@ -19,6 +19,7 @@ from hetpar.plan import ClusterGroup, Plan, StagePlan
 from hetpar.planning import link_cost
 from hetpar.trace.layers import Layers
 from solver.collectives import LinkCost
+from solver import schedules
 from solver.planner import DeviceKind, LayerCost, PlanChoice, PlanningError, Problem, SearchResult, plan
 
 
@@ -27,7 +28,8 @@ class SearchOptions:
     """What the planner may choose. `None` microbatches: any count dividing the batch."""
 
     microbatches: tuple[int, ...] | None = None
-    schedules: tuple[str, ...] = ("1f1b", "gpipe")
+    schedules: tuple[str, ...] = field(default_factory=schedules.names)
+    chunks: tuple[int, ...] = (2, 4)  # stages per device group an interleaved schedule may use
     max_tp: int = 8  # within a node
     allow_remat: bool = False
     allow_replicas: bool = True
@@ -73,7 +75,7 @@ def problem_for(layers: Layers, cluster: Cluster, batch_size: int, tokens_per_ex
                 options: SearchOptions = SearchOptions()) -> Problem:
     return Problem(
         layer_costs(layers, batch_size), device_kinds(cluster, options.dtype, options.layer_overhead_s), batch_size, group_links(cluster),
-        tokens_per_example=tokens_per_example, microbatches=options.microbatches, schedules=options.schedules,
+        tokens_per_example=tokens_per_example, microbatches=options.microbatches, schedules=options.schedules, chunks=options.chunks,
         max_tp=options.max_tp, allow_remat=options.allow_remat, allow_replicas=options.allow_replicas,
         min_microbatch=options.min_microbatch,
     )
@@ -91,16 +93,24 @@ def search(layers: Layers, cluster: Cluster, batch_size: int, tokens_per_example
 
 
 def to_plan(choice: PlanChoice, layers: Layers, cluster: Cluster, bound_ratio: float = 0.0) -> Plan:
-    """Stages take the devices of their group in order, a stage's `dp * tp` at a time."""
+    """Stages take the devices of their group in order, a stage's `dp * tp` at a time;
+    under an interleaved schedule, stage p of a pipeline is chunk p // D on the
+    devices of its stage p mod D."""
     positions = {d: i for i, d in enumerate(d for g in cluster.groups for d in g.device_ids)}
     groups = {g.label: g for g in cluster.groups}
     taken = {label: 0 for label in groups}
     batch = sum(choice.replica_batch)
     stages = []
+    homes: dict[int, list[tuple[int, ...]]] = {}  # per replica: each device group's devices
     for index, s in enumerate(choice.stages):
         group: DeviceGroup = groups[s.kind]
-        ids = group.device_ids[taken[s.kind] : taken[s.kind] + s.devices]
-        taken[s.kind] += s.devices
+        row = homes.setdefault(s.replica, [])
+        per_replica = sum(1 for c in choice.stages if c.replica == s.replica) // choice.chunks
+        position = sum(1 for c in choice.stages[:index] if c.replica == s.replica)
+        if position < per_replica:
+            row.append(group.device_ids[taken[s.kind] : taken[s.kind] + s.devices])
+            taken[s.kind] += s.devices
+        ids = row[position % per_replica]
         names = layers.names[s.layer_start : s.layer_end]
         label = names[0] if len(names) == 1 else f"{names[0].split('..')[0]}..{names[-1].split('..')[-1]}"
         share = choice.replica_batch[s.replica] / batch
@@ -112,7 +122,7 @@ def to_plan(choice: PlanChoice, layers: Layers, cluster: Cluster, bound_ratio: f
             mesh_shape=(s.dp, s.tp) if s.tp > 1 else (s.devices,),
             data_parallel=s.dp, tensor_parallel=s.tp, batch_share=share, forward_s=s.forward_s, backward_s=s.backward_s,
             send_s=s.send_s, sync_s=s.sync_s + choice.cross_sync_s, optimizer_s=s.optimizer_s, memory_bytes=s.memory_bytes,
-            memory_capacity=s.memory_capacity, replica=s.replica,
+            memory_capacity=s.memory_capacity, replica=s.replica, chunk=position // per_replica,
         ))
     return Plan(
         tuple(stages), choice.num_microbatches, layers.num_layers, cluster.describe(), choice.schedule,

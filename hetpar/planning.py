@@ -13,6 +13,7 @@ from hetpar.plan import ClusterGroup, Plan, StagePlan
 from hetpar.trace.layers import Layers
 from solver.collectives import LinkCost, Topology, best
 from solver.partition import min_max_cuts
+from solver.schedules import DEFAULT
 
 
 def stage_groups(cluster: Cluster, num_stages: int) -> list[DeviceGroup]:
@@ -48,14 +49,17 @@ def _stages_per_group(sizes: list[int], num_stages: int) -> list[int]:
 
 
 def assign_stages(
-    layers: Layers, cluster: Cluster, num_stages: int, num_microbatches: int, schedule: str = "gpipe",
-    mesh_shape: tuple | None = None, uniform: bool = False,
+    layers: Layers, cluster: Cluster, num_stages: int, num_microbatches: int, schedule: str = DEFAULT,
+    mesh_shape: tuple | None = None, uniform: bool = False, chunks: int = 1,
 ) -> Plan:
     """Layers over `num_stages` stages in proportion to each stage's speed, or
-    (`uniform`) the same number of layers each, as Megatron splits."""
+    (`uniform`) the same number of layers each, as Megatron splits. With `chunks` > 1
+    (an interleaved schedule) `num_stages` device groups hold `chunks` stages each:
+    stage i runs on group i mod num_stages, as chunk i // num_stages."""
+    groups = stage_groups(cluster, num_stages)
+    num_stages, groups = num_stages * chunks, groups * chunks
     if num_stages > layers.num_layers:
         raise PlanError(f"{num_stages} stages need at least {num_stages} layers; the model was cut into {layers.num_layers}")
-    groups = stage_groups(cluster, num_stages)
     speeds = [g.size * g.spec.matmul_flops() for g in groups]
     if uniform:
         cuts = [round(i * layers.num_layers / num_stages) for i in range(1, num_stages)]
@@ -72,7 +76,7 @@ def assign_stages(
         names = layers.names[start:end]
         label = names[0] if len(names) == 1 else f"{names[0].split('..')[0]}..{names[-1].split('..')[-1]}"
         send = 0.0
-        if i + 1 < num_stages:
+        if i + 1 < num_stages and groups[i + 1] is not group:
             link = cluster.link_between(group, groups[i + 1])
             send = link.latency + layers.boundary_bytes[end] / m / link.bandwidth
         params = sum(layers.param_bytes[start:end]) if layers.param_bytes else 0
@@ -90,12 +94,13 @@ def assign_stages(
             # Adam-style update: read parameter, gradient and two moments, write three.
             optimizer_s=7 * params / group.spec.memory_bandwidth,
             memory_capacity=group.spec.memory_bytes,
+            chunk=i * chunks // num_stages,
         ))
     return Plan(
         tuple(stages), num_microbatches, layers.num_layers, cluster.describe(), schedule,
         cluster_groups=tuple(ClusterGroup(g.label, g.type_name, g.size) for g in cluster.groups),
         model_flops=sum(layers.flops),
-        peak_flops=sum(speeds),
+        peak_flops=sum(speeds) / chunks,
     )
 
 
@@ -115,14 +120,14 @@ def _mesh_shape(wanted: tuple | None, devices: int, stage: int) -> tuple[int, ..
 
 def assign_replicas(
     layers: Layers, cluster: Cluster, num_replicas: int, stages_per_replica: int, num_microbatches: int,
-    batch_size: int, schedule: str = "gpipe", uniform: bool = False,
+    batch_size: int, schedule: str = DEFAULT, uniform: bool = False, chunks: int = 1,
 ) -> Plan:
     """Data parallelism across device types: `num_replicas` pipelines, each on its own
     devices, each taking a share of the batch in proportion to its speed (a replica
     twice as fast takes twice the examples). Gradients are summed across replicas
     before the update, so the result is the full batch's."""
     if num_replicas == 1:
-        return assign_stages(layers, cluster, stages_per_replica, num_microbatches, schedule, uniform=uniform)
+        return assign_stages(layers, cluster, stages_per_replica, num_microbatches, schedule, uniform=uniform, chunks=chunks)
     homes = stage_groups(cluster, num_replicas)
     speeds = [g.size * g.spec.matmul_flops() for g in homes]
     examples = split_batch(batch_size, num_microbatches, speeds)
@@ -136,12 +141,13 @@ def assign_replicas(
         size = home.size // stages_per_replica
         parts = tuple(DeviceGroup(home.type_name, home.device_ids[i * size : (i + 1) * size], name=_group_of(cluster, home).label,
                                   nodes=1, devices_per_node=size) for i in range(stages_per_replica))
-        sub = assign_stages(layers, replace(cluster, groups=parts), stages_per_replica, num_microbatches, schedule, uniform=uniform)
+        sub = assign_stages(layers, replace(cluster, groups=parts), stages_per_replica, num_microbatches, schedule,
+                            uniform=uniform, chunks=chunks)
         fraction = share / batch_size
         for st in sub.stages:
             stages.append(replace(
                 st, index=len(stages), replica=r, batch_share=fraction,
-                device_ids=tuple(positions[d] for d in parts[st.index].device_ids),  # stage i runs on part i
+                device_ids=tuple(positions[d] for d in parts[st.index % stages_per_replica].device_ids),  # stage i on part i mod k
                 group=_group_of(cluster, home).label, predicted_time_s=st.predicted_time_s * fraction,
                 forward_s=st.forward_s * fraction, backward_s=st.backward_s * fraction, send_s=st.send_s * fraction,
                 sync_s=st.sync_s + _cross_replica_s(cluster, homes, sum(layers.param_bytes[st.layer_start:st.layer_end])),

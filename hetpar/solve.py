@@ -23,6 +23,7 @@ from hetpar.trace.fingerprint import differences, signature
 from hetpar.trace.flops import op_costs
 from hetpar.trace.layers import Layers, build_layers
 from hetpar.trace.traced_step import TracedStep, trace_step
+from solver import schedules
 from solver.planner.stage_costs import in_flight
 
 
@@ -75,7 +76,7 @@ def layers_pass(traced: TracedStep, cluster: Cluster, option: StageOption, auto:
     if option.num_layers:
         return layers_of(traced, option.num_layers)
     if not auto:
-        return layers_of(traced, _stages_per_pipeline(option, cluster))
+        return layers_of(traced, _stages_per_pipeline(option, cluster) * _chunks(option))
     for n in range(min(cluster.num_devices, option.max_planning_layers), 0, -1):
         try:
             return layers_of(traced, n)
@@ -91,18 +92,38 @@ def stage_pass(traced: TracedStep, layers: Layers, cluster: Cluster, option: Sta
     user's stage count with layers split by speed ("manual") or evenly ("uniform")."""
     num_microbatches = traced.batch_size // traced.microbatch_size
     if auto:
+        chunks = {"chunks": (option.chunks,)} if option.chunks else {}  # else the planner's choices
         options = SearchOptions(
-            microbatches=(num_microbatches,), schedules=(option.schedule,) if option.schedule else ("1f1b", "gpipe"),
+            microbatches=(num_microbatches,), schedules=(option.schedule,) if option.schedule else schedules.names(),
             min_microbatch=2 if traced.microbatch_size >= 4 else 1, time_limit_s=option.time_limit_s,
-            layer_overhead_s=option.layer_overhead_s,
+            layer_overhead_s=option.layer_overhead_s, **chunks,
         )
         return search(layers, cluster, traced.batch_size, _tokens(traced) // traced.batch_size, options)[0]
     uniform = option.mode == "uniform"
     stages = _stages_per_pipeline(option, cluster)
+    schedule = option.schedule or schedules.DEFAULT
     if (option.num_replicas or 1) > 1:
         return assign_replicas(layers, cluster, option.num_replicas, stages, num_microbatches, traced.batch_size,
-                               option.schedule or "gpipe", uniform=uniform)
-    return assign_stages(layers, cluster, stages, num_microbatches, option.schedule or "gpipe", sharding.mesh_shape, uniform=uniform)
+                               schedule, uniform=uniform, chunks=_chunks(option))
+    plan = assign_stages(layers, cluster, stages, num_microbatches, schedule, sharding.mesh_shape, uniform=uniform,
+                         chunks=_chunks(option))
+    _check_schedule(plan)
+    return plan
+
+
+def _chunks(option: StageOption) -> int:
+    """Stages per device group of a hand-made plan: the user's count, or the
+    schedule's default (1 unless it interleaves)."""
+    return option.chunks or schedules.get(option.schedule or schedules.DEFAULT).default_chunks
+
+
+def _check_schedule(plan: Plan) -> None:
+    """Refuses a hand-made pipeline its schedule cannot run (say, an interleaved
+    schedule over a microbatch count that is not a multiple of the device groups)."""
+    groups = plan.num_stages // plan.chunks
+    why = schedules.get(plan.schedule).check(groups, plan.num_microbatches, plan.chunks)
+    if why:
+        raise PlanError(why)
 
 
 def _stages_per_pipeline(option: StageOption, cluster: Cluster) -> int:
@@ -129,14 +150,24 @@ def placement_pass(traced: TracedStep, layers: Layers, plan: Plan) -> Plan:
         replace(s, param_specs=tuple((name, spec) for name, spec, _ in specs), memory_bytes=_memory(s, specs, layers, plan))
         for s, specs in zip(plan.stages, placed)
     )
+    stages = _device_memory(stages)
     too_big = [s for s in stages if s.memory_capacity and s.memory_bytes > s.memory_capacity]
     if too_big:
         raise PlanError("the plan does not fit in memory: " + "; ".join(
             f"stage {s.index} needs {s.memory_bytes / 2**30:.1f} GiB per {s.device_type}, which has {s.memory_capacity / 2**30:.0f} GiB"
             for s in too_big
-        ) + ". To fit: more microbatches with schedule='1f1b' (fewer activations in flight), more stages, "
-            "more devices, or a smaller batch")
+        ) + ". To fit: more microbatches with a schedule that keeps fewer activations in flight "
+            f"(the planner's memory model: {', '.join(schedules.names())}), more stages, more devices, or a smaller batch")
     return replace(plan, stages=stages)
+
+
+def _device_memory(stages: tuple[StagePlan, ...]) -> tuple[StagePlan, ...]:
+    """Chunks of one device group (an interleaved plan) share its memory: each
+    reports the group's total, what must fit."""
+    total: dict[tuple[int, ...], int] = {}
+    for s in stages:
+        total[s.device_ids] = total.get(s.device_ids, 0) + s.memory_bytes
+    return tuple(replace(s, memory_bytes=total[s.device_ids]) for s in stages)
 
 
 def _operator_stages(traced: TracedStep, layers: Layers, plan: Plan) -> tuple[tuple[tuple[int, int], ...], ...]:
@@ -157,7 +188,8 @@ def _memory(stage: StagePlan, placed: tuple, layers: Layers, plan: Plan) -> int:
     saved = sum(layers.saved_bytes[stage.layer_start : stage.layer_end]) if layers.saved_bytes else 0
     stages = plan.replica_stages(stage.replica)
     position = [s.index for s in stages].index(stage.index)
-    kept = saved * stage.batch_share / plan.num_microbatches * in_flight(plan.schedule, plan.num_microbatches, position, len(stages))
+    held = in_flight(plan.schedule, plan.num_microbatches, position, len(stages), plan.chunks)
+    kept = saved * stage.batch_share / plan.num_microbatches * held
     return int(state + grads + kept / max(stage.data_parallel or stage.num_devices, 1))
 
 

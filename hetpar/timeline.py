@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hetpar.plan import Plan
-from solver.pipeline_sim import Simulation, pipeline_time, simulate
+from solver.pipeline_sim import Event, Simulation, pipeline_time, simulate
 
 _COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "transfer": "#8C8C8C", "sync": "#55A868", "optimizer": "#C44E52"}
 
@@ -23,36 +23,39 @@ class StepBreakdown:
 
 
 def simulate_plan(plan: Plan) -> Simulation:
-    """Every data-parallel pipeline of the plan, simulated side by side; lanes are
-    named by the plan's (global) stage numbers."""
+    """Every data-parallel pipeline of the plan, simulated side by side. Events name
+    the plan's (global) stage numbers; a device group is named by its first stage
+    (chunk 0), and `busy_s` follows `device_groups(plan)`."""
     if not plan.has_timings:
         raise ValueError("the plan has no per-stage timings to simulate; solve it again with this hetpar")
-    events, busy, step = [], [0.0] * plan.num_stages, 0.0
+    homes = device_groups(plan)
+    events, busy, step = [], [0.0] * len(homes), 0.0
     for r in range(plan.num_replicas):
         stages = plan.replica_stages(r)
-        sim = simulate([s.times for s in stages], plan.num_microbatches, plan.schedule)
-        rename = {f"stage {i}": f"stage {s.index}" for i, s in enumerate(stages)}
+        sim = simulate([s.times for s in stages], plan.num_microbatches, plan.schedule, plan.chunks)
+        glob = lambda i: None if i is None else stages[i].index  # noqa: E731
         for e in sim.events:
-            if e.lane in rename:
-                lane = rename[e.lane]
-            else:
-                a, b = e.lane.split()[1].split("->")
-                lane = f"link {stages[int(a)].index}->{stages[int(b)].index}"
-            events.append(replace(e, lane=lane))
-        for i, s in enumerate(stages):
-            busy[s.index] = sim.busy_s[i]
+            events.append(replace(e, device=glob(e.device), stage=glob(e.stage), to_device=glob(e.to_device)))
+        for g, b in enumerate(sim.busy_s):
+            busy[homes.index(stages[g].index)] = b
         step = max(step, sim.step_s)
-    return Simulation(tuple(sorted(events, key=lambda e: (e.start_s, e.lane))), step, tuple(busy))
+    return Simulation(tuple(sorted(events, key=lambda e: (e.start_s, e.device))), step, tuple(busy))
+
+
+def device_groups(plan: Plan) -> list[int]:
+    """The plan's device groups, each named by its first stage (its chunk 0)."""
+    return [s.index for s in plan.stages if s.chunk == 0]
 
 
 def breakdown(plan: Plan, sim: Simulation) -> StepBreakdown:
-    """Splits the simulated step along its busiest stage: the time it computes is
-    compute; the time it waits while data moves (a transfer or its gradient sync) is
-    communication; the time it waits on other stages' compute is bubble."""
-    busiest = max(range(plan.num_stages), key=lambda i: sim.busy_s[i])
-    lane = f"stage {busiest}"
-    working = [(e.start_s, e.end_s) for e in sim.events if e.lane == lane and e.kind != "sync"]
-    moving = [(e.start_s, e.end_s) for e in sim.events if e.kind == "transfer" or (e.lane == lane and e.kind == "sync")]
+    """Splits the simulated step along its busiest device group: the time it computes
+    is compute; the time it waits while data moves (a transfer or its gradient sync)
+    is communication; the time it waits on other groups' compute is bubble."""
+    homes = device_groups(plan)
+    busiest = homes[max(range(len(homes)), key=lambda i: sim.busy_s[i])]
+    mine = [e for e in sim.events if e.device == busiest and e.kind != "transfer"]
+    working = [(e.start_s, e.end_s) for e in mine if e.kind != "sync"]
+    moving = [(e.start_s, e.end_s) for e in sim.events if e.kind == "transfer"] + [(e.start_s, e.end_s) for e in mine if e.kind == "sync"]
     compute = _length(working)
     communication = _length(moving) - _overlap(moving, working)
     return StepBreakdown(sim.step_s, compute, communication, max(sim.step_s - compute - communication, 0.0))
@@ -83,7 +86,7 @@ def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> floa
 def closed_form_s(plan: Plan) -> float:
     """The planner's closed-form step time, for comparison with the simulation."""
     return max(
-        pipeline_time([s.times for s in plan.replica_stages(r)], plan.num_microbatches, plan.schedule)
+        pipeline_time([s.times for s in plan.replica_stages(r)], plan.num_microbatches, plan.schedule, plan.chunks)
         for r in range(plan.num_replicas)
     )
 
@@ -92,13 +95,13 @@ def write_chrome_trace(sim: Simulation, path: str | Path) -> None:
     """Chrome trace event format (open in chrome://tracing or ui.perfetto.dev)."""
     lanes = _lanes(sim)
     events = [
-        {"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": lane}} for i, lane in enumerate(lanes)
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": _lane_name(lane)}} for i, lane in enumerate(lanes)
     ]
     for e in sim.events:
         events.append({
-            "name": e.name, "cat": e.kind, "ph": "X", "pid": 0, "tid": lanes.index(e.lane),
+            "name": e.name, "cat": e.kind, "ph": "X", "pid": 0, "tid": lanes.index(_lane(e)),
             "ts": e.start_s * 1e6, "dur": (e.end_s - e.start_s) * 1e6,
-            "args": {"microbatch": e.microbatch},
+            "args": {"microbatch": e.microbatch, "stage": e.stage, "chunk": e.chunk},
         })
     Path(path).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
 
@@ -114,7 +117,7 @@ def plot_timeline(plan: Plan, sim: Simulation, path: str | Path) -> None:
     unit, scale = _unit(sim.step_s)
     fig, ax = plt.subplots(figsize=(12, 0.7 * len(lanes) + 1.6))
     for e in sim.events:
-        row = len(lanes) - 1 - lanes.index(e.lane)
+        row = len(lanes) - 1 - lanes.index(_lane(e))
         start, width = e.start_s * scale, (e.end_s - e.start_s) * scale
         ax.broken_barh([(start, width)], (row - 0.4, 0.8), facecolors=_COLORS[e.kind], edgecolor="white", linewidth=0.5)
         label = e.name if e.kind in ("forward", "backward") else ("" if e.kind == "transfer" else e.kind)
@@ -125,7 +128,7 @@ def plot_timeline(plan: Plan, sim: Simulation, path: str | Path) -> None:
     ax.set_xlabel(f"time ({unit})")
     ax.set_xlim(0, sim.step_s * scale * 1.01)
     ax.set_title(
-        f"{plan.schedule}, {plan.num_stages} stages, {plan.num_microbatches} microbatches: step {sim.step_s * scale:.3g} {unit}, "
+        f"{plan.schedule}{f' ({plan.chunks} chunks per device group)' if plan.chunks > 1 else ''}, {plan.num_stages} stages, {plan.num_microbatches} microbatches: step {sim.step_s * scale:.3g} {unit}, "
         f"bubble {sim.bubble_fraction:.0%} of stage time (white space)"
     )
     ax.legend(handles=[Patch(color=c, label=k) for k, c in _COLORS.items()], loc="upper right", fontsize=8, ncol=5)
@@ -135,22 +138,34 @@ def plot_timeline(plan: Plan, sim: Simulation, path: str | Path) -> None:
     plt.close(fig)
 
 
-def _lanes(sim: Simulation) -> list[str]:
-    stages = sorted({e.lane for e in sim.events if e.lane.startswith("stage")}, key=lambda s: int(s.split()[1]))
-    links = sorted({e.lane for e in sim.events if e.lane.startswith("link")})
-    out = []
-    for s in stages:  # each stage, then the links leaving it
-        out.append(s)
-        out += [lane for lane in links if lane.split()[1].split("->")[0] == s.split()[1]]
+Lane = tuple[int, ...]  # (device group,) for compute rows, (sender, receiver) for links
+
+
+def _lane(e: Event) -> Lane:
+    return (e.device, e.to_device) if e.kind == "transfer" else (e.device,)
+
+
+def _lanes(sim: Simulation) -> list[Lane]:
+    """Each device group, then the links leaving it."""
+    lanes = sorted({_lane(e) for e in sim.events})
+    out: list[Lane] = []
+    for group in (lane for lane in lanes if len(lane) == 1):
+        out += [group] + [link for link in lanes if len(link) == 2 and link[0] == group[0]]
     return out
 
 
-def _lane_label(plan: Plan, lane: str) -> str:
-    if lane.startswith("stage"):
-        s = plan.stages[int(lane.split()[1])]
-        replica = f" (replica {s.replica}, {s.batch_share:.0%} of batch)" if plan.num_replicas > 1 else ""
-        return f"stage {s.index}: {s.num_devices}x{s.device_type}{replica}"
-    return lane
+def _lane_name(lane: Lane) -> str:
+    return f"stage {lane[0]}" if len(lane) == 1 else f"link {lane[0]}->{lane[1]}"
+
+
+def _lane_label(plan: Plan, lane: Lane) -> str:
+    if len(lane) == 2:
+        return _lane_name(lane)
+    s = plan.stages[lane[0]]
+    replica = f" (replica {s.replica}, {s.batch_share:.0%} of batch)" if plan.num_replicas > 1 else ""
+    chunks = [c.index for c in plan.stages if c.device_ids == s.device_ids]
+    name = f"stage {s.index}" if len(chunks) == 1 else f"stages {', '.join(map(str, chunks))}"
+    return f"{name}: {s.num_devices}x{s.device_type}{replica}"
 
 
 def _unit(seconds: float) -> tuple[str, float]:

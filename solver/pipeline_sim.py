@@ -1,14 +1,19 @@
-"""Event-by-event simulation of one pipelined training step.
+"""Event-by-event simulation of one pipelined training step, for any registered
+schedule (`solver.schedules`).
 
-Each stage runs its forwards and backwards in the order its schedule gives; a
-forward waits for the previous stage's forward of the same microbatch and the
-activation's transfer, a backward for the next stage's backward and the gradient's
-transfer back. Links between neighbouring stages carry one transfer at a time in
-each direction. After its last backward a stage synchronises gradients across its
-data-parallel replicas, then runs the optimizer. The step ends when every stage has.
+Each device group runs its forwards and backwards in the order its schedule gives; a
+forward waits for the previous (virtual) stage's forward of the same microbatch and
+the activation's transfer, a backward for the next stage's backward and the gradient's
+transfer back. Links between device groups carry one transfer at a time in each
+direction; stages on the same group (chunks of an interleaved schedule) pass values
+without a transfer. After its last backward a group synchronises its chunks'
+gradients across data-parallel replicas, then runs the optimizer. The step ends when
+every group has.
 
-This is the reference the closed-form estimate (`pipeline_time`) is checked against,
-and what `hetpar simulate` draws.
+Events are structured (stage, chunk, device group, microbatch, kind); `lane` and
+`name` are only their labels for people. This is the reference the closed forms
+(`pipeline_time`) are checked against, what the dispatch order follows and what
+`hetpar simulate` draws.
 """
 
 from __future__ import annotations
@@ -16,70 +21,69 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-SCHEDULES = ("gpipe", "1f1b")
+from solver.schedules import DEFAULT, StageTimes, get, names
 
-
-@dataclass(frozen=True)
-class StageTimes:
-    forward_s: float  # one microbatch
-    backward_s: float  # one microbatch; 0 on a stage whose forward program also runs the backward
-    send_s: float = 0.0  # one microbatch's activation to the next stage (its gradient comes back as fast)
-    sync_s: float = 0.0  # gradient synchronisation across data-parallel replicas, once per step
-    optimizer_s: float = 0.0  # once per step
+__all__ = ["Event", "Simulation", "StageTimes", "names", "pipeline_time", "simulate"]
 
 
 @dataclass(frozen=True)
 class Event:
-    lane: str  # "stage 0", "link 0->1", ...
-    name: str  # "F3", "B3", "send F3", "sync", "optimizer"
     kind: str  # "forward" | "backward" | "transfer" | "sync" | "optimizer"
     microbatch: int | None
     start_s: float
     end_s: float
+    device: int  # the device group that computes (a transfer's sender)
+    stage: int | None = None  # the virtual stage computing (a transfer's sending stage); None for sync, optimizer
+    chunk: int = 0  # which of the device group's chunks `stage` is
+    to_device: int | None = None  # a transfer's receiving device group
+    direction: str = ""  # a transfer's cargo: "F" (activation) or "B" (gradient)
+
+    @property
+    def lane(self) -> str:
+        """A label for the row this event is drawn on."""
+        return f"link {self.device}->{self.to_device}" if self.kind == "transfer" else f"stage {self.device}"
+
+    @property
+    def name(self) -> str:
+        """"F3" (forward of microbatch 3), "B3.1" (backward, chunk 1), "send F3", "sync"."""
+        if self.kind in ("sync", "optimizer"):
+            return self.kind
+        label = f"{'F' if self.kind == 'forward' else 'B' if self.kind == 'backward' else self.direction}{self.microbatch}"
+        label += f".{self.chunk}" if self.chunk else ""
+        return f"send {label}" if self.kind == "transfer" else label
 
 
 @dataclass(frozen=True)
 class Simulation:
     events: tuple[Event, ...]
     step_s: float
-    busy_s: tuple[float, ...]  # compute per stage
+    busy_s: tuple[float, ...]  # compute per device group
 
     @property
     def bubble_fraction(self) -> float:
-        """Share of the stages' time spent idle inside the step."""
+        """Share of the device groups' time spent idle inside the step."""
         total = self.step_s * len(self.busy_s)
         return 1 - sum(self.busy_s) / total if total else 0.0
 
 
-def stage_order(schedule: str, stage: int, num_stages: int, num_microbatches: int) -> list[tuple[str, int]]:
-    """The (kind, microbatch) sequence a stage runs: GPipe does every forward, then
-    every backward; 1F1B warms up with as many forwards as later stages, then
-    alternates one forward and one backward, then drains the backwards."""
-    m = num_microbatches
-    if schedule == "gpipe":
-        return [("F", j) for j in range(m)] + [("B", j) for j in range(m)]
-    if schedule != "1f1b":
-        raise ValueError(f"unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
-    warmup = min(num_stages - stage - 1, m)
-    order = [("F", j) for j in range(warmup)]
-    for j in range(m - warmup):
-        order += [("F", warmup + j), ("B", j)]
-    order += [("B", j) for j in range(m - warmup, m)]
-    return order
-
-
-def simulate(stages: Sequence[StageTimes], num_microbatches: int, schedule: str = "gpipe") -> Simulation:
+def simulate(stages: Sequence[StageTimes], num_microbatches: int, schedule: str = DEFAULT, chunks: int = 1) -> Simulation:
+    """`stages` are the virtual stages in pipeline order; with `chunks` = v, stage s
+    runs on device group s mod (len(stages) / v)."""
+    plan = get(schedule)
     n, m = len(stages), num_microbatches
-    if n == 0 or m < 1:
-        raise ValueError("a pipeline needs at least one stage and one microbatch")
-    orders = [stage_order(schedule, s, n, m) for s in range(n)]
+    if n == 0 or m < 1 or chunks < 1 or n % chunks:
+        raise ValueError(f"a pipeline needs at least one stage and one microbatch, and a whole number of stages per chunk "
+                         f"(got {n} stages, {m} microbatches, {chunks} chunks)")
+    d = n // chunks
+    plan.validate(d, m, chunks)
+    orders = [plan.device_order(g, d, m, chunks) for g in range(d)]
     done: dict[tuple[str, int, int], float] = {}  # (kind, stage, microbatch) -> finish time
     arrived: dict[tuple[str, int, int], float] = {}  # activation/gradient available at a stage
-    stage_free = [0.0] * n
-    link_free = {(s, d): 0.0 for s in range(n) for d in (s - 1, s + 1) if 0 <= d < n}
-    cursor = [0] * n
+    free = [0.0] * d
+    link_free: dict[tuple[int, int], float] = {}
+    cursor = [0] * d
     events: list[Event] = []
-    busy = [0.0] * n
+    busy = [0.0] * d
 
     def ready(kind: str, s: int, j: int) -> float | None:
         if kind == "F":
@@ -91,62 +95,53 @@ def simulate(stages: Sequence[StageTimes], num_microbatches: int, schedule: str 
     progressed = True
     while progressed:
         progressed = False
-        for s in range(n):
-            while cursor[s] < len(orders[s]):
-                kind, j = orders[s][cursor[s]]
-                at = ready(kind, s, j)
+        for g in range(d):
+            while cursor[g] < len(orders[g]):
+                work = orders[g][cursor[g]]
+                s, j = work.stage(g, d), work.microbatch
+                at = ready(work.kind, s, j)
                 if at is None:
                     break
-                length = stages[s].forward_s if kind == "F" else stages[s].backward_s
-                start = max(at, stage_free[s])
-                end = start + length
-                stage_free[s] = end
-                busy[s] += length
-                done[(kind, s, j)] = end
-                events.append(Event(f"stage {s}", f"{kind}{j}", "forward" if kind == "F" else "backward", j, start, end))
-                to = s + 1 if kind == "F" else s - 1
+                length = stages[s].forward_s if work.kind == "F" else stages[s].backward_s
+                start = max(at, free[g])
+                end = free[g] = start + length
+                busy[g] += length
+                done[(work.kind, s, j)] = end
+                events.append(Event("forward" if work.kind == "F" else "backward", j, start, end, g, s, work.chunk))
+                to = s + 1 if work.kind == "F" else s - 1
                 if 0 <= to < n:
-                    send = stages[min(s, to)].send_s
-                    t0 = max(end, link_free[(s, to)])
-                    link_free[(s, to)] = t0 + send
-                    arrived[(kind, to, j)] = t0 + send
-                    if send > 0:
-                        events.append(Event(f"link {s}->{to}", f"send {kind}{j}", "transfer", j, t0, t0 + send))
-                cursor[s] += 1
+                    arrived[(work.kind, to, j)] = _send(events, link_free, stages[min(s, to)].send_s, end, g, to % d, work, s)
+                cursor[g] += 1
                 progressed = True
     if any(c < len(o) for c, o in zip(cursor, orders)):
-        raise RuntimeError("the schedule deadlocked: a stage waits on work that never runs")
+        raise RuntimeError(f"the {schedule} schedule deadlocked: a device group waits on work that never runs")
 
     step = 0.0
-    for s, times in enumerate(stages):
-        t = stage_free[s]
-        for kind, length in (("sync", times.sync_s), ("optimizer", times.optimizer_s)):
+    for g in range(d):
+        t = free[g]
+        mine = [stages[s] for s in range(g, n, d)]
+        for kind, length in (("sync", sum(x.sync_s for x in mine)), ("optimizer", sum(x.optimizer_s for x in mine))):
             if length > 0:
-                events.append(Event(f"stage {s}", kind, kind, None, t, t + length))
+                events.append(Event(kind, None, t, t + length, g))
                 t += length
         step = max(step, t)
-    events.sort(key=lambda e: (e.start_s, e.lane))
+    events.sort(key=lambda e: (e.start_s, e.device, e.kind == "transfer"))
     return Simulation(tuple(events), step, tuple(busy))
 
 
-def pipeline_time(stages: Sequence[StageTimes], num_microbatches: int, schedule: str = "gpipe") -> float:
-    """Closed form of a step, for searches too large to simulate every candidate.
+def _send(events: list[Event], link_free: dict[tuple[int, int], float], send_s: float, end: float, src: int, dst: int,
+          work, stage: int) -> float:  # noqa: ANN001
+    """When a value leaving `stage` (on group `src`) reaches group `dst`: at once on
+    the same group, else after the link is free and the transfer done."""
+    if src == dst:
+        return end
+    t0 = max(end, link_free.get((src, dst), 0.0))
+    link_free[(src, dst)] = t0 + send_s
+    if send_s > 0:
+        events.append(Event("transfer", work.microbatch, t0, t0 + send_s, src, stage, work.chunk, dst, work.kind))
+    return t0 + send_s
 
-    A pipeline of identical microbatches is a flow shop: the first microbatch crosses
-    every stage and link, the others follow at the pace of the slowest of them. GPipe
-    runs two such passes, every forward and then every backward; 1F1B keeps one
-    microbatch's forward and backward together in its steady state. Then the slowest
-    stage's gradient sync and optimizer."""
-    m = num_microbatches
-    sends = [s.send_s for s in stages[:-1]]
-    fwd = [s.forward_s for s in stages]
-    bwd = [s.backward_s for s in stages]
-    tail = max(s.sync_s + s.optimizer_s for s in stages)
-    if schedule == "gpipe":
-        forward = sum(fwd) + sum(sends) + (m - 1) * max(fwd + sends)
-        backward = sum(bwd) + sum(sends) + (m - 1) * max(bwd + sends)
-        return forward + backward + tail
-    if schedule != "1f1b":
-        raise ValueError(f"unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
-    per_mb = [f + b for f, b in zip(fwd, bwd)]
-    return sum(per_mb) + 2 * sum(sends) + (m - 1) * max(per_mb + sends) + tail
+
+def pipeline_time(stages: Sequence[StageTimes], num_microbatches: int, schedule: str = DEFAULT, chunks: int = 1) -> float:
+    """The schedule's closed-form step time (see each schedule's `step_time`)."""
+    return get(schedule).step_time(stages, num_microbatches, chunks)

@@ -86,6 +86,20 @@ def test_solve_show_and_simulate_a_plan(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_solve_and_simulate_an_interleaved_plan(tmp_path):
+    plan, result = _solved(tmp_path, "--schedule", "interleaved", "--chunks", "2", "--stages", "2")
+    raw = json.loads(plan.read_text())
+    assert raw["schedule"] == "interleaved" and [s["chunk"] for s in raw["stages"]] == [0, 0, 1, 1]
+    assert "2 chunks per device group" in _hetpar("show", str(plan)).stdout
+    trace = tmp_path / "trace.json"
+    simulated = _hetpar("simulate", str(plan), "--trace", str(trace)).stdout
+    assert "simulated step (interleaved, 4 microbatches)" in simulated
+    events = json.loads(trace.read_text())["traceEvents"]
+    lanes = {e["args"]["name"] for e in events if e["ph"] == "M"}
+    assert {"stage 0", "stage 1"} <= lanes and "stage 2" not in lanes  # one row per device group
+    assert {e["name"] for e in events if e["ph"] == "X"} >= {"F0", "F0.1", "B3.1", "B3"}
+
+
 def test_solve_without_stages_lets_the_planner_choose(tmp_path):
     plan, _ = _solved(tmp_path)
     raw = json.loads(plan.read_text())

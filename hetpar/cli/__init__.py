@@ -17,6 +17,7 @@ import sys
 
 from hetpar.cli import machines, plans
 from hetpar.errors import HetparError
+from solver import schedules
 
 
 def parser() -> argparse.ArgumentParser:
@@ -63,7 +64,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=int, default=1, help="microbatches per step (default 1)")
     p.add_argument("--stages", type=int, help="pipeline stages (default: the planner's choice)")
     p.add_argument("--layers", type=int, help="layers to cut the model into (default: one per stage)")
-    p.add_argument("--schedule", choices=("gpipe", "1f1b"), help="default: the planner's choice")
+    p.add_argument("--schedule", choices=schedules.names(), help="default: the planner's choice")
+    p.add_argument("--chunks", type=int, help="stages per device group under an interleaved schedule "
+                   "(default: the planner's choice, or the schedule's default with --stages)")
     p.add_argument("--replicas", type=int, help="data-parallel pipelines, each taking a share of the batch by speed "
                    "(default: the planner's choice)")
     p.add_argument("--batch-argnum", type=int, default=1, help="which argument of the step is the batch (default 1)")
@@ -78,7 +81,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("plan", help="the plan file (JSON)")
     p.add_argument("--trace", help="write a Chrome/Perfetto trace (JSON) here")
     p.add_argument("--plot", help="write a PNG timeline here")
-    p.add_argument("--schedule", choices=("gpipe", "1f1b"), help="simulate another schedule than the plan's")
+    p.add_argument("--schedule", choices=schedules.names(), help="simulate another schedule than the plan's")
     p.set_defaults(run=plans.simulate)
     return top
 

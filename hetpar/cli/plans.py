@@ -23,7 +23,8 @@ def solve(args: argparse.Namespace) -> int:
         workload = load_workload(args.function, batch_size=args.batch_size)
         progress.update(task, description=f"tracing the step and solving for {cluster.describe()}")
         plan = make_plan(workload.step, workload.args, cluster, num_microbatches=args.microbatches, batch_argnum=args.batch_argnum,
-                         num_stages=args.stages, num_replicas=args.replicas, num_layers=args.layers, schedule=args.schedule)
+                         num_stages=args.stages, num_replicas=args.replicas, num_layers=args.layers, schedule=args.schedule,
+                         chunks=args.chunks)
     save_plan(plan, args.output)
     _print_plan(plan)
     print(f"wrote {args.output}")
@@ -81,7 +82,8 @@ def _print_plan(plan, shardings: bool = False) -> None:  # noqa: ANN001
     from hetpar.timeline import breakdown, simulate_plan
 
     out = console()
-    table = Table(title=f"hetpar plan: {plan.num_stages} stage(s) on {plan.cluster}, {plan.num_microbatches} microbatch(es), {plan.schedule}")
+    table = Table(title=f"hetpar plan: {plan.num_stages} stage(s) on {plan.cluster}, {plan.num_microbatches} microbatch(es), {plan.schedule}"
+                  + (f", {plan.chunks} chunks per device group" if plan.chunks > 1 else ""))
     for col in ("stage", "replica", "layers", "modules", "device", "devices", "mesh", "DP x TP", "batch", "fwd/mb", "bwd/mb", "memory / capacity"):
         table.add_column(col, justify="left" if col in ("modules", "device") else "right")
     for s in plan.stages:

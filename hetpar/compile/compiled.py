@@ -11,6 +11,7 @@ from hetpar.compile.order import Step, order, replicated_order
 from hetpar.compile.programs import Program
 from hetpar.trace.microbatch import MicrobatchAnalysis, Phase
 from hetpar.trace.opgraph import OpGraph
+from solver.schedules import DEFAULT
 
 
 @dataclass
@@ -22,11 +23,12 @@ class CompiledStep:
     batch_invars: set[int]
     num_microbatches: int  # per replica
     microbatch_size: int
-    schedule: str = "gpipe"
+    schedule: str = DEFAULT
     # Data-parallel replicas (several pipelines, each on part of the batch): each
     # program's replica, and each global microbatch's (start, size) in the batch.
     replica_of: tuple[int, ...] = ()
     slices: tuple[tuple[int, int], ...] = ()
+    chunks: int = 1  # stages per device group (an interleaved schedule's virtual stages)
 
     @property
     def num_replicas(self) -> int:
@@ -39,8 +41,8 @@ class CompiledStep:
     def order(self) -> list[Step]:
         """The programs in the order the schedule dispatches them (computed once)."""
         if self.num_replicas == 1:
-            return order(self.programs, self.num_microbatches, self.schedule)
-        return replicated_order(self.programs, self.replica_of, self.num_microbatches, self.schedule)
+            return order(self.programs, self.num_microbatches, self.schedule, self.chunks)
+        return replicated_order(self.programs, self.replica_of, self.num_microbatches, self.schedule, self.chunks)
 
     def per_microbatch(self, value: int) -> bool:
         return is_per_microbatch(self.graph, self.analysis, self.batch_invars, value)

@@ -3,9 +3,9 @@ stage programs, fixed at compile time (it depends only on the tasks and the plan
 
 Dispatch is asynchronous, so the order is not the timing: each mesh runs its programs
 as their inputs arrive. What the order fixes is which microbatches a stage holds at
-once. GPipe dispatches every forward, then every backward; 1F1B (PipeDream-flush)
-lets each stage run one backward after each forward once its pipeline is full, so a
-stage keeps at most as many microbatches as there are stages from it to the last.
+once. The order is the schedule's own (`solver.schedules`): the simulator runs it
+with equal stage times and the dispatch follows its events, so an interleaved
+schedule's chunks on one mesh alternate as Megatron's do.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from solver.pipeline_sim import SCHEDULES, StageTimes, simulate
+from solver.pipeline_sim import simulate
+from solver.schedules import DEFAULT, StageTimes
 
 
 @dataclass(frozen=True)
@@ -25,12 +26,11 @@ class Step:
     combine: bool = False  # no program: reductions are final; replicas' are summed into replica 0's
 
 
-def order(programs: Sequence, num_microbatches: int, schedule: str = "gpipe") -> list[Step]:
+def order(programs: Sequence, num_microbatches: int, schedule: str = DEFAULT, chunks: int = 1) -> list[Step]:
     """Pre work, the microbatches' forwards and backwards in the schedule's order,
     then post work. A stage whose forward program also runs its backward (the last)
-    has no backward program."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
+    has no backward program. With `chunks` > 1 the stages are virtual: stage s runs
+    on device group s mod (stages / chunks)."""
 
     def of(kind: str) -> dict[int, int]:
         return {p.task.stage: i for i, p in enumerate(programs) if p.task.kind == kind}
@@ -40,13 +40,13 @@ def order(programs: Sequence, num_microbatches: int, schedule: str = "gpipe") ->
     # The dependency order of a pipeline with equal stage times: any valid order would
     # do for correctness; this one is the schedule's own.
     times = [StageTimes(1.0, 1.0 if s in bwd else 0.0) for s in stages]
-    events = simulate(times, num_microbatches, schedule).events
+    events = simulate(times, num_microbatches, schedule, chunks).events
     m_last = num_microbatches - 1
     middle: list[Step] = []
-    for e in sorted(events, key=lambda e: (e.start_s, e.lane)):
+    for e in sorted(events, key=lambda e: (e.start_s, e.device)):
         if e.kind not in ("forward", "backward"):
             continue
-        stage = stages[int(e.lane.split()[1])]
+        stage = stages[e.stage]
         table = fwd if e.kind == "forward" else bwd
         if stage in table:
             middle.append(Step(table[stage], e.microbatch, e.microbatch == m_last))
@@ -57,7 +57,8 @@ def order(programs: Sequence, num_microbatches: int, schedule: str = "gpipe") ->
     return once("pre") + middle + [Step(-1, None, combine=True)] + once("post")
 
 
-def replicated_order(programs: Sequence, replica_of: Sequence[int], num_microbatches: int, schedule: str) -> list[Step]:
+def replicated_order(programs: Sequence, replica_of: Sequence[int], num_microbatches: int, schedule: str,
+                     chunks: int = 1) -> list[Step]:
     """Data-parallel pipelines side by side: each replica's pre work, then the
     replicas' microbatches interleaved (replica r's microbatch j is global microbatch
     r * num_microbatches + j), then one step that sums the replicas' reductions, then
@@ -66,7 +67,7 @@ def replicated_order(programs: Sequence, replica_of: Sequence[int], num_microbat
     per_replica = []
     for r in replicas:
         index = [i for i, rep in enumerate(replica_of) if rep == r]
-        local = order([programs[i] for i in index], num_microbatches, schedule)
+        local = order([programs[i] for i in index], num_microbatches, schedule, chunks)
         per_replica.append([
             Step(index[s.program], None if s.microbatch is None else r * num_microbatches + s.microbatch,
                  s.last_microbatch, None if s.release is None else r * num_microbatches + s.release)

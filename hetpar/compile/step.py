@@ -84,7 +84,7 @@ def compile_step(traced: TracedStep, plan: Plan, meshes: dict[int, Mesh], graphs
     return CompiledStep(
         traced.exec_graph, traced.full.constants, traced.analysis, programs, set(traced.batch_invars),
         plan_tasks.num_microbatches, traced.microbatch_size, plan.schedule,
-        plan_tasks.replica_of if replicated else (), plan_tasks.slices if replicated else (),
+        plan_tasks.replica_of if replicated else (), plan_tasks.slices if replicated else (), plan.chunks,
     )
 
 

@@ -42,9 +42,10 @@ def stage_memory(
     plan: Plan,
     capacity: dict[int, int],
     estimates: list[ProgramEstimate],
-    schedule: str = "gpipe",
+    schedule: str | None = None,  # None: the plan's
     remat: bool = False,
 ) -> list[MemoryBreakdown]:
+    schedule = schedule or plan.schedule
     graph, analysis = compiled.graph, compiled.analysis
     roles = input_roles(graph, analysis, sorted(compiled.batch_invars))
     out = []
@@ -61,9 +62,9 @@ def stage_memory(
         per_mb = sum(graph.nbytes(v) * share(graph, analysis, v, k) for v in kept)
         if remat:
             stage_inputs = sum(graph.nbytes(v) * share(graph, analysis, v, k) for p in forward for v in p.task.inputs if compiled.per_microbatch(v))
-            activations = int(stage_inputs * in_flight(schedule, plan.num_microbatches, stage.index, plan.num_stages) + per_mb)
+            activations = int(stage_inputs * in_flight(schedule, plan.num_microbatches, stage.index, plan.num_stages, plan.chunks) + per_mb)
         else:
-            activations = int(per_mb * in_flight(schedule, plan.num_microbatches, stage.index, plan.num_stages))
+            activations = int(per_mb * in_flight(schedule, plan.num_microbatches, stage.index, plan.num_stages, plan.chunks))
         workspace = max((e.temp_bytes for _, e in programs), default=0)
         out.append(MemoryBreakdown(params, grads, opt, activations, workspace, capacity[stage.index]))
     return out

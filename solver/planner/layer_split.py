@@ -21,6 +21,8 @@ from typing import Sequence
 
 import numpy as np
 
+from solver import schedules
+from solver.schedules import StageTimes
 from solver.planner.stage_costs import INF, StageTable
 
 
@@ -30,19 +32,17 @@ class Split:
     objective_s: float
 
 
-def score(tables: Sequence[StageTable], sends: Sequence[np.ndarray], m: int, cuts: Sequence[int], schedule: str = "1f1b") -> float:
-    """The closed-form step time of one split (inf if a stage does not fit)."""
+def score(tables: Sequence[StageTable], sends: Sequence[np.ndarray], m: int, cuts: Sequence[int], schedule: str = schedules.DEFAULT,
+          chunks: int = 1) -> float:
+    """The schedule's closed-form step time of one split (inf if a stage does not fit)."""
     bounds = list(zip([0, *cuts], [*cuts, tables[0].forward.shape[0] - 1]))
-    fwd = [t.forward[i, j] for t, (i, j) in zip(tables, bounds)]
-    bwd = [t.backward[i, j] for t, (i, j) in zip(tables, bounds)]
-    tail = max(t.tail[i, j] for t, (i, j) in zip(tables, bounds))
-    sent = [s[c] for s, c in zip(sends, cuts)]
+    fwd = [float(t.forward[i, j]) for t, (i, j) in zip(tables, bounds)]
+    bwd = [float(t.backward[i, j]) for t, (i, j) in zip(tables, bounds)]
+    sent = [float(s[c]) for s, c in zip(sends, cuts)] + [0.0]
     if not np.isfinite(fwd + bwd + sent).all():
         return INF
-    if schedule == "gpipe":
-        return (sum(fwd) + sum(bwd) + 2 * sum(sent) + (m - 1) * (max(fwd + sent) + max(bwd + sent)) + tail)
-    per_mb = [f + b for f, b in zip(fwd, bwd)]
-    return sum(per_mb) + 2 * sum(sent) + (m - 1) * max(per_mb + sent) + tail
+    times = [StageTimes(f, b, e, float(t.tail[i, j])) for f, b, e, t, (i, j) in zip(fwd, bwd, sent, tables, bounds)]
+    return schedules.get(schedule).step_time(times, m, chunks)
 
 
 class _Row:
@@ -92,14 +92,18 @@ class _Row:
 
 
 def best_split(
-    tables: Sequence[StageTable], sends: Sequence[np.ndarray], m: int, beat: float = INF, schedule: str = "1f1b"
+    tables: Sequence[StageTable], sends: Sequence[np.ndarray], m: int, beat: float = INF, schedule: str = schedules.DEFAULT, chunks: int = 1,
 ) -> Split | None:
     """The split with the least 1F1B step time, or None when none fits or none beats `beat`.
 
     For GPipe (whose two maxima bound the forward and the backward separately) the same
     sweep runs on the 1F1B form and the result is scored with GPipe's: close, not
     proven optimal. 1F1B is never slower nor larger under this model, so a search that
-    may pick either schedule is exact."""
+    may pick either schedule is exact. Interleaved splits (`chunks` = v stages per
+    device group) are swept the same way with the bounds their form allows (the fill
+    counts 1/v, the rest m - 1/v stage times) and scored with their own form: close,
+    not proven optimal, since their pace is a device group's sum of chunks."""
+    v = chunks
     row = _Row(tables, sends)
     n, k = row.n, len(tables)
     if k > n:
@@ -111,21 +115,21 @@ def best_split(
     t_values = np.unique(np.concatenate([t[np.isfinite(t)] for t in row.times] + [s[1:n] for s in row.sends]))
     u_values = np.unique(np.concatenate([u[np.isfinite(t)] for u, t in zip(row.tails, row.times)]))
     u_floor = row.least_max(of_tails=True)
-    if sum0 + (m - 1) * t_lo + u_floor >= beat:
+    if sum0 / v + (m - 1 / v) * t_lo + u_floor >= beat:
         return None
-    best = Split(cuts0, score(tables, sends, m, cuts0, schedule))
+    best = Split(cuts0, score(tables, sends, m, cuts0, schedule, chunks))
     best_value = min(best.objective_s, beat)
     for t_max in t_values[np.searchsorted(t_values, t_lo):]:
-        if sum0 + (m - 1) * t_max + u_floor >= best_value:
+        if sum0 / v + (m - 1 / v) * t_max + u_floor >= best_value:
             break
         sum_t, _ = row.least_sum(t_max=t_max)
         u_lo = row.least_max(t_max, of_tails=True)
         for u_max in u_values[np.searchsorted(u_values, u_lo):]:
-            if sum_t + (m - 1) * t_max + u_max >= best_value:
+            if sum_t / v + (m - 1 / v) * t_max + u_max >= best_value:
                 break
             value, cuts = row.least_sum(t_max, u_max)
-            if value + (m - 1) * t_max + u_max < best_value:
-                objective = score(tables, sends, m, cuts, schedule)
+            if value / v + (m - 1 / v) * t_max + u_max < best_value:
+                objective = score(tables, sends, m, cuts, schedule, chunks)
                 if objective < best.objective_s:
                     best = Split(cuts, objective)
                     best_value = min(best_value, objective)

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from solver import schedules
 from solver.collectives import LinkCost
-
-SCHEDULES = ("1f1b", "gpipe")
 
 
 class PlanningError(ValueError):
@@ -60,7 +59,8 @@ class Problem:
     optimizer_traffic: float = 7.0  # bytes the update reads and writes per parameter byte
     memory_reserve: float = 0.0  # fraction of each device's memory kept free for workspace
     microbatches: tuple[int, ...] | None = None  # allowed counts; None: every divisor of the batch
-    schedules: tuple[str, ...] = SCHEDULES
+    schedules: tuple[str, ...] = field(default_factory=schedules.names)
+    chunks: tuple[int, ...] = (2, 4)  # stages per device group an interleaved schedule may use
     max_tp: int = 8
     allow_remat: bool = True
     allow_replicas: bool = True  # pipelines of different kinds side by side, splitting the batch
@@ -90,8 +90,10 @@ class Problem:
             raise PlanningError(f"batch size must be positive, got {self.batch_size}")
         if not self.kinds or any(k.count < 1 for k in self.kinds):
             raise PlanningError("every device kind needs at least one device")
-        if bad := [s for s in self.schedules if s not in SCHEDULES]:
-            raise PlanningError(f"unknown schedule {bad[0]!r}; known: {', '.join(SCHEDULES)}")
+        if bad := [s for s in self.schedules if s not in schedules.names()]:
+            raise PlanningError(f"unknown schedule {bad[0]!r}; known: {', '.join(schedules.names())}")
+        if any(c < 1 for c in self.chunks):
+            raise PlanningError(f"chunk counts must be positive, got {self.chunks}")
         if not self.microbatch_counts():
             raise PlanningError(f"none of the microbatch counts {self.microbatches} divides the batch of {self.batch_size}")
 
@@ -131,6 +133,7 @@ class PlanChoice:
     tokens_per_step: int = 0
     model_flops: float = 0.0  # per step, without rematerialization
     peak_flops: float = 0.0  # of the devices the plan uses
+    chunks: int = 1  # stages per device group (interleaved schedules); stage p runs on group p mod (stages / chunks)
 
     @property
     def tokens_per_s(self) -> float:
@@ -157,7 +160,8 @@ class PlanChoice:
                 f"{s.kind} dp{s.dp}tp{s.tp} L{s.layer_start}-{s.layer_end - 1}{' remat' if s.remat else ''}" for s in stages
             )
             parts.append(f"[{share} ex] {body}" if len(self.replica_batch) > 1 else body)
-        return f"{self.schedule} m={self.num_microbatches}: " + " || ".join(parts)
+        schedule = f"{self.schedule} x{self.chunks}" if self.chunks > 1 else self.schedule
+        return f"{schedule} m={self.num_microbatches}: " + " || ".join(parts)
 
 
 @dataclass(frozen=True)

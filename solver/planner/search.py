@@ -15,6 +15,12 @@ they reach the front), and the search stops when the next bound cannot beat the 
 best plan found. Pipelines are therefore the model's optimum; replica batch shares
 are too on grids of up to 16 steps, and found by proportional split and local
 descent beyond. With a time limit, the best plan so far comes back with its gap.
+
+Schedules come from the registry (`solver.schedules`); an interleaved one is tried with
+each allowed chunk count, its device groups' chunks splitting the layers in a row
+repeated `chunks` times. Its splits are close, not proven optimal (`layer_split`), and
+with it among the choices the layout bounds are relaxed by the largest bubble it could
+save (`_relax`), a heuristic rather than a proof.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import math
 import time
 import numpy as np
 
+from solver import schedules as registry
 from solver.collectives import Topology, best
 from solver.planner.bounds import KindLayout, LowerBounds, kind_layouts
 from solver.planner.layer_split import best_split, score
@@ -50,18 +57,24 @@ class Planner:
 
     # --- one pipeline -------------------------------------------------------------
 
-    def pipeline(self, layouts: tuple[KindLayout, ...], m: int, b: int, schedule: str, beat: float = INF) -> PlanChoice | None:
-        """The best split of the layers over these stages, if it fits and beats `beat`."""
-        configs = [lay.config for lay in layouts for _ in range(lay.stages)]
+    def pipeline(self, layouts: tuple[KindLayout, ...], m: int, b: int, schedule: str, beat: float = INF,
+                 chunks: int = 1) -> PlanChoice | None:
+        """The best split of the layers over these stages, if it fits and beats `beat`.
+        With `chunks` = v > 1 each stage is a device group holding v chunks: the
+        layers are split over the row of stages repeated v times."""
+        groups = [lay.config for lay in layouts for _ in range(lay.stages)]
+        configs = groups * chunks
         if len(configs) > self.costs.n or b < self.problem.min_microbatch or any(
                 b % c.dp or b // c.dp < self.problem.min_examples for c in configs):
             return None
-        tables = [self.costs.table(c, b, in_flight(schedule, m, p, len(configs))) for p, c in enumerate(configs)]
-        sends = [self.costs.sends(a, c, b) for a, c in zip(configs, configs[1:])]
-        split = best_split(tables, sends, m, beat, schedule)
-        if split is None:
+        if registry.get(schedule).check(len(groups), m, chunks):
             return None
-        return self._pipeline_choice(configs, tables, sends, m, b, schedule, split.cuts, split.objective_s)
+        tables = [self.costs.table(c, b, in_flight(schedule, m, p, len(configs), chunks)) for p, c in enumerate(configs)]
+        sends = [self.costs.sends(a, c, b) for a, c in zip(configs, configs[1:])]
+        split = best_split(tables, sends, m, beat, schedule, chunks)
+        if split is None or not _chunks_fit(tables, split.cuts, len(groups)):
+            return None
+        return self._pipeline_choice(configs, tables, sends, m, b, schedule, split.cuts, split.objective_s, chunks)
 
     def fixed_split(self, configs: list[StageConfig], m: int, b: int, schedule: str, cuts: tuple[int, ...]) -> PlanChoice | None:
         """A given split over given stages, scored by the same model (for baselines)."""
@@ -72,7 +85,8 @@ class Planner:
         value = score(tables, sends, m, cuts, schedule)
         return None if value == INF else self._pipeline_choice(configs, tables, sends, m, b, schedule, cuts, value)
 
-    def _pipeline_choice(self, configs, tables, sends, m: int, b: int, schedule: str, cuts, objective: float) -> PlanChoice:  # noqa: ANN001
+    def _pipeline_choice(self, configs, tables, sends, m: int, b: int, schedule: str, cuts, objective: float,  # noqa: ANN001
+                         chunks: int = 1) -> PlanChoice:
         bounds = list(zip([0, *cuts], [*cuts, self.costs.n]))
         stages = tuple(
             StageChoice(
@@ -82,14 +96,15 @@ class Planner:
             )
             for p, (c, t, (i, j)) in enumerate(zip(configs, tables, bounds))
         )
-        return self._choice(stages, m, schedule, objective, (b * m,))
+        return self._choice(stages, m, schedule, objective, (b * m,), chunks=chunks)
 
-    def _choice(self, stages: tuple[StageChoice, ...], m: int, schedule: str, step_s: float, batch: tuple[int, ...], cross: float = 0.0) -> PlanChoice:
+    def _choice(self, stages: tuple[StageChoice, ...], m: int, schedule: str, step_s: float, batch: tuple[int, ...], cross: float = 0.0,
+                chunks: int = 1) -> PlanChoice:
         p = self.problem
         examples = sum(batch)
-        peak = sum(s.devices * (p.kind(s.kind).peak_flops or p.kind(s.kind).flops) for s in stages)
+        peak = sum(s.devices * (p.kind(s.kind).peak_flops or p.kind(s.kind).flops) for s in stages) / chunks
         return PlanChoice(
-            stages, m, schedule, step_s, batch, cross, examples * p.tokens_per_example, self.total_flops * examples, peak,
+            stages, m, schedule, step_s, batch, cross, examples * p.tokens_per_example, self.total_flops * examples, peak, chunks,
         )
 
     # --- bounds ---------------------------------------------------------------------
@@ -129,12 +144,15 @@ class Planner:
         names = [k.name for k in p.kinds]
         return ideal + min(self._cross_sync(s) for r in range(2, len(names) + 1) for s in itertools.combinations(names, r))
 
-    def _search(self, kinds: tuple[str, ...], top_k: int, batch: int | None = None, beat: float = INF) -> list[PlanChoice]:
+    def _search(self, kinds: tuple[str, ...], top_k: int, batch: int | None = None, beat: float = INF,
+                interleave: bool = True) -> list[PlanChoice]:
         """The `top_k` best single pipelines over any ordered subset of `kinds` that
-        take less than `beat`."""
+        take less than `beat` (without interleaved schedules unless `interleave`)."""
         p = self.problem
         batch = batch or p.batch_size
         per_kind = {name: kind_layouts(p, name) for name in kinds}
+        schedules = _schedule_choices(p, interleave)
+        bound_schedule = next((name for name, chunks in schedules if chunks == 1), schedules[0][0])
         candidates = []
         for m in p.microbatch_counts():
             if batch % m:
@@ -149,7 +167,7 @@ class Planner:
                             continue
                         lower = self.bounds.bound(layouts, m, b)
                         if lower < INF:
-                            candidates.append((lower, m, layouts))
+                            candidates.append((lower * _relax(schedules, m, layouts), m, layouts))
         # Branch and bound with lazily tightened bounds: a layout's first bound ignores
         # where its stages sit; when it reaches the front it is re-bounded per order of
         # its kinds (activations in flight depend on the position) and goes back in line.
@@ -157,7 +175,6 @@ class Planner:
         heapq.heapify(queue)
         heap: list[tuple[float, int, PlanChoice]] = []  # the top_k best, worst on top (negated)
         counter = itertools.count(len(queue))
-        schedules = ["1f1b"] if "1f1b" in p.schedules else list(p.schedules)
         while queue:
             lower, _, m, layouts, orders = heapq.heappop(queue)
             worst = -heap[0][0] if len(heap) >= top_k else beat
@@ -168,17 +185,19 @@ class Planner:
                 break
             b = batch // m
             if orders is None:
-                ranked = [(self.bounds.order_bound(order, m, b, schedules[0], worst), i, order) for i, order in enumerate(self._orders(layouts))]
+                relax = _relax(schedules, m, layouts)
+                ranked = [(self.bounds.order_bound(order, m, b, bound_schedule, worst / relax) * relax, i, order)
+                          for i, order in enumerate(self._orders(layouts))]
                 orders = [(bound, order) for bound, _, order in sorted(ranked)]
                 if orders and orders[0][0] < INF:
                     heapq.heappush(queue, (orders[0][0], next(counter), m, layouts, orders))
                 continue
             for order_lower, order in orders:
-                for schedule in schedules:
+                for schedule, chunks in schedules:
                     worst = -heap[0][0] if len(heap) >= top_k else beat
                     if order_lower >= worst:
                         break
-                    plan = self.pipeline(order, m, b, schedule, beat=worst)
+                    plan = self.pipeline(order, m, b, schedule, beat=worst, chunks=chunks)
                     if plan is not None:
                         heapq.heappush(heap, (-plan.step_s, next(counter), plan))
                         if len(heap) > top_k:
@@ -226,7 +245,7 @@ class Planner:
         key = (kind, m, b)
         plan, searched_below = self._single.get(key, (None, -INF))
         if plan is None and searched_below < beat:
-            plans = self._search((kind,), 1, batch=b * m, beat=beat)
+            plans = self._search((kind,), 1, batch=b * m, beat=beat, interleave=False)  # replicas share one schedule
             plan = plans[0] if plans else None
             self._single[key] = (plan, beat)
         return plan
@@ -316,6 +335,43 @@ class Planner:
         fixes += ["add devices", "use a smaller batch"]
         return (f"no plan fits in memory: the state fits in the cluster's {have / gib:.1f} GiB, but no split of the layers keeps "
                 f"every device's state and activations within its memory; to fit: {', '.join(fixes)}")
+
+
+def _schedule_choices(problem: Problem, interleave: bool = True) -> list[tuple[str, int]]:
+    """(schedule, chunks) pairs worth trying, in the registry's order: a schedule
+    another allowed one dominates is left out; an interleaved one is tried with each
+    allowed chunk count."""
+    out = []
+    for name in problem.schedules:
+        schedule = registry.get(name)
+        if schedule.dominated_by in problem.schedules:
+            continue
+        if schedule.interleaved:
+            out += [(name, c) for c in problem.chunks if c > 1] if interleave else []
+        else:
+            out.append((name, 1))
+    return out or [(problem.schedules[0], 1)]
+
+
+def _relax(choices: list[tuple[str, int]], m: int, layouts: tuple[KindLayout, ...]) -> float:
+    """The layout bounds are 1F1B's; an interleaved schedule fills and drains faster,
+    so with one among the choices they are relaxed by the most it can save: the
+    ideal m over 1F1B's m + k - 1 stage-times for k stages."""
+    if not any(registry.get(name).interleaved for name, _ in choices):
+        return 1.0
+    return m / (m + sum(lay.stages for lay in layouts) - 1)
+
+
+def _chunks_fit(tables, cuts: tuple[int, ...], groups: int) -> bool:  # noqa: ANN001
+    """Chunks of one device group share its memory: their sum must fit (one chunk
+    per group always does, the tables having checked it)."""
+    if len(tables) == groups:
+        return True
+    bounds = list(zip([0, *cuts], [*cuts, tables[0].forward.shape[0] - 1]))
+    used = [0.0] * groups
+    for p, (t, (i, j)) in enumerate(zip(tables, bounds)):
+        used[p % groups] += float(t.memory[i, j])
+    return all(u <= tables[g].capacity for g, u in enumerate(used))
 
 
 def plan(problem: Problem, top_k: int = 5, time_limit_s: float | None = None) -> SearchResult:

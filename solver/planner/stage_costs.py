@@ -16,6 +16,7 @@ from functools import cached_property, lru_cache
 import numpy as np
 
 from solver.collectives import Topology, affine_costs
+from solver import schedules
 from solver.planner.problem import DeviceKind, Problem
 
 INF = float("inf")
@@ -171,11 +172,7 @@ def _cumsum(values: np.ndarray) -> np.ndarray:
     return np.concatenate([[0.0], np.cumsum(values)])
 
 
-def in_flight(schedule: str, num_microbatches: int, position: int, num_stages: int) -> int:
-    """Microbatches whose activations a stage holds at once: GPipe keeps all of them,
-    1F1B at most one per stage from here to the end of the pipeline."""
-    if schedule == "gpipe":
-        return num_microbatches
-    if schedule == "1f1b":
-        return min(num_microbatches, num_stages - position)
-    raise ValueError(f"unknown schedule {schedule!r}; use 'gpipe' or '1f1b'")
+def in_flight(schedule: str, num_microbatches: int, position: int, num_stages: int, chunks: int = 1) -> int:
+    """Microbatches whose activations stage `position` (of `num_stages`, virtual
+    stages under an interleaved schedule) holds at once: the schedule's answer."""
+    return schedules.get(schedule).in_flight(num_microbatches, position, num_stages, chunks)

@@ -1,0 +1,19 @@
+"""Pipeline schedules, registered once: `get(name)` and `names()` are how the
+simulator, planner, memory model, dispatch order, timeline, CLI and plan checks learn
+about schedules. Adding one is a module defining a `Schedule` and a line below."""
+
+from solver.schedules.base import Schedule, StageTimes, Work, device_totals
+from solver.schedules.gpipe import GPipe
+from solver.schedules.interleaved import Interleaved1F1B
+from solver.schedules.one_f_one_b import OneFOneB
+from solver.schedules.registry import get, names, register
+
+register(GPipe())
+register(OneFOneB())
+register(Interleaved1F1B())
+
+# The schedule a hand-made plan runs when none is named, and the planner's default
+# choices (1F1B is never slower nor larger than GPipe under the planner's model).
+DEFAULT = GPipe.name
+
+__all__ = ["DEFAULT", "Schedule", "StageTimes", "Work", "device_totals", "get", "names", "register"]

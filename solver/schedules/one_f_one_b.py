@@ -1,0 +1,35 @@
+"""1F1B (PipeDream-flush, Narayanan et al. 2021): each stage warms up with as many
+forwards as there are stages after it, then alternates one forward and one backward,
+then drains its backwards. Same bubble as GPipe, but a stage keeps at most as many
+microbatches as there are stages from it to the end."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from solver.schedules.base import Schedule, StageTimes, Work
+
+
+class OneFOneB(Schedule):
+    name = "1f1b"
+
+    def device_order(self, device: int, num_devices: int, num_microbatches: int, chunks: int = 1) -> list[Work]:
+        m = num_microbatches
+        warmup = min(num_devices - device - 1, m)
+        order = [Work("F", 0, j) for j in range(warmup)]
+        for j in range(m - warmup):
+            order += [Work("F", 0, warmup + j), Work("B", 0, j)]
+        return order + [Work("B", 0, j) for j in range(m - warmup, m)]
+
+    def in_flight(self, num_microbatches: int, position: int, num_stages: int, chunks: int = 1) -> int:
+        return min(num_microbatches, num_stages - position)
+
+    def step_time(self, stages: Sequence[StageTimes], num_microbatches: int, chunks: int = 1) -> float:
+        """One flow shop whose job is a microbatch's forward and backward together:
+        the first crosses every stage and link both ways, the others follow at the pace
+        of the slowest stage or link; then the slowest tail."""
+        m = num_microbatches
+        sends = [s.send_s for s in stages[:-1]]
+        per_mb = [s.forward_s + s.backward_s for s in stages]
+        tail = max(s.sync_s + s.optimizer_s for s in stages)
+        return sum(per_mb) + 2 * sum(sends) + (m - 1) * max(per_mb + sends) + tail
