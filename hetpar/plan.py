@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from solver.pipeline_sim import StageTimes, simulate
+from solver.pipeline_sim import StageTimes, step_time
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ class Plan:
         the rest follow at the pace of the slowest."""
         if self.has_timings:
             return max(
-                simulate([s.times for s in self.replica_stages(r)], self.num_microbatches, self.schedule).step_s
+                step_time([s.times for s in self.replica_stages(r)], self.num_microbatches, self.schedule)
                 for r in range(self.num_replicas)
             )
         per_mb = [s.predicted_time_s / self.num_microbatches for s in self.stages]

@@ -12,6 +12,7 @@ from typing import Any
 from hetpar.cluster.catalog import device_type
 from hetpar.errors import ClusterError, PlanError
 from hetpar.plan import ClusterGroup, Plan, ProgramSignature, StagePlan
+from hetpar.plan_schema import check_plan_json
 
 PLAN_VERSION = 1
 SCHEDULES = ("gpipe", "1f1b")
@@ -28,9 +29,11 @@ def save_plan(plan: Plan, path: str | Path) -> None:
 
 def load_plan(path: str | Path) -> Plan:
     try:
-        text = Path(path).read_text()
+        data = Path(path).read_bytes()
     except OSError as e:
         raise PlanError(f"cannot read plan {path}: {e.strerror}") from None
+    check_plan_json(data, str(path))  # every field's type and range (plan_schema.py)
+    text = data.decode()
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as e:

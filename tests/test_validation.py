@@ -1,0 +1,133 @@
+"""Bad input at every boundary, table-driven: each case must be refused with one line
+that names the field and the fix (CLI: exit status 2, no traceback; API: a
+HetparError subclass), and leave the caller's state as it was.
+
+The CLI is driven in-process (`hetpar.cli.main`) to keep this fast; test_cli.py runs
+real processes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import pytest
+
+from hetpar import plan as plan_module
+from hetpar import plan_schema
+from hetpar.cli import main
+from hetpar.plan import ClusterGroup, Plan, StagePlan
+from hetpar.plan_file import load_plan, plan_to_dict, save_plan
+
+
+def _stage(i: int, devices: tuple[int, ...], layers: tuple[int, int], device_type: str) -> StagePlan:
+    return StagePlan(
+        index=i, device_type=device_type, device_ids=devices, layer_start=layers[0], layer_end=layers[1],
+        layer_names="Dense", flops=1e9, speed_flops=1e13, predicted_time_s=1e-3, group=device_type,
+        mesh_shape=(len(devices), 1), forward_s=1e-4, backward_s=2e-4, send_s=1e-5, optimizer_s=1e-5,
+        memory_bytes=2**20, memory_capacity=2**34, param_specs=(("params/Dense_0/kernel", "PartitionSpec()"),),
+    )
+
+
+GOOD = Plan(
+    stages=(_stage(0, (0, 1, 2, 3), (0, 2), "A100"), _stage(1, (4, 5, 6, 7), (2, 4), "V100")),
+    num_microbatches=4, num_layers=4, cluster="4xA100 + 4xV100", schedule="1f1b",
+    cluster_groups=(ClusterGroup("A100", "A100", 4), ClusterGroup("V100", "V100", 4)),
+    tokens_per_step=256, model_flops=2e9, peak_flops=2e13,
+)
+
+
+def _edit(change) -> str:
+    raw = plan_to_dict(GOOD)
+    change(raw)
+    return json.dumps(raw)
+
+
+def _set(path: str, value):
+    def change(raw):
+        *parents, last = path.split(".")
+        node = raw
+        for p in parents:
+            node = node[int(p)] if p.isdigit() else node[p]
+        node[int(last) if last.isdigit() else last] = value
+
+    return change
+
+
+def _nested(depth: int) -> str:
+    return '{"version": 1, "stages": ' + "[" * depth + "]" * depth + "}"
+
+
+BAD_PLANS = {
+    # name: (file text, words the one line must hold)
+    "float microbatches": (_edit(_set("num_microbatches", 4.0)), "num_microbatches"),
+    "string microbatches": (_edit(_set("num_microbatches", "4")), "num_microbatches"),
+    "zero microbatches": (_edit(_set("num_microbatches", 0)), "num_microbatches"),
+    "NaN time": (_edit(_set("stages.0.forward_s", float("nan"))), "stages[0].forward_s"),
+    "negative time": (_edit(_set("stages.1.backward_s", -1.0)), "stages[1].backward_s"),
+    "string time": (_edit(_set("stages.1.send_s", "fast")), "stages[1].send_s"),
+    "negative peak FLOP/s": (_edit(_set("peak_flops", -1e12)), "peak_flops"),
+    "stage index out of range": (_edit(_set("stages.1.index", 7)), "index"),
+    "device id out of range": (_edit(_set("stages.1.device_ids", [4, 5, 6, 99])), "device position 99"),
+    "negative device id": (_edit(_set("stages.0.device_ids", [-1, 1, 2, 3])), "stages[0].device_ids[0]"),
+    "mesh shape vs devices": (_edit(_set("stages.0.mesh_shape", [2, 4])), "mesh_shape"),
+    "null groups": (_edit(_set("cluster_groups", None)), "cluster_groups"),
+    "malformed param_specs": (_edit(_set("stages.0.param_specs", [["params/w"]])), "param_specs"),
+    "param_specs of numbers": (_edit(_set("stages.0.param_specs", [[1, 2]])), "param_specs"),
+    "unknown field": (_edit(_set("stages.0.colour", "red")), "colour"),
+    "unknown schedule": (_edit(_set("schedule", "zigzag")), "schedule"),
+    "batch share over 1": (_edit(_set("stages.0.batch_share", 1.5)), "batch_share"),
+    "no stages": (_edit(_set("stages", [])), "stages"),
+    "not an object": ("[1, 2, 3]", "object"),
+    "deep nesting": (_nested(100_000), "plan"),
+    "binary garbage": (b"\x89PNG\r\n\x1a\n\x00\xff\xfe garbage", "not valid JSON"),
+    "cut short": (json.dumps(plan_to_dict(GOOD))[:200], "not valid JSON"),
+    "layers out of order": (_edit(_set("stages.1.layer_start", 3)), "layer"),
+}
+
+
+def _one_line_refusal(capsys, argv: list[str]) -> str:
+    status = main(argv)
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert status == 2 and len(lines) == 1 and lines[0].startswith("hetpar: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def test_the_good_plan_loads_and_shows(tmp_path, capsys):
+    path = tmp_path / "good.json"
+    save_plan(GOOD, path)
+    assert load_plan(path) == GOOD
+    assert main(["show", str(path)]) == 0 and "MFU" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("case", sorted(BAD_PLANS))
+def test_bad_plan_files_are_refused_in_one_line(tmp_path, capsys, case):
+    content, words = BAD_PLANS[case]
+    path = tmp_path / "bad.json"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    for command in ("show", "simulate"):
+        line = _one_line_refusal(capsys, [command, str(path)])
+        assert words in line, line
+        assert any(w in line for w in ("fix", "solve", "again", "should")), line
+
+
+def test_the_plan_schema_mirrors_the_plan_dataclasses():
+    # A field added to the Plan must be added to hetpar/plan_schema.py (with its range).
+    pairs = [(Plan, plan_schema.PlanSchema), (StagePlan, plan_schema.StageSchema),
+             (ClusterGroup, plan_schema.ClusterGroupSchema), (plan_module.ProgramSignature, plan_schema.ProgramSchema)]
+    for cls, schema in pairs:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        assert fields == set(schema.model_fields) - {"version"}, (cls.__name__, fields ^ set(schema.model_fields))
+
+
+def test_show_and_simulate_of_ten_million_microbatches_answer_in_seconds(tmp_path, capsys):
+    path = tmp_path / "huge.json"
+    save_plan(dataclasses.replace(GOOD, num_microbatches=10**7), path)
+    start = time.perf_counter()
+    assert main(["show", str(path)]) == 0
+    assert "predicted step time" in capsys.readouterr().out
+    line = _one_line_refusal(capsys, ["simulate", str(path)])
+    assert "10000000 microbatches" in line and "closed-form step time" in line and "fewer microbatches" in line
+    assert time.perf_counter() - start < 10
