@@ -131,3 +131,74 @@ def test_show_and_simulate_of_ten_million_microbatches_answer_in_seconds(tmp_pat
     line = _one_line_refusal(capsys, ["simulate", str(path)])
     assert "10000000 microbatches" in line and "closed-form step time" in line and "fewer microbatches" in line
     assert time.perf_counter() - start < 10
+
+
+# ---- parallelize's arguments -------------------------------------------------------
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import hetpar  # noqa: E402
+
+
+def _step(w, batch):
+    loss, g = jax.value_and_grad(lambda w: jnp.mean((batch["x"] @ w) ** 2))(w)
+    return w - 0.1 * g, loss
+
+
+import jax  # noqa: E402
+
+VIRTUAL = {"A100": 4, "V100": 4}
+
+BAD_ARGUMENTS = {
+    # name: (keyword arguments besides the step, error class, words the message must hold)
+    "float microbatches": (dict(num_microbatches=2.0), hetpar.PlanError, "num_microbatches"),
+    "string microbatches": (dict(num_microbatches="2"), hetpar.PlanError, "num_microbatches"),
+    "None microbatches": (dict(num_microbatches=None), hetpar.PlanError, "num_microbatches"),
+    "zero stages": (dict(num_stages=0), hetpar.PlanError, "num_stages"),
+    "negative stages": (dict(num_stages=-1), hetpar.PlanError, "num_stages"),
+    "fractional stages": (dict(num_stages=1.5), hetpar.PlanError, "num_stages"),
+    "negative layers": (dict(num_layers=-2), hetpar.PlanError, "num_layers"),
+    "negative mesh": (dict(mesh_shape=(-2, -4)), hetpar.PlanError, "mesh_shape"),
+    "bool replicas": (dict(num_replicas=True), hetpar.PlanError, "num_replicas"),
+    "negative batch_argnum": (dict(batch_argnum=-1), hetpar.PlanError, "batch_argnum"),
+    "unknown runtime": (dict(runtime="mpi"), hetpar.PlanError, "runtime"),
+    "dict cluster": (dict(cluster={"A100": 8}), hetpar.HetparError, "Cluster.virtual"),
+    "missing cluster file": (dict(cluster="/no/such/cluster.yaml"), hetpar.ClusterError, "cannot read cluster file"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ARGUMENTS))
+def test_bad_parallelize_arguments_fail_at_parallelize(case):
+    kwargs, error, words = BAD_ARGUMENTS[case]
+    kwargs = {"cluster": hetpar.Cluster.virtual(VIRTUAL), **kwargs}
+    with pytest.raises(error) as info:
+        hetpar.parallelize(_step, **kwargs)
+    message = str(info.value)
+    assert words in message and "\n" not in message, message
+
+
+def test_bad_clusters_and_steps_are_named():
+    with pytest.raises(hetpar.ClusterError, match="non-empty mapping"):
+        hetpar.Cluster.virtual({})
+    with pytest.raises(hetpar.ClusterError, match="non-empty mapping.*'A100'"):
+        hetpar.Cluster.virtual("A100")
+    with pytest.raises(hetpar.HetparError, match="train step as a function"):
+        hetpar.parallelize(42, cluster=hetpar.Cluster.virtual(VIRTUAL))
+    with pytest.raises(hetpar.HetparError, match="train step as a function"):
+        hetpar.parallelize(cluster=hetpar.Cluster.virtual(VIRTUAL))("not a step")
+
+
+def test_numpy_counts_and_a_cluster_path_are_accepted(tmp_path):
+    path = tmp_path / "cluster.yaml"
+    path.write_text("groups:\n  - {name: a, device: A100, nodes: 1, devices_per_node: 8}\n")
+    w, batch = jnp.ones((8, 4)), {"x": jnp.ones((16, 8))}
+    before = np.asarray(w).copy()
+    step = hetpar.parallelize(_step, cluster=str(path), num_microbatches=np.int64(2), num_stages=np.int32(2))
+    new_w, loss = step(w, batch)
+    ref_w, ref_loss = jax.jit(_step)(w, batch)
+    assert isinstance(loss, jax.Array)
+    np.testing.assert_allclose(np.asarray(loss), np.asarray(ref_loss), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(new_w), np.asarray(ref_w), rtol=1e-5, atol=1e-6)
+    assert step.plan.num_stages == 2 and step.plan.num_microbatches == 2
+    np.testing.assert_array_equal(np.asarray(w), before)  # the caller's state is untouched

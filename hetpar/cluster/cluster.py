@@ -8,6 +8,8 @@ between groups; where two kinds of device cannot talk directly, through the host
 
 from __future__ import annotations
 
+import numbers
+
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
@@ -68,11 +70,19 @@ class Cluster:
     def virtual(counts: Mapping[str, int]) -> "Cluster":
         """Labels this process's devices (CPU virtual devices in tests) as device types,
         in the order given: {"A100": 4, "V100": 4} makes devices 0-3 A100s."""
+        if not isinstance(counts, Mapping) or not counts:
+            raise ClusterError(
+                f"Cluster.virtual takes a non-empty mapping of device type to count, e.g. {{'A100': 4, 'V100': 4}}; "
+                f"got {counts!r}"
+            )
         available = local_devices()
         for name, count in counts.items():
+            if not isinstance(name, str):
+                raise ClusterError(f"device types are names such as 'A100' (hetpar devices lists them), got {name!r}")
             device_type(name)  # unknown types fail here, with the list of known ones
-            if not isinstance(count, int) or count <= 0:
+            if not isinstance(count, numbers.Integral) or isinstance(count, bool) or count <= 0:
                 raise ClusterError(f"device count for {name!r} must be a positive integer, got {count!r}")
+        counts = {name: int(count) for name, count in counts.items()}  # numpy integers become ints
         wanted = sum(counts.values())
         if wanted > len(available):
             raise ClusterError(
