@@ -202,3 +202,55 @@ def test_numpy_counts_and_a_cluster_path_are_accepted(tmp_path):
     np.testing.assert_allclose(np.asarray(new_w), np.asarray(ref_w), rtol=1e-5, atol=1e-6)
     assert step.plan.num_stages == 2 and step.plan.num_microbatches == 2
     np.testing.assert_array_equal(np.asarray(w), before)  # the caller's state is untouched
+
+
+# ---- cluster files ------------------------------------------------------------------
+
+CLUSTER = """\
+groups:
+  - name: fast
+    device: A100
+    nodes: 1
+    devices_per_node: 4
+  - name: slow
+    device: V100
+    nodes: 1
+    devices_per_node: 4
+links:
+  - between: [fast, slow]
+    bandwidth: 12.5e+9
+    latency: 10.0e-6
+"""
+
+BAD_CLUSTERS = {
+    "NaN bandwidth": (CLUSTER.replace("12.5e+9", "nan"), "line 12: link bandwidth must be a finite number"),
+    "inf latency": (CLUSTER.replace("10.0e-6", "inf"), "line 13: link latency must be a finite number"),
+    "negative latency": (CLUSTER.replace("10.0e-6", "-1e-6"), "latency must not be negative"),
+    "duplicate key": (CLUSTER.replace("    nodes: 1\n    devices_per_node: 4\n  - name: slow",
+                                      "    nodes: 1\n    nodes: 2\n    devices_per_node: 4\n  - name: slow"), "key 'nodes' twice"),
+    "duplicate link": (CLUSTER + "  - between: [slow, fast]\n    bandwidth: 1e9\n    latency: 1e-6\n", "second link"),
+    "complex key": (CLUSTER.replace("  - name: slow", "  - [a, b]: slow\n    name: slow"), "plain names"),
+    "binary garbage": (b"\x89PNG\r\n\x1a\n\x00\xff\xfe", "not a text (UTF-8) file"),
+    "absurd size": (CLUSTER.replace("devices_per_node: 4\n  - name: slow", "devices_per_node: 1000000000000\n  - name: slow"),
+                    "devices_per_node must be at most"),
+    "fractional nodes": (CLUSTER.replace("nodes: 1\n    devices_per_node: 4\n  - name: slow",
+                                         "nodes: 1.5\n    devices_per_node: 4\n  - name: slow"), "nodes must be an integer"),
+    "empty file": ("", "empty"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CLUSTERS))
+def test_bad_cluster_files_are_refused_in_one_line(tmp_path, capsys, case):
+    content, words = BAD_CLUSTERS[case]
+    path = tmp_path / "cluster.yaml"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    line = _one_line_refusal(capsys, ["validate", str(path)])
+    assert words in line, line
+    with pytest.raises(hetpar.ClusterError):
+        hetpar.Cluster.from_file(str(path))
+
+
+def test_the_good_cluster_file_validates(tmp_path, capsys):
+    path = tmp_path / "cluster.yaml"
+    path.write_text(CLUSTER)
+    assert main(["validate", str(path)]) == 0 and "8 devices, valid" in capsys.readouterr().out
