@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import jax
 
+from hetpar.arguments import check_arguments, check_step
 from hetpar.cluster.cluster import Cluster
 from hetpar.compile.programs import stage_mesh
 from hetpar.compile.step import compile_step
@@ -50,7 +51,7 @@ class ParallelFunction:
     """A train step that runs as a pipeline on the cluster. Call it like the step."""
 
     def __init__(self, fn: Callable, options: Options):
-        self._fn = fn
+        self._fn = check_step(fn)
         self._options = options
         self._cache: dict[Any, tuple[Plan, CompiledStep | RayStep]] = {}
         self._last: Plan | None = None
@@ -173,6 +174,11 @@ def parallelize(
 
     The result computes what `jax.jit(fn)` computes.
     """
+    a = check_arguments(fn, cluster, plan, num_microbatches=num_microbatches, num_stages=num_stages, num_layers=num_layers,
+                        num_replicas=num_replicas, batch_argnum=batch_argnum, schedule=schedule, runtime=runtime,
+                        mesh_shape=mesh_shape)  # hetpar/arguments.py: types and ranges, numpy ints, a cluster file path
+    cluster, num_microbatches, num_stages, num_layers, num_replicas, batch_argnum, mesh_shape = (
+        a.cluster, a.num_microbatches, a.num_stages, a.num_layers, a.num_replicas, a.batch_argnum, a.mesh_shape)
     if isinstance(plan, str | Path):
         plan = load_plan(plan)
     if plan is None and cluster is None:

@@ -60,7 +60,9 @@ class RuntimeOption:
     """Where and how the compiled stages run."""
 
     runtime: str = "local"  # "local": this process; "ray": one Ray actor per stage mesh
-    timeout_s: float = 300.0  # the Ray runtime's wait for a step or a build before it reports a stuck worker
+    # The Ray runtime's wait for a step or a build before it reports a stuck worker;
+    # None: the HETPAR_WORKER_TIMEOUT_S environment variable, or 300 s.
+    timeout_s: float | None = None
 
 
 def check_options(stage: StageOption, sharding: ShardingOption, runtime: RuntimeOption) -> None:
@@ -92,7 +94,7 @@ def check_options(stage: StageOption, sharding: ShardingOption, runtime: Runtime
         raise PlanError(f"ShardingOption.model_axis_margin is a fraction in [0, 1), got {sharding.model_axis_margin}")
     if runtime.runtime not in RUNTIMES:
         raise HetparError(f"unknown runtime {runtime.runtime!r}; use 'local' (this process) or 'ray' (one process per mesh)")
-    if not runtime.timeout_s > 0:
+    if runtime.timeout_s is not None and not runtime.timeout_s > 0:
         raise HetparError(f"RuntimeOption.timeout_s must be positive, got {runtime.timeout_s}")
 
 

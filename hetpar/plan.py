@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from solver.pipeline_sim import simulate
+from solver.pipeline_sim import step_time
 from solver.schedules import DEFAULT, StageTimes
 
 # A PartitionSpec as plain data: the mesh axis (or None) of each dimension.
@@ -128,7 +128,7 @@ class Plan:
         the rest follow at the pace of the slowest."""
         if self.has_timings:
             return max(
-                simulate([s.times for s in self.replica_stages(r)], self.num_microbatches, self.schedule, self.chunks).step_s
+                step_time([s.times for s in self.replica_stages(r)], self.num_microbatches, self.schedule, self.chunks)
                 for r in range(self.num_replicas)
             )
         per_mb = [s.predicted_time_s / self.num_microbatches for s in self.stages]

@@ -13,9 +13,8 @@ from hetpar.cluster.catalog import device_type
 from hetpar.errors import ClusterError, PlanError
 from hetpar.plan import ClusterGroup, Plan, ProgramSignature, StagePlan
 from solver import schedules
+from hetpar.plan_schema import PLAN_VERSION, check_plan_json
 
-# 2: operator stages and structured shardings, so compile needs nothing but the plan.
-PLAN_VERSION = 2
 
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
@@ -29,9 +28,11 @@ def save_plan(plan: Plan, path: str | Path) -> None:
 
 def load_plan(path: str | Path) -> Plan:
     try:
-        text = Path(path).read_text()
+        data = Path(path).read_bytes()
     except OSError as e:
         raise PlanError(f"cannot read plan {path}: {e.strerror}") from None
+    check_plan_json(data, str(path))  # every field's type and range (plan_schema.py)
+    text = data.decode()
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as e:
@@ -90,7 +91,10 @@ def check_plan(plan: Plan, where: str = "plan") -> None:
 
 def _check_operator_stages(plan: Plan, where: str) -> None:
     """Every replica places each operator on a stage of the plan. (Work that reads
-    step inputs alone may run on another replica's stage: it is the same for all.)"""
+    step inputs alone may run on another replica's stage: it is the same for all.)
+    A plan without them can be shown and simulated; compile refuses it."""
+    if not plan.operator_stages:
+        return
     if len(plan.operator_stages) != len(replicas := sorted({s.replica for s in plan.stages})):
         raise PlanError(f"{where}: operator_stages must list each of the {len(replicas)} replica(s)' operator placement "
                         f"(found {len(plan.operator_stages)}); solve the plan again")

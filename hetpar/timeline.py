@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hetpar.plan import Plan
-from solver.pipeline_sim import Event, Simulation, pipeline_time, simulate
+from solver.pipeline_sim import MAX_SIMULATED_MICROBATCHES, Event, Simulation, pipeline_time, simulate
 
 _COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "transfer": "#8C8C8C", "sync": "#55A868", "optimizer": "#C44E52"}
 
@@ -28,6 +28,12 @@ def simulate_plan(plan: Plan) -> Simulation:
     (chunk 0), and `busy_s` follows `device_groups(plan)`."""
     if not plan.has_timings:
         raise ValueError("the plan has no per-stage timings to simulate; solve it again with this hetpar")
+    if plan.num_microbatches > MAX_SIMULATED_MICROBATCHES:
+        raise ValueError(
+            f"the plan has {plan.num_microbatches} microbatches, more than the {MAX_SIMULATED_MICROBATCHES} simulated "
+            f"event by event; its closed-form step time is {closed_form_s(plan):.6g} s (hetpar show prints it); "
+            "to see a timeline, simulate a copy of the plan with fewer microbatches"
+        )
     homes = device_groups(plan)
     events, busy, step = [], [0.0] * len(homes), 0.0
     for r in range(plan.num_replicas):

@@ -21,6 +21,8 @@ from typing import Sequence
 import numpy as np
 from ortools.sat.python import cp_model
 
+from solver.cpsat import cp_solver
+
 log = logging.getLogger(__name__)
 
 # CP-SAT needs integer costs: the largest single cost term becomes about this many
@@ -198,8 +200,7 @@ def _least_budget(rows: list[dict[int, np.ndarray]], time_limit_s: float) -> tup
     for row in rows:
         model.Add(sum(int(b) * x[j][i] for j, m in row.items() for i, b in enumerate(m)) <= budget)
     model.Minimize(budget)
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = time_limit_s
+    solver = cp_solver(time_limit_s)
     status = solver.Solve(model)
     if status == cp_model.OPTIMAL:
         return int(solver.ObjectiveValue()), True
@@ -322,10 +323,7 @@ def solve_intra_op(problem: IntraOpProblem, time_limit_s: float = 10.0, workers:
             model.Add(sum(int(b) * x[j][i] for j, m in row.items() for i, b in enumerate(m)) <= int(limit))
     model.Minimize(sum(objective))
 
-    solver = cp_model.CpSolver()
-    solver.parameters.num_workers = workers
-    solver.parameters.max_time_in_seconds = time_limit_s
-    solver.parameters.random_seed = 0
+    solver = cp_solver(time_limit_s, num_workers=workers, seed=0)
     status = solver.Solve(model)
     if status == cp_model.INFEASIBLE:
         raise _no_fit(int(limit), rows, time_limit_s)

@@ -23,6 +23,11 @@ from typing import Sequence
 
 from solver.schedules import DEFAULT, StageTimes, get, names
 
+# Event by event costs time and memory linear in stages x microbatches; past this many
+# microbatches callers that only need a time (or a picture) use the closed form
+# (`pipeline_time`) instead of waiting minutes.
+MAX_SIMULATED_MICROBATCHES = 4096
+
 __all__ = ["Event", "Simulation", "StageTimes", "names", "pipeline_time", "simulate"]
 
 
@@ -145,3 +150,11 @@ def _send(events: list[Event], link_free: dict[tuple[int, int], float], send_s: 
 def pipeline_time(stages: Sequence[StageTimes], num_microbatches: int, schedule: str = DEFAULT, chunks: int = 1) -> float:
     """The schedule's closed-form step time (see each schedule's `step_time`)."""
     return get(schedule).step_time(stages, num_microbatches, chunks)
+
+
+def step_time(stages: Sequence[StageTimes], num_microbatches: int, schedule: str = DEFAULT, chunks: int = 1) -> float:
+    """A step's time: simulated event by event up to MAX_SIMULATED_MICROBATCHES, the
+    closed form past it (so any plan answers in milliseconds)."""
+    if num_microbatches > MAX_SIMULATED_MICROBATCHES:
+        return pipeline_time(stages, num_microbatches, schedule, chunks)
+    return simulate(stages, num_microbatches, schedule, chunks).step_s

@@ -44,7 +44,7 @@ def test_non_positive_device_count():
 
 
 def test_invalid_microbatch_count():
-    with pytest.raises(hetpar.PlanError, match="num_microbatches must be at least 1"):
+    with pytest.raises(hetpar.PlanError, match="num_microbatches: Input should be greater than or equal to 1 \\(got 0\\)"):
         hetpar.parallelize(_step, cluster=hetpar.Cluster.virtual({"A100": 8}), num_microbatches=0)
 
 

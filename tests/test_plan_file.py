@@ -67,12 +67,12 @@ def _broken(path, edit):
     [
         (lambda r: r.update(version=99), "version 99"),
         (lambda r: r["stages"][0].update(device_type="TPUv9"), "unknown device type 'TPUv9'"),
-        (lambda r: r.update(num_microbatches=-2), "num_microbatches must be at least 1"),
-        (lambda r: r["cluster_groups"][0].update(devices=-4), "has -4 devices"),
-        (lambda r: r["stages"][1].update(layer_start=r["stages"][1]["layer_start"] + 1), "should start at layer"),
-        (lambda r: r["stages"][0].pop("device_ids"), "stage 0 lacks device_ids"),
-        (lambda r: r.update(schedule="zigzag"), "unknown schedule 'zigzag'"),
-        (lambda r: r["stages"][1].update(device_ids=[0, 1]), "two stages share a device"),
+        (lambda r: r.update(num_microbatches=-2), r"num_microbatches: Input should be greater than or equal to 1 \(got -2\)"),
+        (lambda r: r["cluster_groups"][0].update(devices=-4), r"cluster_groups\[0\]\.devices: .*\(got -4\)"),
+        (lambda r: r["stages"][1].update(layer_start=r["stages"][1]["layer_start"] + 1), r"layer_end \d+ must be after layer_start|should start at layer"),
+        (lambda r: r["stages"][0].pop("device_ids"), r"stages\[0\]\.device_ids: Field required"),
+        (lambda r: r.update(schedule="zigzag"), r"schedule: Input should be 'gpipe' or '1f1b' \(got 'zigzag'\)"),
+        (lambda r: r["stages"][1].update(device_ids=[0]), "two stages share a device"),
     ],
 )
 def test_a_broken_plan_file_names_the_mistake(saved, tmp_path, edit, message):

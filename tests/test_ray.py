@@ -129,3 +129,53 @@ def test_ray_runtime_returns_host_arrays_the_caller_can_use(ray_cluster, workloa
     state, loss = step(workload.state, workload.batch)
     assert isinstance(loss, jax.Array) and np.isfinite(float(loss))
     step.shutdown()
+
+
+def test_a_retry_after_a_worker_error_equals_jit(ray_cluster, workload):
+    # Stage 1's worker raises at its last microbatch (1F1B) with partial values held;
+    # the retry, and a step from another state, must not see any of them.
+    from parity import assert_close, with_grads
+
+    step = with_grads(workload.loss_fn)
+    parallel = hetpar.parallelize(
+        step, cluster=hetpar.Cluster.virtual(TWO_TYPES), num_stages=2, num_microbatches=4, num_layers=4,
+        schedule="1f1b", runtime="ray",
+    )
+    later, _, _ = parallel(workload.state, workload.batch)
+
+    def sabotage(worker, fault_at):
+        import dataclasses
+
+        calls = [0]
+
+        def wrap(fn):
+            def faulty(acc, *args):
+                calls[0] += 1
+                if calls[0] == fault_at:
+                    raise RuntimeError("injected fault")
+                return fn(acc, *args)
+
+            return faulty
+
+        # The worker's `fault_at`-th program call raises (here microbatch 2 of the last stage).
+        worker._saved = list(worker._programs)
+        worker._programs = [p if p is None else dataclasses.replace(p, fn=wrap(p.fn)) for p in worker._programs]
+
+    def restore(worker):
+        worker._programs = worker._saved
+
+    import ray
+
+    victim = parallel.compiled().workers[1]
+    ray.get(victim.__ray_call__.remote(sabotage, 4))
+    with pytest.raises(hetpar.HetparError, match="RuntimeError: .*injected fault"):
+        parallel(later, workload.batch)
+    ray.get(victim.__ray_call__.remote(restore))
+    reference = jax.jit(step)
+    for state in (workload.state, later):  # first from another state than the failed step's
+        ref_state, ref_loss, ref_grads = reference(jax.device_get(state), workload.batch)
+        par_state, par_loss, par_grads = parallel(state, workload.batch)
+        assert_close(par_loss, ref_loss, "loss after a failed step")
+        assert_close(par_grads, ref_grads, "gradients after a failed step")
+        assert_close(par_state.params, ref_state.params, "parameters after a failed step")
+    parallel.shutdown()

@@ -80,6 +80,7 @@ def _print_plan(plan, shardings: bool = False) -> None:  # noqa: ANN001
 
     from hetpar.plan import fmt_time, spec_text
     from hetpar.timeline import breakdown, simulate_plan
+    from solver.pipeline_sim import MAX_SIMULATED_MICROBATCHES
 
     out = console()
     table = Table(title=f"hetpar plan: {plan.num_stages} stage(s) on {plan.cluster}, {plan.num_microbatches} microbatch(es), {plan.schedule}"
@@ -107,7 +108,7 @@ def _print_plan(plan, shardings: bool = False) -> None:  # noqa: ANN001
             sharding.add_row(str(index), path, spec)
         out.print(sharding)
     lines = [f"predicted step time {fmt_time(plan.predicted_step_time_s)}"]
-    if plan.has_timings:
+    if plan.has_timings and plan.num_microbatches <= MAX_SIMULATED_MICROBATCHES:
         parts = breakdown(plan, simulate_plan(plan))
         lines.append(f"compute {fmt_time(parts.compute_s)}, communication {fmt_time(parts.communication_s)}, bubble {fmt_time(parts.bubble_s)}")
     if plan.tokens_per_step:

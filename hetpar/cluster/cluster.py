@@ -8,55 +8,19 @@ between groups; where two kinds of device cannot talk directly, through the host
 
 from __future__ import annotations
 
+import numbers
+
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 import jax
 
-from hetpar.cluster.catalog import DeviceType, Link, device_type
+from hetpar.cluster.catalog import Link, device_type
+from hetpar.cluster.cluster_file import read_cluster_file
+from hetpar.cluster.groups import DEFAULT_NETWORK, HOST_LINK, DeviceGroup, GroupLink
 from hetpar.errors import ClusterError
 
-# Device <-> host copies (PCIe 4.0 x16) and a default network between groups.
-HOST_LINK = Link("PCIe 4.0 x16 to host", 25e9, 10e-6)
-DEFAULT_NETWORK = Link("100 Gb/s Ethernet", 12.5e9, 10e-6)
-
-
-@dataclass(frozen=True)
-class DeviceGroup:
-    type_name: str
-    device_ids: tuple[int, ...] = ()  # jax device ids; empty for a cluster described only on paper
-    name: str = ""
-    nodes: int = 1
-    devices_per_node: int = 0  # 0: all devices in one node
-    intra_node: Link | None = None  # default: the device type's typical link
-    inter_node: Link | None = None  # default: DEFAULT_NETWORK
-
-    @property
-    def spec(self) -> DeviceType:
-        return device_type(self.type_name)
-
-    @property
-    def size(self) -> int:
-        return self.nodes * self.devices_per_node if self.devices_per_node else len(self.device_ids)
-
-    @property
-    def label(self) -> str:
-        return self.name or self.type_name
-
-    @property
-    def intra_link(self) -> Link:
-        return self.intra_node or self.spec.intra_node_link
-
-    @property
-    def inter_link(self) -> Link:
-        return self.inter_node or DEFAULT_NETWORK
-
-
-@dataclass(frozen=True)
-class GroupLink:
-    link: Link
-    direct: bool = False  # device to device (e.g. RDMA); otherwise through both hosts
-
+__all__ = ["DEFAULT_NETWORK", "HOST_LINK", "Cluster", "DeviceGroup", "GroupLink", "jax_devices", "local_devices"]
 
 @dataclass(frozen=True)
 class Cluster:
@@ -68,11 +32,19 @@ class Cluster:
     def virtual(counts: Mapping[str, int]) -> "Cluster":
         """Labels this process's devices (CPU virtual devices in tests) as device types,
         in the order given: {"A100": 4, "V100": 4} makes devices 0-3 A100s."""
+        if not isinstance(counts, Mapping) or not counts:
+            raise ClusterError(
+                f"Cluster.virtual takes a non-empty mapping of device type to count, e.g. {{'A100': 4, 'V100': 4}}; "
+                f"got {counts!r}"
+            )
         available = local_devices()
         for name, count in counts.items():
+            if not isinstance(name, str):
+                raise ClusterError(f"device types are names such as 'A100' (hetpar devices lists them), got {name!r}")
             device_type(name)  # unknown types fail here, with the list of known ones
-            if not isinstance(count, int) or count <= 0:
+            if not isinstance(count, numbers.Integral) or isinstance(count, bool) or count <= 0:
                 raise ClusterError(f"device count for {name!r} must be a positive integer, got {count!r}")
+        counts = {name: int(count) for name, count in counts.items()}  # numpy integers become ints
         wanted = sum(counts.values())
         if wanted > len(available):
             raise ClusterError(
@@ -100,9 +72,8 @@ class Cluster:
     def from_file(path: str) -> "Cluster":
         """A cluster described in YAML (see examples/clusters/); validated with errors
         that name the line."""
-        from hetpar.cluster.cluster_file import load_cluster
-
-        return load_cluster(path)
+        groups, links, name = read_cluster_file(path)
+        return Cluster(groups, links, name)
 
     def bind(self) -> "Cluster":
         """Assigns this process's devices to the groups in order (for running a plan

@@ -31,7 +31,8 @@ from pathlib import Path
 import yaml
 
 from hetpar.cluster.catalog import Link, catalog
-from hetpar.cluster.cluster import Cluster, DeviceGroup, GroupLink
+from hetpar.cluster.groups import DeviceGroup, GroupLink
+from hetpar.cluster.schema import GroupCounts, LinkFields, validated
 from hetpar.errors import ClusterError
 
 
@@ -51,7 +52,15 @@ class _Located:
     def mapping(self, what: str) -> dict[str, "_Located"]:
         if not isinstance(self.node, yaml.MappingNode):
             raise self.fail(f"{what} must be a mapping (key: value lines)")
-        return {k.value: _Located(v, self.path) for k, v in self.node.value}
+        out: dict[str, _Located] = {}
+        for k, v in self.node.value:
+            key = _Located(k, self.path)
+            if not isinstance(k, yaml.ScalarNode):
+                raise key.fail(f"keys of {what} must be plain names, not lists or mappings")
+            if k.value in out:  # YAML would keep the last silently
+                raise key.fail(f"{what} has key {k.value!r} twice; keep one")
+            out[k.value] = _Located(v, self.path)
+        return out
 
     def sequence(self, what: str) -> list["_Located"]:
         if not isinstance(self.node, yaml.SequenceNode):
@@ -63,25 +72,17 @@ class _Located:
             raise self.fail(f"{what} must be a single value")
         return str(self.node.value)
 
-    def number(self, what: str, positive: bool = True, integer: bool = False) -> float:
-        raw = self.text(what)
-        try:
-            value = int(raw) if integer else float(raw)
-        except ValueError:
-            raise self.fail(f"{what} must be {'an integer' if integer else 'a number'}, got {raw!r}") from None
-        if positive and value <= 0:
-            raise self.fail(f"{what} must be positive, got {raw}")
-        if not positive and value < 0:
-            raise self.fail(f"{what} must not be negative, got {raw}")
-        return value
 
-
-def load_cluster(path: str | Path) -> Cluster:
+def read_cluster_file(path: str | Path) -> tuple[tuple[DeviceGroup, ...], dict[frozenset, GroupLink], str]:
+    """A cluster file's groups, links between groups and name, each checked, for
+    `Cluster.from_file` to assemble."""
     path = str(path)
     try:
         text = Path(path).read_text()
     except OSError as e:
         raise ClusterError(f"cannot read cluster file {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ClusterError(f"{path} is not a text (UTF-8) file; a cluster file is YAML (see examples/clusters/)") from None
     try:
         root = yaml.compose(text)
     except yaml.YAMLError as e:
@@ -103,7 +104,15 @@ def load_cluster(path: str | Path) -> Cluster:
             raise top["groups"].fail(f"two groups are named {label!r}; group names must differ")
     links = _links(top.get("links"), labels, _Located(root, path))
     name = top["name"].text("name") if "name" in top else Path(path).stem
-    return Cluster(tuple(groups), links, name)
+    return tuple(groups), links, name
+
+
+def _check(model: type, values: dict, fields: dict[str, _Located], loc: _Located, what: str):  # noqa: ANN202
+    """Types and ranges from hetpar/cluster/schema.py, reported at the field's line."""
+    checked, field, message = validated(model, values)
+    if checked is None:
+        raise (fields[field] if field in fields else loc).fail(f"{what} {message}".strip())
+    return checked
 
 
 def _no_unknown_keys(fields: dict[str, _Located], allowed: set[str], where: _Located) -> None:
@@ -118,11 +127,8 @@ def _link(loc: _Located, what: str, other_keys: frozenset = frozenset()) -> Link
     for key in ("bandwidth", "latency"):
         if key not in fields:
             raise loc.fail(f"{what} needs '{key}:' ({'bytes/s' if key == 'bandwidth' else 'seconds'})")
-    return Link(
-        fields["name"].text("name") if "name" in fields else what,
-        fields["bandwidth"].number(f"{what} bandwidth"),
-        fields["latency"].number(f"{what} latency", positive=False),
-    )
+    link = _check(LinkFields, {k: fields[k].text(k) for k in ("bandwidth", "latency")}, fields, loc, what)
+    return Link(fields["name"].text("name") if "name" in fields else what, link.bandwidth, link.latency)
 
 
 def _group(loc: _Located) -> DeviceGroup:
@@ -136,8 +142,8 @@ def _group(loc: _Located) -> DeviceGroup:
     for key in ("nodes", "devices_per_node"):
         if key not in fields:
             raise loc.fail(f"the group needs '{key}:'")
-    nodes = int(fields["nodes"].number("nodes", integer=True))
-    per_node = int(fields["devices_per_node"].number("devices_per_node", integer=True))
+    counts = _check(GroupCounts, {k: fields[k].text(k) for k in ("nodes", "devices_per_node")}, fields, loc, "")
+    nodes, per_node = counts.nodes, counts.devices_per_node
     if nodes > 1 and "inter_node" not in fields:
         raise loc.fail(f"a group of {nodes} nodes needs 'inter_node:' (the network between its nodes)")
     return DeviceGroup(
@@ -164,6 +170,8 @@ def _links(loc: _Located | None, labels: list[str], root: _Located) -> dict[froz
                 raise fields["between"].fail(f"no group is named {end!r}; groups: {', '.join(labels)}")
         direct = fields["direct"].text("direct").lower() in ("true", "yes", "1") if "direct" in fields else False
         link = _link(entry, "link", frozenset({"between", "direct"}))
+        if frozenset(ends) in links:
+            raise fields["between"].fail(f"a second link between {ends[0]!r} and {ends[1]!r}; keep one")
         links[frozenset(ends)] = GroupLink(Link(f"{ends[0]}<->{ends[1]}", link.bandwidth, link.latency), direct)
     for a, b in combinations(labels, 2):
         if frozenset((a, b)) not in links:

@@ -37,6 +37,9 @@ def step_tasks(traced: TracedStep, plan: Plan) -> StepTasks:
     """Every data-parallel replica's tasks; replica r's microbatches are global
     microbatches r*m .. r*m+m-1, laid end to end over the batch. Only replica 0 runs
     the post work (the update), on the reductions of all replicas combined."""
+    if not plan.operator_stages:
+        raise PlanError("the plan does not say which stage runs each operator (operator_stages): it can be shown and "
+                        "simulated but not run; make it with hetpar solve or hetpar.make_plan")
     if len(plan.operator_stages) != plan.num_replicas or any(
             sum(n for _, n in runs) != len(traced.full.ops) for runs in plan.operator_stages):
         raise PlanError(f"the plan places {[sum(n for _, n in r) for r in plan.operator_stages]} operators per replica; this step "

@@ -27,7 +27,36 @@ from hetpar.compile.order import order, replicated_order
 from hetpar.trace.traced_step import TracedStep
 
 log = logging.getLogger("hetpar.ray")
+# How long the driver waits on a step (or on building the stage programs) before it
+# reports a stuck worker; set HETPAR_WORKER_TIMEOUT_S, or `timeout_s` on a RayStep.
 DEFAULT_TIMEOUT_S = 300.0
+
+
+def worker_timeout_s() -> float:
+    """The timeout from HETPAR_WORKER_TIMEOUT_S (seconds, positive), else the default."""
+    text = os.environ.get("HETPAR_WORKER_TIMEOUT_S")
+    if not text:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise HetparError(f"HETPAR_WORKER_TIMEOUT_S must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def _cause(error: Exception) -> str:
+    """The worker's exception as one line: its type and message, never the
+    'Traceback (most recent call last):' header Ray's text starts with."""
+    cause = getattr(error, "cause", None)
+    if cause is not None and str(cause).strip():
+        return f"{type(cause).__name__}: {str(cause).strip().splitlines()[0]}"
+    if cause is not None:
+        return type(cause).__name__
+    lines = [ln.strip() for ln in str(error).splitlines() if ln.strip() and not ln.startswith((" ", "\t"))]
+    lines = [ln for ln in lines if not ln.startswith("Traceback")]
+    return lines[-1] if lines else type(error).__name__
 
 
 def init(address: str | None = None, num_cpus: int | None = None) -> None:
@@ -57,12 +86,12 @@ class RayStep:
     """A compiled step whose stages run in Ray actors. Call it with the flat arguments."""
 
     def __init__(self, fn: Callable, args: tuple, batch_argnum: int, plan: Plan, traced: TracedStep,
-                 timeout_s: float = DEFAULT_TIMEOUT_S):
+                 timeout_s: float | None = None):
         import ray
 
         init()
         self.graph = traced.exec_graph
-        self._traced, self._plan, self._timeout_s = traced, plan, timeout_s
+        self._traced, self._plan, self.timeout_s = traced, plan, timeout_s or worker_timeout_s()
         self._tasks = step_tasks(traced, plan)
         worker = ray.remote(num_cpus=0, max_restarts=0)(StageWorker)
         self.workers = {s.index: worker.remote(len(s.device_ids)) for s in plan.stages}
@@ -98,6 +127,18 @@ class RayStep:
         return bool(self._readers.get((v, r), set()) - {stage}) or (r == 0 and v in self._outvars)
 
     def __call__(self, flat_args: Sequence[Any]) -> list[Any]:
+        if not self.workers:
+            raise HetparError("this step's Ray workers were shut down; call hetpar.parallelize again to start new ones")
+        for w in self.workers.values():
+            w.begin_step.remote()  # before any program of this step: nothing of an earlier step survives
+        try:
+            return self._step(flat_args)
+        except BaseException:  # a failed or interrupted step leaves nothing behind either
+            for w in self.workers.values():
+                w.end_step.remote()
+            raise
+
+    def _step(self, flat_args: Sequence[Any]) -> list[Any]:
         import ray
 
         tasks, graph = self._tasks, self.graph
@@ -180,15 +221,13 @@ class RayStep:
         import ray
 
         try:
-            return ray.get(refs, timeout=self._timeout_s)
+            return ray.get(refs, timeout=self.timeout_s)
         except ray.exceptions.GetTimeoutError:
-            raise HetparError(f"{doing} did not finish within {self._timeout_s:.0f} s; a stage's worker may be stuck") from None
+            raise HetparError(f"{doing} did not finish within {self.timeout_s:.0f} s; a stage's worker may be stuck") from None
         except ray.exceptions.RayActorError:
             raise HetparError(f"{doing}: the worker of {self._dead()} died; start again with a new parallelize") from None
         except ray.exceptions.RayTaskError as e:
-            cause = getattr(e, "cause", None)
-            text = f"{type(cause).__name__}: {str(cause).strip().splitlines()[0]}" if cause else str(e).strip().splitlines()[0]
-            raise HetparError(f"{doing}: a stage's worker raised {text}") from None
+            raise HetparError(f"{doing}: a stage's worker raised {_cause(e)}") from None
 
     def _dead(self) -> str:
         import ray

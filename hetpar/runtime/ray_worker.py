@@ -108,6 +108,13 @@ class StageWorker:
         for key in [k for k in self._values if k[1] == mb]:
             del self._values[key]
 
+    def begin_step(self) -> None:
+        """Starts a step from nothing but its arguments. The driver calls this before a
+        step's first program (Ray runs one caller's actor calls in order), so values
+        and accumulators a failed or interrupted step left behind are never read."""
+        self._values.clear()
+        self._acc.clear()
+
     def end_step(self) -> None:
         """Drops everything of this step: the next one brings its own inputs."""
         self._values.clear()
