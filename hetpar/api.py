@@ -25,7 +25,7 @@ from hetpar.plan_file import SCHEDULES, load_plan
 from hetpar.runtime.executor import CompiledStep, RunStats, run
 from hetpar.runtime.ray_runtime import RayStep
 from hetpar.solve import check_fits, cluster_for, layers_of, solve
-from hetpar.trace.traced_step import as_array, microbatch_graphs, trace_step
+from hetpar.trace.traced_step import as_array, microbatch_graphs, trace_step, whole_batch_replicas
 
 log = logging.getLogger("hetpar")
 
@@ -109,7 +109,8 @@ class ParallelFunction:
                 check_fits(o.plan, traced, cluster)
                 plan, layers = o.plan, layers_of(traced, o.plan.num_layers)
             else:
-                plan, layers = solve(traced, cluster, o.num_stages, o.num_layers, o.schedule, o.num_replicas, o.mesh_shape)
+                replicas = whole_batch_replicas(traced, o.num_replicas)
+                plan, layers = solve(traced, cluster, o.num_stages, o.num_layers, o.schedule, replicas, o.mesh_shape)
         if o.runtime == "ray":
             with timer("start workers"):
                 compiled = RayStep(self._fn, args, o.batch_argnum, plan, traced, layers)
