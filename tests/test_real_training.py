@@ -132,8 +132,6 @@ def test_marked_masked_loss_is_the_documented_per_microbatch_mean():
 def _mixed_precision_step(dtype):
     """f32 parameters, compute in `dtype` (the usual bf16 recipe): the gradients' batch
     reductions are `dtype` matmuls, cast to f32 afterwards."""
-    net = _Tiny(dropout=0.0)
-
     class Cast(nn.Module):
         @nn.compact
         def __call__(self, x):
@@ -150,13 +148,15 @@ def _mixed_precision_step(dtype):
         loss, grads = jax.value_and_grad(loss_fn)(params)
         return loss, grads
 
-    del net
     return model, step
 
 
-def _gap(a, b):
-    return max(float(jnp.max(jnp.abs(x.astype(jnp.float32) - y))) / (float(jnp.max(jnp.abs(y))) + 1e-12)
-               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+def _gaps(a, b):
+    """Per leaf (loss, each gradient): the relative L2 distance to the f32 result."""
+    return np.array([
+        np.linalg.norm(np.asarray(x, np.float32) - np.asarray(y)) / np.linalg.norm(np.asarray(y))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+    ])
 
 
 def test_bf16_accumulates_in_f32_within_jits_own_gap():
@@ -167,8 +167,11 @@ def test_bf16_accumulates_in_f32_within_jits_own_gap():
     _, f32_step = _mixed_precision_step(jnp.float32)
     params = model.init(jax.random.key(0), batch["x"])
     exact = jax.jit(f32_step)(params, batch)
-    jit_gap = _gap(jax.jit(bf16_step)(params, batch), exact)
+    jit_bf16 = jax.jit(bf16_step)(params, batch)
+    jit_gap = _gaps(jit_bf16, exact)
     parallel = hetpar.parallelize(bf16_step, cluster=hetpar.Cluster.virtual(THREE), num_microbatches=8, num_stages=3)
-    hetpar_gap = _gap(parallel(params, batch), exact)
-    assert 0 < jit_gap < 0.1
-    assert hetpar_gap <= jit_gap, (hetpar_gap, jit_gap)
+    result = parallel(params, batch)
+    assert [x.dtype for x in jax.tree.leaves(result)] == [x.dtype for x in jax.tree.leaves(jit_bf16)]
+    hetpar_gap = _gaps(result, exact)
+    assert np.all(jit_gap > 0) and np.all(jit_gap < 0.2)  # bf16 really is coarser than f32 here
+    assert np.all(hetpar_gap <= jit_gap + 1e-6), (hetpar_gap, jit_gap)
