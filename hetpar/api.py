@@ -24,6 +24,7 @@ from hetpar.plan import Plan
 from hetpar.plan_file import SCHEDULES, load_plan
 from hetpar.runtime.executor import CompiledStep, RunStats, run
 from hetpar.runtime.ray_runtime import RayStep
+from hetpar.signature import bind_call, free_donated, normalize_argnums
 from hetpar.solve import check_fits, cluster_for, layers_of, solve
 from hetpar.trace.traced_step import as_array, microbatch_graphs, trace_step, whole_batch_replicas
 
@@ -42,6 +43,8 @@ class Options:
     num_replicas: int | None = None  # data-parallel pipelines, each on its own devices and share of the batch
     runtime: str = "local"  # "local": this process; "ray": one Ray actor per stage mesh
     mesh_shape: tuple | None = None  # (data, model) per stage: operators sharded by the intra-op ILP
+    static_argnums: tuple[int, ...] = ()  # as jax.jit (hetpar/signature.py)
+    donate_argnums: tuple[int, ...] = ()  # freed after a successful step (hetpar/signature.py)
 
 
 class ParallelFunction:
@@ -72,19 +75,23 @@ class ParallelFunction:
         """How many argument shapes this function has been planned and compiled for."""
         return len(self._cache)
 
-    def __call__(self, *args: Any) -> Any:
-        return self.call_with_stats(*args, stats=None)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call_with_stats(*args, stats=None, **kwargs)
 
-    def call_with_stats(self, *args: Any, stats: RunStats | None = None) -> Any:
+    def call_with_stats(self, *args: Any, stats: RunStats | None = None, **kwargs: Any) -> Any:
         """A call that also records, in `stats`, what the runtime holds at its peak."""
-        flat, treedef = jax.tree.flatten(args)
-        key = (treedef, tuple((tuple(x.shape), str(x.dtype)) for x in map(as_array, flat)))
+        o = self._options
+        call = bind_call(self._fn, args, kwargs, o.batch_argnum, o.static_argnums, o.donate_argnums)
+        flat, treedef = jax.tree.flatten(call.args)
+        key = (call.static_key, treedef, tuple((tuple(x.shape), str(x.dtype)) for x in map(as_array, flat)))
         if key not in self._cache:
-            self._cache[key] = self._build(args)
+            self._cache[key] = self._build(call.args, call.fn, call.batch_argnum)
         plan, compiled = self._cache[key]
         self._last, self._last_compiled = plan, compiled
         outputs = compiled(flat) if isinstance(compiled, RayStep) else run(compiled, flat, stats)
-        return jax.tree.unflatten(compiled.graph.out_tree, outputs)
+        result = jax.tree.unflatten(compiled.graph.out_tree, outputs)
+        free_donated(call.donated, result, call.kept)
+        return result
 
     def shutdown(self) -> None:
         """Stops the workers of a Ray runtime (nothing to do in-process)."""
@@ -93,12 +100,12 @@ class ParallelFunction:
                 compiled.shutdown()
         self._cache.clear()
 
-    def _build(self, args: tuple) -> tuple[Plan, CompiledStep | RayStep]:
+    def _build(self, args: tuple, fn: Callable, batch_argnum: int) -> tuple[Plan, CompiledStep | RayStep]:
         o = self._options
         timer = _Timer()
         microbatches = o.plan.num_microbatches if o.plan else o.num_microbatches
         with timer("trace"):
-            traced = trace_step(self._fn, args, o.batch_argnum, microbatches)
+            traced = trace_step(fn, args, batch_argnum, microbatches)
         # A cluster read from a file names device types only: run it on this process's devices.
         if o.cluster is None:
             cluster = cluster_for(o.plan)
@@ -113,13 +120,13 @@ class ParallelFunction:
                 plan, layers = solve(traced, cluster, o.num_stages, o.num_layers, o.schedule, replicas, o.mesh_shape)
         if o.runtime == "ray":
             with timer("start workers"):
-                compiled = RayStep(self._fn, args, o.batch_argnum, plan, traced, layers)
+                compiled = RayStep(fn, args, batch_argnum, plan, traced, layers)
             log.info("hetpar built a %d-stage plan on Ray in %s", plan.num_stages, timer)
             return plan, compiled
         with timer("compile"):
             order = [d for g in cluster.groups for d in g.device_ids]  # plans name devices by position
             meshes = {s.index: stage_mesh(tuple(order[p] for p in s.device_ids), s.mesh_shape) for s in plan.stages}
-            graphs = microbatch_graphs(self._fn, args, o.batch_argnum, traced, plan)
+            graphs = microbatch_graphs(fn, args, batch_argnum, traced, plan)
             compiled = compile_step(traced, layers, plan, meshes, graphs)
         log.info("hetpar built a %d-stage plan in %s", plan.num_stages, timer)
         return plan, compiled
@@ -138,6 +145,8 @@ def parallelize(
     runtime: str = "local",
     batch_argnum: int = 1,
     mesh_shape: tuple | None = None,
+    static_argnums: int | tuple[int, ...] | None = None,
+    donate_argnums: int | tuple[int, ...] | None = None,
 ) -> Any:
     """Parallelizes a train step `fn(state, batch)` over `cluster`.
 
@@ -154,7 +163,9 @@ def parallelize(
     devices form that 2-D mesh and its
     operators are sharded over it by the intra-op ILP (Megatron-style splits where
     they pay, data parallelism where they do not).
-    The result computes what `jax.jit(fn)` computes.
+    The result computes what `jax.jit(fn)` computes, and is called like it: keyword
+    arguments, `static_argnums` and `donate_argnums` as in `jax.jit` (donated buffers
+    are freed after a successful step; see hetpar/signature.py).
     """
     if isinstance(plan, str | Path):
         plan = load_plan(plan)
@@ -171,7 +182,8 @@ def parallelize(
     if mesh_shape and isinstance(mesh_shape[0], tuple | list):
         mesh_shape = tuple(tuple(shape) for shape in mesh_shape)
     options = Options(cluster, num_microbatches, num_stages, num_layers, batch_argnum, plan, schedule, num_replicas, runtime,
-                      tuple(mesh_shape) if mesh_shape else None)
+                      tuple(mesh_shape) if mesh_shape else None, normalize_argnums(static_argnums, "static_argnums"),
+                      normalize_argnums(donate_argnums, "donate_argnums"))
     if fn is None:
         return lambda f: ParallelFunction(f, options)
     return ParallelFunction(fn, options)
