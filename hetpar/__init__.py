@@ -5,6 +5,7 @@ from hetpar.cluster.catalog import DeviceType, devices
 from hetpar.cluster.cluster import Cluster, DeviceGroup
 from hetpar.errors import ClusterError, HetparError, PlanError, UnsupportedStepError
 from hetpar.markers import grad, value_and_grad
+from hetpar.outputs import gather
 from hetpar.plan import Plan, StagePlan
 from hetpar.plan_file import load_plan, save_plan
 from hetpar.runtime.ray_runtime import init, shutdown
@@ -22,6 +23,7 @@ __all__ = [
     "StagePlan",
     "UnsupportedStepError",
     "devices",
+    "gather",
     "grad",
     "init",
     "shutdown",

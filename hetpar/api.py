@@ -24,6 +24,7 @@ from hetpar.plan import Plan
 from hetpar.plan_file import SCHEDULES, load_plan
 from hetpar.runtime.executor import CompiledStep, RunStats, run
 from hetpar.runtime.ray_runtime import RayStep
+from hetpar.outputs import like_options, place_metrics
 from hetpar.signature import bind_call, free_donated, normalize_argnums
 from hetpar.solve import check_fits, cluster_for, layers_of, solve
 from hetpar.trace.traced_step import as_array, microbatch_graphs, trace_step, whole_batch_replicas
@@ -89,7 +90,7 @@ class ParallelFunction:
         plan, compiled = self._cache[key]
         self._last, self._last_compiled = plan, compiled
         outputs = compiled(flat) if isinstance(compiled, RayStep) else run(compiled, flat, stats)
-        result = jax.tree.unflatten(compiled.graph.out_tree, outputs)
+        result = place_metrics(jax.tree.unflatten(compiled.graph.out_tree, outputs))
         free_donated(call.donated, result, call.kept)
         return result
 
@@ -147,6 +148,7 @@ def parallelize(
     mesh_shape: tuple | None = None,
     static_argnums: int | tuple[int, ...] | None = None,
     donate_argnums: int | tuple[int, ...] | None = None,
+    like: ParallelFunction | None = None,
 ) -> Any:
     """Parallelizes a train step `fn(state, batch)` over `cluster`.
 
@@ -165,8 +167,13 @@ def parallelize(
     they pay, data parallelism where they do not).
     The result computes what `jax.jit(fn)` computes, and is called like it: keyword
     arguments, `static_argnums` and `donate_argnums` as in `jax.jit` (donated buffers
-    are freed after a successful step; see hetpar/signature.py).
+    are freed after a successful step; see hetpar/signature.py). With
+    `like=train_step`, an eval or predict function is parallelized on the same
+    cluster with the same options (see hetpar/outputs.py for what a step returns).
     """
+    if like is not None:
+        return ParallelFunction(fn, like_options(like._options, batch_argnum, static_argnums, donate_argnums)) if fn else (
+            lambda f: ParallelFunction(f, like_options(like._options, batch_argnum, static_argnums, donate_argnums)))
     if isinstance(plan, str | Path):
         plan = load_plan(plan)
     if plan is None and cluster is None:
