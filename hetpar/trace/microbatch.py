@@ -11,6 +11,12 @@ the autodiff seed) or after them ("post": the loss division, the optimizer).
 Microbatches are executed with the microbatch-shaped trace but the full-batch
 trace's constants, so a `mean` still divides by the full batch size and the
 per-microbatch contributions add up exactly to the full-batch values.
+
+Two exceptions keep real training code exact (whole_batch.py): random bits shaped
+by the batch, and reductions of batch inputs alone (a masked mean's token count),
+run once before the microbatches on the full batch; each microbatch reads its slice.
+With a single microbatch nothing is combined, so a step the split refuses for
+combining reasons (batch statistics) runs whole instead.
 """
 
 from __future__ import annotations
