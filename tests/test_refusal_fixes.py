@@ -127,3 +127,25 @@ def test_per_example_outputs_come_back_whole(microbatches):
         return jax.tree.map(lambda a, d: a - 0.1 * d, w, g), (loss, preds)
 
     _run(step, microbatches=microbatches)
+
+
+def test_scan_over_layers_refused_with_microbatches_runs_with_one():
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            return nn.LayerNorm()(jnp.tanh(nn.Dense(8)(x))), None
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x, _ = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)()(x, None)
+            return nn.Dense(4)(x)
+
+    net = Net()
+    params = net.init(jax.random.key(0), _data()["x"])
+    step = _sgd(lambda p, batch: jnp.mean((net.apply(p, batch["x"]) - batch["y"]) ** 2))
+    with pytest.raises(hetpar.UnsupportedStepError, match="scan loop.*num_microbatches=1"):
+        _run(step, microbatches=2, num_stages=2, args=(params,))
+    _run(step, microbatches=1, num_stages=2, args=(params,))

@@ -257,6 +257,13 @@ def _reductions(full: OpGraph, phase: list, batch_axis: dict[int, int]) -> dict[
             if v in batch_axis:
                 continue
             combine = _REDUCTION_COMBINE.get(op.name)
+            if combine is None and op.name in ("scan", "while"):
+                raise CombineRefusal(
+                    f"a {op.name} loop (in {op.scope or 'the step'}; flax nn.scan or jax.lax.scan over layers?) "
+                    f"returns a value of shape {full.avals[v].shape} that is not per-example; hetpar keeps a loop "
+                    "whole and cannot tell how its results combine across microbatches (splitting scans over "
+                    "layers is not done yet). Use num_microbatches=1, or loop over the layers in Python."
+                )
             if combine is None:
                 raise CombineRefusal(
                     f"operator {op.name!r} (in {op.scope or 'the step'}) turns per-example values "
