@@ -6,6 +6,7 @@ from hetpar.cluster.cluster import Cluster, DeviceGroup
 from hetpar.errors import ClusterError, HetparError, PlanError, UnsupportedStepError
 from hetpar.markers import grad, value_and_grad
 from hetpar.options import RuntimeOption, ShardingOption, StageOption
+from hetpar.outputs import gather
 from hetpar.plan import Plan, StagePlan
 from hetpar.plan_file import load_plan, save_plan
 from hetpar.runtime.ray_runtime import init, shutdown
@@ -26,6 +27,7 @@ __all__ = [
     "StagePlan",
     "UnsupportedStepError",
     "devices",
+    "gather",
     "grad",
     "init",
     "shutdown",

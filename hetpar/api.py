@@ -24,12 +24,14 @@ from hetpar.compile.step import compile_step
 from hetpar.errors import HetparError, PlanError
 from hetpar.compile.compiled import CompiledStep
 from hetpar.options import RuntimeOption, ShardingOption, StageOption, build_options
+from hetpar.outputs import like_options, place_metrics
 from hetpar.plan import Plan
 from hetpar.plan_file import load_plan
 from hetpar.runtime.executor import RunStats, run
 from hetpar.runtime.ray_runtime import RayStep
+from hetpar.signature import bind_call, free_donated, normalize_argnums
 from hetpar.solve import check_fits, cluster_for, solve
-from hetpar.trace.traced_step import as_array, microbatch_graphs, trace_step
+from hetpar.trace.traced_step import as_array, microbatch_graphs, trace_step, whole_batch_replicas
 
 log = logging.getLogger("hetpar")
 
@@ -45,6 +47,8 @@ class Options:
     stage: StageOption
     sharding: ShardingOption
     runtime: RuntimeOption
+    static_argnums: tuple[int, ...] = ()  # as jax.jit (hetpar/signature.py)
+    donate_argnums: tuple[int, ...] = ()  # freed after a successful step (hetpar/signature.py)
 
 
 class ParallelFunction:
@@ -75,19 +79,23 @@ class ParallelFunction:
         """How many argument shapes this function has been planned and compiled for."""
         return len(self._cache)
 
-    def __call__(self, *args: Any) -> Any:
-        return self.call_with_stats(*args, stats=None)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call_with_stats(*args, stats=None, **kwargs)
 
-    def call_with_stats(self, *args: Any, stats: RunStats | None = None) -> Any:
+    def call_with_stats(self, *args: Any, stats: RunStats | None = None, **kwargs: Any) -> Any:
         """A call that also records, in `stats`, what the runtime holds at its peak."""
-        flat, treedef = jax.tree.flatten(args)
-        key = (treedef, tuple((tuple(x.shape), str(x.dtype)) for x in map(as_array, flat)))
+        o = self._options
+        call = bind_call(self._fn, args, kwargs, o.batch_argnum, o.static_argnums, o.donate_argnums)
+        flat, treedef = jax.tree.flatten(call.args)
+        key = (call.static_key, treedef, tuple((tuple(x.shape), str(x.dtype)) for x in map(as_array, flat)))
         if key not in self._cache:
-            self._cache[key] = self._build(args)
+            self._cache[key] = self._build(call.args, call.fn, call.batch_argnum)
         plan, compiled = self._cache[key]
         self._last, self._last_compiled = plan, compiled
         outputs = compiled(flat) if isinstance(compiled, RayStep) else run(compiled, flat, stats)
-        return jax.tree.unflatten(compiled.graph.out_tree, outputs)
+        result = place_metrics(jax.tree.unflatten(compiled.graph.out_tree, outputs))
+        free_donated(call.donated, result, call.kept)
+        return result
 
     def shutdown(self) -> None:
         """Stops the workers of a Ray runtime (nothing to do in-process)."""
@@ -96,13 +104,13 @@ class ParallelFunction:
                 compiled.shutdown()
         self._cache.clear()
 
-    def _build(self, args: tuple) -> tuple[Plan, CompiledStep | RayStep]:
+    def _build(self, args: tuple, fn: Callable, batch_argnum: int) -> tuple[Plan, CompiledStep | RayStep]:
         """The passes, in order: trace, plan (or check a given plan), compile."""
         o = self._options
         timer = _Timer()
         microbatches = o.plan.num_microbatches if o.plan else o.num_microbatches
         with timer("trace"):
-            traced = trace_step(self._fn, args, o.batch_argnum, microbatches)
+            traced = trace_step(fn, args, batch_argnum, microbatches)
         # A cluster read from a file names device types only: run it on this process's devices.
         if o.cluster is None:
             cluster = cluster_for(o.plan)
@@ -114,6 +122,9 @@ class ParallelFunction:
                 plan = o.plan
             else:
                 stage = o.stage
+                if traced.analysis.single:  # runs whole: one pipeline, no replicas to split the batch over
+                    stage = replace(stage, mode="manual" if stage.mode == "auto" else stage.mode,
+                                    num_replicas=whole_batch_replicas(traced, stage.num_replicas))
                 if o.runtime.runtime == "ray" and stage.schedule is None and stage.chunks is None:
                     stage = replace(stage, chunks=1)  # one actor per stage: no chunks sharing a device group
                 plan = solve(traced, cluster, stage, o.sharding)
@@ -122,13 +133,13 @@ class ParallelFunction:
                 raise HetparError(f"the Ray runtime runs one actor per stage; this {plan.schedule} plan puts {plan.chunks} stages "
                                   "on each device group: run it with runtime='local', or plan it without chunks")
             with timer("start workers"):
-                compiled = RayStep(self._fn, args, o.batch_argnum, plan, traced, o.runtime.timeout_s)
+                compiled = RayStep(fn, args, batch_argnum, plan, traced, o.runtime.timeout_s)
             log.info("hetpar built a %d-stage plan on Ray in %s", plan.num_stages, timer)
             return plan, compiled
         with timer("compile"):
             order = [d for g in cluster.groups for d in g.device_ids]  # plans name devices by position
             meshes = {s.index: stage_mesh(tuple(order[p] for p in s.device_ids), s.mesh_shape) for s in plan.stages}
-            graphs = microbatch_graphs(self._fn, args, o.batch_argnum, traced, plan)
+            graphs = microbatch_graphs(fn, args, batch_argnum, traced, plan)
             compiled = compile_step(traced, plan, meshes, graphs)
         log.info("hetpar built a %d-stage plan in %s", plan.num_stages, timer)
         return plan, compiled
@@ -151,6 +162,9 @@ def parallelize(
     num_replicas: int | None = None,
     runtime: str | None = None,
     mesh_shape: tuple | None = None,
+    static_argnums: int | tuple[int, ...] | None = None,
+    donate_argnums: int | tuple[int, ...] | None = None,
+    like: ParallelFunction | None = None,
 ) -> Any:
     """Parallelizes a train step `fn(state, batch)` over `cluster`.
 
@@ -172,8 +186,15 @@ def parallelize(
       2-D mesh, its operators sharded over it by the intra-op ILP;
     - `runtime="ray"`: every stage mesh in its own Ray actor (see `hetpar.init`).
 
-    The result computes what `jax.jit(fn)` computes.
+    The result computes what `jax.jit(fn)` computes, and is called like it: keyword
+    arguments, `static_argnums` and `donate_argnums` as in `jax.jit` (donated buffers
+    are freed after a successful step; see hetpar/signature.py). With
+    `like=train_step`, an eval or predict function is parallelized on the same
+    cluster with the same options (see hetpar/outputs.py for what a step returns).
     """
+    if like is not None:
+        return ParallelFunction(fn, like_options(like._options, batch_argnum, static_argnums, donate_argnums)) if fn else (
+            lambda f: ParallelFunction(f, like_options(like._options, batch_argnum, static_argnums, donate_argnums)))
     a = check_arguments(fn, cluster, plan, num_microbatches=num_microbatches, num_stages=num_stages, num_layers=num_layers,
                         num_replicas=num_replicas, batch_argnum=batch_argnum, schedule=schedule, runtime=runtime,
                         mesh_shape=mesh_shape)  # hetpar/arguments.py: types and ranges, numpy ints, a cluster file path
@@ -190,7 +211,9 @@ def parallelize(
         num_layers=num_layers, schedule=schedule, chunks=chunks, mesh_shape=mesh_shape, runtime=runtime,
     )
     options = Options(cluster=cluster, plan=plan, num_microbatches=num_microbatches, batch_argnum=batch_argnum,
-                      stage=stage, sharding=sharding, runtime=runtime_opt)
+                      stage=stage, sharding=sharding, runtime=runtime_opt,
+                      static_argnums=normalize_argnums(static_argnums, "static_argnums"),
+                      donate_argnums=normalize_argnums(donate_argnums, "donate_argnums"))
     if fn is None:
         return lambda f: ParallelFunction(f, options)
     return ParallelFunction(fn, options)

@@ -15,3 +15,8 @@ class PlanError(HetparError):
 
 class ClusterError(HetparError):
     """An impossible cluster description."""
+
+
+class CombineRefusal(UnsupportedStepError):
+    """The step's per-microbatch results cannot be combined into the full batch's.
+    Raised only when there is more than one microbatch: with one, the step runs whole."""

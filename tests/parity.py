@@ -28,10 +28,18 @@ def assert_close(actual: Any, expected: Any, what: str, rtol: float = RTOL, atol
     flat_e, tree_e = jax.tree.flatten(expected)
     assert tree_a == tree_e, f"{what}: tree structure differs"
     for path, a, e in zip(jax.tree_util.tree_flatten_with_path(expected)[0], flat_a, flat_e):
+        a, e = _plain(a), _plain(e)
         np.testing.assert_allclose(
             np.asarray(a), np.asarray(e), rtol=rtol, atol=atol,
             err_msg=f"{what} at {jax.tree_util.keystr(path[0])}",
         )
+
+
+def _plain(x: Any) -> Any:
+    """Typed PRNG keys compare by their key data."""
+    if hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(x)
+    return x
 
 
 def run_parity(workload, cluster: hetpar.Cluster, steps: int = 3, **options: Any) -> hetpar.Plan:

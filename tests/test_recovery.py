@@ -81,7 +81,7 @@ def _check_steps(parallel, reference, state, batch, steps: int, what: str):
 def _last_call(parallel) -> int:
     """The last program call of a step that belongs to a microbatch (1F1B's last
     backward): the point where the most partial values are held."""
-    order = parallel.compiled().dispatch_order
+    order = parallel.compiled().order
     return max(i + 1 - sum(1 for s in order[: i + 1] if s.combine) for i, s in enumerate(order) if s.microbatch is not None)
 
 
@@ -103,7 +103,7 @@ def test_a_step_after_an_interrupted_step_equals_jit(setup):
 def test_faults_at_random_points_never_change_later_steps(setup):
     w, reference, parallel = setup
     rng = np.random.default_rng(19)
-    calls = sum(1 for s in parallel.compiled().dispatch_order if not s.combine)
+    calls = sum(1 for s in parallel.compiled().order if not s.combine)
     states = [w.state, parallel(w.state, w.batch)[0]]
     for round_ in range(4):
         error = KeyboardInterrupt() if rng.uniform() < 0.5 else Fault(f"round {round_}")

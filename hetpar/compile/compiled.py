@@ -49,8 +49,9 @@ class CompiledStep:
 
 
 def is_per_microbatch(graph: OpGraph, analysis: MicrobatchAnalysis, batch_invars: set[int], value: int) -> bool:
-    """A batch input, or a value a per-microbatch operator makes (not a reduction)."""
-    if value in batch_invars:
+    """A batch input, a value a per-microbatch operator makes (not a reduction), or a
+    whole-batch value each microbatch reads a slice of."""
+    if value in batch_invars or value in analysis.sliced:
         return True
     producer = graph.producer.get(value)
     return producer is not None and analysis.phase[producer] is Phase.MICRO and value not in analysis.reductions

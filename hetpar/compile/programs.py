@@ -52,8 +52,19 @@ def value_sharding(mesh: Mesh, aval: Any, batch_axis: int | None) -> NamedShardi
     return NamedSharding(mesh, PartitionSpec())
 
 
-_COMBINE: dict[str, Callable] = {"sum": jnp.add, "mean": jnp.add, "max": jnp.maximum, "min": jnp.minimum}
-_IDENTITY = {"sum": 0, "mean": 0, "max": -np.inf, "min": np.inf}
+_COMBINE: dict[str, Callable] = {
+    "sum": jnp.add, "mean": jnp.add, "max": jnp.maximum, "min": jnp.minimum, "only": lambda acc, x: x,
+}
+_IDENTITY = {"sum": 0, "mean": 0, "max": -np.inf, "min": np.inf, "only": 0}
+
+
+def accumulator_dtype(dtype: Any, combine: str) -> Any:
+    """Sums of low-precision floats accumulate in float32, as `jax.jit` keeps f32
+    parameters and optimizer state: adding a bf16 gradient per microbatch into a bf16
+    accumulator would round at every microbatch. max/min are exact in any dtype."""
+    if combine in ("sum", "mean") and jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32:
+        return jnp.float32
+    return dtype
 
 
 @dataclass
@@ -64,6 +75,7 @@ class Program:
     in_shardings: tuple[NamedSharding, ...]
     acc_shardings: tuple[NamedSharding, ...]
     init_acc: Callable | None  # () -> accumulators of zeros (or the combine's identity)
+    finish: Callable | None = None  # accumulators -> the reductions in their own dtype
     arg_types: tuple = ()  # (accumulators, *inputs) as ShapeDtypeStructs with their shardings
 
     def lower(self) -> Any:
@@ -84,6 +96,10 @@ def compile_task(
     the stage's intra-op shardings: weights arrive in them, matmul results are
     constrained to them, and XLA's partitioner fills in the collectives."""
     specs = specs or {}
+    if task.kind == "pre" and analysis.whole_batch and not analysis.marked:
+        # Once-per-step work before the microbatches sees the whole batch (whole_batch.py);
+        # everything else in it is batch-independent, the same in both traces.
+        graph = analysis.full
     ops = [graph.ops[i] for i in task.ops]
     needed = {v for op in ops for v in op.inputs if v in graph.constants}
     source = graph.constants if analysis.marked else constants
@@ -101,7 +117,7 @@ def compile_task(
                 if v in specs:
                     env[v] = jax.lax.with_sharding_constraint(env[v], spec_sharding(mesh, graph.avals[v], specs[v]))
         new = tuple(env[v] if k == 1.0 else env[v] * jnp.asarray(k, env[v].dtype) for v, k in zip(task.reductions, scale))
-        acc = tuple(_COMBINE[c](a, x) for c, a, x in zip(combine, acc, new))
+        acc = tuple(_COMBINE[c](a, x.astype(a.dtype)) for c, a, x in zip(combine, acc, new))
         return tuple(env[v] for v in task.outputs), acc
 
     def sharding(v: int) -> NamedSharding:
@@ -114,13 +130,18 @@ def compile_task(
     acc_sh = tuple(sharding(v) for v in task.reductions)
     fn = jax.jit(run, in_shardings=(acc_sh, *in_sh), out_shardings=(out_sh, acc_sh), donate_argnums=0)
 
-    init_acc = None
+    init_acc = finish = None
     if task.reductions:
         avals = [graph.avals[v] for v in task.reductions]
+        acc_dtypes = [accumulator_dtype(a.dtype, c) for a, c in zip(avals, combine)]
         init_acc = jax.jit(
-            lambda: tuple(jnp.full(a.shape, _IDENTITY[c], a.dtype) for a, c in zip(avals, combine)),
+            lambda: tuple(jnp.full(a.shape, _IDENTITY[c], d) for a, c, d in zip(avals, combine, acc_dtypes)),
             out_shardings=acc_sh,
         )
-    typed = lambda v, sh: jax.ShapeDtypeStruct(graph.avals[v].shape, graph.avals[v].dtype, sharding=sh)  # noqa: E731
-    arg_types = (tuple(map(typed, task.reductions, acc_sh)), *map(typed, task.inputs, in_sh))
-    return Program(task, mesh, fn, in_sh, acc_sh, init_acc, arg_types)
+        if any(d != a.dtype for a, d in zip(avals, acc_dtypes)):
+            finish = jax.jit(lambda acc: tuple(x.astype(a.dtype) for x, a in zip(acc, avals)), out_shardings=acc_sh)
+    typed = lambda v, sh, dtype=None: jax.ShapeDtypeStruct(  # noqa: E731
+        graph.avals[v].shape, dtype or graph.avals[v].dtype, sharding=sh)
+    acc_types = tuple(typed(v, sh, accumulator_dtype(graph.avals[v].dtype, c)) for v, sh, c in zip(task.reductions, acc_sh, combine))
+    arg_types = (acc_types, *map(typed, task.inputs, in_sh))
+    return Program(task, mesh, fn, in_sh, acc_sh, init_acc, finish, arg_types)

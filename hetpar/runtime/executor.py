@@ -50,6 +50,11 @@ def run(step: CompiledStep, flat_args: Sequence[Any], stats: RunStats | None = N
         copies = store.get((value, mb, replica)) or store.get((value, mb, 0))
         if copies:
             return next(iter(copies.values()))
+        if value in step.analysis.sliced:  # drawn once for the whole batch: this microbatch's part
+            whole = store.get((value, None, replica)) or store[(value, None, 0)]
+            start, size = step.microbatch_slice(mb)
+            axis = step.analysis.batch_axis[value]
+            return jax.lax.slice_in_dim(next(iter(whole.values())), start, start + size, axis=axis)
         arg = inputs[value]
         if mb is None:
             return arg
@@ -67,6 +72,7 @@ def run(step: CompiledStep, flat_args: Sequence[Any], stats: RunStats | None = N
         return copies[stage]
 
     accumulators: dict[int, tuple] = {}
+    returned = set(graph.outvars)
     for item in step.order:
         if item.combine:
             _combine_replicas(step, store)
@@ -87,12 +93,15 @@ def run(step: CompiledStep, flat_args: Sequence[Any], stats: RunStats | None = N
         for v, x in zip(task.outputs, outs):
             store[(v, key, replica)] = {task.stage: x}
         if item.last_microbatch:
-            for v, x in zip(task.reductions, accumulators.pop(item.program)):
+            final = accumulators.pop(item.program)
+            if program.finish is not None:
+                final = program.finish(final)
+            for v, x in zip(task.reductions, final):
                 store[(v, None, replica)] = {task.stage: x}
         if stats is not None:
             stats.observe(store)
         if item.release is not None:
-            for k in [k for k in store if k[1] == item.release]:
+            for k in [k for k in store if k[1] == item.release and k[0] not in returned]:
                 del store[k]
 
     return [_output(v, step, store, inputs) for v in graph.outvars]
@@ -126,4 +135,18 @@ def _output(value: int, step: CompiledStep, store: dict, inputs: dict) -> Any:
     copies = store.get((value, None, 0))
     if copies:
         return next(iter(copies.values()))
+    if step.per_microbatch(value) and value not in inputs:
+        return _concatenate(value, step, store)
     return inputs[value]
+
+
+def _concatenate(value: int, step: CompiledStep, store: dict) -> Any:
+    """A per-example output (logits, per-example losses): the microbatches' pieces laid
+    end to end along the batch axis, on the mesh of the first."""
+    mine = sorted((mb, c) for (v, mb, _), c in store.items() if v == value and mb is not None)
+    pieces = [next(iter(c.values())) for _, c in mine]
+    if len(pieces) == 1:
+        return pieces[0]
+    first = pieces[0].sharding
+    pieces = [_PATH.to_mesh(p, first) for p in pieces]
+    return jnp.concatenate(pieces, axis=step.analysis.batch_axis[value])

@@ -89,6 +89,7 @@ class RayStep:
                  timeout_s: float | None = None):
         import ray
 
+        _check_supported(traced)
         init()
         self.graph = traced.exec_graph
         self._traced, self._plan, self.timeout_s = traced, plan, timeout_s or worker_timeout_s()
@@ -246,3 +247,16 @@ class RayStep:
         for w in self.workers.values():
             ray.kill(w)
         self.workers = {}
+
+
+def _check_supported(traced: TracedStep) -> None:
+    """The multi-process runtime does not yet hand microbatches slices of whole-batch
+    values (dropout bits, see trace/whole_batch.py) nor gather per-example outputs."""
+    analysis = traced.analysis
+    if analysis.sliced:
+        raise HetparError(
+            "this step draws random bits shaped by the batch (dropout) or reads per-example values computed over "
+            "the whole batch; the Ray runtime does not slice them per microbatch yet: use runtime='local'"
+        )
+    if any(v in analysis.batch_axis for v in traced.full.outvars):
+        raise HetparError("the step returns per-example values, which the Ray runtime does not gather yet: use runtime='local'")

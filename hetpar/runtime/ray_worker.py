@@ -86,7 +86,10 @@ class StageWorker:
         for v, x in zip(task.outputs, outs):
             self._values[(v, out_mb, replica)] = x
         if last:
-            for v, x in zip(task.reductions, self._acc.pop(index)):
+            final = self._acc.pop(index)
+            if program.finish is not None:
+                final = program.finish(final)
+            for v, x in zip(task.reductions, final):
                 self._values[(v, None, replica)] = x
         return [*(path.export(self._values[(v, out_mb, replica)]) for v in export), index]
 

@@ -11,6 +11,12 @@ the autodiff seed) or after them ("post": the loss division, the optimizer).
 Microbatches are executed with the microbatch-shaped trace but the full-batch
 trace's constants, so a `mean` still divides by the full batch size and the
 per-microbatch contributions add up exactly to the full-batch values.
+
+Two exceptions keep real training code exact (whole_batch.py): random bits shaped
+by the batch, and reductions of batch inputs alone (a masked mean's token count),
+run once before the microbatches on the full batch; each microbatch reads its slice.
+With a single microbatch nothing is combined, so a step the split refuses for
+combining reasons (batch statistics) runs whole instead.
 """
 
 from __future__ import annotations
@@ -20,9 +26,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hetpar.errors import UnsupportedStepError
+from hetpar.errors import CombineRefusal, UnsupportedStepError
 from hetpar.markers import MARKER_SCOPE
 from hetpar.trace.opgraph import OpGraph
+from hetpar.trace.whole_batch import whole_batch_ops
 
 
 class Phase(enum.Enum):
@@ -55,14 +62,32 @@ class MicrobatchAnalysis:
     batch_axis: dict[int, int]  # per-example value -> the axis that carries the batch
     reductions: dict[int, str]  # MICRO output without batch axis -> "sum" | "max" | "min" | "mean"
     marked: bool = False  # hetpar.value_and_grad markers: per-microbatch semantics, "mean" combine
+    # Ops run once before the microbatches on the full batch (whole_batch.py); their
+    # per-example outputs are "sliced": each microbatch reads its slice.
+    whole_batch: frozenset[int] = frozenset()
+    sliced: frozenset[int] = frozenset()
+    # One microbatch and nothing to combine: a step the split would refuse runs whole.
+    single: bool = False
+    full: OpGraph | None = None  # the full-batch trace, which "pre" programs run
 
     def is_per_example(self, value: int) -> bool:
         return value in self.batch_axis
 
 
-def analyze(full: OpGraph, probe: OpGraph, batch_invars: list[int]) -> MicrobatchAnalysis:
+def analyze(full: OpGraph, probe: OpGraph, batch_invars: list[int], num_microbatches: int = 2) -> MicrobatchAnalysis:
     """Splits the step traced at the full batch (`full`) using a trace at another
-    batch size (`probe`) with the same structure."""
+    batch size (`probe`) with the same structure. With one microbatch nothing is
+    combined, so a step whose split would be refused for combining reasons (batch
+    statistics, reductions with no known combine) runs whole instead."""
+    try:
+        return _analyze(full, probe, batch_invars, single=False)
+    except CombineRefusal:
+        if num_microbatches != 1:
+            raise
+        return _analyze(full, probe, batch_invars, single=True)
+
+
+def _analyze(full: OpGraph, probe: OpGraph, batch_invars: list[int], single: bool) -> MicrobatchAnalysis:
     check_same_structure(full, probe)
     batch_axis = _batch_axes(full, probe)
     for v in full.constants:
@@ -82,8 +107,12 @@ def analyze(full: OpGraph, probe: OpGraph, batch_invars: list[int]) -> Microbatc
     markers = [op.index for op in full.ops if op.name == "optimization_barrier" and MARKER_SCOPE in op.scope]
     inside_marked = _ancestors(full, markers)
     phase: list[Phase | None] = [None] * n
+    whole = set() if markers else whole_batch_ops(full, batch_axis, batch_invars)
     batch_dependent = set(batch_invars)
     for op in full.ops:
+        if op.index in whole:
+            phase[op.index] = Phase.PRE
+            continue
         touches_examples = any(v in batch_axis for v in op.inputs + op.outputs)
         depends = any(v in batch_dependent for v in op.inputs)
         if touches_examples and markers and op.index not in inside_marked:
@@ -99,6 +128,13 @@ def analyze(full: OpGraph, probe: OpGraph, batch_invars: list[int]) -> Microbatc
         if touches_examples or depends:
             batch_dependent.update(op.outputs)
 
+    if single:  # work on batch reductions that feeds back into per-example work joins it
+        for op in reversed(full.ops):
+            if phase[op.index] is Phase.POST and any(
+                phase[c] is Phase.MICRO for v in op.outputs for c in full.consumers.get(v, ())
+            ):
+                phase[op.index] = Phase.MICRO
+
     # Batch-independent ops feeding microbatch work run before it; the rest after.
     needed_before = set()
     for op in reversed(full.ops):
@@ -113,16 +149,11 @@ def analyze(full: OpGraph, probe: OpGraph, batch_invars: list[int]) -> Microbatc
     if markers:
         reductions = {v: "mean" for i in markers for v in full.ops[i].outputs}
         _check_marked_region_closed(full, phase, reductions)
+    elif single:
+        reductions = _leaving_reductions(full, phase, batch_axis)
     else:
         reductions = _reductions(full, phase, batch_axis)
         _check_no_cross_example_flow(full, phase, batch_axis, reductions)
-    for v in full.outvars:
-        if v in batch_axis:
-            raise UnsupportedStepError(
-                f"the step returns a per-example value of shape {full.avals[v].shape}; hetpar "
-                "combines step outputs across microbatches only when they are reduced over "
-                "the batch (a loss, gradients, metrics). Return a reduction instead."
-            )
 
     backward = [False] * n
     backward_values: set[int] = set()
@@ -130,7 +161,23 @@ def analyze(full: OpGraph, probe: OpGraph, batch_invars: list[int]) -> Microbatc
         if phase[op.index] is Phase.MICRO and (op.is_backward or any(v in backward_values for v in op.inputs)):
             backward[op.index] = True
             backward_values.update(op.outputs)
-    return MicrobatchAnalysis(phase, backward, batch_axis, reductions, marked=bool(markers))
+    sliced = frozenset(v for i in whole for v in full.ops[i].outputs if v in batch_axis)
+    return MicrobatchAnalysis(
+        phase, backward, batch_axis, reductions, marked=bool(markers), whole_batch=frozenset(whole),
+        sliced=sliced, single=single, full=full,
+    )
+
+
+def _leaving_reductions(full: OpGraph, phase: list, batch_axis: dict[int, int]) -> dict[int, str]:
+    """With one microbatch, the values that leave the per-microbatch work without the
+    batch dimension are final as they are: "only" takes the one microbatch's value."""
+    outvars = set(full.outvars)
+    return {
+        v: "only"
+        for op in full.ops if phase[op.index] is Phase.MICRO
+        for v in op.outputs
+        if v not in batch_axis and (v in outvars or any(phase[c] is not Phase.MICRO for c in full.consumers.get(v, ())))
+    }
 
 
 def _ancestors(graph: OpGraph, ops: list[int]) -> set[int]:
@@ -181,7 +228,7 @@ def check_same_structure(a: OpGraph, b: OpGraph) -> None:
         raise UnsupportedStepError(
             "the train step traces to a different program at another batch size (Python "
             "control flow on the batch shape?); hetpar needs one program whose shapes scale "
-            "with the batch. " + _USE_MARKERS
+            "with the batch: branch on values with jnp.where or jax.lax.cond, not on x.shape."
         )
 
 
@@ -210,17 +257,25 @@ def _reductions(full: OpGraph, phase: list, batch_axis: dict[int, int]) -> dict[
             if v in batch_axis:
                 continue
             combine = _REDUCTION_COMBINE.get(op.name)
+            if combine is None and op.name in ("scan", "while"):
+                raise CombineRefusal(
+                    f"a {op.name} loop (in {op.scope or 'the step'}; flax nn.scan or jax.lax.scan over layers?) "
+                    f"returns a value of shape {full.avals[v].shape} that is not per-example; hetpar keeps a loop "
+                    "whole and cannot tell how its results combine across microbatches (splitting scans over "
+                    "layers is not done yet). Use num_microbatches=1, or loop over the layers in Python."
+                )
             if combine is None:
-                raise UnsupportedStepError(
+                raise CombineRefusal(
                     f"operator {op.name!r} (in {op.scope or 'the step'}) turns per-example values "
                     "into one of shape "
                     f"{full.avals[v].shape} in a way hetpar cannot combine across microbatches. "
                     + _USE_MARKERS
                 )
             if op.name.startswith("scatter") and not _is_zero(full, op.inputs[0]):
-                raise UnsupportedStepError(
+                raise CombineRefusal(
                     f"a scatter-add over the batch (in {op.scope}) adds into a non-zero operand; "
-                    "summing it per microbatch would count the operand more than once."
+                    "summing it per microbatch would count the operand more than once. Add into "
+                    "zeros and add the operand afterwards, or use num_microbatches=1."
                 )
             reductions[v] = combine
     return reductions
@@ -246,7 +301,7 @@ def _check_no_cross_example_flow(full: OpGraph, phase: list, batch_axis: dict, r
         elif phase[op.index] is Phase.MICRO:
             mixed = [v for v in op.inputs if v in post_values]
             if mixed:
-                raise UnsupportedStepError(
+                raise CombineRefusal(
                     f"operator {op.name!r} (in {op.scope or 'the step'}) feeds a value reduced "
                     "over the whole batch back into per-example work (batch statistics, e.g. "
                     "BatchNorm, or a loss that is not a sum or mean over examples), so "

@@ -37,7 +37,7 @@ def trace_step(fn: Callable, args: tuple, batch_argnum: int, num_microbatches: i
     probe = jaxpr_ir.trace(fn, *at_batch(args, batch_argnum, 2 * batch_size))
     exec_graph = full if mb == batch_size else jaxpr_ir.trace(fn, *at_batch(args, batch_argnum, mb))
     batch_invars = tuple(full.invars[i] for i in batch_leaves)
-    analysis = analyze(full, probe, list(batch_invars))
+    analysis = analyze(full, probe, list(batch_invars), num_microbatches)
     if exec_graph is not full:
         _check_microbatch_program(full, exec_graph, mb)
     paths = tuple(jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(args)[0])
@@ -112,3 +112,16 @@ def at_batch(args: tuple, batch_argnum: int, size: int) -> tuple:
     return tuple(
         jax.tree.map(functools.partial(spec, batch=i == batch_argnum), a) for i, a in enumerate(args)
     )
+
+
+def whole_batch_replicas(traced: TracedStep, num_replicas: int | None) -> int | None:
+    """A step that only runs whole (one microbatch, nothing it could combine) runs as
+    one pipeline: data-parallel replicas would each see part of the batch."""
+    if not traced.analysis.single:
+        return num_replicas
+    if (num_replicas or 1) > 1:
+        raise PlanError(
+            f"this step only runs on the whole batch at once (its per-example results cannot be combined), "
+            f"so it cannot be split over num_replicas={num_replicas} data-parallel pipelines; leave num_replicas unset"
+        )
+    return 1
