@@ -92,17 +92,19 @@ class _Row:
 
 
 def best_split(
-    tables: Sequence[StageTable], sends: Sequence[np.ndarray], m: int, beat: float = INF, schedule: str = schedules.DEFAULT, chunks: int = 1,
+    tables: Sequence[StageTable], sends: Sequence[np.ndarray], m: int, beat: float = INF, schedule: str = schedules.DEFAULT,
+    chunks: int = 1,
 ) -> Split | None:
     """The split with the least 1F1B step time, or None when none fits or none beats `beat`.
 
     For GPipe (whose two maxima bound the forward and the backward separately) the same
     sweep runs on the 1F1B form and the result is scored with GPipe's: close, not
     proven optimal. 1F1B is never slower nor larger under this model, so a search that
-    may pick either schedule is exact. Interleaved splits (`chunks` = v stages per
-    device group) are swept the same way with the bounds their form allows (the fill
-    counts 1/v, the rest m - 1/v stage times) and scored with their own form: close,
-    not proven optimal, since their pace is a device group's sum of chunks."""
+    may pick either schedule is exact. Interleaved splits (`chunks` = v > 1 stages per
+    device group) take the 1F1B sweep too, pruned by the 1F1B form of the splits it
+    finds, each scored with the interleaved form: close, not proven optimal (their pace
+    is a device group's sum of chunks). Only the early refusals use the interleaved
+    form's own bound (the fill counts 1/v, the rest m - 1/v stage times)."""
     v = chunks
     row = _Row(tables, sends)
     n, k = row.n, len(tables)
@@ -118,21 +120,34 @@ def best_split(
     if sum0 / v + (m - 1 / v) * t_lo + u_floor >= beat:
         return None
     best = Split(cuts0, score(tables, sends, m, cuts0, schedule, chunks))
-    best_value = min(best.objective_s, beat)
+    # What the sweep prunes against: the best objective (one chunk), or the best 1F1B
+    # form seen (interleaved: its objective is not the form the sweep bounds).
+    best_value = min(best.objective_s, beat) if v == 1 else _flow_shop(tables, sends, m, cuts0)
     for t_max in t_values[np.searchsorted(t_values, t_lo):]:
-        if sum0 / v + (m - 1 / v) * t_max + u_floor >= best_value:
+        if sum0 + (m - 1) * t_max + u_floor >= best_value:
             break
         sum_t, _ = row.least_sum(t_max=t_max)
         u_lo = row.least_max(t_max, of_tails=True)
         for u_max in u_values[np.searchsorted(u_values, u_lo):]:
-            if sum_t / v + (m - 1 / v) * t_max + u_max >= best_value:
+            if sum_t + (m - 1) * t_max + u_max >= best_value:
                 break
             value, cuts = row.least_sum(t_max, u_max)
-            if value / v + (m - 1 / v) * t_max + u_max < best_value:
+            if value + (m - 1) * t_max + u_max < best_value:
                 objective = score(tables, sends, m, cuts, schedule, chunks)
                 if objective < best.objective_s:
                     best = Split(cuts, objective)
-                    best_value = min(best_value, objective)
+                    best_value = min(best_value, objective) if v == 1 else best_value
+                if v > 1:
+                    best_value = min(best_value, _flow_shop(tables, sends, m, cuts))
             if value <= sum_t:
                 break  # a looser tail bound cannot shorten the sum further
     return best if best.objective_s < beat else None
+
+
+def _flow_shop(tables: Sequence[StageTable], sends: Sequence[np.ndarray], m: int, cuts: Sequence[int]) -> float:
+    """The 1F1B form of a split (see the module docstring): what the sweep bounds."""
+    bounds = list(zip([0, *cuts], [*cuts, tables[0].forward.shape[0] - 1]))
+    per_mb = [float(t.time[i, j]) for t, (i, j) in zip(tables, bounds)]
+    sent = [float(s[c]) for s, c in zip(sends, cuts)]
+    tail = max(float(t.tail[i, j]) for t, (i, j) in zip(tables, bounds))
+    return sum(per_mb) + 2 * sum(sent) + (m - 1) * max(per_mb + sent) + tail

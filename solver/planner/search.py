@@ -18,9 +18,10 @@ descent beyond. With a time limit, the best plan so far comes back with its gap.
 
 Schedules come from the registry (`solver.schedules`); an interleaved one is tried with
 each allowed chunk count, its device groups' chunks splitting the layers in a row
-repeated `chunks` times. Its splits are close, not proven optimal (`layer_split`), and
-with it among the choices the layout bounds are relaxed by the largest bubble it could
-save (`_relax`), a heuristic rather than a proof.
+repeated `chunks` times, on each order whose plain (1F1B) pipeline made the top k so
+far. Its splits are close, not proven optimal (`layer_split`), and an order pruned by
+the plain schedules' bounds is not tried interleaved: the search stays exact for the
+plain schedules, and interleaving improves on the pipelines it finds.
 """
 
 from __future__ import annotations
@@ -167,7 +168,7 @@ class Planner:
                             continue
                         lower = self.bounds.bound(layouts, m, b)
                         if lower < INF:
-                            candidates.append((lower * _relax(schedules, m, layouts), m, layouts))
+                            candidates.append((lower, m, layouts))
         # Branch and bound with lazily tightened bounds: a layout's first bound ignores
         # where its stages sit; when it reaches the front it is re-bounded per order of
         # its kinds (activations in flight depend on the position) and goes back in line.
@@ -185,20 +186,23 @@ class Planner:
                 break
             b = batch // m
             if orders is None:
-                relax = _relax(schedules, m, layouts)
-                ranked = [(self.bounds.order_bound(order, m, b, bound_schedule, worst / relax) * relax, i, order)
+                ranked = [(self.bounds.order_bound(order, m, b, bound_schedule, worst), i, order)
                           for i, order in enumerate(self._orders(layouts))]
                 orders = [(bound, order) for bound, _, order in sorted(ranked)]
                 if orders and orders[0][0] < INF:
                     heapq.heappush(queue, (orders[0][0], next(counter), m, layouts, orders))
                 continue
             for order_lower, order in orders:
+                competitive = False  # a plain schedule's pipeline on this order made the top k
                 for schedule, chunks in schedules:
                     worst = -heap[0][0] if len(heap) >= top_k else beat
                     if order_lower >= worst:
                         break
+                    if chunks > 1 and not competitive:
+                        continue  # interleaving refines competitive pipelines only: it costs v x the split's work
                     plan = self.pipeline(order, m, b, schedule, beat=worst, chunks=chunks)
                     if plan is not None:
+                        competitive = competitive or chunks == 1
                         heapq.heappush(heap, (-plan.step_s, next(counter), plan))
                         if len(heap) > top_k:
                             heapq.heappop(heap)
@@ -351,15 +355,6 @@ def _schedule_choices(problem: Problem, interleave: bool = True) -> list[tuple[s
         else:
             out.append((name, 1))
     return out or [(problem.schedules[0], 1)]
-
-
-def _relax(choices: list[tuple[str, int]], m: int, layouts: tuple[KindLayout, ...]) -> float:
-    """The layout bounds are 1F1B's; an interleaved schedule fills and drains faster,
-    so with one among the choices they are relaxed by the most it can save: the
-    ideal m over 1F1B's m + k - 1 stage-times for k stages."""
-    if not any(registry.get(name).interleaved for name, _ in choices):
-        return 1.0
-    return m / (m + sum(lay.stages for lay in layouts) - 1)
 
 
 def _chunks_fit(tables, cuts: tuple[int, ...], groups: int) -> bool:  # noqa: ANN001
