@@ -291,3 +291,13 @@ def test_bad_command_line_options_are_refused_in_one_line(tmp_path, capsys, case
     line = _one_line_refusal(capsys, argv)
     assert words in line, line
     assert not (tmp_path / "out.json").exists()
+
+
+def test_an_empty_cluster_and_a_step_with_no_outputs_are_named():
+    from hetpar.cluster.cluster import Cluster
+
+    with pytest.raises(hetpar.ClusterError, match="the cluster has no devices"):
+        Cluster(())
+    step = hetpar.parallelize(lambda w, batch: None, cluster=hetpar.Cluster.virtual(VIRTUAL))
+    with pytest.raises(hetpar.UnsupportedStepError, match="returns no arrays.*return them"):
+        step(jnp.ones((8, 4)), {"x": jnp.ones((16, 8))})
