@@ -50,10 +50,15 @@ def _factory(spec: str) -> Callable[..., Any]:
             raise HetparError(f"unknown model {spec!r}: name a reference model ({', '.join(models.names())}) or MODULE:FUNCTION")
         return models.factory(spec)
     module_name, _, attr = spec.rpartition(":")
+    if not module_name or not attr:
+        raise HetparError(f"{spec!r} names no function: write MODULE:FUNCTION or path/to/file.py:FUNCTION")
     module = _import(module_name)
     if not hasattr(module, attr):
         raise HetparError(f"{module_name} has no function {attr!r}")
-    return getattr(module, attr)
+    factory = getattr(module, attr)
+    if not callable(factory):
+        raise HetparError(f"{spec} is a {type(factory).__name__}, not a function returning (step, args) or a workload")
+    return factory
 
 
 def _import(name: str) -> Any:

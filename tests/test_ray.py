@@ -179,3 +179,17 @@ def test_a_retry_after_a_worker_error_equals_jit(ray_cluster, workload):
         assert_close(par_grads, ref_grads, "gradients after a failed step")
         assert_close(par_state.params, ref_state.params, "parameters after a failed step")
     parallel.shutdown()
+
+
+def test_an_unpicklable_step_is_one_clear_error(ray_cluster):
+    lock = threading.Lock()
+
+    def step(w, batch):
+        with lock:  # a lock cannot travel to another process
+            loss, g = jax.value_and_grad(lambda w: jnp.mean((batch["x"] @ w) ** 2))(w)
+        return w - 0.1 * g, loss
+
+    parallel = hetpar.parallelize(step, cluster=hetpar.Cluster.virtual(TWO_TYPES), num_stages=2, runtime="ray")
+    with pytest.raises(hetpar.HetparError, match="cannot be sent to the Ray workers.*module-level function") as info:
+        parallel(jnp.ones((8, 4)), {"x": jnp.ones((16, 8))})
+    assert "\n" not in str(info.value)

@@ -254,3 +254,50 @@ def test_the_good_cluster_file_validates(tmp_path, capsys):
     path = tmp_path / "cluster.yaml"
     path.write_text(CLUSTER)
     assert main(["validate", str(path)]) == 0 and "8 devices, valid" in capsys.readouterr().out
+
+
+# ---- command-line options -----------------------------------------------------------
+
+BAD_OPTIONS = {
+    # name: (argv after the command's required arguments, words the one line must hold)
+    "zero microbatches": (["solve", "mlp", "--microbatches", "0"], "--microbatches"),
+    "negative microbatches": (["solve", "mlp", "--microbatches", "-1"], "--microbatches"),
+    "negative batch size": (["solve", "mlp", "--batch-size", "-4"], "--batch-size"),
+    "negative layers": (["solve", "mlp", "--layers", "-1"], "--layers"),
+    "zero layers": (["solve", "mlp", "--layers", "0"], "--layers"),
+    "zero stages": (["solve", "mlp", "--stages", "0"], "--stages"),
+    "zero replicas": (["solve", "mlp", "--replicas", "0"], "--replicas"),
+    "negative batch argnum": (["solve", "mlp", "--batch-argnum", "-1"], "--batch-argnum"),
+    "output into a missing directory": (["solve", "mlp", "-o", "/no/such/dir/plan.json"], "-o/--output"),
+    "function spec ':'": (["solve", ":"], "names no function"),
+    "function spec not callable": (["solve", "hetpar.plan_file:SCHEDULES"], "not a function"),
+    "negative mesh size": (["profile", "--mesh-size", "-1"], "--mesh-size"),
+    "unknown device type": (["profile", "--device-type", "NoSuchGPU"], "--device-type"),
+    "trace into a missing directory": (["simulate", "PLAN", "--trace", "/no/such/dir/t.json"], "--trace"),
+    "trace with a wrong extension": (["simulate", "PLAN", "--trace", "TMP/t.png"], "--trace: must end in .json"),
+    "plot with a wrong extension": (["simulate", "PLAN", "--plot", "TMP/t.json"], "--plot: must end in .png"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_OPTIONS))
+def test_bad_command_line_options_are_refused_in_one_line(tmp_path, capsys, case):
+    argv, words = BAD_OPTIONS[case]
+    cluster, plan = tmp_path / "cluster.yaml", tmp_path / "plan.json"
+    cluster.write_text(CLUSTER)
+    save_plan(GOOD, plan)
+    argv = [a.replace("PLAN", str(plan)).replace("TMP", str(tmp_path)) for a in argv]
+    if argv[0] == "solve":
+        argv += ["--cluster", str(cluster)] + ([] if "-o" in argv else ["-o", str(tmp_path / "out.json")])
+    line = _one_line_refusal(capsys, argv)
+    assert words in line, line
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_an_empty_cluster_and_a_step_with_no_outputs_are_named():
+    from hetpar.cluster.cluster import Cluster
+
+    with pytest.raises(hetpar.ClusterError, match="the cluster has no devices"):
+        Cluster(())
+    step = hetpar.parallelize(lambda w, batch: None, cluster=hetpar.Cluster.virtual(VIRTUAL))
+    with pytest.raises(hetpar.UnsupportedStepError, match="returns no arrays.*return them"):
+        step(jnp.ones((8, 4)), {"x": jnp.ones((16, 8))})

@@ -16,6 +16,7 @@ import logging
 import sys
 
 from hetpar.cli import machines, plans
+from hetpar.cli.options import check_options
 from hetpar.errors import HetparError
 from solver import schedules
 
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
+        check_options(args)  # options.py: every flag's type and range, output paths writable
         return args.run(args)
     except HetparError as e:
         print(f"hetpar: {e}", file=sys.stderr)

@@ -28,6 +28,10 @@ class Cluster:
     links: Mapping[frozenset, GroupLink] = field(default_factory=dict)  # {label_a, label_b} -> link
     name: str = ""
 
+    def __post_init__(self) -> None:
+        if not self.groups:
+            raise ClusterError("the cluster has no devices; describe at least one group (Cluster.virtual({'A100': 8}) or a cluster file)")
+
     @staticmethod
     def virtual(counts: Mapping[str, int]) -> "Cluster":
         """Labels this process's devices (CPU virtual devices in tests) as device types,

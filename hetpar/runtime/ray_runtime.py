@@ -97,7 +97,16 @@ class RayStep:
         worker = ray.remote(num_cpus=0, max_restarts=0)(StageWorker)
         self.workers = {s.index: worker.remote(len(s.device_ids)) for s in plan.stages}
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.asarray(x).dtype), args)
-        built = [w.build.remote(fn, abstract, batch_argnum, plan, stage) for stage, w in self.workers.items()]
+        try:
+            built = [w.build.remote(fn, abstract, batch_argnum, plan, stage) for stage, w in self.workers.items()]
+        except Exception as e:  # the step could not be pickled for the workers
+            self.shutdown()
+            first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+            raise HetparError(
+                f"the train step cannot be sent to the Ray workers ({type(e).__name__}: {first.strip()[:160]}); "
+                "make it a module-level function that closes over no locks, open files or connections, "
+                "or use runtime='local'"
+            ) from None
         try:
             self._wait(built, "building the stage programs")
         except HetparError:
@@ -128,7 +137,9 @@ class RayStep:
         return bool(self._readers.get((v, r), set()) - {stage}) or (r == 0 and v in self._outvars)
 
     def __call__(self, flat_args: Sequence[Any]) -> list[Any]:
-        if not self.workers:
+        import ray
+
+        if not self.workers or not ray.is_initialized():
             raise HetparError("this step's Ray workers were shut down; call hetpar.parallelize again to start new ones")
         for w in self.workers.values():
             w.begin_step.remote()  # before any program of this step: nothing of an earlier step survives

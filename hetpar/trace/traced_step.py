@@ -34,6 +34,11 @@ def trace_step(fn: Callable, args: tuple, batch_argnum: int, num_microbatches: i
     batch_size, batch_leaves = batch_size_of(args, batch_argnum, num_microbatches)
     mb = batch_size // num_microbatches
     full = jaxpr_ir.trace(fn, *at_batch(args, batch_argnum, batch_size))
+    if not full.outvars:
+        raise UnsupportedStepError(
+            "the step returns no arrays, so there is nothing to compute in parallel; a train step returns "
+            "the new state (and usually the loss): return them"
+        )
     probe = jaxpr_ir.trace(fn, *at_batch(args, batch_argnum, 2 * batch_size))
     exec_graph = full if mb == batch_size else jaxpr_ir.trace(fn, *at_batch(args, batch_argnum, mb))
     batch_invars = tuple(full.invars[i] for i in batch_leaves)

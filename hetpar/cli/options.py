@@ -1,0 +1,87 @@
+"""Command-line options checked before a command starts (pydantic), so a wrong
+count or an unwritable output path is one line naming the flag, not a traceback
+minutes into a solve."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from hetpar.errors import HetparError
+from hetpar.validation import one_line
+
+Count = Annotated[int, Field(ge=1, le=1 << 40)]
+
+
+class _Options(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+def _writable(path: str | None, suffix: str | None = None) -> str | None:
+    if path is None:
+        return None
+    if suffix and Path(path).suffix.lower() != suffix:
+        raise ValueError(f"must end in {suffix}")
+    parent = Path(path).expanduser().parent
+    if not parent.is_dir():
+        raise ValueError(f"goes into {str(parent)!r}, which is not a directory; create it first or write elsewhere")
+    return path
+
+
+class SolveOptions(_Options):
+    output: str
+    batch_size: Count | None = None
+    microbatches: Count = 1
+    stages: Count | None = None
+    layers: Count | None = None
+    replicas: Count | None = None
+    batch_argnum: Annotated[int, Field(ge=0, le=1000)] = 1
+
+    _output = field_validator("output")(lambda cls, v: _writable(v, ".json"))
+
+
+class ProfileOptions(_Options):
+    output: str
+    mesh_size: Count | None = None
+    cpu_devices: Count | None = None
+    layers: Count = 4
+    device_type: str | None = None
+
+    _output = field_validator("output")(lambda cls, v: _writable(v, ".json"))
+
+    @field_validator("device_type")
+    @classmethod
+    def _known(cls, name: str | None) -> str | None:
+        from hetpar.cluster.catalog import catalog
+
+        if name is not None and name not in catalog():
+            raise ValueError(f"is not a known device type; known: {', '.join(sorted(catalog()))}")
+        return name
+
+
+class SimulateOptions(_Options):
+    trace: str | None = None
+    plot: str | None = None
+
+    _trace = field_validator("trace")(lambda cls, v: _writable(v, ".json"))
+    _plot = field_validator("plot")(lambda cls, v: _writable(v, ".png"))
+
+
+_SCHEMAS = {"solve": SolveOptions, "profile": ProfileOptions, "simulate": SimulateOptions}
+_FLAGS = {"output": "-o/--output", "batch_argnum": "--batch-argnum", "batch_size": "--batch-size",
+          "mesh_size": "--mesh-size", "cpu_devices": "--cpu-devices", "device_type": "--device-type"}
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """Raises HetparError naming the first bad flag of the command's options."""
+    schema = _SCHEMAS.get(args.command)
+    if schema is None:
+        return
+    try:
+        schema(**vars(args))
+    except ValidationError as e:
+        names = {name: _FLAGS.get(name, "--" + name.replace("_", "-")) for name in schema.model_fields}
+        raise HetparError(one_line(e, "see hetpar " + args.command + " --help", names)) from None
