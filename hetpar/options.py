@@ -27,6 +27,9 @@ class StageOption:
       group each, layers split in proportion to each stage's speed.
     - "uniform": like "manual", but every stage takes the same number of layers
       (Megatron's split), the baseline a heterogeneous split is compared with.
+
+    A stage or replica count fixes the pipeline: with the default mode "auto" it
+    means "manual".
     """
 
     mode: str = "auto"
@@ -69,9 +72,6 @@ def check_options(stage: StageOption, sharding: ShardingOption, runtime: Runtime
     """Refuses settings no pass could honour, naming the field and what it takes."""
     if stage.mode not in STAGE_MODES:
         raise PlanError(f"StageOption.mode {stage.mode!r} is not one of {', '.join(STAGE_MODES)}")
-    if stage.mode == "auto" and (stage.num_stages or stage.num_replicas):
-        raise PlanError("StageOption(mode='auto') lets the planner choose stages and replicas: "
-                        "drop num_stages/num_replicas, or use mode='manual' or 'uniform'")
     for name in ("num_stages", "num_replicas", "num_layers"):
         value = getattr(stage, name)
         if value is not None and value < 1:
