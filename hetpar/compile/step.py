@@ -16,7 +16,7 @@ from hetpar.compile.programs import Program, compile_task
 from hetpar.compile.tasks import Task, build_tasks, op_stages
 from hetpar.plan import Plan
 from hetpar.runtime.executor import CompiledStep
-from hetpar.shard import stage_specs
+from hetpar.shard import stage_operand_specs, stage_specs
 from hetpar.trace.layers import Layers
 from hetpar.trace.opgraph import OpGraph
 from hetpar.trace.traced_step import TracedStep
@@ -62,10 +62,11 @@ def compile_tasks(
     process runs them), at its replica's microbatch size (`graphs[size]`)."""
     m = plan_tasks.num_microbatches
     specs = {s.index: stage_specs(traced, layers, plan, s) for s in plan.stages if any(keep(t) for t in plan_tasks.tasks if t.stage == s.index)}
+    operands = {i: stage_operand_specs(traced, layers, plan, plan.stages[i]) for i in specs}
     return [
         compile_task(
             t, graphs[size], traced.full.constants, traced.analysis, meshes[t.stage], m,
-            mean_weight=size / traced.batch_size, specs=specs.get(t.stage),
+            mean_weight=size / traced.batch_size, specs=specs.get(t.stage), operand_specs=operands.get(t.stage),
         ) if keep(t) else None
         for t, size in zip(plan_tasks.tasks, plan_tasks.microbatch_sizes)
     ]

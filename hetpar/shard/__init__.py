@@ -23,7 +23,7 @@ TIME_LIMIT_S = 5.0  # per stage; past it the best sharding found is used and its
 # which it does not see, is repeated on every device of a model axis, so a model axis
 # must win by this much.
 MODEL_AXIS_MARGIN = 0.10
-_SOLVED: dict[tuple, tuple[TracedStep, dict[int, Spec], float]] = {}  # planning and compiling share one solve
+_SOLVED: dict[tuple, tuple[TracedStep, dict[int, Spec], float, dict[int, tuple[Spec, Spec]]]] = {}  # planning and compiling share one solve
 
 
 def mesh_axes(stage: StagePlan) -> dict[str, int]:
@@ -39,6 +39,21 @@ def stage_specs(traced: TracedStep, layers: Layers, plan: Plan, stage: StagePlan
     if mesh.get("model", 1) == 1:
         return {}
     return dict(_solved(traced, layers, plan, stage, mesh, memory_budget)[0])
+
+
+def stage_operand_specs(traced: TracedStep, layers: Layers, plan: Plan, stage: StagePlan,
+                        memory_budget: int | None = None) -> dict[int, tuple[Spec, Spec]]:
+    """Operator index -> the layouts of its two operands, for every matmul the stage's
+    sharding places: the programs pin them (see `hetpar.compile.programs`)."""
+    mesh = mesh_axes(stage)
+    if mesh.get("model", 1) == 1:
+        return {}
+    _solved(traced, layers, plan, stage, mesh, memory_budget)
+    return dict(_SOLVED[_key(traced, layers, stage, mesh, memory_budget)][3])
+
+
+def _key(traced: TracedStep, layers: Layers, stage: StagePlan, mesh: dict[str, int], budget: int | None) -> tuple:
+    return (id(traced), tuple(layers.flops), stage.layer_start, stage.layer_end, stage.replica, tuple(mesh.items()), budget)
 
 
 def choose_mesh_shapes(traced: TracedStep, layers: Layers, plan: Plan, devices_per_node: dict[str, int]) -> Plan:
@@ -71,7 +86,7 @@ def choose_mesh_shapes(traced: TracedStep, layers: Layers, plan: Plan, devices_p
 def _solved(traced: TracedStep, layers: Layers, plan: Plan, stage: StagePlan, mesh: dict[str, int],
             budget: int | None) -> tuple[dict[int, Spec], float]:
     """The stage's sharding on `mesh` and its predicted time, solved once per plan."""
-    key = (id(traced), tuple(layers.flops), stage.layer_start, stage.layer_end, stage.replica, tuple(mesh.items()), budget)
+    key = _key(traced, layers, stage, mesh, budget)
     if key not in _SOLVED:
         if len(_SOLVED) > 32:
             _SOLVED.clear()
@@ -80,7 +95,7 @@ def _solved(traced: TracedStep, layers: Layers, plan: Plan, stage: StagePlan, me
 
 
 def _solve(traced: TracedStep, layers: Layers, plan: Plan, index: int, mesh_items: tuple,
-           budget: int | None) -> tuple[dict[int, Spec], float]:
+           budget: int | None) -> tuple[dict[int, Spec], float, dict[int, tuple[Spec, Spec]]]:
     stage = plan.stages[index]
     replica = plan.replica_stages(stage.replica)
     layer_stage = [s.index for s in replica for _ in range(s.layer_start, s.layer_end)]
@@ -92,18 +107,20 @@ def _solve(traced: TracedStep, layers: Layers, plan: Plan, index: int, mesh_item
     problem = stage_problem(traced.full, ops, batch_free, dict(mesh_items), spec.matmul_flops(), LinkCost(link.bandwidth, link.latency),
                             budget, batch_axis=traced.analysis.batch_axis, op_layer=layers.op_layer)
     if problem is None:
-        return {}, 0.0
+        return {}, 0.0, {}
     solution = solve_intra_op(problem.problem, TIME_LIMIT_S)
     log.info("stage %d sharded on %s: %.3g s predicted (%s)", index, dict(mesh_items), solution.cost_s,
              "optimal" if solution.optimal else f"gap {solution.gap:.1%}")
     out: dict[int, Spec] = {}
+    operands: dict[int, tuple[Spec, Spec]] = {}
     for n, op_index in enumerate(problem.dots):
         choice = problem.choices[n][solution.choice[n]]
         out[traced.full.ops[op_index].outputs[0]] = choice.out
+        operands[op_index] = (choice.lhs, choice.rhs)
     for weight, (n, pos, dims) in problem.weights.items():
         choice = problem.choices[n][solution.choice[n]]
         out[weight] = to_source((choice.lhs, choice.rhs)[pos], dims)
-    return _follow_state(traced, out), solution.cost_s
+    return _follow_state(traced, out), solution.cost_s, operands
 
 
 def _follow_state(traced: TracedStep, specs: dict[int, Spec]) -> dict[int, Spec]:
