@@ -51,6 +51,9 @@ class StagePlan:
     # The stage's intra-op sharding, as compile applies it: (value id in the traced
     # program, mesh axis per dimension) for every weight and matmul result it fixes.
     shardings: tuple[tuple[int, Spec], ...] = ()
+    # Each matmul's two operands, pinned to the layouts its strategy was priced with
+    # (operator index, (lhs, rhs)): see hetpar.compile.programs.compile_task.
+    operand_shardings: tuple[tuple[int, tuple[Spec, Spec]], ...] = ()
     # Which of its device group's chunks this stage is (interleaved schedules): stages
     # with the same device_ids are chunks of one group and share its mesh.
     chunk: int = 0

@@ -73,6 +73,7 @@ class StageSchema(_Strict):
     param_specs: tuple[tuple[Name, Spec], ...] = ()  # (parameter path, PartitionSpec)
     replica: Count = 0
     shardings: tuple[tuple[Count, Spec], ...] = ()  # (value id, PartitionSpec)
+    operand_shardings: tuple[tuple[Count, tuple[Spec, Spec]], ...] = ()  # (operator index, (lhs, rhs))
     chunk: Count = 0
 
     @model_validator(mode="after")

@@ -87,6 +87,7 @@ class Program:
 def compile_task(
     task: Task, graph: OpGraph, constants: dict[int, Any], analysis: MicrobatchAnalysis, mesh: Mesh, num_microbatches: int,
     mean_weight: float | None = None, specs: dict[int, tuple] | None = None,
+    operand_specs: dict[int, tuple[tuple, tuple]] | None = None,
 ) -> Program:
     """`graph` is the trace at the shapes this program runs with (one microbatch);
     `constants` are the full-batch trace's, so means divide by the full batch
@@ -94,12 +95,20 @@ def compile_task(
     with `mean_weight`, its share of the batch: 1/num_microbatches unless microbatches
     differ in size, as on data-parallel replicas of different speeds). `specs` are
     the stage's intra-op shardings: weights arrive in them, matmul results are
-    constrained to them, and XLA's partitioner fills in the collectives."""
+    constrained to them, and XLA's partitioner fills in the collectives.
+    `operand_specs` (operator index -> its two operands' layouts) pins each matmul's
+    operands to the layout its strategy was priced with. Without the pins Shardy
+    chooses the operand layouts itself, and for a matmul whose operands arrive
+    axis-swapped against its result ((data, model) in, (model, data) out) it
+    computes wrong numbers (tests/test_shardy_axis_swap.py); with every operand
+    pinned, each dot is partitioned exactly as chosen and the reshards between
+    dots are plain layout changes, which it gets right."""
     specs = specs or {}
     if task.kind == "pre" and analysis.whole_batch and not analysis.marked:
         # Once-per-step work before the microbatches sees the whole batch (whole_batch.py);
         # everything else in it is batch-independent, the same in both traces.
         graph = analysis.full
+    operand_specs = operand_specs or {}
     ops = [graph.ops[i] for i in task.ops]
     needed = {v for op in ops for v in op.inputs if v in graph.constants}
     source = graph.constants if analysis.marked else constants
@@ -112,7 +121,11 @@ def compile_task(
         env = dict(consts)
         env.update(zip(task.inputs, args))
         for op in ops:
-            env.update(zip(op.outputs, jaxpr_ir.bind(op, [env[v] for v in op.inputs])))
+            ins = [env[v] for v in op.inputs]
+            if op.index in operand_specs:
+                ins = [jax.lax.with_sharding_constraint(x, spec_sharding(mesh, graph.avals[v], spec))
+                       for x, v, spec in zip(ins, op.inputs, operand_specs[op.index])]
+            env.update(zip(op.outputs, jaxpr_ir.bind(op, ins)))
             for v in op.outputs:
                 if v in specs:
                     env[v] = jax.lax.with_sharding_constraint(env[v], spec_sharding(mesh, graph.avals[v], specs[v]))

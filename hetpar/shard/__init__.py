@@ -37,8 +37,8 @@ def shard_stages(traced: TracedStep, layers: Layers, plan: Plan, option: Shardin
         if devices_per_node is not None:
             stage = _best_mesh(solver, plan, stage, traced.batch_size, devices_per_node.get(stage.group, stage.num_devices))
         mesh = mesh_axes(stage)
-        specs = solver.solve(stage, mesh)[0] if mesh.get("model", 1) > 1 else {}
-        stages.append(replace(stage, shardings=tuple(sorted(specs.items()))))
+        specs, _, operands = solver.solve(stage, mesh) if mesh.get("model", 1) > 1 else ({}, 0.0, {})
+        stages.append(replace(stage, shardings=tuple(sorted(specs.items())), operand_shardings=tuple(sorted(operands.items()))))
     return replace(plan, stages=tuple(stages))
 
 
@@ -70,15 +70,17 @@ class _StageSolver:
 
     def __init__(self, traced: TracedStep, layers: Layers, plan: Plan, option: ShardingOption):
         self.traced, self.layers, self.plan, self.option = traced, layers, plan, option
-        self._solved: dict[tuple, tuple[dict[int, Spec], float]] = {}
+        self._solved: dict[tuple, tuple[dict[int, Spec], float, dict[int, tuple[Spec, Spec]]]] = {}
 
-    def solve(self, stage: StagePlan, mesh: dict[str, int]) -> tuple[dict[int, Spec], float]:
+    def solve(self, stage: StagePlan, mesh: dict[str, int]) -> tuple[dict[int, Spec], float, dict[int, tuple[Spec, Spec]]]:
+        """Value id -> layout (weights, matmul results), the predicted time, and
+        operator index -> its two operands' layouts (what compile pins)."""
         key = (stage.index, tuple(mesh.items()))
         if key not in self._solved:
             self._solved[key] = self._solve(stage, mesh)
         return self._solved[key]
 
-    def _solve(self, stage: StagePlan, mesh: dict[str, int]) -> tuple[dict[int, Spec], float]:
+    def _solve(self, stage: StagePlan, mesh: dict[str, int]) -> tuple[dict[int, Spec], float, dict[int, tuple[Spec, Spec]]]:
         traced = self.traced
         of_op = self.plan.stage_of_operators(stage.replica)
         ops = [i for i, s in enumerate(of_op) if s == stage.index]
@@ -88,18 +90,20 @@ class _StageSolver:
         problem = stage_problem(traced.full, ops, batch_free, mesh, spec.matmul_flops(), LinkCost(link.bandwidth, link.latency),
                                 None, batch_axis=traced.analysis.batch_axis, op_layer=self.layers.op_layer)
         if problem is None:
-            return {}, 0.0
+            return {}, 0.0, {}
         solution = solve_intra_op(problem.problem, self.option.time_limit_s)
         log.info("stage %d sharded on %s: %.3g s predicted (%s)", stage.index, mesh, solution.cost_s,
                  "optimal" if solution.optimal else f"gap {solution.gap:.1%}")
         out: dict[int, Spec] = {}
+        operands: dict[int, tuple[Spec, Spec]] = {}
         for n, op_index in enumerate(problem.dots):
             choice = problem.choices[n][solution.choice[n]]
             out[traced.full.ops[op_index].outputs[0]] = choice.out
+            operands[op_index] = (choice.lhs, choice.rhs)
         for weight, (n, pos, dims) in problem.weights.items():
             choice = problem.choices[n][solution.choice[n]]
             out[weight] = to_source((choice.lhs, choice.rhs)[pos], dims)
-        return _follow_state(traced, out), solution.cost_s
+        return _follow_state(traced, out), solution.cost_s, operands
 
 
 def _follow_state(traced: TracedStep, specs: dict[int, Spec]) -> dict[int, Spec]:

@@ -51,11 +51,12 @@ class StageProblem:
 
 def dot_choices(op: Any, avals: list[Any], mesh: dict[str, int], examples: tuple[int | None, int | None] = (None, None)) -> list[DotChoice]:
     """Every way to place the mesh axes on this dot's dimensions (each axis on at
-    most one role, each role at most one axis, sizes dividing evenly). The `data`
-    axis only ever splits the examples (`examples`: the batch dimension of each
-    operand, if it has one), as data parallelism does; the `model` axis may split
-    anything. Keeping the two apart keeps layouts from swapping axes between
-    matmuls, which costs all-to-alls and is where partitioners are least tried."""
+    most one role, each role at most one axis, sizes dividing evenly). Either axis
+    may split anything, the examples or a weight (what ZeRO-style sharding over the
+    `data` axis needs). Axis-swapped neighbours, (data, model) then (model, data),
+    are correct because the stage programs pin every dot's operands to the chosen
+    layout (see `hetpar.compile.programs`); `examples` (the batch dimension of each
+    operand) restricts the data axis only on a mesh without a model axis."""
     (lc, rc), (lb, rb) = op.params["dimension_numbers"]
     lhs, rhs = (avals[v].shape for v in op.inputs)
     l_free = [d for d in range(len(lhs)) if d not in lc and d not in lb]
@@ -74,7 +75,11 @@ def dot_choices(op: Any, avals: list[Any], mesh: dict[str, int], examples: tuple
             dims = (i, None) if kind == "lhs" else (None, i)
         return any(d is not None and d == e for d, e in zip(dims, examples))
 
-    options = [[None, *(r for r in roles if a != "data" or splits_examples(r))] for a in axes]
+    # A stage without a model axis runs as plain data parallelism (its programs get
+    # no shardings, see `hetpar.shard.stage_specs`), so there its data axis is priced
+    # as that: splitting examples only.
+    free = mesh.get("model", 1) > 1
+    options = [[None, *(r for r in roles if free or splits_examples(r))] for _ in axes]
     out = []
     for picks in itertools.product(*options):
         used = [p for p in picks if p is not None]
