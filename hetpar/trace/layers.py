@@ -120,19 +120,40 @@ def _saved_bytes(graph: OpGraph, analysis: MicrobatchAnalysis, op_layer: dict[in
 
 
 def _param_bytes(graph: OpGraph, analysis: MicrobatchAnalysis, op_layer: dict[int, int], num_layers: int) -> list[int]:
-    """Bytes of the batch-free step inputs (parameters) each layer's forward reads first."""
+    """Bytes of the batch-free step inputs (parameters) each layer's forward reads
+    first, directly or through batch-free work done once before the microbatches (a
+    mixed-precision step casts its f32 parameters to bf16 there: the layer reads the
+    cast, but the gradient, its sync and the optimizer state are the f32 input's)."""
     owner: dict[int, int] = {}
-    inputs = set(graph.invars)
+    origins = parameter_origins(graph, analysis)
     for op, layer in sorted(op_layer.items()):
         if analysis.backward[op]:
             continue
         for v in graph.ops[op].inputs:
-            if v in inputs and analysis.batch_axis.get(v) is None:
-                owner.setdefault(v, layer)
+            for p in origins.get(v, ()):
+                owner.setdefault(p, layer)
     out = [0] * num_layers
     for v, layer in owner.items():
         out[layer] += graph.nbytes(v)
     return out
+
+
+def parameter_origins(graph: OpGraph, analysis: MicrobatchAnalysis) -> dict[int, tuple[int, ...]]:
+    """Batch-free value -> the batch-free step inputs it is computed from, for the
+    inputs themselves and for what operators outside the microbatch loop (casts,
+    reshapes of parameters) make of them."""
+    origins: dict[int, tuple[int, ...]] = {
+        v: (v,) for v in graph.invars if analysis.batch_axis.get(v) is None and v not in graph.constants
+    }
+    for op in graph.ops:
+        if analysis.phase[op.index] is Phase.MICRO:
+            continue
+        found = tuple(dict.fromkeys(p for v in op.inputs for p in origins.get(v, ())))
+        if found:
+            for v in op.outputs:
+                if analysis.batch_axis.get(v) is None:
+                    origins[v] = found
+    return origins
 
 
 def _scope_depth(graph: OpGraph, forward: list[int], flops: list[float], num_layers: int) -> int:
