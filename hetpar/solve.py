@@ -15,10 +15,11 @@ from hetpar.plan import Plan, StagePlan
 from hetpar.planner import SearchOptions, search
 from hetpar.shard import choose_mesh_shapes, mesh_axes, stage_specs
 from hetpar.planning import assign_replicas, assign_stages
+from hetpar.runnable import check_runnable
 from solver.planner.stage_costs import in_flight
 from hetpar.trace.fingerprint import differences, signature
 from hetpar.trace.flops import op_costs
-from hetpar.trace.layers import Layers, build_layers
+from hetpar.trace.layers import Layers, block_count, build_layers
 from hetpar.trace.traced_step import TracedStep, trace_step
 
 
@@ -26,7 +27,7 @@ def make_plan(
     fn: Callable,
     args: tuple,
     cluster: Cluster,
-    num_microbatches: int = 1,
+    num_microbatches: int | None = 1,
     num_stages: int | None = None,
     num_layers: int | None = None,
     schedule: str | None = None,
@@ -36,11 +37,13 @@ def make_plan(
 ) -> Plan:
     """A plan for `fn(*args)` on `cluster`, without running anything: `args` may be
     abstract (`jax.ShapeDtypeStruct` trees from `jax.eval_shape`) and the cluster a
-    file's description of machines this process does not have."""
-    traced = trace_step(fn, args, batch_argnum, num_microbatches)
+    file's description of machines this process does not have. `num_microbatches=None`:
+    the planner chooses the count."""
+    traced = trace_step(fn, args, batch_argnum, num_microbatches or 1)
     if not all(g.device_ids for g in cluster.groups):
         cluster = cluster.numbered()
-    return solve(traced, cluster, num_stages, num_layers, schedule, num_replicas, mesh_shape)[0]
+    return solve(traced, cluster, num_stages, num_layers, schedule, num_replicas, mesh_shape,
+                 search_microbatches=num_microbatches is None)[0]
 
 
 def layers_of(traced: TracedStep, num_layers: int) -> Layers:
@@ -55,23 +58,26 @@ def solve(
     schedule: str | None = None,
     num_replicas: int | None = None,
     mesh_shape: tuple | None = None,
+    search_microbatches: bool = False,
 ) -> tuple[Plan, Layers]:
     """`cluster` needs device ids or positions (`Cluster.numbered()` offline).
 
     Without `num_stages` and `num_replicas` the planner chooses stages, their devices,
     layers, replicas and (without `schedule`) the schedule, and the sharding solver
-    each stage's (data, model) mesh; with them, layers go to
+    each stage's (data, model) mesh (and, with `search_microbatches`, the microbatch
+    count instead of the traced step's); with them, layers go to
     that many stages in proportion to their speed; `mesh_shape` (data, model) makes
     every stage's mesh two-dimensional, its operators sharded by the intra-op ILP."""
     num_microbatches = traced.batch_size // traced.microbatch_size
     if num_stages is None and num_replicas is None and mesh_shape is None:
         layers = _planning_layers(traced, cluster, num_layers)
         options = SearchOptions(
-            microbatches=(num_microbatches,), schedules=(schedule,) if schedule else ("1f1b", "gpipe"),
-            min_microbatch=2 if traced.microbatch_size >= 4 else 1,
+            microbatches=None if search_microbatches else (num_microbatches,), schedules=(schedule,) if schedule else ("1f1b", "gpipe"),
+            min_microbatch=2 if traced.microbatch_size >= 4 or search_microbatches else 1,  # size 1 traces apart
         )
         plan = search(layers, cluster, traced.batch_size, _tokens(traced) // traced.batch_size, options)[0]
         plan = choose_mesh_shapes(traced, layers, plan, {g.label: g.devices_per_node or g.size for g in cluster.groups})
+        check_runnable(plan, traced.batch_size)
     elif (num_replicas or 1) > 1:
         stages = num_stages or 1
         layers = layers_of(traced, num_layers or stages)
@@ -97,13 +103,16 @@ def solve(
 
 
 def _planning_layers(traced: TracedStep, cluster: Cluster, num_layers: int | None) -> Layers:
-    """As many layers as the planner could want (one per device, at most 8), or as
-    many as the step can be cut into."""
+    """One layer per transformer block at least (so a faster kind can take any number
+    of blocks), and one per device up to 8 on small models; fewer only when the step
+    cannot be cut that finely."""
     if num_layers:
         return layers_of(traced, num_layers)
-    for n in range(min(cluster.num_devices, 8), 0, -1):
+    flops = [c.flops for c in op_costs(traced.full)]
+    wanted = max(block_count(traced.full, traced.analysis, flops), min(cluster.num_devices, 8))
+    for n in range(wanted, 0, -1):
         try:
-            return layers_of(traced, n)
+            return build_layers(traced.full, traced.analysis, flops, n)
         except PlanError:
             continue
     raise PlanError("the step cannot be cut into layers")

@@ -59,3 +59,52 @@ def test_gradient_sync_and_optimizer_see_the_parameters(llama_layers, cluster):
     np.testing.assert_allclose(stage.sync_s, expected_sync, rtol=1e-9)
     np.testing.assert_allclose(stage.optimizer_s, nbytes * problem.optimizer_traffic / kind.memory_bandwidth, rtol=1e-9)
     assert stage.memory_bytes >= problem.state_factor * nbytes
+
+
+def test_tensor_parallel_traffic_is_megatrons_two_sums_each_way(llama_layers, cluster):
+    """Each block all-reduces its attention output and its MLP output once in the
+    forward and once in the backward, each a residual-stream activation."""
+    _, traced, _ = llama_layers
+    layers = layers_of(traced, CONFIG.n_layers)  # one block per layer
+    hidden = BATCH * CONFIG.seq_len * CONFIG.d_model * 2  # bf16 activation, whole batch
+    assert layers.tp_count == [2] * CONFIG.n_layers
+    assert layers.tp_bytes == [2 * hidden] * CONFIG.n_layers
+    problem = problem_for(layers, cluster, BATCH)
+    costs = Planner(problem).costs
+    kind = problem.kind("a100")
+    per = costs.per_layer(StageConfig("a100", 1, 2), BATCH)
+    one_sum = best("all_reduce", Topology(1, 2, kind.intra, kind.intra), hidden)[1]
+    compute_fwd = costs.fwd_flops * BATCH / (2 * kind.flops) + kind.layer_overhead_s / 3
+    compute_bwd = (costs.flops - costs.fwd_flops) * BATCH / (2 * kind.flops) + 2 * kind.layer_overhead_s / 3
+    np.testing.assert_allclose(per.forward - compute_fwd, 2 * one_sum, rtol=1e-9)
+    np.testing.assert_allclose(per.backward - compute_bwd, 2 * one_sum, rtol=1e-9)
+
+
+def test_recomputation_can_be_forced(llama_layers, cluster):
+    """Forced, every stage recomputes its forward in the backward though memory does not ask."""
+    _, _, layers = llama_layers
+    free = Planner(problem_for(layers, cluster, BATCH))
+    forced = Planner(problem_for(layers, cluster, BATCH, options=SearchOptions(force_remat=True)))
+    configs, cuts = [StageConfig("a100", 2, 1), StageConfig("v100", 2, 1)], (2,)
+    a = free.fixed_split(configs, 2, BATCH // 2, "1f1b", cuts)
+    b = forced.fixed_split(configs, 2, BATCH // 2, "1f1b", cuts)
+    for s, r in zip(a.stages, b.stages):
+        assert not s.remat and r.remat
+        np.testing.assert_allclose(r.backward_s, s.backward_s + s.forward_s, rtol=1e-9)
+        assert r.memory_bytes < s.memory_bytes
+    chosen = forced.solve().best
+    assert all(s.remat for s in chosen.stages)
+
+
+def test_solve_lets_the_planner_choose_the_microbatch_count(cluster):
+    from hetpar.cli import parser
+    from hetpar.solve import make_plan
+    from models import gpt
+
+    args = parser().parse_args(["solve", "gpt", "--cluster", "c.yaml"])
+    assert args.microbatches is None  # the CLI default: the planner's choice
+    w = gpt.setup(16, gpt.GPTConfig(n_layers=4))
+    chosen = make_plan(w.step, (w.state, w.batch), cluster, num_microbatches=None)
+    single = make_plan(w.step, (w.state, w.batch), cluster, num_microbatches=1)
+    assert 16 % chosen.num_microbatches == 0 and single.num_microbatches == 1
+    assert chosen.predicted_step_time_s <= single.predicted_step_time_s * (1 + 1e-9)

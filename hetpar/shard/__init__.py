@@ -55,9 +55,10 @@ def choose_mesh_shapes(traced: TracedStep, layers: Layers, plan: Plan, devices_p
         per_node = devices_per_node.get(stage.group, n)
         shapes = [(n // m, m) for m in range(2, min(n, per_node) + 1)
                   if n % m == 0 and per_node % m == 0 and micro % (n // m) == 0]
-        best: tuple[int, ...] = (n,)
+        all_data = micro % n == 0  # else the planner's own data x model split, whose data axis divides it
+        best: tuple[int, ...] = (n,) if all_data else tuple(stage.mesh_shape)
         if shapes:
-            least = _solved(traced, layers, plan, stage, {"data": n}, None)[1] * (1 - MODEL_AXIS_MARGIN)
+            least = _solved(traced, layers, plan, stage, {"data": n}, None)[1] * (1 - MODEL_AXIS_MARGIN) if all_data else float("inf")
             for d, m in shapes:
                 cost = _solved(traced, layers, plan, stage, {"data": d, "model": m}, None)[1]
                 if cost < least:

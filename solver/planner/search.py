@@ -129,14 +129,15 @@ class Planner:
         names = [k.name for k in p.kinds]
         return ideal + min(self._cross_sync(s) for r in range(2, len(names) + 1) for s in itertools.combinations(names, r))
 
-    def _search(self, kinds: tuple[str, ...], top_k: int, batch: int | None = None, beat: float = INF) -> list[PlanChoice]:
+    def _search(self, kinds: tuple[str, ...], top_k: int, batch: int | None = None, beat: float = INF,
+                counts: tuple[int, ...] | None = None) -> list[PlanChoice]:
         """The `top_k` best single pipelines over any ordered subset of `kinds` that
-        take less than `beat`."""
+        take less than `beat`, with any allowed microbatch count (or one of `counts`)."""
         p = self.problem
         batch = batch or p.batch_size
         per_kind = {name: kind_layouts(p, name) for name in kinds}
         candidates = []
-        for m in p.microbatch_counts():
+        for m in counts or p.microbatch_counts():
             if batch % m:
                 continue
             b = batch // m
@@ -226,7 +227,7 @@ class Planner:
         key = (kind, m, b)
         plan, searched_below = self._single.get(key, (None, -INF))
         if plan is None and searched_below < beat:
-            plans = self._search((kind,), 1, batch=b * m, beat=beat)
+            plans = self._search((kind,), 1, batch=b * m, beat=beat, counts=(m,))  # every replica runs the same m
             plan = plans[0] if plans else None
             self._single[key] = (plan, beat)
         return plan
