@@ -19,7 +19,7 @@ from hetpar.runnable import check_runnable
 from solver.planner.stage_costs import in_flight
 from hetpar.trace.fingerprint import differences, signature
 from hetpar.trace.flops import op_costs
-from hetpar.trace.layers import Layers, block_count, build_layers
+from hetpar.trace.layers import Layers, block_count, build_layers, compute_dtype
 from hetpar.trace.traced_step import TracedStep, trace_step
 
 
@@ -74,6 +74,7 @@ def solve(
         options = SearchOptions(
             microbatches=None if search_microbatches else (num_microbatches,), schedules=(schedule,) if schedule else ("1f1b", "gpipe"),
             min_microbatch=2 if traced.microbatch_size >= 4 or search_microbatches else 1,  # size 1 traces apart
+            dtype=compute_dtype(traced.full, [c.flops for c in op_costs(traced.full)]),
         )
         plan = search(layers, cluster, traced.batch_size, _tokens(traced) // traced.batch_size, options)[0]
         plan = choose_mesh_shapes(traced, layers, plan, {g.label: g.devices_per_node or g.size for g in cluster.groups})
@@ -123,12 +124,12 @@ def _memory(stage: StagePlan, placed: tuple, layers: Layers, plan: Plan) -> int:
     parameter, and the activations its microbatches in flight keep for the backward
     (split over its data-parallel devices)."""
     state = sum(nbytes for _, _, nbytes in placed)
-    grads = sum(layers.param_bytes[stage.layer_start : stage.layer_end]) if layers.param_bytes else 0
+    grads = sum(layers.param_bytes[stage.layer_start : stage.layer_end]) / max(stage.tensor_parallel, 1) if layers.param_bytes else 0
     saved = sum(layers.saved_bytes[stage.layer_start : stage.layer_end]) if layers.saved_bytes else 0
     stages = plan.replica_stages(stage.replica)
     position = [s.index for s in stages].index(stage.index)
     kept = saved * stage.batch_share / plan.num_microbatches * in_flight(plan.schedule, plan.num_microbatches, position, len(stages))
-    return int(state + grads + kept / max(stage.data_parallel or stage.num_devices, 1))
+    return int(state + grads + kept / max(stage.num_devices, 1))  # the model axis shards the wide activations too, as the planner assumes
 
 
 def _placed_params(traced: TracedStep, layers: Layers, plan: Plan) -> list[tuple[tuple[str, str, int], ...]]:

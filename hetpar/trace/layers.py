@@ -112,6 +112,18 @@ def block_count(graph: OpGraph, analysis: MicrobatchAnalysis, op_flops: list[flo
     return sum(f >= 0.25 * max(segments) for f in segments)
 
 
+def compute_dtype(graph: OpGraph, op_flops: list[float]) -> str:
+    """The dtype most matmul FLOPs run in (a numpy dtype name): a mixed-precision
+    step keeps f32 parameters but multiplies in bf16, and the devices' peak to plan
+    with is bf16's."""
+    by_dtype: dict[str, float] = {}
+    for op in graph.ops:
+        if op.name in ("dot_general", "conv_general_dilated") and op.outputs:
+            name = str(graph.avals[op.outputs[0]].dtype)
+            by_dtype[name] = by_dtype.get(name, 0.0) + op_flops[op.index]
+    return max(by_dtype, key=by_dtype.__getitem__) if by_dtype else "float32"
+
+
 def _tp_bytes(graph: OpGraph, analysis: MicrobatchAnalysis, op_layer: dict[int, int],
               num_layers: int) -> tuple[list[int], list[int]]:
     """What tensor parallelism would all-reduce in each layer's forward, the way
