@@ -37,6 +37,7 @@ class SearchOptions:
     dtype: str = "float32"
     top_k: int = 5
     min_microbatch: int = 1  # examples in any pipeline's microbatch
+    memory_reserve: float = 0.1  # of each device's memory, for XLA's workspace beyond the arrays the model counts
 
 
 def device_kinds(cluster: Cluster, dtype: str = "float32") -> tuple[DeviceKind, ...]:
@@ -77,6 +78,7 @@ def problem_for(layers: Layers, cluster: Cluster, batch_size: int, tokens_per_ex
         tokens_per_example=tokens_per_example, microbatches=options.microbatches, schedules=options.schedules,
         max_tp=options.max_tp, allow_remat=options.allow_remat, force_remat=options.force_remat, allow_replicas=options.allow_replicas,
         min_microbatch=options.min_microbatch,
+        memory_reserve=options.memory_reserve,
     )
 
 

@@ -99,11 +99,11 @@ def test_recomputation_can_be_forced(llama_layers, cluster):
 def test_solve_lets_the_planner_choose_the_microbatch_count(cluster):
     from hetpar.cli import parser
     from hetpar.solve import make_plan
-    from models import gpt
+    from models import mlp
 
-    args = parser().parse_args(["solve", "gpt", "--cluster", "c.yaml"])
+    args = parser().parse_args(["solve", "mlp", "--cluster", "c.yaml"])
     assert args.microbatches is None  # the CLI default: the planner's choice
-    w = gpt.setup(16, gpt.GPTConfig(n_layers=4))
+    w = mlp.setup(batch_size=16, in_dim=16, hidden=16, depth=4)
     chosen = make_plan(w.step, (w.state, w.batch), cluster, num_microbatches=None)
     single = make_plan(w.step, (w.state, w.batch), cluster, num_microbatches=1)
     assert 16 % chosen.num_microbatches == 0 and single.num_microbatches == 1
