@@ -32,12 +32,14 @@ class SearchOptions:
     chunks: tuple[int, ...] = (2, 4)  # stages per device group an interleaved schedule may use
     max_tp: int = 8  # within a node
     allow_remat: bool = False
+    force_remat: bool = False  # price full recomputation on every stage (what large runs do); the runtime does not yet
     allow_replicas: bool = True
     dtype: str = "float32"
     top_k: int = 5
     min_microbatch: int = 1  # examples in any pipeline's microbatch
     time_limit_s: float | None = None  # None: search until the best plan is proven
     layer_overhead_s: float = 50e-6  # kernel launches of one layer's forward and backward, catalog default
+    memory_reserve: float = 0.1  # of each device's memory, for XLA's workspace beyond the arrays the model counts
 
 
 def device_kinds(cluster: Cluster, dtype: str = "float32", layer_overhead_s: float = 50e-6) -> tuple[DeviceKind, ...]:
@@ -65,9 +67,9 @@ def layer_costs(layers: Layers, batch_size: int) -> tuple[LayerCost, ...]:
     per = lambda values: [v / batch_size for v in values] if values else [0.0] * n  # noqa: E731
     forward = per(layers.forward_flops) if layers.forward_flops else [f / 3 / batch_size for f in layers.flops]
     return tuple(
-        LayerCost(f, fw, int(p), s, i, t)
-        for f, fw, p, s, i, t in zip(per(layers.flops), forward, layers.param_bytes or [0] * n, per(layers.saved_bytes),
-                                     per(layers.boundary_bytes), per(layers.tp_bytes))
+        LayerCost(f, fw, int(p), s, i, t, c)
+        for f, fw, p, s, i, t, c in zip(per(layers.flops), forward, layers.param_bytes or [0] * n, per(layers.saved_bytes),
+                                        per(layers.boundary_bytes), per(layers.tp_bytes), layers.tp_count or [2] * n)
     )
 
 
@@ -76,8 +78,9 @@ def problem_for(layers: Layers, cluster: Cluster, batch_size: int, tokens_per_ex
     return Problem(
         layer_costs(layers, batch_size), device_kinds(cluster, options.dtype, options.layer_overhead_s), batch_size, group_links(cluster),
         tokens_per_example=tokens_per_example, microbatches=options.microbatches, schedules=options.schedules, chunks=options.chunks,
-        max_tp=options.max_tp, allow_remat=options.allow_remat, allow_replicas=options.allow_replicas,
+        max_tp=options.max_tp, allow_remat=options.allow_remat, force_remat=options.force_remat, allow_replicas=options.allow_replicas,
         min_microbatch=options.min_microbatch,
+        memory_reserve=options.memory_reserve,
     )
 
 

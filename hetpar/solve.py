@@ -18,10 +18,11 @@ from hetpar.passes import timed_pass
 from hetpar.plan import Plan, Spec, StagePlan, runs
 from hetpar.planner import SearchOptions, search
 from hetpar.planning import assign_replicas, assign_stages
+from hetpar.runnable import check_runnable
 from hetpar.shard import mesh_axes, shard_stages
 from hetpar.trace.fingerprint import differences, signature
 from hetpar.trace.flops import op_costs
-from hetpar.trace.layers import Layers, build_layers
+from hetpar.trace.layers import Layers, block_count, build_layers, compute_dtype
 from hetpar.trace.traced_step import TracedStep, trace_step
 from solver import schedules
 from solver.planner.stage_costs import in_flight
@@ -32,7 +33,7 @@ def make_plan(
     args: tuple,
     cluster: Cluster,
     *,
-    num_microbatches: int = 1,
+    num_microbatches: int | None = 1,
     batch_argnum: int = 1,
     stage_option: StageOption | None = None,
     sharding_option: ShardingOption | None = None,
@@ -41,12 +42,13 @@ def make_plan(
     """A plan for `fn(*args)` on `cluster`, without running anything: `args` may be
     abstract (`jax.ShapeDtypeStruct` trees from `jax.eval_shape`) and the cluster a
     file's description of machines this process does not have. Options and their
-    keyword shortcuts (`num_stages`, `schedule`, `mesh_shape`, ...) as `parallelize`."""
+    keyword shortcuts (`num_stages`, `schedule`, `mesh_shape`, ...) as `parallelize`.
+    `num_microbatches=None`: the planner chooses the count."""
     stage, sharding, _ = build_options(stage_option, sharding_option, **shortcuts)
-    traced = trace_step(fn, args, batch_argnum, num_microbatches)
+    traced = trace_step(fn, args, batch_argnum, num_microbatches or 1)
     if not all(g.device_ids for g in cluster.groups):
         cluster = cluster.numbered()
-    return solve(traced, cluster, stage, sharding)
+    return solve(traced, cluster, stage, sharding, search_microbatches=num_microbatches is None)
 
 
 def layers_of(traced: TracedStep, num_layers: int) -> Layers:
@@ -54,17 +56,21 @@ def layers_of(traced: TracedStep, num_layers: int) -> Layers:
 
 
 def solve(traced: TracedStep, cluster: Cluster, stage_option: StageOption = StageOption(),
-          sharding_option: ShardingOption = ShardingOption()) -> Plan:
+          sharding_option: ShardingOption = ShardingOption(), search_microbatches: bool = False) -> Plan:
     """The planning passes, from a traced step to a Plan that holds everything compile
-    needs: layers, stage assignment, operator stages, sharding, placement.
+    needs: layers, stage assignment, operator stages, sharding, placement. With
+    `search_microbatches` the planner chooses the microbatch count instead of taking
+    the traced step's.
 
     `cluster` needs device ids or positions (`Cluster.numbered()` offline)."""
     auto = stage_option.mode == "auto" and sharding_option.mesh_shape is None
     layers = layers_pass(traced, cluster, stage_option, auto)
-    plan = stage_pass(traced, layers, cluster, stage_option, sharding_option, auto)
+    plan = stage_pass(traced, layers, cluster, stage_option, sharding_option, auto, search_microbatches)
     plan = replace(plan, operator_stages=_operator_stages(traced, layers, plan))
     per_node = {g.label: g.devices_per_node or g.size for g in cluster.groups} if auto else None
     plan = sharding_pass(traced, layers, plan, sharding_option, per_node)
+    if auto:
+        check_runnable(plan, traced.batch_size)
     plan = placement_pass(traced, layers, plan)
     return replace(plan, program=signature(traced.full), tokens_per_step=_tokens(traced))
 
@@ -72,14 +78,18 @@ def solve(traced: TracedStep, cluster: Cluster, stage_option: StageOption = Stag
 @timed_pass("layers")
 def layers_pass(traced: TracedStep, cluster: Cluster, option: StageOption, auto: bool) -> Layers:
     """The step cut into layers at module boundaries: as many as the user asked for,
-    enough for the stages, or (for the planner) as many as it could want."""
+    enough for the stages, or (for the planner) one per transformer block at least (so
+    a faster kind can take any number of blocks) and one per device up to
+    `max_planning_layers`; fewer only when the step cannot be cut that finely."""
     if option.num_layers:
         return layers_of(traced, option.num_layers)
     if not auto:
         return layers_of(traced, _stages_per_pipeline(option, cluster) * _chunks(option))
-    for n in range(min(cluster.num_devices, option.max_planning_layers), 0, -1):
+    flops = [c.flops for c in op_costs(traced.full)]
+    wanted = max(block_count(traced.full, traced.analysis, flops), min(cluster.num_devices, option.max_planning_layers))
+    for n in range(wanted, 0, -1):
         try:
-            return layers_of(traced, n)
+            return build_layers(traced.full, traced.analysis, flops, n)
         except PlanError:
             continue
     raise PlanError("the step cannot be cut into layers")
@@ -87,16 +97,18 @@ def layers_pass(traced: TracedStep, cluster: Cluster, option: StageOption, auto:
 
 @timed_pass("stage assignment")
 def stage_pass(traced: TracedStep, layers: Layers, cluster: Cluster, option: StageOption, sharding: ShardingOption,
-               auto: bool) -> Plan:
+               auto: bool, search_microbatches: bool = False) -> Plan:
     """Which layers form which stage on which devices: the planner's search, or the
     user's stage count with layers split by speed ("manual") or evenly ("uniform")."""
     num_microbatches = traced.batch_size // traced.microbatch_size
     if auto:
         chunks = {"chunks": (option.chunks,)} if option.chunks else {}  # else the planner's choices
         options = SearchOptions(
-            microbatches=(num_microbatches,), schedules=(option.schedule,) if option.schedule else schedules.names(),
-            min_microbatch=2 if traced.microbatch_size >= 4 else 1, time_limit_s=option.time_limit_s,
-            layer_overhead_s=option.layer_overhead_s, **chunks,
+            microbatches=None if search_microbatches else (num_microbatches,),
+            schedules=(option.schedule,) if option.schedule else schedules.names(),
+            min_microbatch=2 if traced.microbatch_size >= 4 or search_microbatches else 1,  # size 1 traces apart
+            dtype=compute_dtype(traced.full, [c.flops for c in op_costs(traced.full)]),
+            time_limit_s=option.time_limit_s, layer_overhead_s=option.layer_overhead_s, **chunks,
         )
         return search(layers, cluster, traced.batch_size, _tokens(traced) // traced.batch_size, options)[0]
     uniform = option.mode == "uniform"
@@ -184,13 +196,13 @@ def _memory(stage: StagePlan, placed: tuple, layers: Layers, plan: Plan) -> int:
     parameter, and the activations its microbatches in flight keep for the backward
     (split over its data-parallel devices)."""
     state = sum(nbytes for _, _, nbytes in placed)
-    grads = sum(layers.param_bytes[stage.layer_start : stage.layer_end]) if layers.param_bytes else 0
+    grads = sum(layers.param_bytes[stage.layer_start : stage.layer_end]) / max(stage.tensor_parallel, 1) if layers.param_bytes else 0
     saved = sum(layers.saved_bytes[stage.layer_start : stage.layer_end]) if layers.saved_bytes else 0
     stages = plan.replica_stages(stage.replica)
     position = [s.index for s in stages].index(stage.index)
     held = in_flight(plan.schedule, plan.num_microbatches, position, len(stages), plan.chunks)
     kept = saved * stage.batch_share / plan.num_microbatches * held
-    return int(state + grads + kept / max(stage.data_parallel or stage.num_devices, 1))
+    return int(state + grads + kept / max(stage.num_devices, 1))  # the model axis shards the wide activations too, as the planner assumes
 
 
 def _placed_params(traced: TracedStep, plan: Plan) -> list[tuple[tuple[str, Spec, int], ...]]:

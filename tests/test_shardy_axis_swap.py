@@ -94,12 +94,8 @@ def test_two_stage_axis_swap_parity(monkeypatch):
         return type(solution)(tuple(choice), solution.cost_s, solution.bound_s, solution.optimal, solution.gap, solution.solve_s)
 
     monkeypatch.setattr(shard, "solve_intra_op", swapped)
-    shard._SOLVED.clear()
     wide = gpt.GPTConfig(d_model=256, n_heads=4, n_layers=2)
-    try:
-        plan = run_parity(gpt.setup(batch_size=4, config=wide), hetpar.Cluster.virtual({"cpu": 8}), num_stages=2,
-                          mesh_shape=((2, 2), (1, 4)), num_microbatches=2, num_layers=2, schedule="1f1b", steps=1)
-    finally:
-        shard._SOLVED.clear()
+    plan = run_parity(gpt.setup(batch_size=4, config=wide), hetpar.Cluster.virtual({"cpu": 8}), num_stages=2,
+                      mesh_shape=((2, 2), (1, 4)), num_microbatches=2, num_layers=2, schedule="1f1b", steps=1)
     assert [s.mesh_shape for s in plan.stages] == [(2, 2), (1, 4)]
     assert len({name.split("/")[1] for name in forced}) == 2  # both blocks' attention was forced

@@ -62,7 +62,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster", required=True, help="the cluster file (YAML)")
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan (JSON)")
     p.add_argument("--batch-size", type=int, help="passed to FUNCTION as batch_size=")
-    p.add_argument("--microbatches", type=int, default=1, help="microbatches per step (default 1)")
+    p.add_argument("--microbatches", type=int, help="microbatches per step (default: the planner's choice; "
+                   "1 with --stages or --replicas)")
     p.add_argument("--stages", type=int, help="pipeline stages (default: the planner's choice)")
     p.add_argument("--layers", type=int, help="layers to cut the model into (default: one per stage)")
     p.add_argument("--schedule", choices=schedules.names(), help="default: the planner's choice")

@@ -48,13 +48,17 @@ def _best_mesh(solver: "_StageSolver", plan: Plan, stage: StagePlan, batch_size:
     within a node where the stage's weights are large against its microbatch, else
     all data parallel. The planner's own `dp x tp` came from a rougher estimate; this
     is the final word. The data axis must divide the stage's microbatch, since it
-    splits examples."""
+    splits examples; where all data parallel would not, the planner's own split
+    (whose data axis does) is the fallback."""
     n = stage.num_devices
     micro = (plan.replica_batch[stage.replica] if plan.replica_batch else batch_size) // plan.num_microbatches
     shapes = [(n // m, m) for m in range(2, min(n, per_node) + 1) if n % m == 0 and per_node % m == 0 and micro % (n // m) == 0]
-    best: tuple[int, ...] = (n,)
+    all_data = micro % n == 0
+    best: tuple[int, ...] = (n,) if all_data else tuple(stage.mesh_shape)
+    least = float("inf")
     if shapes:
-        least = solver.solve(stage, {"data": n})[1] * (1 - solver.option.model_axis_margin)
+        if all_data:
+            least = solver.solve(stage, {"data": n})[1] * (1 - solver.option.model_axis_margin)
         for d, m in shapes:
             cost = solver.solve(stage, {"data": d, "model": m})[1]
             if cost < least:

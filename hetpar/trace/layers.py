@@ -33,6 +33,7 @@ class Layers:
     param_bytes: list[int] = field(default_factory=list)  # per layer: batch-free step inputs its forward reads
     saved_bytes: list[int] = field(default_factory=list)  # per layer, full batch: forward values its backward reads
     tp_bytes: list[int] = field(default_factory=list)  # per layer, full batch: all-reduced per forward if split Megatron's way
+    tp_count: list[int] = field(default_factory=list)  # per layer: how many all-reduces carry `tp_bytes` (as many in the backward)
 
 
 def build_layers(graph: OpGraph, analysis: MicrobatchAnalysis, op_flops: list[float], num_layers: int) -> Layers:
@@ -87,23 +88,67 @@ def build_layers(graph: OpGraph, analysis: MicrobatchAnalysis, op_flops: list[fl
     return Layers(
         op_layer, num_layers, flops, names, boundary, forward_flops,
         _param_bytes(graph, analysis, op_layer, num_layers), _saved_bytes(graph, analysis, op_layer, num_layers),
-        _tp_bytes(graph, analysis, op_layer, num_layers),
+        *_tp_bytes(graph, analysis, op_layer, num_layers),
     )
 
 
-def _tp_bytes(graph: OpGraph, analysis: MicrobatchAnalysis, op_layer: dict[int, int], num_layers: int) -> list[int]:
+def block_count(graph: OpGraph, analysis: MicrobatchAnalysis, op_flops: list[float]) -> int:
+    """How many substantial pieces the forward pass has at the model's first module
+    level: the transformer blocks (and a large head), each at least a quarter of the
+    largest piece's work. The planner wants at least one layer per block, so that a
+    faster kind of device can take any number of blocks."""
+    segments: list[float] = []
+    previous = None
+    for op in graph.ops:
+        if analysis.phase[op.index] is not Phase.MICRO or analysis.backward[op.index]:
+            continue
+        key = op.module_path[:2]
+        if key != previous:
+            segments.append(0.0)
+            previous = key
+        segments[-1] += op_flops[op.index]
+    if not segments or max(segments) <= 0:
+        return 1
+    return sum(f >= 0.25 * max(segments) for f in segments)
+
+
+def compute_dtype(graph: OpGraph, op_flops: list[float]) -> str:
+    """The dtype most matmul FLOPs run in (a numpy dtype name): a mixed-precision
+    step keeps f32 parameters but multiplies in bf16, and the devices' peak to plan
+    with is bf16's."""
+    by_dtype: dict[str, float] = {}
+    for op in graph.ops:
+        if op.name in ("dot_general", "conv_general_dilated") and op.outputs:
+            name = str(graph.avals[op.outputs[0]].dtype)
+            by_dtype[name] = by_dtype.get(name, 0.0) + op_flops[op.index]
+    return max(by_dtype, key=by_dtype.__getitem__) if by_dtype else "float32"
+
+
+def _tp_bytes(graph: OpGraph, analysis: MicrobatchAnalysis, op_layer: dict[int, int],
+              num_layers: int) -> tuple[list[int], list[int]]:
     """What tensor parallelism would all-reduce in each layer's forward, the way
-    Megatron splits: matmuls with a weight pair up, the first split by columns and the
-    second by rows, and the second's (narrower) result is summed across devices. An
-    estimate for the planner to price a model axis with; the intra-op ILP then lays
-    the stage out for real."""
-    weighted: list[list[int]] = [[] for _ in range(num_layers)]
+    Megatron splits, and in how many all-reduces: matmuls with a weight alternate
+    column-split and row-split along the model's depth (q, k, v then o; up and gate
+    then down), and each row-split matmul's result is summed across devices. A weighted
+    matmul is row-split when the longest chain of weighted matmuls leading to it (itself
+    included) is even. An estimate for the planner to price a model axis with; the
+    intra-op ILP then lays the stage out for real."""
+    depth: dict[int, int] = {}  # forward value -> weighted matmuls on the longest chain to it
+    nbytes, count = [0] * num_layers, [0] * num_layers
     for op, layer in sorted(op_layer.items()):
+        if analysis.backward[op]:
+            continue
         node = graph.ops[op]
-        if node.name == "dot_general" and not analysis.backward[op] and any(
+        level = max((depth.get(v, 0) for v in node.inputs), default=0)
+        if node.name == "dot_general" and any(
                 v not in analysis.batch_axis and v not in graph.constants for v in node.inputs):
-            weighted[layer].append(graph.nbytes(node.outputs[0]))
-    return [sum(min(a, b) for a, b in zip(outs[::2], outs[1::2])) for outs in weighted]
+            level += 1
+            if level % 2 == 0:
+                nbytes[layer] += graph.nbytes(node.outputs[0])
+                count[layer] += 1
+        for v in node.outputs:
+            depth[v] = level
+    return nbytes, count
 
 
 def _saved_bytes(graph: OpGraph, analysis: MicrobatchAnalysis, op_layer: dict[int, int], num_layers: int) -> list[int]:
@@ -120,19 +165,40 @@ def _saved_bytes(graph: OpGraph, analysis: MicrobatchAnalysis, op_layer: dict[in
 
 
 def _param_bytes(graph: OpGraph, analysis: MicrobatchAnalysis, op_layer: dict[int, int], num_layers: int) -> list[int]:
-    """Bytes of the batch-free step inputs (parameters) each layer's forward reads first."""
+    """Bytes of the batch-free step inputs (parameters) each layer's forward reads
+    first, directly or through batch-free work done once before the microbatches (a
+    mixed-precision step casts its f32 parameters to bf16 there: the layer reads the
+    cast, but the gradient, its sync and the optimizer state are the f32 input's)."""
     owner: dict[int, int] = {}
-    inputs = set(graph.invars)
+    origins = parameter_origins(graph, analysis)
     for op, layer in sorted(op_layer.items()):
         if analysis.backward[op]:
             continue
         for v in graph.ops[op].inputs:
-            if v in inputs and analysis.batch_axis.get(v) is None:
-                owner.setdefault(v, layer)
+            for p in origins.get(v, ()):
+                owner.setdefault(p, layer)
     out = [0] * num_layers
     for v, layer in owner.items():
         out[layer] += graph.nbytes(v)
     return out
+
+
+def parameter_origins(graph: OpGraph, analysis: MicrobatchAnalysis) -> dict[int, tuple[int, ...]]:
+    """Batch-free value -> the batch-free step inputs it is computed from, for the
+    inputs themselves and for what operators outside the microbatch loop (casts,
+    reshapes of parameters) make of them."""
+    origins: dict[int, tuple[int, ...]] = {
+        v: (v,) for v in graph.invars if analysis.batch_axis.get(v) is None and v not in graph.constants
+    }
+    for op in graph.ops:
+        if analysis.phase[op.index] is Phase.MICRO:
+            continue
+        found = tuple(dict.fromkeys(p for v in op.inputs for p in origins.get(v, ())))
+        if found:
+            for v in op.outputs:
+                if analysis.batch_axis.get(v) is None:
+                    origins[v] = found
+    return origins
 
 
 def _scope_depth(graph: OpGraph, forward: list[int], flops: list[float], num_layers: int) -> int:

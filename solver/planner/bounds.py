@@ -148,5 +148,7 @@ class LowerBounds:
             def most(kept: np.ndarray) -> int:
                 return int(min(capacity // max(float((layer.state + kept * in_flight_count).min()), 1.0), self.costs.n))
 
-            self._fitting[key] = (most(layer.saved), most(layer.inputs) if self.problem.allow_remat else 0)
+            p = self.problem
+            self._fitting[key] = (0 if p.force_remat else most(layer.saved),
+                                  most(layer.inputs) if p.allow_remat or p.force_remat else 0)
         return self._fitting[key]

@@ -28,6 +28,7 @@ class LayerCost:
     saved_bytes: float  # activations the backward reads
     input_bytes: float  # the activation entering the layer: what a cut before it sends, what remat keeps
     tp_bytes: float = 0.0  # all-reduced per forward under tensor parallelism (Megatron: two hidden-sized sums)
+    tp_collectives: float = 2.0  # how many all-reduces carry `tp_bytes` per forward; the backward does as many
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class Problem:
     chunks: tuple[int, ...] = (2, 4)  # stages per device group an interleaved schedule may use
     max_tp: int = 8
     allow_remat: bool = True
+    force_remat: bool = False  # every stage recomputes its forward in the backward (Megatron's full recomputation)
     allow_replicas: bool = True  # pipelines of different kinds side by side, splitting the batch
     min_examples: int = 1  # per microbatch on each data-parallel device
     min_microbatch: int = 1  # examples in any pipeline's microbatch (a replica's share included)

@@ -146,16 +146,17 @@ class Planner:
         return ideal + min(self._cross_sync(s) for r in range(2, len(names) + 1) for s in itertools.combinations(names, r))
 
     def _search(self, kinds: tuple[str, ...], top_k: int, batch: int | None = None, beat: float = INF,
-                interleave: bool = True) -> list[PlanChoice]:
+                interleave: bool = True, counts: tuple[int, ...] | None = None) -> list[PlanChoice]:
         """The `top_k` best single pipelines over any ordered subset of `kinds` that
-        take less than `beat` (without interleaved schedules unless `interleave`)."""
+        take less than `beat`, with any allowed microbatch count (or one of `counts`),
+        without interleaved schedules unless `interleave`."""
         p = self.problem
         batch = batch or p.batch_size
         per_kind = {name: kind_layouts(p, name) for name in kinds}
         schedules = _schedule_choices(p, interleave)
         bound_schedule = next((name for name, chunks in schedules if chunks == 1), schedules[0][0])
         candidates = []
-        for m in p.microbatch_counts():
+        for m in counts or p.microbatch_counts():
             if batch % m:
                 continue
             b = batch // m
@@ -249,7 +250,8 @@ class Planner:
         key = (kind, m, b)
         plan, searched_below = self._single.get(key, (None, -INF))
         if plan is None and searched_below < beat:
-            plans = self._search((kind,), 1, batch=b * m, beat=beat, interleave=False)  # replicas share one schedule
+            # Replicas share one schedule and every replica runs the same m.
+            plans = self._search((kind,), 1, batch=b * m, beat=beat, interleave=False, counts=(m,))
             plan = plans[0] if plans else None
             self._single[key] = (plan, beat)
         return plan

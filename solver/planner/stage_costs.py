@@ -87,6 +87,7 @@ class StageCosts:
         self.saved = np.array([layer.saved_bytes for layer in layers])
         self.inputs = np.array([layer.input_bytes for layer in layers])
         self.tp_bytes = np.array([layer.tp_bytes for layer in layers])
+        self.tp_count = np.array([layer.tp_collectives for layer in layers], dtype=float)
         self.saved_max = _range_max(self.saved)
         self.kinds = {k.name: k for k in problem.kinds}
         self._tables = lru_cache(maxsize=None)(self._table)
@@ -105,7 +106,7 @@ class StageCosts:
         kind = self.kinds[cfg.kind]
         per_device = b / cfg.dp  # examples each data-parallel slice runs
         speed = cfg.tp * kind.flops
-        tp_comm = self.tp_allreduce(kind, cfg.tp, self.tp_bytes * per_device)
+        tp_comm = self.tp_allreduce(kind, cfg.tp, self.tp_bytes * per_device, self.tp_count)  # forward; backward as much
         shard = per_device / cfg.tp  # activations split over tensor-parallel devices too (sequence parallel)
         return PerLayer(
             forward=self.fwd_flops * per_device / speed + tp_comm + kind.layer_overhead_s / 3,
@@ -120,9 +121,10 @@ class StageCosts:
         capacity = self.capacity(cfg.kind)
         kept = state + saved * in_flight
         kept_remat = state + kept_inputs * in_flight + self.saved_max * (b / cfg.dp / cfg.tp)
-        fits, fits_remat = kept <= capacity, (kept_remat <= capacity) & self.problem.allow_remat
-        remat = ~fits & fits_remat
-        ok = np.triu(fits | fits_remat, k=1)
+        force = self.problem.force_remat  # large runs recompute whether or not memory asks
+        fits, fits_remat = kept <= capacity, (kept_remat <= capacity) & (self.problem.allow_remat or force)
+        remat = fits_remat if force else ~fits & fits_remat
+        ok = np.triu(remat | (fits & (not force)), k=1)
         forward = np.where(ok, f, INF)
         backward = np.where(ok, bw + np.where(remat, f, 0.0), INF)
         return StageTable(forward, backward, remat & ok, np.where(remat, kept_remat, kept), tail, sync, capacity)
@@ -138,10 +140,13 @@ class StageCosts:
         return (_span(_cumsum(layer.forward)), _span(_cumsum(layer.backward)), _span(_cumsum(layer.state)),
                 _span(_cumsum(layer.saved)), _span(_cumsum(layer.inputs)), sync, tail)
 
-    def tp_allreduce(self, kind: DeviceKind, tp: int, nbytes: np.ndarray) -> np.ndarray:
+    def tp_allreduce(self, kind: DeviceKind, tp: int, nbytes: np.ndarray, count: np.ndarray) -> np.ndarray:
+        """Seconds of one pass's tensor-parallel all-reduces per layer: `count` sums
+        sharing `nbytes` (Megatron: two per forward, two per backward, each once)."""
         if tp == 1:
             return np.zeros_like(nbytes)
-        return 2 * all_reduce_times(Topology(1, tp, kind.intra, kind.intra), nbytes)  # two per forward, two per backward
+        count = np.maximum(count, 1.0)
+        return count * all_reduce_times(Topology(1, tp, kind.intra, kind.intra), nbytes / count)
 
     def _sync(self, kind: DeviceKind, cfg: StageConfig, grads: np.ndarray) -> np.ndarray:
         if cfg.dp == 1:

@@ -1,0 +1,110 @@
+"""What the planner sees of real model shapes: parameters behind mixed-precision
+casts, Megatron's tensor-parallel traffic, forced recomputation."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hetpar.cluster.cluster import Cluster
+from hetpar.planner import SearchOptions, problem_for
+from hetpar.solve import layers_of
+from hetpar.trace.traced_step import trace_step
+from models import llama
+from solver.collectives import Topology, best
+from solver.planner.search import Planner
+from solver.planner.stage_costs import StageConfig
+
+CONFIG = llama.LlamaConfig(n_layers=2, dtype=jnp.bfloat16, param_dtype=jnp.float32)
+BATCH = 8
+
+
+@pytest.fixture(scope="module")
+def llama_layers():
+    w = llama.setup(BATCH, CONFIG)
+    traced = trace_step(w.step, (w.state, w.batch), 1, 2)
+    return w, traced, layers_of(traced, 4)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    return Cluster.from_file("examples/clusters/virtual_8.yaml").numbered()
+
+
+def test_mixed_precision_parameters_are_counted(llama_layers):
+    """f32 parameters cast to bf16 before use: their f32 bytes are the layers' parameters."""
+    w, _, layers = llama_layers
+    leaves = jax.tree.leaves(w.state.params)
+    assert all(x.dtype == jnp.float32 for x in leaves)
+    assert sum(x.size for x in leaves) == CONFIG.param_count()  # the hand count matches the model
+    assert sum(layers.param_bytes) == 4 * CONFIG.param_count()
+    d, v = CONFIG.d_model, CONFIG.vocab_size
+    assert layers.param_bytes[0] >= 4 * v * d  # the embedding sits in the first layer
+    assert layers.param_bytes[-1] >= 4 * (d * v + d)  # the head and final norm in the last
+
+
+def test_gradient_sync_and_optimizer_see_the_parameters(llama_layers, cluster):
+    """One 4-way data-parallel stage: it all-reduces every f32 gradient and updates
+    every parameter, at the byte counts computed from the shapes."""
+    _, _, layers = llama_layers
+    problem = problem_for(layers, cluster, BATCH)
+    kind = problem.kind("a100")
+    choice = Planner(problem).fixed_split([StageConfig("a100", 4, 1)], 1, BATCH, "1f1b", ())
+    nbytes = 4 * CONFIG.param_count()
+    stage = choice.stages[0]
+    expected_sync = best("all_reduce", Topology(1, 4, kind.intra, kind.inter), nbytes)[1]
+    assert stage.sync_s > 0
+    np.testing.assert_allclose(stage.sync_s, expected_sync, rtol=1e-9)
+    np.testing.assert_allclose(stage.optimizer_s, nbytes * problem.optimizer_traffic / kind.memory_bandwidth, rtol=1e-9)
+    assert stage.memory_bytes >= problem.state_factor * nbytes
+
+
+def test_tensor_parallel_traffic_is_megatrons_two_sums_each_way(llama_layers, cluster):
+    """Each block all-reduces its attention output and its MLP output once in the
+    forward and once in the backward, each a residual-stream activation."""
+    _, traced, _ = llama_layers
+    layers = layers_of(traced, CONFIG.n_layers)  # one block per layer
+    hidden = BATCH * CONFIG.seq_len * CONFIG.d_model * 2  # bf16 activation, whole batch
+    assert layers.tp_count == [2] * CONFIG.n_layers
+    assert layers.tp_bytes == [2 * hidden] * CONFIG.n_layers
+    problem = problem_for(layers, cluster, BATCH)
+    costs = Planner(problem).costs
+    kind = problem.kind("a100")
+    per = costs.per_layer(StageConfig("a100", 1, 2), BATCH)
+    one_sum = best("all_reduce", Topology(1, 2, kind.intra, kind.intra), hidden)[1]
+    compute_fwd = costs.fwd_flops * BATCH / (2 * kind.flops) + kind.layer_overhead_s / 3
+    compute_bwd = (costs.flops - costs.fwd_flops) * BATCH / (2 * kind.flops) + 2 * kind.layer_overhead_s / 3
+    np.testing.assert_allclose(per.forward - compute_fwd, 2 * one_sum, rtol=1e-9)
+    np.testing.assert_allclose(per.backward - compute_bwd, 2 * one_sum, rtol=1e-9)
+
+
+def test_recomputation_can_be_forced(llama_layers, cluster):
+    """Forced, every stage recomputes its forward in the backward though memory does not ask."""
+    _, _, layers = llama_layers
+    free = Planner(problem_for(layers, cluster, BATCH))
+    forced = Planner(problem_for(layers, cluster, BATCH, options=SearchOptions(force_remat=True)))
+    configs, cuts = [StageConfig("a100", 2, 1), StageConfig("v100", 2, 1)], (2,)
+    a = free.fixed_split(configs, 2, BATCH // 2, "1f1b", cuts)
+    b = forced.fixed_split(configs, 2, BATCH // 2, "1f1b", cuts)
+    for s, r in zip(a.stages, b.stages):
+        assert not s.remat and r.remat
+        np.testing.assert_allclose(r.backward_s, s.backward_s + s.forward_s, rtol=1e-9)
+        assert r.memory_bytes < s.memory_bytes
+    chosen = forced.solve().best
+    assert all(s.remat for s in chosen.stages)
+
+
+def test_solve_lets_the_planner_choose_the_microbatch_count(cluster):
+    from hetpar.cli import parser
+    from hetpar.solve import make_plan
+    from models import mlp
+
+    args = parser().parse_args(["solve", "mlp", "--cluster", "c.yaml"])
+    assert args.microbatches is None  # the CLI default: the planner's choice
+    w = mlp.setup(batch_size=16, in_dim=16, hidden=16, depth=4)
+    chosen = make_plan(w.step, (w.state, w.batch), cluster, num_microbatches=None)
+    single = make_plan(w.step, (w.state, w.batch), cluster, num_microbatches=1)
+    assert 16 % chosen.num_microbatches == 0 and single.num_microbatches == 1
+    assert chosen.predicted_step_time_s <= single.predicted_step_time_s * (1 + 1e-9)
