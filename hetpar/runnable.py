@@ -1,5 +1,6 @@
 """What the runtime needs of a plan, checked before anyone tries to run it: every
-pipeline covers the layers exactly once, in order; no device serves two stages; the
+pipeline covers the layers exactly once, in order; no device serves two stages (but
+the chunks of one device group under an interleaved schedule); the
 batch splits into whole microbatches per pipeline; and each stage's data axis divides
 the examples of the microbatch it receives (a data-parallel device cannot run a
 fraction of an example).
@@ -24,7 +25,8 @@ def runnable_problems(plan: Plan, batch_size: int) -> list[str]:
         problems.append(f"the pipelines take {list(shares)} examples, not the batch's {batch_size}")
     owner: dict[int, int] = {}
     for s in plan.stages:
-        for d in s.device_ids:
+        # An interleaved plan's later chunks run on their group's devices (checked by plan_file._check_chunks).
+        for d in s.device_ids if s.chunk == 0 else ():
             if d in owner:
                 problems.append(f"device {d} is in stage {owner[d]} and stage {s.index}")
             owner[d] = s.index

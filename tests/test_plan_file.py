@@ -71,7 +71,7 @@ def _broken(path, edit):
         (lambda r: r["cluster_groups"][0].update(devices=-4), r"cluster_groups\[0\]\.devices: .*\(got -4\)"),
         (lambda r: r["stages"][1].update(layer_start=r["stages"][1]["layer_start"] + 1), r"layer_end \d+ must be after layer_start|should start at layer"),
         (lambda r: r["stages"][0].pop("device_ids"), r"stages\[0\]\.device_ids: Field required"),
-        (lambda r: r.update(schedule="zigzag"), r"schedule: Input should be 'gpipe' or '1f1b' \(got 'zigzag'\)"),
+        (lambda r: r.update(schedule="zigzag"), "unknown schedule 'zigzag'; use one of gpipe, 1f1b, interleaved"),
         (lambda r: r["stages"][1].update(device_ids=[0]), "two stages share a device"),
     ],
 )

@@ -270,7 +270,7 @@ BAD_OPTIONS = {
     "negative batch argnum": (["solve", "mlp", "--batch-argnum", "-1"], "--batch-argnum"),
     "output into a missing directory": (["solve", "mlp", "-o", "/no/such/dir/plan.json"], "-o/--output"),
     "function spec ':'": (["solve", ":"], "names no function"),
-    "function spec not callable": (["solve", "hetpar.plan_file:SCHEDULES"], "not a function"),
+    "function spec not callable": (["solve", "solver.pipeline_sim:MAX_SIMULATED_MICROBATCHES"], "not a function"),
     "negative mesh size": (["profile", "--mesh-size", "-1"], "--mesh-size"),
     "unknown device type": (["profile", "--device-type", "NoSuchGPU"], "--device-type"),
     "trace into a missing directory": (["simulate", "PLAN", "--trace", "/no/such/dir/t.json"], "--trace"),

@@ -34,7 +34,7 @@ def _writable(path: str | None, suffix: str | None = None) -> str | None:
 class SolveOptions(_Options):
     output: str
     batch_size: Count | None = None
-    microbatches: Count = 1
+    microbatches: Count | None = None  # None: the planner chooses
     stages: Count | None = None
     layers: Count | None = None
     replicas: Count | None = None
