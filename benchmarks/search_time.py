@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hetpar.cluster.cluster import Cluster
-from hetpar.planner import device_kinds, group_links
+from hetpar.plan.auto import device_kinds, group_links
 from solver.baselines import run_all
 from solver.planner import Problem, plan
 from solver.transformer import GPT3_175B, LLAMA_140B, Transformer

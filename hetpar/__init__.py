@@ -8,9 +8,9 @@ from hetpar.markers import grad, value_and_grad
 from hetpar.options import RuntimeOption, ShardingOption, StageOption
 from hetpar.outputs import gather
 from hetpar.plan import Plan, StagePlan
-from hetpar.plan_file import load_plan, save_plan
+from hetpar.plan.file import load_plan, save_plan
 from hetpar.runtime.ray_runtime import init, shutdown
-from hetpar.solve import make_plan
+from hetpar.plan.make import make_plan
 
 __all__ = [
     "Cluster",

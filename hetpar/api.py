@@ -26,11 +26,11 @@ from hetpar.compile.compiled import CompiledStep
 from hetpar.options import RuntimeOption, ShardingOption, StageOption, build_options
 from hetpar.outputs import like_options, place_metrics
 from hetpar.plan import Plan
-from hetpar.plan_file import load_plan
+from hetpar.plan.file import load_plan
 from hetpar.runtime.executor import RunStats, run
 from hetpar.runtime.ray_runtime import RayStep
 from hetpar.signature import bind_call, free_donated, normalize_argnums
-from hetpar.solve import check_fits, cluster_for, solve
+from hetpar.plan.make import check_fits, cluster_for, solve
 from hetpar.trace.traced_step import as_array, microbatch_graphs, trace_step, whole_batch_replicas
 
 log = logging.getLogger("hetpar")

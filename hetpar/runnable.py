@@ -25,7 +25,7 @@ def runnable_problems(plan: Plan, batch_size: int) -> list[str]:
         problems.append(f"the pipelines take {list(shares)} examples, not the batch's {batch_size}")
     owner: dict[int, int] = {}
     for s in plan.stages:
-        # An interleaved plan's later chunks run on their group's devices (checked by plan_file._check_chunks).
+        # An interleaved plan's later chunks run on their group's devices (checked by hetpar.plan.file._check_chunks).
         for d in s.device_ids if s.chunk == 0 else ():
             if d in owner:
                 problems.append(f"device {d} is in stage {owner[d]} and stage {s.index}")

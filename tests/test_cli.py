@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from hetpar.plan_file import PLAN_VERSION
+from hetpar.plan.file import PLAN_VERSION
 
 
 def _hetpar(*args, check=True):

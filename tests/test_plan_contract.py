@@ -14,7 +14,7 @@ import pytest
 
 import hetpar
 from hetpar.errors import PlanError
-from hetpar.plan_file import plan_to_dict, save_plan
+from hetpar.plan.file import plan_to_dict, save_plan
 from models import gpt
 from parity import assert_close, with_grads
 
@@ -28,14 +28,14 @@ _LOAD_AND_COMPILE = textwrap.dedent("""
     import jax
     jax.config.update("jax_num_cpu_devices", 8)
     sys.path.insert(0, "tests")
-    import hetpar, hetpar.api, hetpar.shard, hetpar.solve, solver.intra_op, solver.planner.search
+    import hetpar, hetpar.api, hetpar.shard, hetpar.plan.make, solver.intra_op, solver.planner.search
     from models import gpt
     from parity import with_grads
 
     def refuse(*args, **kwargs):
         raise AssertionError("compile called a solver")
 
-    for module, name in [(hetpar.api, "solve"), (hetpar.solve, "build_layers"), (hetpar.shard, "solve_intra_op"),
+    for module, name in [(hetpar.api, "solve"), (hetpar.plan.make, "build_layers"), (hetpar.shard, "solve_intra_op"),
                          (solver.intra_op, "solve_intra_op")]:
         setattr(module, name, refuse)
     solver.planner.search.Planner.solve = refuse
@@ -96,9 +96,9 @@ def test_compiling_a_plan_asks_no_solver_in_process(solved, monkeypatch):
 
     import hetpar.api
     import hetpar.shard
-    import hetpar.solve
+    import hetpar.plan.make
 
-    for module, name in [(hetpar.api, "solve"), (hetpar.solve, "build_layers"), (hetpar.shard, "solve_intra_op")]:
+    for module, name in [(hetpar.api, "solve"), (hetpar.plan.make, "build_layers"), (hetpar.shard, "solve_intra_op")]:
         monkeypatch.setattr(module, name, refuse)
     loaded = hetpar.parallelize(with_grads(w.loss_fn), plan=str(path))
     new, loss, grads = loaded(w.state, w.batch)

@@ -10,7 +10,7 @@ import pytest
 
 import hetpar
 from hetpar.errors import PlanError
-from hetpar.plan_file import PLAN_VERSION, load_plan, plan_to_dict, save_plan
+from hetpar.plan.file import PLAN_VERSION, load_plan, plan_to_dict, save_plan
 from models import gpt, mlp
 from parity import run_parity, with_grads
 from solver.pipeline_sim import StageTimes, pipeline_time, simulate

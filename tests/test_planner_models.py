@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from hetpar.cluster.cluster import Cluster
-from hetpar.planner import SearchOptions, problem_for
-from hetpar.solve import layers_of
+from hetpar.plan.auto import SearchOptions, problem_for
+from hetpar.plan.make import layers_of
 from hetpar.trace.traced_step import trace_step
 from models import llama
 from solver.collectives import Topology, best
@@ -98,7 +98,7 @@ def test_recomputation_can_be_forced(llama_layers, cluster):
 
 def test_solve_lets_the_planner_choose_the_microbatch_count(cluster):
     from hetpar.cli import parser
-    from hetpar.solve import make_plan
+    from hetpar.plan.make import make_plan
     from models import mlp
 
     args = parser().parse_args(["solve", "mlp", "--cluster", "c.yaml"])

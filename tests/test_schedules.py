@@ -13,7 +13,7 @@ import pytest
 import hetpar
 from hetpar.compile.order import order
 from hetpar.errors import PlanError
-from hetpar.plan_file import load_plan, plan_from_dict, plan_to_dict, save_plan
+from hetpar.plan.file import load_plan, plan_from_dict, plan_to_dict, save_plan
 from hetpar.timeline import breakdown, closed_form_s, plot_timeline, simulate_plan
 from models import gpt
 from parity import run_parity

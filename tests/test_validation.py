@@ -13,11 +13,11 @@ import time
 
 import pytest
 
-from hetpar import plan as plan_module
-from hetpar import plan_schema
+from hetpar.plan import model as plan_module
+from hetpar.plan import schema as plan_schema
 from hetpar.cli import main
 from hetpar.plan import ClusterGroup, Plan, StagePlan
-from hetpar.plan_file import load_plan, plan_to_dict, save_plan
+from hetpar.plan.file import load_plan, plan_to_dict, save_plan
 
 
 def _stage(i: int, devices: tuple[int, ...], layers: tuple[int, int], device_type: str) -> StagePlan:
@@ -114,7 +114,7 @@ def test_bad_plan_files_are_refused_in_one_line(tmp_path, capsys, case):
 
 
 def test_the_plan_schema_mirrors_the_plan_dataclasses():
-    # A field added to the Plan must be added to hetpar/plan_schema.py (with its range).
+    # A field added to the Plan must be added to hetpar/plan/schema.py (with its range).
     pairs = [(Plan, plan_schema.PlanSchema), (StagePlan, plan_schema.StageSchema),
              (ClusterGroup, plan_schema.ClusterGroupSchema), (plan_module.ProgramSignature, plan_schema.ProgramSchema)]
     for cls, schema in pairs:

@@ -12,8 +12,8 @@ def solve(args: argparse.Namespace) -> int:
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from hetpar.cluster.cluster import Cluster
-    from hetpar.plan_file import save_plan
-    from hetpar.solve import make_plan
+    from hetpar.plan.file import save_plan
+    from hetpar.plan.make import make_plan
     from hetpar.workloads import load_workload
 
     cluster = Cluster.from_file(args.cluster)
@@ -32,7 +32,7 @@ def solve(args: argparse.Namespace) -> int:
 
 
 def show(args: argparse.Namespace) -> int:
-    from hetpar.plan_file import load_plan
+    from hetpar.plan.file import load_plan
 
     _print_plan(load_plan(args.plan), shardings=args.shardings)
     return 0
@@ -40,7 +40,7 @@ def show(args: argparse.Namespace) -> int:
 
 def simulate(args: argparse.Namespace) -> int:
     from hetpar.plan import fmt_time
-    from hetpar.plan_file import load_plan
+    from hetpar.plan.file import load_plan
     from hetpar.timeline import (
         breakdown,
         closed_form_s,

@@ -2,7 +2,7 @@
 
 The planner sees a model as a chain of layers with per-example costs and a cluster
 as a few kinds of devices with counts, speeds, memories and links. It knows nothing
-of JAX: `hetpar.planning` builds a `Problem` from a traced step, and
+of JAX: `hetpar.plan.auto` builds a `Problem` from a traced step, and
 `solver.transformer` builds one for a transformer that exists only on paper.
 """
 

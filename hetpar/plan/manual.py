@@ -1,6 +1,6 @@
 """Stage assignment by hand: when the user fixes `num_stages` or `num_replicas`,
 contiguous layers go to that many stages, one device group each, in proportion to
-each stage's speed. Without them the planner (`hetpar.planner`) decides."""
+each stage's speed. Without them the planner (`hetpar.plan.auto`) decides."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from hetpar.cluster.cluster import Cluster, DeviceGroup
 from hetpar.errors import PlanError
-from hetpar.plan import ClusterGroup, Plan, StagePlan
+from hetpar.plan.model import ClusterGroup, Plan, StagePlan
 from hetpar.trace.layers import Layers
 from solver.collectives import LinkCost, Topology, best
 from solver.partition import min_max_cuts

@@ -11,9 +11,9 @@ from typing import Any
 
 from hetpar.cluster.catalog import device_type
 from hetpar.errors import ClusterError, PlanError
-from hetpar.plan import ClusterGroup, Plan, ProgramSignature, StagePlan
+from hetpar.plan.model import ClusterGroup, Plan, ProgramSignature, StagePlan
 from solver import schedules
-from hetpar.plan_schema import PLAN_VERSION, check_plan_json
+from hetpar.plan.schema import PLAN_VERSION, check_plan_json
 
 
 
@@ -31,7 +31,7 @@ def load_plan(path: str | Path) -> Plan:
         data = Path(path).read_bytes()
     except OSError as e:
         raise PlanError(f"cannot read plan {path}: {e.strerror}") from None
-    check_plan_json(data, str(path))  # every field's type and range (plan_schema.py)
+    check_plan_json(data, str(path))  # every field's type and range (schema.py)
     text = data.decode()
     try:
         raw = json.loads(text)

@@ -1,4 +1,4 @@
-"""The plan file's schema: every field of the current JSON format (plan_file.py,
+"""The plan file's schema: every field of the current JSON format (file.py,
 version 2) with its type and range, checked before any of it is used.
 
 It mirrors hetpar.plan's dataclasses field for field; tests/test_validation.py
@@ -6,11 +6,11 @@ checks that they agree, so a field added to the Plan fails that test until it is
 added here too. Unknown fields are refused (`extra="forbid"`): a plan from a newer
 hetpar, or a typo in a hand edit, is named rather than silently dropped. To accept a
 new field, add it to the model below with its type and range; to read an older
-format, bump PLAN_VERSION below and convert in plan_file.py.
+format, bump PLAN_VERSION below and convert in file.py.
 
 Checks that span fields (stage indices in order, device positions inside the
 cluster, mesh shapes that multiply to the stage's devices) are here too; checks
-that need the device catalog or the layer cover stay in plan_file.check_plan.
+that need the device catalog or the layer cover stay in file.check_plan.
 """
 
 from __future__ import annotations

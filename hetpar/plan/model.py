@@ -1,5 +1,5 @@
 """Plan: where every part of the step runs. Plain data: printable for people, saved as
-JSON (see plan_file.py), and checked against the program it was made for."""
+JSON (see file.py), and checked against the program it was made for."""
 
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 from hetpar.cluster.cluster import Cluster, DeviceGroup
 from hetpar.errors import PlanError
-from hetpar.plan import ClusterGroup, Plan, StagePlan
-from hetpar.planning import link_cost
+from hetpar.plan.model import ClusterGroup, Plan, StagePlan
+from hetpar.plan.manual import link_cost
 from hetpar.trace.layers import Layers
 from solver.collectives import LinkCost
 from solver import schedules

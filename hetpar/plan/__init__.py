@@ -1,0 +1,12 @@
+"""Plans: where every part of the step runs, and the passes that make them.
+
+- `model`: the Plan dataclasses (plain data, the contract between planning and compile)
+- `make`: the planning passes (layers, stage assignment, sharding, placement)
+- `auto`: the planner's stage assignment (an adapter to `solver.planner`)
+- `manual`: stage assignment for a fixed stage or replica count
+- `file`, `schema`: plan files (versioned JSON, schema-checked)
+"""
+
+from hetpar.plan.model import ClusterGroup, Plan, ProgramSignature, Spec, StagePlan, fmt_time, runs, spec_text
+
+__all__ = ["ClusterGroup", "Plan", "ProgramSignature", "Spec", "StagePlan", "fmt_time", "runs", "spec_text"]
