@@ -81,3 +81,21 @@ def test_new_batch_shape_replans():
     for size in (8, 16):
         assert_close(parallel(_state(), _batch(size), lr=0.1), jax.jit(step)(_state(), _batch(size), lr=0.1), f"batch {size}")
     assert parallel.cache_size() == 2
+
+
+def test_outputs_keep_jits_types_constants_and_weak_scalars_included():
+    from models import mlp
+
+    w = mlp.setup(batch_size=8)
+
+    def step(state, batch):
+        new, loss = w.step(state, batch)  # a constant Python scalar, a numpy one, and a weak product below
+        return new, loss, 0.5, loss * 2.0, jnp.float32(3.0), batch["x"].shape[0] * 1.0
+
+    ref = jax.jit(step)(w.state, w.batch)
+    par = hetpar.parallelize(step, cluster=hetpar.Cluster.virtual({"A100": 4, "V100": 4}), num_stages=2,
+                             num_microbatches=2)(w.state, w.batch)
+    for i, (r, p) in enumerate(zip(ref[1:], par[1:]), start=1):
+        assert isinstance(p, jax.Array), (i, type(p))
+        assert (p.dtype, p.weak_type, p.shape) == (r.dtype, r.weak_type, r.shape), i
+        assert_close(p, r, f"output {i}")

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+import jax.numpy as jnp
+import numpy as np
+
 from hetpar.compile.order import Step, order, replicated_order
 from hetpar.compile.programs import Program
 from hetpar.trace.microbatch import MicrobatchAnalysis, Phase
@@ -55,3 +58,12 @@ def is_per_microbatch(graph: OpGraph, analysis: MicrobatchAnalysis, batch_invars
         return True
     producer = graph.producer.get(value)
     return producer is not None and analysis.phase[producer] is Phase.MICRO and value not in analysis.reductions
+
+
+def constant_output(value: Any, aval: Any) -> Any:
+    """A step output the trace folded to a constant, typed as `jax.jit` returns it: a
+    jax array, weakly typed where the trace says so (a Python scalar result)."""
+    x = np.asarray(value, dtype=aval.dtype)
+    if getattr(aval, "weak_type", False) and x.ndim == 0:
+        return jnp.asarray(x.item())  # from a Python scalar: weakly typed, as in jit
+    return jnp.asarray(x)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hetpar.compile.compiled import CompiledStep
+from hetpar.compile.compiled import CompiledStep, constant_output
 from hetpar.runtime.communicator import DevicePath
 
 
@@ -131,7 +131,7 @@ def _combine_replicas(step: CompiledStep, store: dict) -> None:
 
 def _output(value: int, step: CompiledStep, store: dict, inputs: dict) -> Any:
     if value in step.graph.constants:
-        return np.asarray(step.constants[value], dtype=step.graph.avals[value].dtype)
+        return constant_output(step.constants[value], step.graph.avals[value])
     copies = store.get((value, None, 0))
     if copies:
         return next(iter(copies.values()))

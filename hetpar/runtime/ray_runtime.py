@@ -21,7 +21,7 @@ import numpy as np
 from hetpar.compile.step import step_tasks
 from hetpar.errors import HetparError
 from hetpar.plan import Plan
-from hetpar.compile.compiled import is_per_microbatch
+from hetpar.compile.compiled import constant_output, is_per_microbatch
 from hetpar.runtime.ray_worker import StageWorker
 from hetpar.compile.order import order, replicated_order
 from hetpar.trace.traced_step import TracedStep
@@ -224,7 +224,7 @@ class RayStep:
 
     def _output(self, v: int, refs: dict, inputs: dict) -> Any:
         if v in self.graph.constants:
-            return np.asarray(self._traced.full.constants[v], dtype=self.graph.avals[v].dtype)
+            return constant_output(self._traced.full.constants[v], self.graph.avals[v])
         if (v, None, 0) in refs:
             return refs[(v, None, 0)]
         return inputs[v]
