@@ -59,10 +59,16 @@ def choice_problems(problem: Problem, choice: PlanChoice) -> list[str]:
             out.append(f"replica {r} layers {ranges}")
         if share % m:
             out.append(f"replica {r}: {share} examples in {m} microbatches")
-        for s in stages:
+        groups = len(stages) // choice.chunks  # an interleaved plan's stage i runs on device group i mod groups
+        if len(stages) % choice.chunks:
+            out.append(f"replica {r}: {len(stages)} stages in {choice.chunks} chunks")
+        for i, s in enumerate(stages):
             if (share // m) % s.dp:
                 out.append(f"{s.kind} dp{s.dp} on microbatches of {share // m}")
-            used[s.kind] = used.get(s.kind, 0) + s.devices
+            if i >= groups and (s.kind, s.devices) != (stages[i % groups].kind, stages[i % groups].devices):
+                out.append(f"stage {i}, a later chunk, is not on the devices of stage {i % groups}")
+            if i < groups:
+                used[s.kind] = used.get(s.kind, 0) + s.devices
     out += [f"{k} uses {n} of {problem.kind(k).count}" for k, n in used.items() if n > problem.kind(k).count]
     return out
 
