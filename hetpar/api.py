@@ -19,18 +19,18 @@ import jax
 
 from hetpar.arguments import check_arguments, check_step
 from hetpar.cluster.cluster import Cluster
+from hetpar.compile.compiled import CompiledStep
 from hetpar.compile.programs import stage_mesh
 from hetpar.compile.step import compile_step
-from hetpar.errors import HetparError, PlanError
-from hetpar.compile.compiled import CompiledStep
+from hetpar.errors import HetparError
 from hetpar.options import RuntimeOption, ShardingOption, StageOption, build_options
 from hetpar.outputs import like_options, place_metrics
 from hetpar.plan import Plan
 from hetpar.plan.file import load_plan
+from hetpar.plan.make import check_fits, cluster_for, solve
 from hetpar.runtime.executor import RunStats, run
 from hetpar.runtime.ray_runtime import RayStep
 from hetpar.signature import bind_call, free_donated, normalize_argnums
-from hetpar.plan.make import check_fits, cluster_for, solve
 from hetpar.trace.traced_step import as_array, microbatch_graphs, trace_step, whole_batch_replicas
 
 log = logging.getLogger("hetpar")
@@ -204,8 +204,6 @@ def parallelize(
         plan = load_plan(plan)
     if plan is None and cluster is None:
         raise HetparError("parallelize needs a cluster (hetpar.Cluster.virtual/local/from_file) or a plan")
-    if num_microbatches < 1:
-        raise PlanError(f"num_microbatches must be at least 1, got {num_microbatches}")
     stage, sharding, runtime_opt = build_options(
         stage_option, sharding_option, runtime_option, num_stages=num_stages, num_replicas=num_replicas,
         num_layers=num_layers, schedule=schedule, chunks=chunks, mesh_shape=mesh_shape, runtime=runtime,

@@ -12,7 +12,7 @@ import pytest
 from parity import run_parity, with_grads
 
 import hetpar
-from hetpar.runnable import runnable_problems
+from hetpar.plan.runnable import runnable_problems
 from models import gpt, llama
 from solver.collectives import LinkCost
 from solver.planner import DeviceKind, LayerCost, PlanningError, Problem, plan

@@ -4,6 +4,7 @@
 - `make`: the planning passes (layers, stage assignment, sharding, placement)
 - `auto`: the planner's stage assignment (an adapter to `solver.planner`)
 - `manual`: stage assignment for a fixed stage or replica count
+- `runnable`: what the runtime needs of a plan, checked before it runs
 - `file`, `schema`: plan files (versioned JSON, schema-checked)
 """
 

@@ -15,10 +15,10 @@ from hetpar.compile.tasks import op_stages
 from hetpar.errors import PlanError
 from hetpar.options import ShardingOption, StageOption, build_options
 from hetpar.passes import timed_pass
-from hetpar.plan.model import Plan, Spec, StagePlan, runs
 from hetpar.plan.auto import SearchOptions, search
 from hetpar.plan.manual import assign_replicas, assign_stages
-from hetpar.runnable import check_runnable
+from hetpar.plan.model import Plan, Spec, StagePlan, runs
+from hetpar.plan.runnable import check_runnable
 from hetpar.shard import mesh_axes, shard_stages
 from hetpar.trace.fingerprint import differences, signature
 from hetpar.trace.flops import op_costs

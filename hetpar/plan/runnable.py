@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 from hetpar.errors import PlanError
-from hetpar.plan import Plan
+from hetpar.plan.model import Plan
 
 
 def runnable_problems(plan: Plan, batch_size: int) -> list[str]:
