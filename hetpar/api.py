@@ -21,7 +21,7 @@ from hetpar.arguments import check_arguments, check_step
 from hetpar.cluster.cluster import Cluster
 from hetpar.compile.compiled import CompiledStep
 from hetpar.compile.programs import stage_mesh
-from hetpar.compile.step import compile_step
+from hetpar.compile.step import compile_step, microbatch_graphs
 from hetpar.errors import HetparError
 from hetpar.options import RuntimeOption, ShardingOption, StageOption, build_options
 from hetpar.outputs import like_options, place_metrics
@@ -31,7 +31,7 @@ from hetpar.plan.make import check_fits, cluster_for, solve
 from hetpar.runtime.executor import RunStats, run
 from hetpar.runtime.ray_runtime import RayStep
 from hetpar.signature import bind_call, free_donated, normalize_argnums
-from hetpar.trace.traced_step import as_array, microbatch_graphs, trace_step, whole_batch_replicas
+from hetpar.trace.traced_step import as_array, trace_step
 
 log = logging.getLogger("hetpar")
 
@@ -122,9 +122,6 @@ class ParallelFunction:
                 plan = o.plan
             else:
                 stage = o.stage
-                if traced.analysis.single:  # runs whole: one pipeline, no replicas to split the batch over
-                    stage = replace(stage, mode="manual" if stage.mode == "auto" else stage.mode,
-                                    num_replicas=whole_batch_replicas(traced, stage.num_replicas))
                 if o.runtime.runtime == "ray" and stage.schedule is None and stage.chunks is None:
                     stage = replace(stage, chunks=1)  # one actor per stage: no chunks sharing a device group
                 plan = solve(traced, cluster, stage, o.sharding)

@@ -114,3 +114,15 @@ def test_every_file_the_readme_names_in_how_it_works_exists():
     assert named, "the README's How it works table names no module"
     missing = [n for n in named if not (ROOT / n).exists()]
     assert not missing, f"the README names files that do not exist: {missing}"
+
+
+def test_passes_import_forward_only():
+    """Trace knows no plans; compile and the runtime read the Plan but never plan,
+    shard or solve."""
+    graph = _graph()
+    planning = ("hetpar.plan.make", "hetpar.plan.auto", "hetpar.plan.manual", "hetpar.shard", "solver.planner", "solver.intra_op")
+    for name, deps in graph.items():
+        if name.startswith("hetpar.trace"):
+            assert not {d for d in deps if d.startswith(("hetpar.plan", "hetpar.shard", "hetpar.compile", "hetpar.runtime"))}, name
+        if name.startswith(("hetpar.compile", "hetpar.runtime")):
+            assert not {d for d in deps if d.startswith(planning)}, f"{name} imports {deps}"

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from hetpar.plan import model as plan_module
 from hetpar.plan import schema as plan_schema
+from hetpar.trace.fingerprint import ProgramSignature
 from hetpar.cli import main
 from hetpar.plan import ClusterGroup, Plan, StagePlan
 from hetpar.plan.file import load_plan, plan_to_dict, save_plan
@@ -116,7 +116,7 @@ def test_bad_plan_files_are_refused_in_one_line(tmp_path, capsys, case):
 def test_the_plan_schema_mirrors_the_plan_dataclasses():
     # A field added to the Plan must be added to hetpar/plan/schema.py (with its range).
     pairs = [(Plan, plan_schema.PlanSchema), (StagePlan, plan_schema.StageSchema),
-             (ClusterGroup, plan_schema.ClusterGroupSchema), (plan_module.ProgramSignature, plan_schema.ProgramSchema)]
+             (ClusterGroup, plan_schema.ClusterGroupSchema), (ProgramSignature, plan_schema.ProgramSchema)]
     for cls, schema in pairs:
         fields = {f.name for f in dataclasses.fields(cls)}
         assert fields == set(schema.model_fields) - {"version"}, (cls.__name__, fields ^ set(schema.model_fields))

@@ -21,7 +21,7 @@ from hetpar.errors import PlanError
 from hetpar.plan import Plan
 from hetpar.trace.layers import Layers
 from hetpar.trace.opgraph import OpGraph
-from hetpar.trace.traced_step import TracedStep
+from hetpar.trace.traced_step import TracedStep, trace_microbatch
 
 
 @dataclass(frozen=True)
@@ -101,3 +101,9 @@ def compile_layer_stages(traced: TracedStep, layers: Layers, layer_stage: list[i
     return CompiledStep(
         traced.exec_graph, traced.full.constants, traced.analysis, programs, set(traced.batch_invars), m, traced.microbatch_size
     )
+
+
+def microbatch_graphs(fn: Callable, args: tuple, batch_argnum: int, traced: TracedStep, plan: Plan) -> dict[int, OpGraph]:
+    """The step at every microbatch size the plan's replicas run with."""
+    sizes = {b // plan.num_microbatches for b in plan.replica_batch} or {traced.microbatch_size}
+    return {size: trace_microbatch(fn, args, batch_argnum, traced, size) for size in sizes}

@@ -63,6 +63,7 @@ def solve(traced: TracedStep, cluster: Cluster, stage_option: StageOption = Stag
     the traced step's.
 
     `cluster` needs device ids or positions (`Cluster.numbered()` offline)."""
+    stage_option = _whole_batch(traced, stage_option)
     auto = stage_option.mode == "auto" and sharding_option.mesh_shape is None
     layers = layers_pass(traced, cluster, stage_option, auto)
     plan = stage_pass(traced, layers, cluster, stage_option, sharding_option, auto, search_microbatches)
@@ -73,6 +74,19 @@ def solve(traced: TracedStep, cluster: Cluster, stage_option: StageOption = Stag
         check_runnable(plan, traced.batch_size)
     plan = placement_pass(traced, layers, plan)
     return replace(plan, program=signature(traced.full), tokens_per_step=_tokens(traced))
+
+
+def _whole_batch(traced: TracedStep, option: StageOption) -> StageOption:
+    """A step that only runs whole (one microbatch, nothing it could combine) runs as
+    one pipeline: data-parallel replicas would each see part of the batch."""
+    if not traced.analysis.single:
+        return option
+    if (option.num_replicas or 1) > 1:
+        raise PlanError(
+            f"this step only runs on the whole batch at once (its per-example results cannot be combined), "
+            f"so it cannot be split over num_replicas={option.num_replicas} data-parallel pipelines; leave num_replicas unset"
+        )
+    return replace(option, mode="manual" if option.mode == "auto" else option.mode, num_replicas=1)
 
 
 @timed_pass("layers")

@@ -6,21 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from hetpar.trace.fingerprint import ProgramSignature
 from solver.pipeline_sim import step_time
 from solver.schedules import DEFAULT, StageTimes
 
 # A PartitionSpec as plain data: the mesh axis (or None) of each dimension.
 Spec = tuple[Optional[str], ...]
-
-
-@dataclass(frozen=True)
-class ProgramSignature:
-    """What identifies a traced step: a plan made for one step must not run another."""
-
-    inputs: tuple[str, ...]  # e.g. "f32[32,128]", in flat argument order
-    outputs: tuple[str, ...]
-    num_operators: int
-    digest: str  # hash of the operator sequence (primitives and shapes)
 
 
 @dataclass(frozen=True)

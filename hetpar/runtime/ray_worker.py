@@ -34,10 +34,10 @@ class StageWorker:
     def build(self, fn: Callable, args: tuple, batch_argnum: int, plan: Plan, stage: int) -> int:
         """Traces, checks and compiles this stage's programs. Returns how many."""
         from hetpar.compile.programs import stage_mesh
-        from hetpar.compile.step import compile_tasks, step_tasks
+        from hetpar.compile.step import compile_tasks, microbatch_graphs, step_tasks
         from hetpar.errors import PlanError
         from hetpar.trace.fingerprint import differences, signature
-        from hetpar.trace.traced_step import microbatch_graphs, trace_step
+        from hetpar.trace.traced_step import trace_step
 
         traced = trace_step(fn, args, batch_argnum, plan.num_microbatches)
         if plan.program is not None and differences(plan.program, signature(traced.full)):

@@ -5,10 +5,20 @@ another, and the refusal can say what differs."""
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from typing import Any
 
-from hetpar.plan import ProgramSignature
 from hetpar.trace.opgraph import OpGraph
+
+
+@dataclass(frozen=True)
+class ProgramSignature:
+    """What identifies a traced step: a plan made for one step must not run another."""
+
+    inputs: tuple[str, ...]  # e.g. "f32[32,128]", in flat argument order
+    outputs: tuple[str, ...]
+    num_operators: int
+    digest: str  # hash of the operator sequence (primitives and shapes)
 
 
 def type_name(aval: Any) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import jax
 
@@ -14,9 +14,6 @@ from hetpar.errors import HetparError, PlanError, UnsupportedStepError
 from hetpar.trace import jaxpr_ir
 from hetpar.trace.microbatch import MicrobatchAnalysis, analyze, check_same_structure
 from hetpar.trace.opgraph import OpGraph
-
-if TYPE_CHECKING:
-    from hetpar.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -57,12 +54,6 @@ def trace_microbatch(fn: Callable, args: tuple, batch_argnum: int, traced: Trace
     graph = traced.full if size == traced.batch_size else jaxpr_ir.trace(fn, *at_batch(args, batch_argnum, size))
     _check_microbatch_program(traced.full, graph, size)
     return graph
-
-
-def microbatch_graphs(fn: Callable, args: tuple, batch_argnum: int, traced: TracedStep, plan: "Plan") -> dict[int, OpGraph]:
-    """The step at every microbatch size the plan's replicas run with."""
-    sizes = {b // plan.num_microbatches for b in plan.replica_batch} or {traced.microbatch_size}
-    return {size: trace_microbatch(fn, args, batch_argnum, traced, size) for size in sizes}
 
 
 def _check_microbatch_program(full: OpGraph, microbatch: OpGraph, size: int) -> None:
@@ -117,16 +108,3 @@ def at_batch(args: tuple, batch_argnum: int, size: int) -> tuple:
     return tuple(
         jax.tree.map(functools.partial(spec, batch=i == batch_argnum), a) for i, a in enumerate(args)
     )
-
-
-def whole_batch_replicas(traced: TracedStep, num_replicas: int | None) -> int | None:
-    """A step that only runs whole (one microbatch, nothing it could combine) runs as
-    one pipeline: data-parallel replicas would each see part of the batch."""
-    if not traced.analysis.single:
-        return num_replicas
-    if (num_replicas or 1) > 1:
-        raise PlanError(
-            f"this step only runs on the whole batch at once (its per-example results cannot be combined), "
-            f"so it cannot be split over num_replicas={num_replicas} data-parallel pipelines; leave num_replicas unset"
-        )
-    return 1
