@@ -87,7 +87,7 @@ class ParallelFunction:
         o = self._options
         call = bind_call(self._fn, args, kwargs, o.batch_argnum, o.static_argnums, o.donate_argnums)
         flat, treedef = jax.tree.flatten(call.args)
-        key = (call.static_key, treedef, tuple((tuple(x.shape), str(x.dtype)) for x in map(as_array, flat)))
+        key = (call.static_key, treedef, tuple(map(_shape_key, flat)))
         if key not in self._cache:
             self._cache[key] = self._build(call.args, call.fn, call.batch_argnum)
         plan, compiled = self._cache[key]
@@ -140,6 +140,14 @@ class ParallelFunction:
             compiled = compile_step(traced, plan, meshes, graphs)
         log.info("hetpar built a %d-stage plan in %s", plan.num_stages, timer)
         return plan, compiled
+
+
+def _shape_key(x: Any) -> tuple:
+    """An argument's part of the cache key: shape and dtype (read from arrays as they
+    are; only Python scalars are made into arrays to learn theirs)."""
+    if not hasattr(x, "dtype"):
+        x = as_array(x)
+    return tuple(x.shape), x.dtype
 
 
 def parallelize(

@@ -43,13 +43,17 @@ _LOAD_AND_COMPILE = textwrap.dedent("""
     w = gpt.setup(batch_size=8, config=gpt.GPTConfig(**json.loads(sys.argv[2])))
     step = hetpar.parallelize(with_grads(w.loss_fn), plan=sys.argv[1])
     _, loss, _ = step(w.state, w.batch)
+    compiled = step.compiled()
     print(json.dumps({"loss": float(loss), "programs": [hashlib.sha256(p.lower().as_text().encode()).hexdigest()
-                                                        for p in step.compiled().programs]}))
+                                                        for p in [*compiled.programs, *compiled.fused.values()]]}))
 """)
 
 
 def _digests(step: hetpar.ParallelFunction) -> list[str]:
-    return [hashlib.sha256(p.lower().as_text().encode()).hexdigest() for p in step.compiled().programs]
+    """Every program the step dispatches, the fused last-microbatch-and-update ones included."""
+    compiled = step.compiled()
+    assert compiled.fused, "each stage's update runs fused into its last backward"
+    return [hashlib.sha256(p.lower().as_text().encode()).hexdigest() for p in [*compiled.programs, *compiled.fused.values()]]
 
 
 @pytest.fixture(scope="module")

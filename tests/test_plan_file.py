@@ -10,7 +10,8 @@ import pytest
 
 import hetpar
 from hetpar.errors import PlanError
-from hetpar.plan.file import PLAN_VERSION, load_plan, plan_to_dict, save_plan
+from hetpar.plan.file import PLAN_VERSION, load_plan, plan_from_dict, plan_to_dict, save_plan
+from hetpar.predict.plan_time import plan_step_time, priced
 from models import gpt, mlp
 from parity import run_parity, with_grads
 from solver.pipeline_sim import StageTimes, pipeline_time, simulate
@@ -99,8 +100,11 @@ def test_plan_files_are_plain_json(saved):
 
 def test_the_step_time_of_a_plan_is_its_simulated_schedule(saved):
     _, plan, _ = saved
+    # The planning pass priced the plan; the figure is plain data, saved with it.
+    assert plan.predicted_step_time_s == plan_step_time(plan) > 0
+    assert plan_from_dict(plan_to_dict(plan)).predicted_step_time_s == plan.predicted_step_time_s
     for schedule in ("gpipe", "1f1b"):
-        p = replace(plan, schedule=schedule)
+        p = priced(replace(plan, schedule=schedule))
         assert p.predicted_step_time_s == simulate([s.times for s in p.stages], p.num_microbatches, schedule).step_s
 
 

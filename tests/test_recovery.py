@@ -37,10 +37,10 @@ def setup():
     return w, jax.jit(step), parallel
 
 
-def _inject(compiled, fault_at: int, error: BaseException) -> list:
+def _inject(compiled, fault_at: int, error: BaseException) -> tuple[list, dict]:
     """Makes the `fault_at`-th program call of the next step raise `error`; returns
-    the original programs, to put back."""
-    original = list(compiled.programs)
+    the original programs and fused programs, to put back."""
+    original, original_fused = list(compiled.programs), dict(compiled.fused)
     calls = [0]
 
     def wrap(fn):
@@ -53,17 +53,20 @@ def _inject(compiled, fault_at: int, error: BaseException) -> list:
         return faulty
 
     compiled.programs[:] = [dataclasses.replace(p, fn=wrap(p.fn)) for p in original]
-    return original
+    # A stage's last microbatch runs fused with its update: that dispatch counts too.
+    compiled.fused.update({i: dataclasses.replace(f, fn=wrap(f.fn)) for i, f in original_fused.items()})
+    return original, original_fused
 
 
 def _faulty_step(parallel, state, batch, fault_at: int, error: BaseException) -> None:
     compiled = parallel.compiled()
-    original = _inject(compiled, fault_at, error)
+    original, original_fused = _inject(compiled, fault_at, error)
     try:
         with pytest.raises(type(error)):
             parallel(state, batch)
     finally:
         compiled.programs[:] = original
+        compiled.fused.update(original_fused)
 
 
 def _check_steps(parallel, reference, state, batch, steps: int, what: str):

@@ -53,7 +53,9 @@ def simulate(args: argparse.Namespace) -> int:
     if args.schedule:
         from dataclasses import replace
 
-        plan = replace(plan, schedule=args.schedule)
+        from hetpar.predict.plan_time import priced
+
+        plan = priced(replace(plan, schedule=args.schedule))  # the price depends on the schedule
     try:
         sim = simulate_plan(plan)
     except ValueError as e:
@@ -79,6 +81,7 @@ def _print_plan(plan, shardings: bool = False) -> None:  # noqa: ANN001
     from rich.table import Table
 
     from hetpar.plan import fmt_time, spec_text
+    from hetpar.predict.plan_time import priced
     from hetpar.timeline import breakdown, simulate_plan
     from solver.pipeline_sim import MAX_SIMULATED_MICROBATCHES
 
@@ -107,6 +110,8 @@ def _print_plan(plan, shardings: bool = False) -> None:  # noqa: ANN001
         for index, path, spec in specs:
             sharding.add_row(str(index), path, spec)
         out.print(sharding)
+    if not plan.predicted_step_time_s:  # a plan written without its price (by hand, or an older hetpar)
+        plan = priced(plan)
     lines = [f"predicted step time {fmt_time(plan.predicted_step_time_s)}"]
     if plan.has_timings and plan.num_microbatches <= MAX_SIMULATED_MICROBATCHES:
         parts = breakdown(plan, simulate_plan(plan))

@@ -3,15 +3,15 @@ schedule runs the programs in. What a runtime needs, and nothing it decides."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
-from hetpar.compile.order import Step, order, replicated_order
-from hetpar.compile.programs import Program
+from hetpar.compile.order import Step, fuse_updates, order, replicated_order
+from hetpar.compile.programs import FusedProgram, Program
 from hetpar.trace.microbatch import MicrobatchAnalysis, Phase
 from hetpar.trace.opgraph import OpGraph
 from solver.schedules import DEFAULT
@@ -32,6 +32,10 @@ class CompiledStep:
     replica_of: tuple[int, ...] = ()
     slices: tuple[tuple[int, int], ...] = ()
     chunks: int = 1  # stages per device group (an interleaved schedule's virtual stages)
+    # Per host program (a stage's last per-microbatch program): that program's last
+    # microbatch with the stage's update folded in, and the post program it replaces.
+    fused: dict[int, FusedProgram] = field(default_factory=dict)
+    fused_posts: dict[int, int] = field(default_factory=dict)
 
     @property
     def num_replicas(self) -> int:
@@ -44,8 +48,14 @@ class CompiledStep:
     def order(self) -> list[Step]:
         """The programs in the order the schedule dispatches them (computed once)."""
         if self.num_replicas == 1:
-            return order(self.programs, self.num_microbatches, self.schedule, self.chunks)
+            return fuse_updates(order(self.programs, self.num_microbatches, self.schedule, self.chunks), self.fused_posts)
         return replicated_order(self.programs, self.replica_of, self.num_microbatches, self.schedule, self.chunks)
+
+    @cached_property
+    def input_keys(self) -> dict[int, tuple[bool, ...]]:
+        """Per program, per input: whether it is a per-microbatch value (fixed at
+        compile, so the runtime does not ask per dispatch)."""
+        return {i: tuple(self.per_microbatch(v) for v in p.task.inputs) for i, p in enumerate(self.programs)}
 
     def per_microbatch(self, value: int) -> bool:
         return is_per_microbatch(self.graph, self.analysis, self.batch_invars, value)

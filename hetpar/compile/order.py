@@ -10,7 +10,7 @@ schedule's chunks on one mesh alternate as Megatron's do.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from solver.pipeline_sim import simulate
@@ -24,6 +24,7 @@ class Step:
     last_microbatch: bool = False  # the program's accumulators are final after this
     release: int | None = None  # per-microbatch values of this microbatch are dead after this
     combine: bool = False  # no program: reductions are final; replicas' are summed into replica 0's
+    fused: int | None = None  # the post program run inside this one (compiled.fused[program]); last microbatch only
 
 
 def order(programs: Sequence, num_microbatches: int, schedule: str = DEFAULT, chunks: int = 1) -> list[Step]:
@@ -84,3 +85,14 @@ def replicated_order(programs: Sequence, replica_of: Sequence[int], num_microbat
 def _round_robin(lists: list[list[Step]]) -> list[list[Step]]:
     longest = max(len(steps) for steps in lists)
     return [[steps[i] for steps in lists if i < len(steps)] for i in range(longest)]
+
+
+def fuse_updates(steps: Sequence[Step], fused_posts: dict[int, int]) -> list[Step]:
+    """`steps` with each fused post program (`fused_posts`: host program -> post
+    program) moved into its host's last-microbatch dispatch: one dispatch fewer per
+    stage, and the update starts as soon as the stage's last backward does."""
+    folded = set(fused_posts.values())
+    return [
+        replace(s, fused=fused_posts[s.program]) if s.last_microbatch and s.program in fused_posts else s
+        for s in steps if not (s.microbatch is None and s.program in folded)
+    ]

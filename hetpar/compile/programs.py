@@ -9,7 +9,7 @@ program (the accumulator is donated), so a microbatch costs one dispatch per sta
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -103,58 +103,145 @@ def compile_task(
     computes wrong numbers (tests/test_shardy_axis_swap.py); with every operand
     pinned, each dot is partitioned exactly as chosen and the reshards between
     dots are plain layout changes, which it gets right."""
-    specs = specs or {}
     if task.kind == "pre" and analysis.whole_batch and not analysis.marked:
         # Once-per-step work before the microbatches sees the whole batch (whole_batch.py);
         # everything else in it is batch-independent, the same in both traces.
         graph = analysis.full
-    operand_specs = operand_specs or {}
-    ops = [graph.ops[i] for i in task.ops]
-    needed = {v for op in ops for v in op.inputs if v in graph.constants}
-    source = graph.constants if analysis.marked else constants
-    consts = {v: np.asarray(source[v], dtype=graph.avals[v].dtype) for v in needed}
-    combine = [analysis.reductions[v] for v in task.reductions]
-    weight = 1.0 / num_microbatches if mean_weight is None else mean_weight
-    scale = [weight if c == "mean" else 1.0 for c in combine]
+    body = _Body(task, graph, constants, analysis, mesh, num_microbatches, mean_weight, specs, operand_specs)
 
     def run(acc: tuple, *args: Any) -> tuple[tuple, tuple]:
-        env = dict(consts)
-        env.update(zip(task.inputs, args))
-        for op in ops:
-            ins = [env[v] for v in op.inputs]
-            if op.index in operand_specs:
-                ins = [jax.lax.with_sharding_constraint(x, spec_sharding(mesh, graph.avals[v], spec))
-                       for x, v, spec in zip(ins, op.inputs, operand_specs[op.index])]
-            env.update(zip(op.outputs, jaxpr_ir.bind(op, ins)))
-            for v in op.outputs:
-                if v in specs:
-                    env[v] = jax.lax.with_sharding_constraint(env[v], spec_sharding(mesh, graph.avals[v], specs[v]))
-        new = tuple(env[v] if k == 1.0 else env[v] * jnp.asarray(k, env[v].dtype) for v, k in zip(task.reductions, scale))
-        acc = tuple(_COMBINE[c](a, x.astype(a.dtype)) for c, a, x in zip(combine, acc, new))
-        return tuple(env[v] for v in task.outputs), acc
+        env = body.evaluate(args)
+        return tuple(env[v] for v in task.outputs), body.accumulate(acc, env)
 
-    def sharding(v: int) -> NamedSharding:
-        if v in specs:
-            return spec_sharding(mesh, graph.avals[v], specs[v])
-        return value_sharding(mesh, graph.avals[v], analysis.batch_axis.get(v))
-
-    in_sh = tuple(sharding(v) for v in task.inputs)
-    out_sh = tuple(sharding(v) for v in task.outputs)
-    acc_sh = tuple(sharding(v) for v in task.reductions)
+    in_sh, out_sh, acc_sh = body.shardings(task.inputs), body.shardings(task.outputs), body.shardings(task.reductions)
     fn = jax.jit(run, in_shardings=(acc_sh, *in_sh), out_shardings=(out_sh, acc_sh), donate_argnums=0)
 
     init_acc = finish = None
     if task.reductions:
-        avals = [graph.avals[v] for v in task.reductions]
-        acc_dtypes = [accumulator_dtype(a.dtype, c) for a, c in zip(avals, combine)]
+        avals, acc_dtypes = body.reduction_avals, body.acc_dtypes
         init_acc = jax.jit(
-            lambda: tuple(jnp.full(a.shape, _IDENTITY[c], d) for a, c, d in zip(avals, combine, acc_dtypes)),
+            lambda: tuple(jnp.full(a.shape, _IDENTITY[c], d) for a, c, d in zip(avals, body.combine, acc_dtypes)),
             out_shardings=acc_sh,
         )
         if any(d != a.dtype for a, d in zip(avals, acc_dtypes)):
             finish = jax.jit(lambda acc: tuple(x.astype(a.dtype) for x, a in zip(acc, avals)), out_shardings=acc_sh)
-    typed = lambda v, sh, dtype=None: jax.ShapeDtypeStruct(  # noqa: E731
-        graph.avals[v].shape, dtype or graph.avals[v].dtype, sharding=sh)
-    acc_types = tuple(typed(v, sh, accumulator_dtype(graph.avals[v].dtype, c)) for v, sh, c in zip(task.reductions, acc_sh, combine))
-    arg_types = (acc_types, *map(typed, task.inputs, in_sh))
+    arg_types = (body.acc_types(), *body.types(task.inputs, in_sh))
     return Program(task, mesh, fn, in_sh, acc_sh, init_acc, finish, arg_types)
+
+
+@dataclass
+class FusedProgram:
+    """A stage's last microbatch and its once-per-step update in one program: the
+    microbatch's work (a backward, or the last stage's forward and backward), the
+    last accumulation, and the post work (the optimizer update) on the finished
+    reductions. It replaces, for the last microbatch, the dispatch of `task` and the
+    separate dispatch of `post`, so the gradients never return to the runtime
+    between them and XLA fuses the update into the backward."""
+
+    task: Task  # the per-microbatch task whose last microbatch this runs
+    post: Task  # the post work folded in
+    mesh: Mesh
+    fn: Callable  # (accumulators, *task inputs, *post_inputs) -> (outputs, reductions, post outputs)
+    in_shardings: tuple[NamedSharding, ...]  # of task.inputs, then post_inputs
+    post_inputs: tuple[int, ...]  # what the post work reads from outside this program
+    reductions: tuple[int, ...]  # the finished reductions still needed after it (others, step outputs)
+    accumulates: bool  # False with one microbatch: nothing to add to, no accumulator argument
+    arg_types: tuple = ()
+
+    def lower(self) -> Any:
+        """As `Program.lower`: what two processes compare."""
+        return self.fn.lower(*self.arg_types)
+
+
+def compile_fused(
+    task: Task, post: Task, graph: OpGraph, constants: dict[int, Any], analysis: MicrobatchAnalysis, mesh: Mesh,
+    num_microbatches: int, keep: set[int], mean_weight: float | None = None, specs: dict[int, tuple] | None = None,
+    operand_specs: dict[int, tuple[tuple, tuple]] | None = None,
+) -> FusedProgram:
+    """`task`'s last microbatch with `post` after it (see FusedProgram). `keep` names
+    the reductions someone other than `post` reads (a later post phase, a step
+    output): they are returned; the others live only inside the program. The
+    shardings are the ones the two programs would have had apart."""
+    body = _Body(task, graph, constants, analysis, mesh, num_microbatches, mean_weight, specs, operand_specs)
+    after = _Body(post, graph, constants, analysis, mesh, num_microbatches, mean_weight, specs, operand_specs)
+    own = set(task.reductions)
+    post_inputs = tuple(v for v in post.inputs if v not in own)
+    kept = tuple(v for v in task.reductions if v in keep)
+    accumulates = num_microbatches > 1
+
+    def run(acc: tuple, *args: Any) -> tuple[tuple, tuple, tuple]:
+        env = body.evaluate(args[: len(task.inputs)])
+        new = body.accumulate(acc, env) if accumulates else body.scaled(env)
+        finals = {v: x.astype(a.dtype) for v, x, a in zip(task.reductions, new, body.reduction_avals)}
+        outside = dict(zip(post_inputs, args[len(task.inputs):]))
+        updated = after.evaluate([finals[v] if v in finals else outside[v] for v in post.inputs])
+        return tuple(env[v] for v in task.outputs), tuple(finals[v] for v in kept), tuple(updated[v] for v in post.outputs)
+
+    in_sh = body.shardings(task.inputs) + after.shardings(post_inputs)
+    acc_sh = body.shardings(task.reductions) if accumulates else ()
+    out_sh = (body.shardings(task.outputs), body.shardings(kept), after.shardings(post.outputs))
+    fn = jax.jit(run, in_shardings=(acc_sh, *in_sh), out_shardings=out_sh, donate_argnums=0)
+    arg_types = (body.acc_types() if accumulates else (),
+                 *body.types(task.inputs, in_sh[: len(task.inputs)]), *after.types(post_inputs, in_sh[len(task.inputs):]))
+    return FusedProgram(task, post, mesh, fn, in_sh, post_inputs, kept, accumulates, arg_types)
+
+
+class _Body:
+    """One task's operators as a traceable function, with the shardings and
+    accumulator types its program uses: shared by a task's own program and by a
+    fused one, so both compute (and lay out) exactly the same thing."""
+
+    def __init__(self, task: Task, graph: OpGraph, constants: dict[int, Any], analysis: MicrobatchAnalysis, mesh: Mesh,
+                 num_microbatches: int, mean_weight: float | None, specs: dict[int, tuple] | None,
+                 operand_specs: dict[int, tuple[tuple, tuple]] | None):
+        self.task, self.graph, self.analysis, self.mesh = task, graph, analysis, mesh
+        self.specs = specs or {}
+        self.operand_specs = operand_specs or {}
+        self.ops = [graph.ops[i] for i in task.ops]
+        needed = {v for op in self.ops for v in op.inputs if v in graph.constants}
+        source = graph.constants if analysis.marked else constants
+        self.consts = {v: np.asarray(source[v], dtype=graph.avals[v].dtype) for v in needed}
+        self.combine = [analysis.reductions[v] for v in task.reductions]
+        weight = 1.0 / num_microbatches if mean_weight is None else mean_weight
+        self.scale = [weight if c == "mean" else 1.0 for c in self.combine]
+        self.reduction_avals = [graph.avals[v] for v in task.reductions]
+        self.acc_dtypes = [accumulator_dtype(a.dtype, c) for a, c in zip(self.reduction_avals, self.combine)]
+
+    def evaluate(self, args: Sequence[Any]) -> dict[int, Any]:
+        """Every value the task's operators make, from its inputs (`task.inputs` order)."""
+        graph, mesh = self.graph, self.mesh
+        env = dict(self.consts)
+        env.update(zip(self.task.inputs, args))
+        for op in self.ops:
+            ins = [env[v] for v in op.inputs]
+            if op.index in self.operand_specs:
+                ins = [jax.lax.with_sharding_constraint(x, spec_sharding(mesh, graph.avals[v], spec))
+                       for x, v, spec in zip(ins, op.inputs, self.operand_specs[op.index])]
+            env.update(zip(op.outputs, jaxpr_ir.bind(op, ins)))
+            for v in op.outputs:
+                if v in self.specs:
+                    env[v] = jax.lax.with_sharding_constraint(env[v], spec_sharding(mesh, graph.avals[v], self.specs[v]))
+        return env
+
+    def scaled(self, env: dict[int, Any]) -> tuple:
+        """This microbatch's reductions, means weighted by its share of the batch."""
+        return tuple(env[v] if k == 1.0 else env[v] * jnp.asarray(k, env[v].dtype) for v, k in zip(self.task.reductions, self.scale))
+
+    def accumulate(self, acc: tuple, env: dict[int, Any]) -> tuple:
+        return tuple(_COMBINE[c](a, x.astype(a.dtype)) for c, a, x in zip(self.combine, acc, self.scaled(env)))
+
+    def sharding(self, v: int) -> NamedSharding:
+        if v in self.specs:
+            return spec_sharding(self.mesh, self.graph.avals[v], self.specs[v])
+        return value_sharding(self.mesh, self.graph.avals[v], self.analysis.batch_axis.get(v))
+
+    def shardings(self, values: Sequence[int]) -> tuple[NamedSharding, ...]:
+        return tuple(self.sharding(v) for v in values)
+
+    def types(self, values: Sequence[int], shardings: Sequence[NamedSharding]) -> tuple:
+        return tuple(jax.ShapeDtypeStruct(self.graph.avals[v].shape, self.graph.avals[v].dtype, sharding=sh)
+                     for v, sh in zip(values, shardings))
+
+    def acc_types(self) -> tuple:
+        return tuple(jax.ShapeDtypeStruct(a.shape, d, sharding=sh)
+                     for a, d, sh in zip(self.reduction_avals, self.acc_dtypes, self.shardings(self.task.reductions)))

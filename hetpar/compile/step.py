@@ -10,16 +10,17 @@ per mesh, runtime/ray_runtime.py) derive the same tasks and agree on every index
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from jax.sharding import Mesh
 
 from hetpar.compile.compiled import CompiledStep
-from hetpar.compile.programs import Program, compile_task
+from hetpar.compile.programs import FusedProgram, Program, compile_fused, compile_task
 from hetpar.compile.tasks import Task, build_tasks, op_stages
 from hetpar.errors import PlanError
 from hetpar.plan import Plan
 from hetpar.trace.layers import Layers
+from hetpar.trace.microbatch import MicrobatchAnalysis
 from hetpar.trace.opgraph import OpGraph
 from hetpar.trace.traced_step import TracedStep, trace_microbatch
 
@@ -81,15 +82,62 @@ def compile_tasks(
 
 def compile_step(traced: TracedStep, plan: Plan, meshes: dict[int, Mesh], graphs: dict[int, OpGraph]) -> CompiledStep:
     """The compile pass, for the whole step in this process: `meshes[s]` is the mesh
-    stage s runs on (stages may share one, as when layers are profiled one by one)."""
+    stage s runs on (stages may share one, as when layers are profiled one by one).
+    Each stage's update is fused into its last microbatch's program where it can be
+    (`fusible_updates`)."""
     plan_tasks = step_tasks(traced, plan)
     programs = compile_tasks(traced, plan, plan_tasks, meshes, graphs)
     replicated = plan.num_replicas > 1
+    fused: dict[int, FusedProgram] = {}
+    fused_posts: dict[int, int] = {}
+    if not replicated:
+        specs = {s.index: dict(s.shardings) for s in plan.stages}
+        operands = {s.index: dict(s.operand_shardings) for s in plan.stages}
+        for host, post in fusible_updates(traced.full, traced.analysis, plan_tasks.tasks).items():
+            task, size = plan_tasks.tasks[host], plan_tasks.microbatch_sizes[host]
+            fused[host] = compile_fused(
+                task, plan_tasks.tasks[post], graphs[size], traced.full.constants, traced.analysis, meshes[task.stage],
+                plan_tasks.num_microbatches, _read_elsewhere(traced.full, task, plan_tasks.tasks[post]),
+                mean_weight=size / traced.batch_size, specs=specs.get(task.stage), operand_specs=operands.get(task.stage),
+            )
+            fused_posts[host] = post
     return CompiledStep(
         traced.exec_graph, traced.full.constants, traced.analysis, programs, set(traced.batch_invars),
         plan_tasks.num_microbatches, traced.microbatch_size, plan.schedule,
         plan_tasks.replica_of if replicated else (), plan_tasks.slices if replicated else (), plan.chunks,
+        fused, fused_posts,
     )
+
+
+def fusible_updates(graph: OpGraph, analysis: MicrobatchAnalysis, tasks: Sequence[Task]) -> dict[int, int]:
+    """host task -> post task: each stage's first post work (its optimizer update),
+    run inside the program of the stage's last per-microbatch work (its backward; the
+    last stage's forward, which holds its backward). Only where the post work reads
+    nothing but that program's own reductions and values ready before any microbatch
+    (step inputs, pre work): then moving it to the last microbatch changes no value,
+    only when it is dispatched. Single pipeline only: with replicas, the update waits
+    for the replicas' reductions to be combined."""
+    producer = {v: t for t in tasks for v in (*t.outputs, *t.reductions)}
+    fused = {}
+    for post, p in enumerate(tasks):
+        if p.kind != "post" or p.phase != 0:
+            continue
+        hosts = [i for i, t in enumerate(tasks) if t.stage == p.stage and t.kind in ("fwd", "bwd")]
+        if not hosts:
+            continue
+        host = max(hosts, key=lambda i: tasks[i].kind == "bwd")  # the backward, where the stage has one
+        own = set(tasks[host].reductions)
+        if all(v in own or v not in producer or producer[v].kind == "pre" for v in p.inputs) and own & set(p.inputs):
+            fused[host] = post
+    return fused
+
+
+def _read_elsewhere(graph: OpGraph, host: Task, post: Task) -> set[int]:
+    """The host's reductions that something besides the fused post work reads (a later
+    post phase, a step output): the fused program must still return them."""
+    inside = set(post.ops)
+    outputs = set(graph.outvars)
+    return {v for v in host.reductions if v in outputs or any(c not in inside for c in graph.consumers.get(v, ()))}
 
 
 def compile_layer_stages(traced: TracedStep, layers: Layers, layer_stage: list[int], meshes: dict[int, Mesh]) -> CompiledStep:

@@ -19,6 +19,7 @@ from hetpar.plan.auto import SearchOptions, search
 from hetpar.plan.manual import assign_replicas, assign_stages
 from hetpar.plan.model import Plan, Spec, StagePlan, runs
 from hetpar.plan.runnable import check_runnable
+from hetpar.predict.plan_time import priced
 from hetpar.shard import mesh_axes, shard_stages
 from hetpar.trace.fingerprint import differences, signature
 from hetpar.trace.flops import op_costs
@@ -73,7 +74,7 @@ def solve(traced: TracedStep, cluster: Cluster, stage_option: StageOption = Stag
     if auto:
         check_runnable(plan, traced.batch_size)
     plan = placement_pass(traced, layers, plan)
-    return replace(plan, program=signature(traced.full), tokens_per_step=_tokens(traced))
+    return priced(replace(plan, program=signature(traced.full), tokens_per_step=_tokens(traced)))
 
 
 def _whole_batch(traced: TracedStep, option: StageOption) -> StageOption:

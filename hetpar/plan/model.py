@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from hetpar.trace.fingerprint import ProgramSignature
-from solver.pipeline_sim import step_time
 from solver.schedules import DEFAULT, StageTimes
 
 # A PartitionSpec as plain data: the mesh axis (or None) of each dimension.
@@ -90,6 +89,9 @@ class Plan:
     # (stage, number of consecutive operators). Compile reads this and nothing else
     # to cut the step, so a saved plan runs exactly as it was solved.
     operator_stages: tuple[tuple[tuple[int, int], ...], ...] = ()
+    # The schedule simulated with the stages' times, set by the planning pass
+    # (hetpar.predict.plan_time.priced); 0 for a plan nobody priced.
+    predicted_step_time_s: float = 0.0
 
     def stage_of_operators(self, replica: int) -> list[int]:
         """The stage of every operator of replica `replica`'s pipeline."""
@@ -116,26 +118,15 @@ class Plan:
         return any(s.forward_s or s.backward_s for s in self.stages)
 
     @property
-    def predicted_step_time_s(self) -> float:
-        """The schedule simulated with the stages' predicted times; without them, the
-        GPipe formula on whole-stage times: the first microbatch crosses every stage,
-        the rest follow at the pace of the slowest."""
-        if self.has_timings:
-            return max(
-                step_time([s.times for s in self.replica_stages(r)], self.num_microbatches, self.schedule, self.chunks)
-                for r in range(self.num_replicas)
-            )
-        per_mb = [s.predicted_time_s / self.num_microbatches for s in self.stages]
-        return sum(per_mb) + (self.num_microbatches - 1) * max(per_mb)
-
-    @property
     def tokens_per_s(self) -> float:
-        return self.tokens_per_step / self.predicted_step_time_s if self.tokens_per_step else 0.0
+        return self.tokens_per_step / self.predicted_step_time_s if self.tokens_per_step and self.predicted_step_time_s else 0.0
 
     @property
     def mfu(self) -> float:
         """PaLM's model FLOPs utilization, predicted."""
-        return self.model_flops / self.predicted_step_time_s / self.peak_flops if self.peak_flops else 0.0
+        if not (self.peak_flops and self.predicted_step_time_s):
+            return 0.0
+        return self.model_flops / self.predicted_step_time_s / self.peak_flops
 
     def __str__(self) -> str:
         lines = [

@@ -95,6 +95,9 @@ def predict_step(
         elif item.microbatch == 0:
             per_mb[compiled.programs[item.program].task.stage] += est.time_s
         comm += est.communication_s
+        if item.fused is not None:  # the stage's update, dispatched with its last microbatch
+            once += estimates[item.fused].time_s
+            comm += estimates[item.fused].communication_s
     comm += sum(transfer.values()) * m
     if concurrent:
         pipeline = sum(per_mb.values()) + (m - 1) * max(per_mb.values())

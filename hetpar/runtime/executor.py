@@ -9,13 +9,15 @@ meshes overlap without explicit threads; nothing here blocks on a result.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from hetpar.compile.compiled import CompiledStep, constant_output
+from hetpar.compile.order import Step
+from hetpar.compile.programs import FusedProgram, Program
 from hetpar.runtime.communicator import DevicePath
 
 
@@ -73,6 +75,7 @@ def run(step: CompiledStep, flat_args: Sequence[Any], stats: RunStats | None = N
 
     accumulators: dict[int, tuple] = {}
     returned = set(graph.outvars)
+    input_keys = step.input_keys
     for item in step.order:
         if item.combine:
             _combine_replicas(step, store)
@@ -81,23 +84,25 @@ def run(step: CompiledStep, flat_args: Sequence[Any], stats: RunStats | None = N
         task = program.task
         replica = step.replica_of[item.program] if step.replica_of else 0
         mb = item.microbatch
-        args = [
-            fetch(v, mb if step.per_microbatch(v) else None, replica, task.stage, sharding)
-            for v, sharding in zip(task.inputs, program.in_shardings)
-        ]
-        acc = accumulators.get(item.program)
-        if acc is None:
-            acc = program.init_acc() if program.init_acc else ()
-        outs, accumulators[item.program] = program.fn(acc, *args)
-        key = mb if task.per_microbatch else None
-        for v, x in zip(task.outputs, outs):
-            store[(v, key, replica)] = {task.stage: x}
-        if item.last_microbatch:
-            final = accumulators.pop(item.program)
-            if program.finish is not None:
-                final = program.finish(final)
-            for v, x in zip(task.reductions, final):
-                store[(v, None, replica)] = {task.stage: x}
+        stage = task.stage
+        if item.fused is not None:
+            _run_fused(step.fused[item.program], item, input_keys[item.program], replica, accumulators, fetch, store, program)
+        else:
+            args = [fetch(v, mb if per_mb else None, replica, stage, sharding)
+                    for v, per_mb, sharding in zip(task.inputs, input_keys[item.program], program.in_shardings)]
+            acc = accumulators.get(item.program)
+            if acc is None:
+                acc = program.init_acc() if program.init_acc else ()
+            outs, accumulators[item.program] = program.fn(acc, *args)
+            key = mb if task.per_microbatch else None
+            for v, x in zip(task.outputs, outs):
+                store[(v, key, replica)] = {stage: x}
+            if item.last_microbatch:
+                final = accumulators.pop(item.program)
+                if program.finish is not None:
+                    final = program.finish(final)
+                for v, x in zip(task.reductions, final):
+                    store[(v, None, replica)] = {stage: x}
         if stats is not None:
             stats.observe(store)
         if item.release is not None:
@@ -105,6 +110,25 @@ def run(step: CompiledStep, flat_args: Sequence[Any], stats: RunStats | None = N
                 del store[k]
 
     return [_output(v, step, store, inputs) for v in graph.outvars]
+
+
+def _run_fused(fused: FusedProgram, item: Step, flags: tuple[bool, ...], replica: int, accumulators: dict,
+               fetch: Callable, store: dict, program: Program) -> None:
+    """A stage's last microbatch with its update: the microbatch's outputs, the
+    reductions still read elsewhere and the update's results go to the store."""
+    task, mb, stage = fused.task, item.microbatch, fused.task.stage
+    n = len(task.inputs)
+    args = [fetch(v, mb if per_mb else None, replica, stage, sh)
+            for v, per_mb, sh in zip(task.inputs, flags, fused.in_shardings[:n])]
+    args += [fetch(v, None, replica, stage, sh) for v, sh in zip(fused.post_inputs, fused.in_shardings[n:])]
+    acc = accumulators.pop(item.program, None)
+    if acc is None:
+        acc = program.init_acc() if fused.accumulates and program.init_acc else ()
+    outs, finals, updated = fused.fn(acc, *args)
+    for v, x in zip(task.outputs, outs):
+        store[(v, mb, replica)] = {stage: x}
+    for v, x in zip((*fused.reductions, *fused.post.outputs), (*finals, *updated)):
+        store[(v, None, replica)] = {stage: x}
 
 
 _PATH = DevicePath()
