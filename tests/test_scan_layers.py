@@ -14,7 +14,7 @@ import hetpar
 from hetpar.trace.flops import op_costs
 from hetpar.trace.layers import block_count
 from hetpar.trace.traced_step import trace_step
-from parity import assert_close, with_grads
+from parity import assert_close, assert_reads_in_place, with_grads
 
 TWO = {"A100": 4, "V100": 4}
 THREE = {"H100": 2, "A100": 2, "V100": 4}
@@ -119,3 +119,31 @@ def test_planner_sees_each_iteration():
     assert per_iteration[0] > 0 and all(f == pytest.approx(per_iteration[0]) for f in per_iteration)
     assert block_count(traced.full, traced.analysis, flops) >= LAYERS
     assert "scan" not in {op.name for op in traced.full.ops}
+
+
+def test_stacked_weights_are_cut_where_they_live():
+    """Each stage receives its iterations' slices of a stacked weight, not the whole
+    stack: every operator reading a stacked parameter runs on one stage."""
+    state, batch, loss_fn = _workload()
+    step = with_grads(loss_fn)
+    traced = trace_step(step, (state, batch), 1, 2)
+    plan = hetpar.make_plan(step, (state, batch), hetpar.Cluster.virtual(TWO), num_microbatches=2, num_stages=2)
+    stage = plan.stage_of_operators(0)
+    stacked = [v for v, path in zip(traced.full.invars, traced.input_paths)
+               if "params" in path and "ScanBlock_0" in path and "opt_state" not in path]
+    assert stacked
+    for v in stacked:
+        readers = traced.full.consumers[v]
+        assert len({stage[c] for c in readers}) == 1, traced.input_paths[traced.full.invars.index(v)]
+    assert len({s.index for s in plan.stages if "ScanBlock_0" in s.layer_names}) == 2
+
+
+def test_eval_like_the_step_keeps_stacked_weights_in_place():
+    state, batch, loss_fn = _workload()
+    step = with_grads(loss_fn)
+    parallel = hetpar.parallelize(step, cluster=hetpar.Cluster.virtual(TWO), num_microbatches=2, num_stages=2)
+    new_state, _, _ = parallel(state, batch)
+    ref_state, _, _ = jax.jit(step)(state, batch)
+    evaluate = hetpar.parallelize(loss_fn, like=parallel, batch_argnum=1)
+    assert_close(evaluate(new_state.params, batch), jax.jit(loss_fn)(ref_state.params, batch), "eval")
+    assert_reads_in_place(evaluate, new_state.params)
