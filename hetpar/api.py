@@ -27,6 +27,7 @@ from hetpar.options import RuntimeOption, ShardingOption, StageOption, build_opt
 from hetpar.outputs import like_options, place_metrics
 from hetpar.plan import Plan
 from hetpar.plan.file import load_plan
+from hetpar.plan.like import placed_like
 from hetpar.plan.make import check_fits, cluster_for, solve
 from hetpar.runtime.executor import RunStats, run
 from hetpar.runtime.ray_runtime import RayStep
@@ -49,6 +50,7 @@ class Options:
     runtime: RuntimeOption
     static_argnums: tuple[int, ...] = ()  # as jax.jit (hetpar/signature.py)
     donate_argnums: tuple[int, ...] = ()  # freed after a successful step (hetpar/signature.py)
+    like: Any = None  # `like=train_step`: run where that step's parameters lie (hetpar/plan/like.py)
 
 
 class ParallelFunction:
@@ -117,7 +119,12 @@ class ParallelFunction:
         else:
             cluster = o.cluster if all(g.device_ids for g in o.cluster.groups) else o.cluster.bind()
         with timer("plan"):
-            if o.plan is not None:
+            placed = None
+            if o.like is not None and o.like._last is not None:
+                placed = placed_like(traced, o.like.plan, args, cluster)
+            if placed is not None:
+                plan = placed
+            elif o.plan is not None:
                 check_fits(o.plan, traced, cluster)
                 plan = o.plan
             else:
@@ -194,12 +201,15 @@ def parallelize(
     The result computes what `jax.jit(fn)` computes, and is called like it: keyword
     arguments, `static_argnums` and `donate_argnums` as in `jax.jit` (donated buffers
     are freed after a successful step; see hetpar/signature.py). With
-    `like=train_step`, an eval or predict function is parallelized on the same
-    cluster with the same options (see hetpar/outputs.py for what a step returns).
+    `like=train_step`, an eval or predict function runs forward-only on the stages
+    where the step's parameters already lie, in their layout there, so nothing is
+    moved between train and eval (hetpar/plan/like.py; a step with data-parallel
+    replicas or interleaved chunks, or one that has not run yet, gets the same
+    cluster and options, planned anew). See hetpar/outputs.py for what a step returns.
     """
     if like is not None:
-        return ParallelFunction(fn, like_options(like._options, batch_argnum, static_argnums, donate_argnums)) if fn else (
-            lambda f: ParallelFunction(f, like_options(like._options, batch_argnum, static_argnums, donate_argnums)))
+        like_opts = replace(like_options(like._options, batch_argnum, static_argnums, donate_argnums), like=like)
+        return ParallelFunction(fn, like_opts) if fn else (lambda f: ParallelFunction(f, like_opts))
     a = check_arguments(fn, cluster, plan, num_microbatches=num_microbatches, num_stages=num_stages, num_layers=num_layers,
                         num_replicas=num_replicas, batch_argnum=batch_argnum, schedule=schedule, runtime=runtime,
                         mesh_shape=mesh_shape)  # hetpar/arguments.py: types and ranges, numpy ints, a cluster file path

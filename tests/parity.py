@@ -57,3 +57,19 @@ def run_parity(workload, cluster: hetpar.Cluster, steps: int = 3, **options: Any
         assert_close(par_state.params, ref_state.params, f"parameters after step {i}")
         assert_close(par_state.opt_state, ref_state.opt_state, f"optimizer state after step {i}")
     return parallel.plan
+
+
+def assert_reads_in_place(evaluate: Any, params: Any) -> None:
+    """Every program of `evaluate`'s last call reads each parameter where and as it
+    lies (no copy to another mesh or layout), on the stage the training plan put it."""
+    from hetpar.runtime.communicator import already_there
+
+    compiled = evaluate.compiled()
+    leaves = dict(zip(compiled.graph.invars, jax.tree.leaves(params)))
+    read = 0
+    for program in compiled.programs:
+        for v, sharding in zip(program.task.inputs, program.in_shardings):
+            if v in leaves:
+                assert already_there(leaves[v], sharding), (program.task.name, leaves[v].sharding, sharding)
+                read += 1
+    assert read >= len(leaves)

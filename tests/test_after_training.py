@@ -10,7 +10,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import hetpar
-from parity import assert_close
+from parity import assert_close, assert_reads_in_place
 
 THREE = {"A100": 2, "V100": 2, "cpu": 2}
 TWO = {"A100": 2, "V100": 2}
@@ -96,3 +96,27 @@ def test_orbax_checkpoint_resumes_under_another_plan(trained, tmp_path):
         ref_state, m = jax.jit(step)(ref_state, _batch(i))
         uninterrupted.append(float(m["loss"]))
     np.testing.assert_allclose(losses + resumed, uninterrupted, rtol=1e-5, atol=1e-6)
+
+
+def _augmented_loss(params, batch):
+    """An eval with test-time augmentation: the network runs twice, on x and on -x.
+    Planned on its own, its second pass would land on the last stages, away from the
+    parameters it reads."""
+    flipped = {"x": -batch["x"], "y": batch["y"]}
+    return (_loss(params, batch) + _loss(params, flipped)) / 2
+
+
+@pytest.mark.parametrize("eval_fn", [_loss, _augmented_loss], ids=["loss", "augmented"])
+def test_eval_like_the_step_runs_where_the_parameters_are(trained, eval_fn):
+    parallel, state, _ = trained
+    ref_state = _state()
+    for i in range(2):
+        ref_state, _ = jax.jit(step)(ref_state, _batch(i))
+    evaluate = hetpar.parallelize(eval_fn, like=parallel, batch_argnum=1)
+    before = jax.tree.map(lambda p: p.sharding, state["params"])
+    assert_close(evaluate(state["params"], _batch(5)), jax.jit(eval_fn)(ref_state["params"], _batch(5)), "eval")
+    assert jax.tree.map(lambda p: p.sharding, state["params"]) == before
+    assert_reads_in_place(evaluate, state["params"])
+    # Its stages are the training plan's, each with the layers whose parameters it holds.
+    assert [s.device_ids for s in evaluate.plan.stages] == [s.device_ids for s in parallel.plan.stages]
+    assert len(set(evaluate.plan.stage_of_operators(0))) == 3

@@ -129,23 +129,19 @@ def test_per_example_outputs_come_back_whole(microbatches):
     _run(step, microbatches=microbatches)
 
 
-def test_scan_over_layers_refused_with_microbatches_runs_with_one():
-    import flax.linen as nn
+def test_scan_over_time_refused_with_microbatches_runs_with_one():
+    """A scan over time (an RNN: weights as the loop's constants, the batch as its
+    scanned inputs) stays one operator; its weight gradients are sums the loop keeps
+    inside, so it is refused with microbatches and runs whole with one. A scan over
+    layers is split instead (test_scan_layers.py)."""
+    w = {"x": W["a"][:2, :8], "h": W["a"][:, :8] * 0.5, "o": W["b"][:8]}
 
-    class Block(nn.Module):
-        @nn.compact
-        def __call__(self, x, _):
-            return nn.LayerNorm()(jnp.tanh(nn.Dense(8)(x))), None
+    def rnn_loss(w, batch):
+        xs = batch["x"].reshape(-1, 4, 2).transpose(1, 0, 2)  # time, batch, features
+        h, _ = jax.lax.scan(lambda h, x: (jnp.tanh(x @ w["x"] + h @ w["h"]), None), jnp.zeros((xs.shape[1], 8)), xs)
+        return jnp.mean((h @ w["o"] - batch["y"]) ** 2)
 
-    class Net(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            x, _ = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)()(x, None)
-            return nn.Dense(4)(x)
-
-    net = Net()
-    params = net.init(jax.random.key(0), _data()["x"])
-    step = _sgd(lambda p, batch: jnp.mean((net.apply(p, batch["x"]) - batch["y"]) ** 2))
-    with pytest.raises(hetpar.UnsupportedStepError, match="scan loop.*num_microbatches=1"):
-        _run(step, microbatches=2, num_stages=2, args=(params,))
-    _run(step, microbatches=1, num_stages=2, args=(params,))
+    step = _sgd(rnn_loss)
+    with pytest.raises(hetpar.UnsupportedStepError, match="scan loop.*over time.*num_microbatches=1"):
+        _run(step, microbatches=2, num_stages=2, args=(w,))
+    _run(step, microbatches=1, num_stages=2, args=(w,))

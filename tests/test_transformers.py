@@ -1,8 +1,9 @@
-"""transformers' Flax GPT-2 and BERT (tiny configs) trained through hetpar:
+"""transformers' Flax GPT-2, BERT and Llama (tiny configs) trained through hetpar:
 padding-masked LM losses, dropout on, parity with `jax.jit(step)` (issue 14).
 
-Flax Llama is left out: in transformers 4.57 with this JAX its rotary embedding
-fails under plain `jax.jit` too (`mul got incompatible shapes (1, 1, 2, 8), (1, 1, 1, 4)`)."""
+Flax Llama's rotary table needs `max_position_embeddings` above the sequence length
+here: with both 8, transformers 4.57 fails under plain `jax.jit` too (`mul got
+incompatible shapes (1, 1, 2, 8), (1, 1, 1, 4)`)."""
 
 import jax
 import jax.numpy as jnp
@@ -61,9 +62,16 @@ def _bert():
     return transformers.FlaxBertForMaskedLM(cfg, seed=0), False
 
 
+def _llama():
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=4 * T,
+                                   attention_dropout=0.1)
+    return transformers.FlaxLlamaForCausalLM(cfg, seed=0), True
+
+
 @pytest.mark.parametrize("make,cluster,microbatches", [
-    (_gpt2, THREE, 4), (_bert, TWO, 2),
-], ids=["gpt2-3types-4mb", "bert-2types-2mb"])
+    (_gpt2, THREE, 4), (_bert, TWO, 2), (_llama, THREE, 2),
+], ids=["gpt2-3types-4mb", "bert-2types-2mb", "llama-3types-2mb"])
 def test_transformers_lm_with_dropout_and_padding_matches_jit(make, cluster, microbatches):
     model, causal = make()
     tx = optax.adamw(1e-3, eps=1e-3)  # a tiny eps turns summation-order noise into large updates

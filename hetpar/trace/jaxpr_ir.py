@@ -7,7 +7,9 @@ JAX gives no compatibility promise for jaxpr internals, so everything that touch
 Call-like primitives (`jit`, `custom_jvp_call`, `custom_vjp_call`, `remat2`, ...)
 are inlined: after autodiff their bodies are ordinary operators, and a flat list
 is what layer construction and stage partitioning need. Loop primitives (`scan`,
-`while`, `cond`) stay whole: they are one operator whose cost sums its body.
+`while`, `cond`) stay whole: they are one operator whose cost sums its body; except a
+`scan` over layers (flax `nn.scan`, `jax.lax.scan` over stacked weights), which is
+unrolled so that stages can take iterations i..j of it (`_unroll_scan`).
 """
 
 from __future__ import annotations
@@ -37,10 +39,17 @@ class _Builder:
     """Assigns value ids in traversal order, so two traces of the same program at
     different batch sizes get the same ids for the same values."""
 
-    def __init__(self) -> None:
+    def __init__(self, unroll_layer_scans: bool = False) -> None:
         self.ops: list[Op] = []
         self.avals: list[Any] = []
         self.constants: dict[int, Any] = {}
+        # For recognizing scans over layers: values computed from the batch, and
+        # values computed from the other step inputs (parameters) alone.
+        self.unroll_layer_scans = unroll_layer_scans
+        self.batch_derived: set[int] = set()
+        self.param_derived: set[int] = set()
+        self.stacks: dict[int, list[int]] = {}  # an unrolled scan's stacked output -> its per-iteration values
+        self.slices: dict[tuple[int, int], int] = {}  # (stacked value, iteration) -> the slice read by it
 
     def new_value(self, aval: Any) -> int:
         self.avals.append(aval)
@@ -56,7 +65,9 @@ class _Builder:
             return self.constant(atom.val, atom.aval)
         return env[atom]
 
-    def splice(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[int], scope: str) -> list[int]:
+    def splice(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[int], scope: str, tag: str = "") -> list[int]:
+        """Appends `jaxpr`'s equations applied to `args`; `tag` (an unrolled scan's
+        iteration, e.g. "ScanBlock_0[2]") becomes the first module of their scopes."""
         env: dict = {}
         for var, const in zip(jaxpr.constvars, consts):
             env[var] = self.constant(const, var.aval)
@@ -64,8 +75,12 @@ class _Builder:
             env[var] = vid
         for eqn in jaxpr.eqns:
             inputs = [self.read(a, env) for a in eqn.invars]
-            eqn_scope = _join_scope(scope, str(eqn.source_info.name_stack))
+            eqn_scope = _join_scope(scope, _tagged(str(eqn.source_info.name_stack), tag))
             name = eqn.primitive.name
+            if name == "scan" and self.unroll_layer_scans and self._over_layers(eqn, inputs):
+                for var, vid in zip(eqn.outvars, self._unroll_scan(eqn, inputs, eqn_scope)):
+                    env[var] = vid
+                continue
             if name in _INLINED:
                 body = eqn.params[_INLINED[name]]
                 body_jaxpr, body_consts = _open(body)
@@ -77,7 +92,91 @@ class _Builder:
             for var, vid in zip(eqn.outvars, outputs):
                 env[var] = vid
             self.ops.append(Op(len(self.ops), eqn.primitive, dict(eqn.params), tuple(inputs), outputs, eqn_scope))
+            if any(v in self.batch_derived for v in inputs):
+                self.batch_derived.update(outputs)
+            elif any(v in self.param_derived for v in inputs):
+                self.param_derived.update(outputs)
         return [self.read(a, env) for a in jaxpr.outvars]
+
+    def _over_layers(self, eqn: Any, inputs: list[int]) -> bool:
+        """A scan over layers reads stacked weights as its scanned inputs: some `xs`
+        computed from parameters alone (a scan over time reads the batch as `xs` and
+        its weights as constants, and stays whole)."""
+        _, _, xs = _scan_parts(eqn.params, inputs)
+        return any(v in self.param_derived for v in xs)
+
+    def _unroll_scan(self, eqn: Any, inputs: list[int], scope: str) -> list[int]:
+        """The scan's body once per iteration, in the scan's order, each reading its
+        slice of the scanned inputs; stacked outputs are the iterations' results
+        stacked (an unrolled scan reading them takes each iteration's value directly,
+        so a backward scan reads its forward's residuals without a stack between them).
+        Every iteration's operators carry its index in their scope, so layers can be
+        cut between iterations and the planner sees each iteration's cost."""
+        consts, carry, xs = _scan_parts(eqn.params, inputs)
+        body, body_consts = _open(eqn.params["jaxpr"])
+        length = int(eqn.params["length"])
+        name = _body_module(body)
+        per_iteration: dict[int, list[int]] = {}
+        order = range(length - 1, -1, -1) if eqn.params["reverse"] else range(length)
+        for t in order:
+            tag = f"{name}[{t}]"
+            sliced = [self._slice(x, t, _join_scope(scope, tag)) for x in xs]
+            outs = self.splice(body, body_consts, consts + carry + sliced, scope, tag)
+            carry, per_iteration[t] = outs[: len(carry)], outs[len(carry):]
+        ys = []
+        for j in range(len(eqn.outvars) - len(carry)):
+            ys.append(self._stack([per_iteration[t][j] for t in range(length)], scope))
+        return carry + ys
+
+    def _slice(self, stacked: int, t: int, scope: str) -> int:
+        if stacked in self.stacks:
+            return self.stacks[stacked][t]
+        if (stacked, t) not in self.slices:
+            aval = self.avals[stacked]
+            closed = jax.make_jaxpr(lambda a: jax.lax.index_in_dim(a, t, keepdims=False))(
+                jax.ShapeDtypeStruct(aval.shape, aval.dtype))
+            (self.slices[(stacked, t)],) = self.splice(*_open(closed), [stacked], scope)
+        return self.slices[(stacked, t)]
+
+    def _stack(self, values: list[int], scope: str) -> int:
+        specs = [jax.ShapeDtypeStruct(self.avals[v].shape, self.avals[v].dtype) for v in values]
+        closed = jax.make_jaxpr(lambda *a: jax.numpy.stack(a))(*specs)
+        (stacked,) = self.splice(*_open(closed), values, scope)
+        self.stacks[stacked] = values
+        return stacked
+
+
+def _scan_parts(params: dict, inputs: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """A scan's inputs as (constants, initial carry, scanned inputs). JAX 0.12 keeps
+    the split in a flat tree (`ft_in`); earlier versions in `num_consts`/`num_carry`."""
+    if "ft_in" in params:
+        consts, carry, xs = params["ft_in"].update(list(inputs)).unpack()
+        return list(consts), list(carry), list(xs)
+    nc, nk = int(params["num_consts"]), int(params["num_carry"])
+    return list(inputs[:nc]), list(inputs[nc : nc + nk]), list(inputs[nc + nk :])
+
+
+def _body_module(body: Any) -> str:
+    """The module a scan body runs (flax `nn.scan`: "ScanBlock_0"): the most common
+    first scope of its equations; "scan" for a body outside any module."""
+    counts: dict[str, int] = {}
+    for e in body.eqns:
+        first = str(e.source_info.name_stack).split("/")[0]
+        if first:
+            counts[first] = counts.get(first, 0) + 1
+    return max(counts, key=counts.__getitem__) if counts else "scan"
+
+
+def _tagged(inner: str, tag: str) -> str:
+    """`inner` (a body equation's scope) inside iteration `tag`: its first module
+    becomes the tag when it is the body's module ("ScanBlock_0/Dense_0" ->
+    "ScanBlock_0[2]/Dense_0"), else the tag is put in front."""
+    if not tag:
+        return inner
+    first, _, rest = inner.partition("/")
+    if first and tag.startswith(first + "["):
+        return f"{tag}/{rest}" if rest else tag
+    return f"{tag}/{inner}" if inner else tag
 
 
 def _open(jaxpr: Any) -> tuple[Any, Sequence[Any]]:
@@ -95,15 +194,22 @@ def _join_scope(outer: str, inner: str) -> str:
     return f"{outer}/{inner}"
 
 
-def trace(fn: Callable, *args: Any) -> OpGraph:
-    """Traces `fn(*args)` (arrays or ShapeDtypeStructs) into a flat OpGraph."""
+def trace(fn: Callable, *args: Any, batch_leaves: Sequence[int] | None = None) -> OpGraph:
+    """Traces `fn(*args)` (arrays or ShapeDtypeStructs) into a flat OpGraph. With
+    `batch_leaves` (the flat indices of the batch's leaves), scans over layers are
+    unrolled: scans whose scanned inputs include values computed from the other
+    inputs (the parameters) alone."""
     closed = jax.make_jaxpr(fn, return_shape=False)(*args)
     in_leaves, in_tree = jax.tree.flatten(args)
     out_shape = jax.eval_shape(fn, *args)
     _, out_tree = jax.tree.flatten(out_shape)
-    builder = _Builder()
+    builder = _Builder(unroll_layer_scans=batch_leaves is not None)
     jaxpr, consts = _open(closed)
     invars = [builder.new_value(v.aval) for v in jaxpr.invars]
+    if batch_leaves is not None:
+        batch = set(batch_leaves)
+        builder.batch_derived.update(v for i, v in enumerate(invars) if i in batch)
+        builder.param_derived.update(v for i, v in enumerate(invars) if i not in batch)
     outvars = builder.splice(jaxpr, consts, invars, "")
     return OpGraph(
         ops=_live_ops(builder.ops, outvars),

@@ -259,10 +259,11 @@ def _reductions(full: OpGraph, phase: list, batch_axis: dict[int, int]) -> dict[
             combine = _REDUCTION_COMBINE.get(op.name)
             if combine is None and op.name in ("scan", "while"):
                 raise CombineRefusal(
-                    f"a {op.name} loop (in {op.scope or 'the step'}; flax nn.scan or jax.lax.scan over layers?) "
-                    f"returns a value of shape {full.avals[v].shape} that is not per-example; hetpar keeps a loop "
-                    "whole and cannot tell how its results combine across microbatches (splitting scans over "
-                    "layers is not done yet). Use num_microbatches=1, or loop over the layers in Python."
+                    f"a {op.name} loop (in {op.scope or 'the step'}) returns a value of shape {full.avals[v].shape} "
+                    "that is not per-example, such as a weight gradient it sums inside; hetpar keeps a loop over "
+                    "time (one whose scanned inputs are per-example, e.g. an RNN) whole and cannot tell how its "
+                    "results combine across microbatches. Use num_microbatches=1; a scan over layers (stacked "
+                    "weights as its scanned inputs, flax nn.scan) is split at iteration boundaries instead."
                 )
             if combine is None:
                 raise CombineRefusal(

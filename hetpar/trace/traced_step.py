@@ -30,14 +30,14 @@ class TracedStep:
 def trace_step(fn: Callable, args: tuple, batch_argnum: int, num_microbatches: int) -> TracedStep:
     batch_size, batch_leaves = batch_size_of(args, batch_argnum, num_microbatches)
     mb = batch_size // num_microbatches
-    full = jaxpr_ir.trace(fn, *at_batch(args, batch_argnum, batch_size))
+    full = jaxpr_ir.trace(fn, *at_batch(args, batch_argnum, batch_size), batch_leaves=batch_leaves)
     if not full.outvars:
         raise UnsupportedStepError(
             "the step returns no arrays, so there is nothing to compute in parallel; a train step returns "
             "the new state (and usually the loss): return them"
         )
-    probe = jaxpr_ir.trace(fn, *at_batch(args, batch_argnum, 2 * batch_size))
-    exec_graph = full if mb == batch_size else jaxpr_ir.trace(fn, *at_batch(args, batch_argnum, mb))
+    probe = jaxpr_ir.trace(fn, *at_batch(args, batch_argnum, 2 * batch_size), batch_leaves=batch_leaves)
+    exec_graph = full if mb == batch_size else jaxpr_ir.trace(fn, *at_batch(args, batch_argnum, mb), batch_leaves=batch_leaves)
     batch_invars = tuple(full.invars[i] for i in batch_leaves)
     analysis = analyze(full, probe, list(batch_invars), num_microbatches)
     if exec_graph is not full:
@@ -51,7 +51,9 @@ def trace_microbatch(fn: Callable, args: tuple, batch_argnum: int, traced: Trace
     to be the same program as the full batch's."""
     if size == traced.microbatch_size:
         return traced.exec_graph
-    graph = traced.full if size == traced.batch_size else jaxpr_ir.trace(fn, *at_batch(args, batch_argnum, size))
+    _, batch_leaves = batch_size_of(args, batch_argnum, 1)
+    graph = traced.full if size == traced.batch_size else jaxpr_ir.trace(
+        fn, *at_batch(args, batch_argnum, size), batch_leaves=batch_leaves)
     _check_microbatch_program(traced.full, graph, size)
     return graph
 
