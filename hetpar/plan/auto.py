@@ -52,6 +52,7 @@ def device_kinds(cluster: Cluster, dtype: str = "float32", layer_overhead_s: flo
         kinds.append(DeviceKind(
             g.label, g.size, per_node, spec.matmul_flops(dtype) * spec.efficiency, spec.memory_bytes, spec.memory_bandwidth,
             intra, link_cost(g.inter_link) if g.size > per_node else intra, layer_overhead_s, spec.matmul_flops(dtype),
+            spec.matmul_half_flops,
         ))
     return tuple(kinds)
 
