@@ -116,14 +116,7 @@ def stage_pass(traced: TracedStep, layers: Layers, cluster: Cluster, option: Sta
     user's stage count with layers split by speed ("manual") or evenly ("uniform")."""
     num_microbatches = traced.batch_size // traced.microbatch_size
     if auto:
-        chunks = {"chunks": (option.chunks,)} if option.chunks else {}  # else the planner's choices
-        options = SearchOptions(
-            microbatches=None if search_microbatches else (num_microbatches,),
-            schedules=(option.schedule,) if option.schedule else schedules.names(),
-            min_microbatch=2 if traced.microbatch_size >= 4 or search_microbatches else 1,  # size 1 traces apart
-            dtype=compute_dtype(traced.full, [c.flops for c in op_costs(traced.full)]),
-            time_limit_s=option.time_limit_s, layer_overhead_s=option.layer_overhead_s, **chunks,
-        )
+        options = search_options(traced, option, search_microbatches)
         return search(layers, cluster, traced.batch_size, _tokens(traced) // traced.batch_size, options)[0]
     uniform = option.mode == "uniform"
     stages = _stages_per_pipeline(option, cluster)
@@ -135,6 +128,23 @@ def stage_pass(traced: TracedStep, layers: Layers, cluster: Cluster, option: Sta
                          chunks=_chunks(option))
     _check_schedule(plan)
     return plan
+
+
+def search_options(traced: TracedStep, option: StageOption, search_microbatches: bool = False) -> SearchOptions:
+    """What the planner may choose for this step: the user's schedule and chunks if
+    given, the traced microbatch count unless `search_microbatches`."""
+    chunks = {"chunks": (option.chunks,)} if option.chunks else {}  # else the planner's choices
+    return SearchOptions(
+        microbatches=None if search_microbatches else (traced.batch_size // traced.microbatch_size,),
+        schedules=(option.schedule,) if option.schedule else schedules.names(),
+        min_microbatch=2 if traced.microbatch_size >= 4 or search_microbatches else 1,  # size 1 traces apart
+        dtype=compute_dtype(traced.full, [c.flops for c in op_costs(traced.full)]),
+        time_limit_s=option.time_limit_s, layer_overhead_s=option.layer_overhead_s, **chunks,
+    )
+
+
+def tokens_per_example(traced: TracedStep) -> int:
+    return _tokens(traced) // traced.batch_size
 
 
 def _chunks(option: StageOption) -> int:

@@ -127,7 +127,7 @@ class Planner:
             if self.unexplored < INF:
                 raise PlanningError(f"no plan found within the time limit of {self.time_limit_s} s; allow more time")
             raise PlanningError(self._why_nothing_fits())
-        found = rank(found)  # finalists by the figure show/simulate report, not the search's closed form
+        found = rank(found[: self.top_k])  # the finalists by the figure show/simulate report, not the search's closed form
         self.deadline = INF  # the bound's own searches run to the end
         per_kind = tuple((k.name, (rank(self._search((k.name,), 1)) or [None])[0]) for k in self.problem.kinds)
         bound = sum(c.throughput for _, c in per_kind if c is not None)

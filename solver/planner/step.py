@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from solver.pipeline_sim import step_time
+from solver.pipeline_sim import pipeline_time, step_time
 from solver.planner.problem import PlanChoice
 from solver.schedules import StageTimes
 
@@ -28,6 +28,12 @@ def stage_times(choice: PlanChoice, replica: int) -> list[StageTimes]:
 def simulated_step_s(choice: PlanChoice) -> float:
     """The slowest replica pipeline's simulated step."""
     return max(step_time(stage_times(choice, r), choice.num_microbatches, choice.schedule, choice.chunks)
+               for r in range(len(choice.replica_batch)))
+
+
+def closed_form_step_s(choice: PlanChoice) -> float:
+    """The slowest replica pipeline's closed-form step: what the search scored."""
+    return max(pipeline_time(stage_times(choice, r), choice.num_microbatches, choice.schedule, choice.chunks)
                for r in range(len(choice.replica_batch)))
 
 
