@@ -16,7 +16,7 @@ from hetpar.errors import PlanError
 from hetpar.options import ShardingOption, StageOption, build_options
 from hetpar.passes import timed_pass
 from hetpar.plan.auto import SearchOptions, search
-from hetpar.plan.manual import assign_replicas, assign_stages
+from hetpar.plan.manual import assign_replicas, assign_stages, link_cost
 from hetpar.plan.model import Plan, Spec, StagePlan, runs
 from hetpar.plan.runnable import check_runnable
 from hetpar.shard import mesh_axes, shard_stages
@@ -25,6 +25,7 @@ from hetpar.trace.flops import op_costs
 from hetpar.trace.layers import Layers, block_count, build_layers, compute_dtype
 from hetpar.trace.traced_step import TracedStep, trace_step
 from solver import schedules
+from solver.collectives import LinkCost
 from solver.planner.stage_costs import in_flight
 
 
@@ -69,7 +70,8 @@ def solve(traced: TracedStep, cluster: Cluster, stage_option: StageOption = Stag
     plan = stage_pass(traced, layers, cluster, stage_option, sharding_option, auto, search_microbatches)
     plan = replace(plan, operator_stages=_operator_stages(traced, layers, plan))
     per_node = {g.label: g.devices_per_node or g.size for g in cluster.groups} if auto else None
-    plan = sharding_pass(traced, layers, plan, sharding_option, per_node)
+    links = {g.label: link_cost(g.intra_link) for g in cluster.groups}  # the cluster file's, not the catalog's
+    plan = sharding_pass(traced, layers, plan, sharding_option, per_node, links)
     if auto:
         check_runnable(plan, traced.batch_size)
     plan = placement_pass(traced, layers, plan)
@@ -172,9 +174,10 @@ def _stages_per_pipeline(option: StageOption, cluster: Cluster) -> int:
 
 @timed_pass("sharding")
 def sharding_pass(traced: TracedStep, layers: Layers, plan: Plan, option: ShardingOption,
-                  devices_per_node: dict[str, int] | None) -> Plan:
-    """Each stage's operator shardings (and, with `devices_per_node`, its mesh)."""
-    return shard_stages(traced, layers, plan, option, devices_per_node)
+                  devices_per_node: dict[str, int] | None, links: dict[str, LinkCost] | None = None) -> Plan:
+    """Each stage's operator shardings (and, with `devices_per_node`, its mesh),
+    collectives priced on the cluster's links (`links`, by group)."""
+    return shard_stages(traced, layers, plan, option, devices_per_node, links)
 
 
 @timed_pass("placement")
