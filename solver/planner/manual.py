@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from solver import schedules
+from solver.schedules.one_f_one_b import OneFOneB
 from solver.planner.problem import PlanChoice, PlanningError, Problem
 from solver.planner.search import Planner
 from solver.planner.stage_costs import INF, StageConfig, in_flight
@@ -26,7 +27,7 @@ class ManualConfig:
     pp: int
     dp: int
     microbatch: int = 1  # examples per microbatch on each data-parallel replica
-    schedule: str = "1f1b"
+    schedule: str = OneFOneB.name
     chunks: int = 1  # stages per device group (interleaved schedules)
     remat: bool = False  # recompute every forward in the backward (Megatron's full recomputation)
     kind: str | None = None  # device kind; None: the problem's only kind (or its first)
