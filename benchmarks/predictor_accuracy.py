@@ -5,7 +5,10 @@ predicted against compiled memory.
 Calibrates first with the same measurement as `hetpar profile --model gpt` (matmul
 throughput over sizes, memory bandwidth, launch overhead, all-reduce, and the GPT
 model's layers timed one by one at a different batch size than the one predicted),
-then predicts every figure from the profile and the traced program alone. Layers are the stage programs
+then predicts every figure from the profile and the traced program alone. Every
+measurement, the profile's included, is `hetpar.predict.timing.steady_time`: warm-up
+runs, then the least of a few rounds' medians, so that other work on the machine
+(a busy shared host) moves the figures less. Layers are the stage programs
 of a plan with one layer per stage. Memory is compared with XLA's
 `compiled.memory_analysis()` (arguments + outputs + temporaries - aliased).
 Ends with: RESULT median_time_err=<f> max_time_err=<f> median_mem_err=<f>
@@ -16,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import jax
 
@@ -27,20 +29,21 @@ import hetpar  # noqa: E402
 from hetpar.predict.calibrate import program_inputs, time_program  # noqa: E402
 from hetpar.predict.profile import LayerWorkload, profile_local  # noqa: E402
 from hetpar.predict.step import predict_step  # noqa: E402
+from hetpar.predict.timing import steady_time  # noqa: E402
 from models import gpt  # noqa: E402
 
 
 def timed_training(step, state, batch, repeats: int) -> float:
-    """Median seconds per step of a training loop: each step takes the state the last
-    one returned, so it already lives where the plan keeps it."""
-    state, _ = step(state, batch)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        state, loss = step(state, batch)
-        jax.block_until_ready((state, loss))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    """Seconds per step of a training loop (`steady_time`: warm-up, then the least
+    median of a few rounds): each step takes the state the last one returned, so it
+    already lives where the plan keeps it."""
+    carried = [step(state, batch)[0]]
+
+    def run():
+        carried[0], loss = step(carried[0], batch)
+        return carried[0], loss
+
+    return steady_time(run, repeats)
 
 
 def main() -> None:

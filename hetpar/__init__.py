@@ -11,6 +11,7 @@ from hetpar.plan import Plan, StagePlan
 from hetpar.plan.file import load_plan, save_plan
 from hetpar.runtime.ray_runtime import init, shutdown
 from hetpar.plan.make import make_plan
+from hetpar.plan.compare import compare_plans
 
 __all__ = [
     "Cluster",
@@ -33,6 +34,7 @@ __all__ = [
     "shutdown",
     "load_plan",
     "make_plan",
+    "compare_plans",
     "save_plan",
     "value_and_grad",
     "parallelize",

@@ -46,13 +46,15 @@ class Transformer:
         fwd = 2 * self.block_params() * s + 4 * s * s * h
         saved = s * h * (34 + 5 * a * s / h) / 2 * w  # the paper counts bytes at 2 per value
         hidden_bytes = s * h * w
-        block = LayerCost(3 * fwd, fwd, self.block_params() * w, saved, hidden_bytes, tp_bytes=2 * hidden_bytes)
+        # Matmuls per forward: fused QKV, scores, context, output projection, and the MLP's.
+        matmuls = 4 + (3 if self.gated else 2)
+        block = LayerCost(3 * fwd, fwd, self.block_params() * w, saved, hidden_bytes, tp_bytes=2 * hidden_bytes, matmuls=matmuls)
         out = [block] * self.layers
         embed = v * h * w
         head_fwd = 2 * s * h * v
-        out[0] = LayerCost(block.flops, block.forward_flops, block.param_bytes + embed, saved, s * 4, block.tp_bytes)
+        out[0] = LayerCost(block.flops, block.forward_flops, block.param_bytes + embed, saved, s * 4, block.tp_bytes, matmuls=matmuls)
         out[-1] = LayerCost(block.flops + 3 * head_fwd, block.forward_flops + head_fwd, block.param_bytes + embed,
-                            saved + s * v * 4, hidden_bytes, block.tp_bytes)
+                            saved + s * v * 4, hidden_bytes, block.tp_bytes, matmuls=matmuls + 1)
         return tuple(out)
 
 

@@ -162,3 +162,23 @@ def test_solve_with_replicas_splits_the_batch_by_speed(tmp_path):
     png = tmp_path / "replicas.png"
     out = _hetpar("simulate", str(plan), "--plot", str(png)).stdout
     assert "simulated step" in out and png.exists()
+
+
+def test_solve_compare_prices_manual_configurations_beside_the_planner(tmp_path):
+    plan, result = _solved(tmp_path, "--manual", "tp=2,pp=2,dp=1,mb=2,kind=fast",
+                           "--manual", "tp=1,pp=2,dp=2,mb=1,schedule=interleaved,chunks=2,remat=full,kind=slow",
+                           "--manual", "tp=4,pp=4,dp=4")
+    rows = [line for line in result.stdout.splitlines() if line.startswith("│ ")]
+    labels = " ".join(line.split("│")[1].strip() for line in rows)
+    for label in ("planner", "manual tp2 pp2 dp1 mb2 1f1b on fast", "manual tp1 pp2 dp2 mb1 interleaved x2 remat on slow",
+                  "manual tp4 pp4 dp4 mb1 1f1b", "fast alone", "slow alone"):
+        assert label in labels, (label, result.stdout)
+    text = " ".join(" ".join(line.split()) for line in rows)
+    assert "m=8" in text  # 16 examples in microbatches of 1 on 2 replicas (and of 2 on 1)
+    assert "needs 64" in text  # the refusal is a row, not a crash
+    assert json.loads(plan.read_text())["stages"]  # the planner's plan is still written
+
+
+def test_solve_refuses_a_bad_manual_configuration_in_one_line(tmp_path):
+    result = _hetpar("solve", "mlp", "--cluster", str(tmp_path / "none.yaml"), "--manual", "tp=2,pp=x", check=False)
+    assert _one_clear_line(result) and "pp must be a positive whole number" in result.stderr

@@ -72,6 +72,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", type=int, help="data-parallel pipelines, each taking a share of the batch by speed "
                    "(default: the planner's choice)")
     p.add_argument("--batch-argnum", type=int, default=1, help="which argument of the step is the batch (default 1)")
+    p.add_argument("--manual", action="append", default=[], metavar="SPEC",
+                   help="price a configuration fixed by hand beside the planner's, e.g. "
+                   "tp=8,pp=8,dp=4,mb=1,schedule=interleaved,chunks=2,remat=full[,kind=GROUP] (repeatable; implies --compare)")
+    p.add_argument("--compare", action="store_true",
+                   help="print the planner's choice beside the --manual configurations and the best plan on each "
+                   "device kind alone: step time, tokens/s, MFU, memory per device")
     p.set_defaults(run=plans.solve)
 
     p = sub.add_parser("show", help="print a plan: stages, meshes, shardings, predicted time, memory, MFU")

@@ -39,8 +39,22 @@ class SolveOptions(_Options):
     layers: Count | None = None
     replicas: Count | None = None
     batch_argnum: Annotated[int, Field(ge=0, le=1000)] = 1
+    manual: list[str] = []
 
     _output = field_validator("output")(lambda cls, v: _writable(v, ".json"))
+
+    @field_validator("manual")
+    @classmethod
+    def _parses(cls, specs: list[str]) -> list[str]:
+        from solver.planner import PlanningError
+        from solver.planner.manual import ManualConfig
+
+        for spec in specs:
+            try:
+                ManualConfig.parse(spec)
+            except PlanningError as e:
+                raise ValueError(str(e)) from None
+        return specs
 
 
 class ProfileOptions(_Options):

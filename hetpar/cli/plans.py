@@ -28,7 +28,37 @@ def solve(args: argparse.Namespace) -> int:
     save_plan(plan, args.output)
     _print_plan(plan)
     print(f"wrote {args.output}")
+    if args.compare or args.manual:
+        from hetpar.plan.compare import compare_plans
+
+        rows = compare_plans(workload.step, workload.args, cluster, tuple(args.manual), num_microbatches=args.microbatches,
+                             batch_argnum=args.batch_argnum, schedule=args.schedule, chunks=args.chunks,
+                             num_layers=args.layers)
+        _print_comparison(rows)
     return 0
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**28 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _print_comparison(rows) -> None:  # noqa: ANN001
+    """One table: each configuration's step time, tokens/s, MFU and memory per device."""
+    from rich.table import Table
+
+    from hetpar.plan import fmt_time
+
+    table = Table(title="the planner's choice beside the alternatives (one cost model, simulated step)")
+    for col in ("configuration", "plan", "step", "tokens/s", "MFU", "memory / device"):
+        table.add_column(col, justify="left" if col in ("configuration", "plan") else "right")
+    for row in rows:
+        c = row.choice
+        if c is None:
+            table.add_row(row.label, f"[red]{row.error}[/red]", "-", "-", "-", "-")
+            continue
+        table.add_row(row.label, c.describe(), fmt_time(c.step_s), f"{c.tokens_per_s:,.0f}", f"{c.mfu:.1%}",
+                      f"{_size(row.memory_bytes)} / {row.memory_capacity / 2**30:.0f} GiB")
+    console().print(table)
 
 
 def show(args: argparse.Namespace) -> int:

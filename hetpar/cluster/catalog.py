@@ -30,6 +30,9 @@ class DeviceType:
     intra_node_link: Link
     efficiency: float  # fraction of peak that large matmuls reach, until profiled
     source: str
+    # A matmul of this many FLOPs runs at half the sustained rate (`solver.efficiency`):
+    # what makes small matmuls slow. About a 1k^3 matmul on a large GPU.
+    matmul_half_flops: float = 2e9
 
     def flops(self, dtype: str = "fp32") -> float:
         return self.peak_flops.get(dtype, self.peak_flops["fp32"])
@@ -59,6 +62,7 @@ def _device(name: str, spec: dict) -> DeviceType:
         intra_node_link=Link(link["name"], float(link["bandwidth"]), float(link["latency"])),
         efficiency=float(spec["efficiency"]),
         source=spec["source"],
+        matmul_half_flops=float(spec.get("matmul_half_flops", 2e9 if spec["platform"] != "cpu" else 1e6)),
     )
 
 

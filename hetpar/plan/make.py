@@ -16,7 +16,7 @@ from hetpar.errors import PlanError
 from hetpar.options import ShardingOption, StageOption, build_options
 from hetpar.passes import timed_pass
 from hetpar.plan.auto import SearchOptions, search
-from hetpar.plan.manual import assign_replicas, assign_stages
+from hetpar.plan.manual import assign_replicas, assign_stages, link_cost
 from hetpar.plan.model import Plan, Spec, StagePlan, runs
 from hetpar.plan.runnable import check_runnable
 from hetpar.predict.plan_time import priced
@@ -26,6 +26,7 @@ from hetpar.trace.flops import op_costs
 from hetpar.trace.layers import Layers, block_count, build_layers, compute_dtype
 from hetpar.trace.traced_step import TracedStep, trace_step
 from solver import schedules
+from solver.collectives import LinkCost
 from solver.planner.stage_costs import in_flight
 
 
@@ -70,7 +71,8 @@ def solve(traced: TracedStep, cluster: Cluster, stage_option: StageOption = Stag
     plan = stage_pass(traced, layers, cluster, stage_option, sharding_option, auto, search_microbatches)
     plan = replace(plan, operator_stages=_operator_stages(traced, layers, plan))
     per_node = {g.label: g.devices_per_node or g.size for g in cluster.groups} if auto else None
-    plan = sharding_pass(traced, layers, plan, sharding_option, per_node)
+    links = {g.label: link_cost(g.intra_link) for g in cluster.groups}  # the cluster file's, not the catalog's
+    plan = sharding_pass(traced, layers, plan, sharding_option, per_node, links)
     if auto:
         check_runnable(plan, traced.batch_size)
     plan = placement_pass(traced, layers, plan)
@@ -117,14 +119,7 @@ def stage_pass(traced: TracedStep, layers: Layers, cluster: Cluster, option: Sta
     user's stage count with layers split by speed ("manual") or evenly ("uniform")."""
     num_microbatches = traced.batch_size // traced.microbatch_size
     if auto:
-        chunks = {"chunks": (option.chunks,)} if option.chunks else {}  # else the planner's choices
-        options = SearchOptions(
-            microbatches=None if search_microbatches else (num_microbatches,),
-            schedules=(option.schedule,) if option.schedule else schedules.names(),
-            min_microbatch=2 if traced.microbatch_size >= 4 or search_microbatches else 1,  # size 1 traces apart
-            dtype=compute_dtype(traced.full, [c.flops for c in op_costs(traced.full)]),
-            time_limit_s=option.time_limit_s, layer_overhead_s=option.layer_overhead_s, **chunks,
-        )
+        options = search_options(traced, option, search_microbatches)
         return search(layers, cluster, traced.batch_size, _tokens(traced) // traced.batch_size, options)[0]
     uniform = option.mode == "uniform"
     stages = _stages_per_pipeline(option, cluster)
@@ -136,6 +131,23 @@ def stage_pass(traced: TracedStep, layers: Layers, cluster: Cluster, option: Sta
                          chunks=_chunks(option))
     _check_schedule(plan)
     return plan
+
+
+def search_options(traced: TracedStep, option: StageOption, search_microbatches: bool = False) -> SearchOptions:
+    """What the planner may choose for this step: the user's schedule and chunks if
+    given, the traced microbatch count unless `search_microbatches`."""
+    chunks = {"chunks": (option.chunks,)} if option.chunks else {}  # else the planner's choices
+    return SearchOptions(
+        microbatches=None if search_microbatches else (traced.batch_size // traced.microbatch_size,),
+        schedules=(option.schedule,) if option.schedule else schedules.names(),
+        min_microbatch=2 if traced.microbatch_size >= 4 or search_microbatches else 1,  # size 1 traces apart
+        dtype=compute_dtype(traced.full, [c.flops for c in op_costs(traced.full)]),
+        time_limit_s=option.time_limit_s, layer_overhead_s=option.layer_overhead_s, **chunks,
+    )
+
+
+def tokens_per_example(traced: TracedStep) -> int:
+    return _tokens(traced) // traced.batch_size
 
 
 def _chunks(option: StageOption) -> int:
@@ -163,9 +175,10 @@ def _stages_per_pipeline(option: StageOption, cluster: Cluster) -> int:
 
 @timed_pass("sharding")
 def sharding_pass(traced: TracedStep, layers: Layers, plan: Plan, option: ShardingOption,
-                  devices_per_node: dict[str, int] | None) -> Plan:
-    """Each stage's operator shardings (and, with `devices_per_node`, its mesh)."""
-    return shard_stages(traced, layers, plan, option, devices_per_node)
+                  devices_per_node: dict[str, int] | None, links: dict[str, LinkCost] | None = None) -> Plan:
+    """Each stage's operator shardings (and, with `devices_per_node`, its mesh),
+    collectives priced on the cluster's links (`links`, by group)."""
+    return shard_stages(traced, layers, plan, option, devices_per_node, links)
 
 
 @timed_pass("placement")

@@ -183,11 +183,11 @@ def split_batch(batch_size: int, num_microbatches: int, speeds: list[float]) -> 
 
 
 def _cross_replica_s(cluster: Cluster, homes: list[DeviceGroup], nbytes: int) -> float:
-    """Summing a stage's gradients across replicas: a ring over the slowest link
-    between them (2(n-1)/n of the bytes cross each link)."""
-    n = len(homes)
+    """Summing a stage's gradients across replicas: the fastest all-reduce algorithm
+    (`solver.collectives`, as the planner prices it) over the slowest link between them."""
     link = min((cluster.link_between(a, b) for i, a in enumerate(homes) for b in homes[i + 1:]), key=lambda link: link.bandwidth)
-    return 2 * (n - 1) * link.latency + 2 * (n - 1) / n * nbytes / link.bandwidth
+    cost = link_cost(link)
+    return best("all_reduce", Topology(1, len(homes), cost, cost), nbytes)[1]
 
 
 def _allreduce_s(nbytes: int, group: DeviceGroup) -> float:

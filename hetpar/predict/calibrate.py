@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import statistics
-import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
@@ -26,6 +24,7 @@ import numpy as np
 from hetpar.compile.programs import Program, stage_mesh
 from hetpar.compile.step import compile_layer_stages
 from hetpar.predict.compute import ComputeModel
+from hetpar.predict.timing import steady_time
 from hetpar.predict.programs import time_terms
 from hetpar.trace.flops import op_costs
 from hetpar.trace.layers import build_layers
@@ -53,16 +52,9 @@ def program_inputs(program: Program, graph: Any) -> list[Any]:
 
 
 def time_program(program: Program, graph: Any, repeats: int = 7) -> float:
-    """Median seconds of one run, accumulators included, after a warm-up run."""
+    """Seconds of one run, accumulators included (`timing.steady_time`)."""
     inputs = program_inputs(program, graph)
-    run = lambda: program.fn(program.init_acc() if program.init_acc else (), *inputs)  # noqa: E731
-    jax.block_until_ready(run())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(run())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return steady_time(lambda: program.fn(program.init_acc() if program.init_acc else (), *inputs), repeats)
 
 
 def profile_layers(

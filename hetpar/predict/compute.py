@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetpar.cluster.catalog import DeviceType
+from solver.efficiency import matmul_rate
 
 MATMUL_OPS = frozenset({"dot_general", "conv_general_dilated"})
 
@@ -41,7 +42,7 @@ class ComputeModel:
         return ComputeModel(
             device_type=spec.name,
             matmul_flops=peak,
-            half_flops=2e9 if gpu_like else 1e6,  # ~ a 1k^3 matmul half-fills a big GPU
+            half_flops=spec.matmul_half_flops,
             vector_flops=spec.flops("fp32") * spec.efficiency,
             memory_bandwidth=spec.memory_bandwidth * 0.8,
             op_overhead_s=5e-6 if gpu_like else 1e-6,
@@ -60,7 +61,7 @@ class ComputeModel:
         if name in MATMUL_OPS:
             if flops <= 0:
                 return 0.0
-            rate = self.matmul_flops * flops / (flops + self.half_flops)
+            rate = matmul_rate(self.matmul_flops, flops, self.half_flops)
             return max(flops / rate, (bytes_in + bytes_out) / self.memory_bandwidth)
         return max(flops / self.vector_flops, (bytes_in + bytes_out) / self.memory_bandwidth)
 

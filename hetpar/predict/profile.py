@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import statistics
-import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -25,6 +23,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from hetpar.errors import HetparError
 from hetpar.predict.calibrate import LayerSample, calibrated, profile_layers
+from hetpar.predict.timing import steady_time
 from hetpar.predict.compute import ComputeModel
 
 log = logging.getLogger("hetpar.profile")
@@ -91,13 +90,7 @@ class Profile:
 
 
 def _median_time(fn: Callable, *args: Any, repeats: int = 7) -> float:
-    jax.block_until_ready(fn(*args))  # compile and warm up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return steady_time(lambda: fn(*args), repeats)
 
 
 def _mesh(devices: Sequence[Any]) -> Mesh:

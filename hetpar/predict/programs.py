@@ -15,7 +15,7 @@ from hetpar.predict.compute import MATMUL_OPS, ComputeModel
 from hetpar.trace.flops import op_costs
 from hetpar.trace.microbatch import MicrobatchAnalysis
 from hetpar.trace.opgraph import OpGraph
-from solver.collectives import LinkCost, allreduce_ring
+from solver.collectives import LinkCost, Topology, best
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def estimate_task(
     total = time_terms(task, graph, analysis, mesh_size, compute).scaled(compute)
     # XLA combines a program's all-reduces into one, so latency is paid once, not per gradient.
     reduced = sum(graph.nbytes(v) for v in task.reductions)
-    comm = allreduce_ring(mesh_size, reduced, allreduce) if mesh_size > 1 and reduced else 0.0
+    comm = best("all_reduce", Topology(1, mesh_size, allreduce, allreduce), reduced)[1] if mesh_size > 1 and reduced else 0.0
 
     def per_device(values: list[int]) -> int:
         return int(sum(graph.nbytes(v) * share(graph, analysis, v, mesh_size) for v in values))

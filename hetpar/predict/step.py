@@ -1,9 +1,12 @@
 """Predicted step time of a compiled plan, split into compute, communication and
 pipeline bubble, with the figures a user wants: tokens/s and MFU.
 
-Stages on different devices run concurrently: the step follows the GPipe formula.
-CPU virtual devices of one process share the host's cores, so their stages do not
-overlap: the step is the sum of every program run (`concurrent=False`).
+Stages on different devices run concurrently: the step is the plan's schedule
+simulated (`solver.pipeline_sim.step_time`, the figure the planner ranks by and
+`hetpar simulate` draws) over each stage's predicted forward, backward, incoming
+transfer and once-per-step programs. CPU virtual devices of one process share the
+host's cores, so their stages do not overlap: the step is the sum of every program
+run (`concurrent=False`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from hetpar.predict.profile import Profile
 from hetpar.predict.programs import ProgramEstimate, estimate_task
 from hetpar.compile.compiled import CompiledStep
 from solver.collectives import LinkCost
+from solver.pipeline_sim import StageTimes, step_time
 
 
 @dataclass(frozen=True)
@@ -83,29 +87,32 @@ def predict_step(
                     transfer[program.task.stage] += _transfer_s(compiled, plan, cluster, v, src, program.task.stage)
 
     m = compiled.num_microbatches
-    per_mb = {s.index: transfer[s.index] for s in plan.stages}
-    once = 0.0
+    forward = {s.index: 0.0 for s in plan.stages}  # one microbatch
+    backward = {s.index: 0.0 for s in plan.stages}
+    once = {s.index: 0.0 for s in plan.stages}  # once per step: before the pipeline and after it
     comm = 0.0
     for item in compiled.order:
         if item.combine:
             continue
         est = estimates[item.program]
+        task = compiled.programs[item.program].task
         if item.microbatch is None:
-            once += est.time_s
+            once[task.stage] += est.time_s
         elif item.microbatch == 0:
-            per_mb[compiled.programs[item.program].task.stage] += est.time_s
+            (forward if task.kind == "fwd" else backward)[task.stage] += est.time_s
         comm += est.communication_s
         if item.fused is not None:  # the stage's update, dispatched with its last microbatch
             once += estimates[item.fused].time_s
             comm += estimates[item.fused].communication_s
     comm += sum(transfer.values()) * m
+    per_mb = {i: forward[i] + backward[i] + transfer[i] for i in forward}
     if concurrent:
-        pipeline = sum(per_mb.values()) + (m - 1) * max(per_mb.values())
-        bubble = pipeline - m * max(per_mb.values())
+        step = max(step_time(_stage_times(plan.replica_stages(r), forward, backward, transfer, once), m, plan.schedule, plan.chunks)
+                   for r in range(plan.num_replicas))
+        bubble = max(0.0, step - max(once.values()) - m * max(per_mb.values()))
     else:
-        pipeline = m * sum(per_mb.values())
+        step = m * sum(per_mb.values()) + sum(once.values())
         bubble = 0.0
-    step = pipeline + once
     memory = []
     for stage in plan.stages:
         own = [e for p, e in zip(compiled.programs, estimates) if p.task.stage == stage.index]
@@ -121,6 +128,15 @@ def predict_step(
         tokens=tokens,
         peak_flops=sum(len(s.device_ids) * cluster_peak(cluster, s.device_type) for s in plan.stages),
     )
+
+
+def _stage_times(stages, forward: dict[int, float], backward: dict[int, float], transfer: dict[int, float],  # noqa: ANN001
+                 once: dict[int, float]) -> list[StageTimes]:
+    """One replica's stages for the simulator: what enters stage i+1 per microbatch
+    is stage i's send; its once-per-step programs are its tail."""
+    ids = [s.index for s in stages]
+    sends = [transfer[j] for j in ids[1:]] + [0.0]
+    return [StageTimes(forward[i], backward[i], send, once[i]) for i, send in zip(ids, sends)]
 
 
 def cluster_peak(cluster: Cluster, device_type: str) -> float:

@@ -26,12 +26,15 @@ def mesh_axes(stage: StagePlan) -> dict[str, int]:
 
 
 def shard_stages(traced: TracedStep, layers: Layers, plan: Plan, option: ShardingOption,
-                 devices_per_node: dict[str, int] | None = None) -> Plan:
+                 devices_per_node: dict[str, int] | None = None, links: dict[str, LinkCost] | None = None) -> Plan:
     """The sharding pass: every stage's shardings, written into the plan (where
     compile reads them). With `devices_per_node` (by cluster group) each stage's
     split into `data` x `model` is chosen here too (see `_best_mesh`); otherwise the
-    plan's mesh shapes stand. `plan.operator_stages` must be set."""
-    solver = _StageSolver(traced, layers, plan, option)
+    plan's mesh shapes stand. `links` (by cluster group) are the links inside a node,
+    as the cluster file gives them, that the model axis's collectives cross; a group
+    not in it is priced with its device type's catalog link. `plan.operator_stages`
+    must be set."""
+    solver = _StageSolver(traced, layers, plan, option, links or {})
     stages = []
     for stage in plan.stages:
         if devices_per_node is not None:
@@ -72,8 +75,8 @@ class _StageSolver:
     """Solves a stage's sharding on a mesh once per pass (choosing a mesh and then
     recording its shardings ask the same question)."""
 
-    def __init__(self, traced: TracedStep, layers: Layers, plan: Plan, option: ShardingOption):
-        self.traced, self.layers, self.plan, self.option = traced, layers, plan, option
+    def __init__(self, traced: TracedStep, layers: Layers, plan: Plan, option: ShardingOption, links: dict[str, LinkCost]):
+        self.traced, self.layers, self.plan, self.option, self.links = traced, layers, plan, option, links
         self._solved: dict[tuple, tuple[dict[int, Spec], float, dict[int, tuple[Spec, Spec]]]] = {}
 
     def solve(self, stage: StagePlan, mesh: dict[str, int]) -> tuple[dict[int, Spec], float, dict[int, tuple[Spec, Spec]]]:
@@ -90,8 +93,9 @@ class _StageSolver:
         ops = [i for i, s in enumerate(of_op) if s == stage.index]
         batch_free = {v for v in traced.full.invars if v not in traced.analysis.batch_axis}
         spec = device_type(stage.device_type)
-        link = spec.intra_node_link
-        problem = stage_problem(traced.full, ops, batch_free, mesh, spec.matmul_flops(), LinkCost(link.bandwidth, link.latency),
+        catalog_link = LinkCost(spec.intra_node_link.bandwidth, spec.intra_node_link.latency)
+        link = self.links.get(stage.group, catalog_link)
+        problem = stage_problem(traced.full, ops, batch_free, mesh, spec.matmul_flops(), link,
                                 None, batch_axis=traced.analysis.batch_axis, op_layer=self.layers.op_layer)
         if problem is None:
             return {}, 0.0, {}

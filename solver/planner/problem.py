@@ -29,6 +29,7 @@ class LayerCost:
     input_bytes: float  # the activation entering the layer: what a cut before it sends, what remat keeps
     tp_bytes: float = 0.0  # all-reduced per forward under tensor parallelism (Megatron: two hidden-sized sums)
     tp_collectives: float = 2.0  # how many all-reduces carry `tp_bytes` per forward; the backward does as many
+    matmuls: float = 0.0  # matmul kernels per forward (their FLOPs set their speed, `solver.efficiency`); 0: unknown, flat rate
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class DeviceKind:
     inter: LinkCost  # between nodes of this kind, per device
     layer_overhead_s: float = 0.0  # fixed cost of one layer's forward and backward on one microbatch (kernel launches)
     peak_flops: float = 0.0  # per device, for MFU; 0: same as `flops`
+    matmul_half_flops: float = 0.0  # a matmul of this many FLOPs runs at half of `flops` (`solver.efficiency`); 0: flat
 
     def tp_degrees(self, max_tp: int) -> list[int]:
         """Tensor parallelism stays inside a node, where the links are fastest."""

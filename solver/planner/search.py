@@ -39,6 +39,7 @@ from solver.planner.bounds import KindLayout, LowerBounds, kind_layouts
 from solver.planner.layer_split import best_split, score
 from solver.planner.problem import PlanChoice, PlanningError, Problem, SearchResult, StageChoice
 from solver.planner.stage_costs import INF, StageConfig, StageCosts, in_flight
+from solver.planner.step import rank
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +127,9 @@ class Planner:
             if self.unexplored < INF:
                 raise PlanningError(f"no plan found within the time limit of {self.time_limit_s} s; allow more time")
             raise PlanningError(self._why_nothing_fits())
+        found = rank(found[: self.top_k])  # the finalists by the figure show/simulate report, not the search's closed form
         self.deadline = INF  # the bound's own searches run to the end
-        per_kind = tuple((k.name, (self._search((k.name,), 1) or [None])[0]) for k in self.problem.kinds)
+        per_kind = tuple((k.name, (rank(self._search((k.name,), 1)) or [None])[0]) for k in self.problem.kinds)
         bound = sum(c.throughput for _, c in per_kind if c is not None)
         gap = max(0.0, 1 - self.unexplored / found[0].step_s) if self.unexplored < INF else 0.0
         result = SearchResult(found[0], tuple(found[1 : self.top_k]), bound, time.perf_counter() - started,

@@ -16,6 +16,7 @@ from functools import cached_property, lru_cache
 import numpy as np
 
 from solver.collectives import Topology, affine_costs
+from solver.efficiency import matmul_rate
 from solver import schedules
 from solver.planner.problem import DeviceKind, Problem
 
@@ -88,6 +89,7 @@ class StageCosts:
         self.inputs = np.array([layer.input_bytes for layer in layers])
         self.tp_bytes = np.array([layer.tp_bytes for layer in layers])
         self.tp_count = np.array([layer.tp_collectives for layer in layers], dtype=float)
+        self.matmuls = np.array([layer.matmuls for layer in layers], dtype=float)
         self.saved_max = _range_max(self.saved)
         self.kinds = {k.name: k for k in problem.kinds}
         self._tables = lru_cache(maxsize=None)(self._table)
@@ -105,7 +107,7 @@ class StageCosts:
         what the planner's lower bounds take the least of."""
         kind = self.kinds[cfg.kind]
         per_device = b / cfg.dp  # examples each data-parallel slice runs
-        speed = cfg.tp * kind.flops
+        speed = cfg.tp * self.matmul_rates(kind, cfg, per_device)
         tp_comm = self.tp_allreduce(kind, cfg.tp, self.tp_bytes * per_device, self.tp_count)  # forward; backward as much
         shard = per_device / cfg.tp  # activations split over tensor-parallel devices too (sequence parallel)
         return PerLayer(
@@ -115,6 +117,12 @@ class StageCosts:
             saved=self.saved * shard,
             inputs=self.inputs * shard,
         )
+
+    def matmul_rates(self, kind: DeviceKind, cfg: StageConfig, per_device: float) -> np.ndarray:
+        """FLOP/s of each layer's matmuls on one device of this stage: the size of one
+        matmul (a forward's FLOPs on this device over its matmul count) sets the rate."""
+        each = np.where(self.matmuls > 0, self.fwd_flops * per_device / cfg.tp / np.maximum(self.matmuls, 1.0), 0.0)
+        return np.asarray(matmul_rate(kind.flops, each, kind.matmul_half_flops), dtype=float).reshape(self.n)
 
     def _table(self, cfg: StageConfig, b: int, in_flight: int) -> StageTable:
         f, bw, state, saved, kept_inputs, sync, tail = self._ranges(cfg, b)

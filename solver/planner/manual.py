@@ -1,0 +1,135 @@
+"""Pricing a configuration the user fixes by hand ("what would Megatron's setup give
+here?"), with the same cost model the planner searches with.
+
+A manual configuration is one pipeline of `pp` device groups of one kind, each
+`dp x tp` devices, running microbatches of `microbatch` examples per data-parallel
+replica (Megatron's micro-batch size) under a schedule, optionally with every
+layer's forward recomputed in the backward. Layers are split evenly over the
+`pp x chunks` virtual stages, as Megatron splits them (`even_cuts`). Its step time is the
+simulated one (`solver.planner.step`), the figure the planner ranks by.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from solver import schedules
+from solver.schedules.one_f_one_b import OneFOneB
+from solver.planner.problem import PlanChoice, PlanningError, Problem
+from solver.planner.search import Planner
+from solver.planner.stage_costs import INF, StageConfig, in_flight
+from solver.planner.step import with_simulated_step
+
+
+@dataclass(frozen=True)
+class ManualConfig:
+    tp: int
+    pp: int
+    dp: int
+    microbatch: int = 1  # examples per microbatch on each data-parallel replica
+    schedule: str = OneFOneB.name
+    chunks: int = 1  # stages per device group (interleaved schedules)
+    remat: bool = False  # recompute every forward in the backward (Megatron's full recomputation)
+    kind: str | None = None  # device kind; None: the problem's only kind (or its first)
+
+    @staticmethod
+    def parse(text: str) -> "ManualConfig":
+        """`tp=8,pp=8,dp=4,mb=1,schedule=interleaved,chunks=2,remat=full,kind=A100`."""
+        fields: dict = {}
+        names = {"tp": "tp", "pp": "pp", "dp": "dp", "mb": "microbatch", "microbatch": "microbatch", "schedule": "schedule",
+                 "chunks": "chunks", "remat": "remat", "kind": "kind"}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, _, value = part.partition("=")
+            key = key.strip().lower()
+            if key not in names or not value:
+                raise PlanningError(f"manual configuration {text!r}: {part!r} is not key=value with a key among "
+                                    f"{', '.join(sorted(set(names)))}; e.g. tp=8,pp=8,dp=4,mb=1,schedule=1f1b,remat=full")
+            field_name, value = names[key], value.strip()
+            if field_name in ("tp", "pp", "dp", "microbatch", "chunks"):
+                if not value.isdigit() or int(value) < 1:
+                    raise PlanningError(f"manual configuration {text!r}: {key} must be a positive whole number, got {value!r}")
+                fields[field_name] = int(value)
+            elif field_name == "remat":
+                if value.lower() not in ("full", "none", "true", "false", "1", "0"):
+                    raise PlanningError(f"manual configuration {text!r}: remat is 'full' or 'none', got {value!r}")
+                fields["remat"] = value.lower() in ("full", "true", "1")
+            else:
+                fields[field_name] = value
+        missing = [k for k in ("tp", "pp", "dp") if k not in fields]
+        if missing:
+            raise PlanningError(f"manual configuration {text!r} needs {', '.join(missing)} (e.g. tp=8,pp=8,dp=4)")
+        if "chunks" not in fields and fields.get("schedule") in schedules.names():
+            fields["chunks"] = schedules.get(fields["schedule"]).default_chunks
+        return ManualConfig(**fields)
+
+    def describe(self) -> str:
+        schedule = f"{self.schedule} x{self.chunks}" if self.chunks > 1 else self.schedule
+        return f"tp{self.tp} pp{self.pp} dp{self.dp} mb{self.microbatch} {schedule}{' remat' if self.remat else ''}"
+
+
+def price(problem: Problem, config: ManualConfig) -> PlanChoice:
+    """The manual configuration's plan and simulated step time under `problem`'s cost
+    model; a PlanningError naming what is wrong when it cannot run or does not fit."""
+    kind_name = config.kind or problem.kinds[0].name
+    if kind_name not in {k.name for k in problem.kinds}:
+        raise PlanningError(f"manual configuration {config.describe()}: no device kind {kind_name!r}; "
+                            f"known: {', '.join(k.name for k in problem.kinds)}")
+    kind = problem.kind(kind_name)
+    devices = config.tp * config.pp * config.dp
+    if devices > kind.count:
+        raise PlanningError(f"manual configuration {config.describe()} needs {devices} {kind_name} devices; there are {kind.count}")
+    if config.tp > kind.devices_per_node or kind.devices_per_node % config.tp:
+        raise PlanningError(f"manual configuration {config.describe()}: tp={config.tp} must divide the {kind.devices_per_node} "
+                            f"devices of a {kind_name} node (tensor parallelism stays inside a node)")
+    if config.schedule not in schedules.names():
+        raise PlanningError(f"unknown schedule {config.schedule!r}; known: {', '.join(schedules.names())}")
+    b = config.microbatch * config.dp  # examples per pipeline microbatch
+    if problem.batch_size % b:
+        raise PlanningError(f"manual configuration {config.describe()}: the batch of {problem.batch_size} is not a whole number "
+                            f"of microbatches of {config.microbatch} x {config.dp} replicas = {b} examples")
+    m = problem.batch_size // b
+    why = schedules.get(config.schedule).check(config.pp, m, config.chunks)
+    if why:
+        raise PlanningError(f"manual configuration {config.describe()}: {why}")
+    stages = config.pp * config.chunks
+    n = len(problem.layers)
+    if stages > n:
+        raise PlanningError(f"manual configuration {config.describe()}: {stages} stages need at least {stages} layers; the model has {n}")
+    problem = replace(problem, force_remat=config.remat, allow_remat=config.remat, microbatches=(m,))
+    planner = Planner(problem, top_k=1)
+    cfg = StageConfig(kind_name, config.dp, config.tp)
+    configs = [cfg] * stages
+    tables = [planner.costs.table(c, b, in_flight(config.schedule, m, p, stages, config.chunks)) for p, c in enumerate(configs)]
+    sends = [planner.costs.sends(a, c, b) for a, c in zip(configs, configs[1:])]
+    cuts = even_cuts(n, stages)
+    bounds = list(zip([0, *cuts], [*cuts, n]))
+    used = [0.0] * config.pp
+    for p, (t, (i, j)) in enumerate(zip(tables, bounds)):
+        if t.forward[i, j] == INF:
+            need = _need(planner, cfg, b, m, config, p, i, j)
+            raise PlanningError(f"manual configuration {config.describe()} does not fit: stage {p} (layers {i}-{j - 1}) needs "
+                                f"{need / 2**30:.1f} GiB per device, a {kind_name} has {t.capacity / 2**30:.1f} GiB to use"
+                                + ("" if config.remat else "; try remat=full") + ", more pipeline stages or tensor parallelism")
+        used[p % config.pp] += float(t.memory[i, j])
+    if max(used) > tables[0].capacity:
+        raise PlanningError(f"manual configuration {config.describe()} does not fit: a device group's chunks need "
+                            f"{max(used) / 2**30:.1f} GiB per device, a {kind_name} has {tables[0].capacity / 2**30:.1f} GiB to use")
+    choice = planner._pipeline_choice(configs, tables, sends, m, b, config.schedule, cuts, INF, config.chunks)
+    return with_simulated_step(choice)
+
+
+def even_cuts(layers: int, stages: int) -> tuple[int, ...]:
+    """Layers split as evenly as whole layers allow, the first stages taking the one
+    extra layer where the count does not divide (the last stage also carries the
+    output layer and loss, the heaviest)."""
+    sizes = [layers // stages + (1 if s < layers % stages else 0) for s in range(stages)]
+    return tuple(sum(sizes[:s]) for s in range(1, stages))
+
+
+def _need(planner: Planner, cfg: StageConfig, b: int, m: int, config: ManualConfig, p: int, i: int, j: int) -> float:
+    """Bytes per device stage `p` would need for layers [i, j), fitting or not."""
+    stages = config.pp * config.chunks
+    layer = planner.costs.per_layer(cfg, b)
+    held = in_flight(config.schedule, m, p, stages, config.chunks)
+    kept = layer.inputs if config.remat else layer.saved
+    return float(layer.state[i:j].sum() + kept[i:j].sum() * held + (layer.saved[i:j].max() if config.remat else 0.0))
