@@ -13,6 +13,7 @@ def solve(args: argparse.Namespace) -> int:
 
     from hetpar.cluster.cluster import Cluster
     from hetpar.plan.file import save_plan
+    from hetpar.options import ShardingOption
     from hetpar.plan.make import make_plan
     from hetpar.workloads import load_workload
 
@@ -24,7 +25,7 @@ def solve(args: argparse.Namespace) -> int:
         progress.update(task, description=f"tracing the step and solving for {cluster.describe()}")
         plan = make_plan(workload.step, workload.args, cluster, num_microbatches=args.microbatches, batch_argnum=args.batch_argnum,
                          num_stages=args.stages, num_replicas=args.replicas, num_layers=args.layers, schedule=args.schedule,
-                         chunks=args.chunks)
+                         chunks=args.chunks, sharding_option=ShardingOption(zero=args.zero))
     save_plan(plan, args.output)
     _print_plan(plan)
     print(f"wrote {args.output}")

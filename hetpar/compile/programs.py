@@ -87,7 +87,7 @@ class Program:
 def compile_task(
     task: Task, graph: OpGraph, constants: dict[int, Any], analysis: MicrobatchAnalysis, mesh: Mesh, num_microbatches: int,
     mean_weight: float | None = None, specs: dict[int, tuple] | None = None,
-    operand_specs: dict[int, tuple[tuple, tuple]] | None = None,
+    operand_specs: dict[int, tuple[tuple, tuple]] | None = None, gathered: dict[int, tuple] | None = None,
 ) -> Program:
     """`graph` is the trace at the shapes this program runs with (one microbatch);
     `constants` are the full-batch trace's, so means divide by the full batch
@@ -102,13 +102,17 @@ def compile_task(
     axis-swapped against its result ((data, model) in, (model, data) out) it
     computes wrong numbers (tests/test_shardy_axis_swap.py); with every operand
     pinned, each dot is partitioned exactly as chosen and the reshards between
-    dots are plain layout changes, which it gets right."""
+    dots are plain layout changes, which it gets right.
+    `gathered` (ZeRO-3: parameter -> its layout while in use) gathers each parameter
+    that arrives sharded over `data` where a forward or backward program reads it;
+    the once-per-step update keeps working on the shards."""
     specs = specs or {}
     if task.kind == "pre" and analysis.whole_batch and not analysis.marked:
         # Once-per-step work before the microbatches sees the whole batch (whole_batch.py);
         # everything else in it is batch-independent, the same in both traces.
         graph = analysis.full
     operand_specs = operand_specs or {}
+    gather = {v: spec for v, spec in (gathered or {}).items() if v in task.inputs} if task.per_microbatch else {}
     ops = [graph.ops[i] for i in task.ops]
     needed = {v for op in ops for v in op.inputs if v in graph.constants}
     source = graph.constants if analysis.marked else constants
@@ -120,6 +124,8 @@ def compile_task(
     def run(acc: tuple, *args: Any) -> tuple[tuple, tuple]:
         env = dict(consts)
         env.update(zip(task.inputs, args))
+        for v, spec in gather.items():
+            env[v] = jax.lax.with_sharding_constraint(env[v], spec_sharding(mesh, graph.avals[v], spec))
         for op in ops:
             ins = [env[v] for v in op.inputs]
             if op.index in operand_specs:

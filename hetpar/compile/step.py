@@ -70,10 +70,12 @@ def compile_tasks(
     m = plan_tasks.num_microbatches
     specs = {s.index: dict(s.shardings) for s in plan.stages}
     operands = {s.index: dict(s.operand_shardings) for s in plan.stages}
+    gathered = {s.index: dict(s.gathered) for s in plan.stages}
     return [
         compile_task(
             t, graphs[size], traced.full.constants, traced.analysis, meshes[t.stage], m,
             mean_weight=size / traced.batch_size, specs=specs.get(t.stage), operand_specs=operands.get(t.stage),
+            gathered=gathered.get(t.stage),
         ) if keep(t) else None
         for t, size in zip(plan_tasks.tasks, plan_tasks.microbatch_sizes)
     ]
