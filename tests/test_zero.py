@@ -109,23 +109,30 @@ def test_zero_default_keeps_state_whole_when_it_fits():
     assert all(s.zero == 0 and not s.gathered and not _data_sharded(s) for s in plan.stages)
 
 
-def _hlo(par, kind: str) -> str:
-    return "\n".join(p.lower().compile().as_text() for p in par.compiled().programs if p.task.kind == kind)
+def _collectives(text: str, name: str) -> list[str]:
+    """The result types of every `name` instruction (a tuple-typed one gives each)."""
+    found = []
+    for result in re.findall(rf"= (.+?) {name}(?:-start)?\(", text):
+        found += re.findall(r"\w+\[[\d,]*\]", result)
+    return found
 
 
 def test_zero3_compiled_programs_gather_parameters_and_scatter_gradients():
-    """The backward of a ZeRO-3 stage all-gathers its parameters, and its gradients
-    leave it as 1/dp shards: no instruction hands a full-size gradient back."""
+    """A ZeRO-3 stage's backward all-gathers its parameters, reduce-scatters its
+    gradients, and all-reduces nothing of a gradient's full size; the parameters the
+    step returns stay sharded."""
     workload = mlp.setup(batch_size=16, hidden=64, depth=2)
     par = hetpar.parallelize(workload.step, cluster=hetpar.Cluster.virtual({"cpu": 8}), num_stages=2, num_layers=2,
                              num_microbatches=2, stage_option=UNIFORM, sharding_option=ShardingOption(zero=3))
     state, _ = par(workload.state, workload.batch)
-    assert state.params["params"]["Block_0"]["Dense_0"]["kernel"].sharding.spec != jax.sharding.PartitionSpec()
-    text = _hlo(par, "bwd")
-    gathers = re.findall(r"= (f32\[[\d,]*\][^ ]*) all-gather(?:-start)?\(", text)
-    assert any(g.startswith("f32[64,64]") for g in gathers), gathers  # a whole hidden x hidden weight, gathered
-    acc = [p for p in par.compiled().programs if p.task.kind == "bwd"][0]
-    shapes = {v: acc.task and par.compiled().graph.avals[v].shape for v in acc.task.reductions}
-    for v, sharding in zip(acc.task.reductions, acc.acc_shardings):
-        if len(shapes[v]) == 2:
-            assert "data" in sharding.spec, f"gradient {v} {shapes[v]} accumulates whole"
+    assert "data" in state.params["params"]["Block_1"]["Dense_0"]["kernel"].sharding.spec
+    step = par.compiled()
+    (bwd,) = [p for p in step.programs if p.task.kind == "bwd"]
+    text = bwd.lower().compile().as_text()
+    gradients = {f"f32[{','.join(map(str, step.graph.avals[v].shape))}]" for v in bwd.task.reductions
+                 if step.graph.avals[v].shape}
+    assert "f32[64,64]" in gradients
+    assert "f32[64,64]" in _collectives(text, "all-gather")  # the hidden weight, gathered for the backward
+    scattered = _collectives(text, "reduce-scatter")
+    assert "f32[16,64]" in scattered or "f32[64,16]" in scattered, scattered  # its gradient, a quarter per device
+    assert not gradients & set(_collectives(text, "all-reduce")), "a gradient is all-reduced whole"

@@ -17,6 +17,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from hetpar.cluster.cluster import jax_devices
+from hetpar.compile.scatter import reduce_scatter, scatter_ops
 from hetpar.compile.tasks import Task
 from hetpar.trace import jaxpr_ir
 from hetpar.trace.microbatch import MicrobatchAnalysis
@@ -114,6 +115,7 @@ def compile_task(
     operand_specs = operand_specs or {}
     gather = {v: spec for v, spec in (gathered or {}).items() if v in task.inputs} if task.per_microbatch else {}
     ops = [graph.ops[i] for i in task.ops]
+    scatter = scatter_ops(ops, task.reductions, graph, analysis, specs, mesh)
     needed = {v for op in ops for v in op.inputs if v in graph.constants}
     source = graph.constants if analysis.marked else constants
     consts = {v: np.asarray(source[v], dtype=graph.avals[v].dtype) for v in needed}
@@ -131,7 +133,8 @@ def compile_task(
             if op.index in operand_specs:
                 ins = [jax.lax.with_sharding_constraint(x, spec_sharding(mesh, graph.avals[v], spec))
                        for x, v, spec in zip(ins, op.inputs, operand_specs[op.index])]
-            env.update(zip(op.outputs, jaxpr_ir.bind(op, ins)))
+            env.update(zip(op.outputs, reduce_scatter(op, ins, mesh, scatter[op.index]) if op.index in scatter
+                           else jaxpr_ir.bind(op, ins)))
             for v in op.outputs:
                 if v in specs:
                     env[v] = jax.lax.with_sharding_constraint(env[v], spec_sharding(mesh, graph.avals[v], specs[v]))
