@@ -56,6 +56,11 @@ class ShardingOption:
     # which it does not see, is repeated on every device of a model axis, so a model
     # axis must win by this fraction to be chosen.
     model_axis_margin: float = 0.10
+    # ZeRO over each stage's `data` axis (see StagePlan.zero): None lets the sharding
+    # pass choose per parameter, replication unless the stage's state would not fit
+    # its devices' memory (Alpa's force_zero_stage_3 is zero=3); 0-3 forces that
+    # stage on every stage.
+    zero: int | None = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,8 @@ def check_options(stage: StageOption, sharding: ShardingOption, runtime: Runtime
         raise PlanError(f"StageOption.max_planning_layers must be at least 1, got {stage.max_planning_layers}")
     if not sharding.time_limit_s > 0:
         raise PlanError(f"ShardingOption.time_limit_s must be positive, got {sharding.time_limit_s}")
+    if sharding.zero is not None and sharding.zero not in (0, 1, 2, 3):
+        raise PlanError(f"ShardingOption.zero is the ZeRO stage 0, 1, 2 or 3 (or None: chosen per parameter), got {sharding.zero!r}")
     if not 0 <= sharding.model_axis_margin < 1:
         raise PlanError(f"ShardingOption.model_axis_margin is a fraction in [0, 1), got {sharding.model_axis_margin}")
     if runtime.runtime not in RUNTIMES:

@@ -71,6 +71,8 @@ def parser() -> argparse.ArgumentParser:
                    "(default: the planner's choice, or the schedule's default with --stages)")
     p.add_argument("--replicas", type=int, help="data-parallel pipelines, each taking a share of the batch by speed "
                    "(default: the planner's choice)")
+    p.add_argument("--zero", type=int, help="ZeRO stage over every stage's data axis: 0 replicated state, 1 optimizer "
+                   "state sharded, 2 + gradients, 3 + parameters (default: chosen per parameter, by memory)")
     p.add_argument("--batch-argnum", type=int, default=1, help="which argument of the step is the batch (default 1)")
     p.add_argument("--manual", action="append", default=[], metavar="SPEC",
                    help="price a configuration fixed by hand beside the planner's, e.g. "

@@ -38,6 +38,7 @@ class SolveOptions(_Options):
     stages: Count | None = None
     layers: Count | None = None
     replicas: Count | None = None
+    zero: Annotated[int, Field(ge=0, le=3)] | None = None  # None: chosen per parameter
     batch_argnum: Annotated[int, Field(ge=0, le=1000)] = 1
     manual: list[str] = []
 
@@ -86,7 +87,8 @@ class SimulateOptions(_Options):
 
 _SCHEMAS = {"solve": SolveOptions, "profile": ProfileOptions, "simulate": SimulateOptions}
 _FLAGS = {"output": "-o/--output", "batch_argnum": "--batch-argnum", "batch_size": "--batch-size",
-          "mesh_size": "--mesh-size", "cpu_devices": "--cpu-devices", "device_type": "--device-type"}
+          "mesh_size": "--mesh-size", "cpu_devices": "--cpu-devices", "device_type": "--device-type",
+          "zero": "--zero"}
 
 
 def check_options(args: argparse.Namespace) -> None:

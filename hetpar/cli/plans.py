@@ -13,6 +13,7 @@ def solve(args: argparse.Namespace) -> int:
 
     from hetpar.cluster.cluster import Cluster
     from hetpar.plan.file import save_plan
+    from hetpar.options import ShardingOption
     from hetpar.plan.make import make_plan
     from hetpar.workloads import load_workload
 
@@ -24,7 +25,7 @@ def solve(args: argparse.Namespace) -> int:
         progress.update(task, description=f"tracing the step and solving for {cluster.describe()}")
         plan = make_plan(workload.step, workload.args, cluster, num_microbatches=args.microbatches, batch_argnum=args.batch_argnum,
                          num_stages=args.stages, num_replicas=args.replicas, num_layers=args.layers, schedule=args.schedule,
-                         chunks=args.chunks)
+                         chunks=args.chunks, sharding_option=ShardingOption(zero=args.zero))
     save_plan(plan, args.output)
     _print_plan(plan)
     print(f"wrote {args.output}")
@@ -125,7 +126,7 @@ def _print_plan(plan, shardings: bool = False) -> None:  # noqa: ANN001
             f"- / {s.memory_capacity / 2**30:.0f} GiB" if s.memory_capacity else "-")
         table.add_row(
             str(s.index), str(s.replica), f"{s.layer_start}-{s.layer_end - 1}", s.layer_names, s.device_type, str(s.num_devices),
-            "x".join(map(str, s.mesh_shape or (s.num_devices,))), f"{s.data_parallel or s.num_devices} x {s.tensor_parallel}",
+            "x".join(map(str, s.mesh_shape or (s.num_devices,))), f"{s.data_parallel or s.num_devices} x {s.tensor_parallel}" + (f", ZeRO-{s.zero}" if s.zero else ""),
             f"{s.batch_share:.0%}", fmt_time(s.forward_s), fmt_time(s.backward_s), memory,
         )
     out.print(table)

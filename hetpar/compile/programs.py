@@ -17,6 +17,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from hetpar.cluster.cluster import jax_devices
+from hetpar.compile.scatter import reduce_scatter, scatter_ops
 from hetpar.compile.tasks import Task
 from hetpar.trace import jaxpr_ir
 from hetpar.trace.microbatch import MicrobatchAnalysis
@@ -87,7 +88,7 @@ class Program:
 def compile_task(
     task: Task, graph: OpGraph, constants: dict[int, Any], analysis: MicrobatchAnalysis, mesh: Mesh, num_microbatches: int,
     mean_weight: float | None = None, specs: dict[int, tuple] | None = None,
-    operand_specs: dict[int, tuple[tuple, tuple]] | None = None,
+    operand_specs: dict[int, tuple[tuple, tuple]] | None = None, gathered: dict[int, tuple] | None = None,
 ) -> Program:
     """`graph` is the trace at the shapes this program runs with (one microbatch);
     `constants` are the full-batch trace's, so means divide by the full batch
@@ -102,12 +103,15 @@ def compile_task(
     axis-swapped against its result ((data, model) in, (model, data) out) it
     computes wrong numbers (tests/test_shardy_axis_swap.py); with every operand
     pinned, each dot is partitioned exactly as chosen and the reshards between
-    dots are plain layout changes, which it gets right."""
+    dots are plain layout changes, which it gets right.
+    `gathered` (ZeRO-3: parameter -> its layout while in use) gathers each parameter
+    that arrives sharded over `data` where a forward or backward program reads it;
+    the once-per-step update keeps working on the shards."""
     if task.kind == "pre" and analysis.whole_batch and not analysis.marked:
         # Once-per-step work before the microbatches sees the whole batch (whole_batch.py);
         # everything else in it is batch-independent, the same in both traces.
         graph = analysis.full
-    body = _Body(task, graph, constants, analysis, mesh, num_microbatches, mean_weight, specs, operand_specs)
+    body = _Body(task, graph, constants, analysis, mesh, num_microbatches, mean_weight, specs, operand_specs, gathered)
 
     def run(acc: tuple, *args: Any) -> tuple[tuple, tuple]:
         env = body.evaluate(args)
@@ -156,14 +160,14 @@ class FusedProgram:
 def compile_fused(
     task: Task, post: Task, graph: OpGraph, constants: dict[int, Any], analysis: MicrobatchAnalysis, mesh: Mesh,
     num_microbatches: int, keep: set[int], mean_weight: float | None = None, specs: dict[int, tuple] | None = None,
-    operand_specs: dict[int, tuple[tuple, tuple]] | None = None,
+    operand_specs: dict[int, tuple[tuple, tuple]] | None = None, gathered: dict[int, tuple] | None = None,
 ) -> FusedProgram:
     """`task`'s last microbatch with `post` after it (see FusedProgram). `keep` names
     the reductions someone other than `post` reads (a later post phase, a step
     output): they are returned; the others live only inside the program. The
     shardings are the ones the two programs would have had apart."""
-    body = _Body(task, graph, constants, analysis, mesh, num_microbatches, mean_weight, specs, operand_specs)
-    after = _Body(post, graph, constants, analysis, mesh, num_microbatches, mean_weight, specs, operand_specs)
+    body = _Body(task, graph, constants, analysis, mesh, num_microbatches, mean_weight, specs, operand_specs, gathered)
+    after = _Body(post, graph, constants, analysis, mesh, num_microbatches, mean_weight, specs, operand_specs, gathered)
     own = set(task.reductions)
     post_inputs = tuple(v for v in post.inputs if v not in own)
     kept = tuple(v for v in task.reductions if v in keep)
@@ -193,11 +197,14 @@ class _Body:
 
     def __init__(self, task: Task, graph: OpGraph, constants: dict[int, Any], analysis: MicrobatchAnalysis, mesh: Mesh,
                  num_microbatches: int, mean_weight: float | None, specs: dict[int, tuple] | None,
-                 operand_specs: dict[int, tuple[tuple, tuple]] | None):
+                 operand_specs: dict[int, tuple[tuple, tuple]] | None, gathered: dict[int, tuple] | None = None):
         self.task, self.graph, self.analysis, self.mesh = task, graph, analysis, mesh
         self.specs = specs or {}
         self.operand_specs = operand_specs or {}
         self.ops = [graph.ops[i] for i in task.ops]
+        # ZeRO-3 parameters are gathered where a microbatch reads them; the update works on shards.
+        self.gather = {v: s for v, s in (gathered or {}).items() if v in task.inputs} if task.per_microbatch else {}
+        self.scatter = scatter_ops(self.ops, task.reductions, graph, analysis, self.specs, mesh)
         needed = {v for op in self.ops for v in op.inputs if v in graph.constants}
         source = graph.constants if analysis.marked else constants
         self.consts = {v: np.asarray(source[v], dtype=graph.avals[v].dtype) for v in needed}
@@ -212,12 +219,15 @@ class _Body:
         graph, mesh = self.graph, self.mesh
         env = dict(self.consts)
         env.update(zip(self.task.inputs, args))
+        for v, spec in self.gather.items():
+            env[v] = jax.lax.with_sharding_constraint(env[v], spec_sharding(mesh, graph.avals[v], spec))
         for op in self.ops:
             ins = [env[v] for v in op.inputs]
             if op.index in self.operand_specs:
                 ins = [jax.lax.with_sharding_constraint(x, spec_sharding(mesh, graph.avals[v], spec))
                        for x, v, spec in zip(ins, op.inputs, self.operand_specs[op.index])]
-            env.update(zip(op.outputs, jaxpr_ir.bind(op, ins)))
+            scatter = self.scatter.get(op.index)
+            env.update(zip(op.outputs, reduce_scatter(op, ins, mesh, scatter) if scatter is not None else jaxpr_ir.bind(op, ins)))
             for v in op.outputs:
                 if v in self.specs:
                     env[v] = jax.lax.with_sharding_constraint(env[v], spec_sharding(mesh, graph.avals[v], self.specs[v]))

@@ -69,15 +69,23 @@ def compile_tasks(
     """One program per task that `keep` accepts (None for the others: another
     process runs them), at its replica's microbatch size (`graphs[size]`)."""
     m = plan_tasks.num_microbatches
-    specs = {s.index: dict(s.shardings) for s in plan.stages}
-    operands = {s.index: dict(s.operand_shardings) for s in plan.stages}
+    layouts = stage_layouts(plan)
     return [
         compile_task(
             t, graphs[size], traced.full.constants, traced.analysis, meshes[t.stage], m,
-            mean_weight=size / traced.batch_size, specs=specs.get(t.stage), operand_specs=operands.get(t.stage),
+            mean_weight=size / traced.batch_size, **layouts.get(t.stage, {}),
         ) if keep(t) else None
         for t, size in zip(plan_tasks.tasks, plan_tasks.microbatch_sizes)
     ]
+
+
+def stage_layouts(plan: Plan) -> dict[int, dict[str, dict]]:
+    """Per stage, the layouts its programs apply, as `compile_task`'s keywords: the
+    intra-op shardings, the matmul operand pins, and the ZeRO-3 gathered layouts."""
+    return {
+        s.index: {"specs": dict(s.shardings), "operand_specs": dict(s.operand_shardings), "gathered": dict(s.gathered)}
+        for s in plan.stages
+    }
 
 
 def compile_step(traced: TracedStep, plan: Plan, meshes: dict[int, Mesh], graphs: dict[int, OpGraph]) -> CompiledStep:
@@ -91,14 +99,13 @@ def compile_step(traced: TracedStep, plan: Plan, meshes: dict[int, Mesh], graphs
     fused: dict[int, FusedProgram] = {}
     fused_posts: dict[int, int] = {}
     if not replicated:
-        specs = {s.index: dict(s.shardings) for s in plan.stages}
-        operands = {s.index: dict(s.operand_shardings) for s in plan.stages}
+        layouts = stage_layouts(plan)
         for host, post in fusible_updates(traced.full, traced.analysis, plan_tasks.tasks).items():
             task, size = plan_tasks.tasks[host], plan_tasks.microbatch_sizes[host]
             fused[host] = compile_fused(
                 task, plan_tasks.tasks[post], graphs[size], traced.full.constants, traced.analysis, meshes[task.stage],
                 plan_tasks.num_microbatches, _read_elsewhere(traced.full, task, plan_tasks.tasks[post]),
-                mean_weight=size / traced.batch_size, specs=specs.get(task.stage), operand_specs=operands.get(task.stage),
+                mean_weight=size / traced.batch_size, **layouts.get(task.stage, {}),
             )
             fused_posts[host] = post
     return CompiledStep(

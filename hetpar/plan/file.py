@@ -108,10 +108,15 @@ def _check_operator_stages(plan: Plan, where: str) -> None:
 
 def _check_shardings(stage: StagePlan, label: str) -> None:
     axes = {"data", "model"} if len(stage.mesh_shape) == 2 else {"data"}
-    for entry in stage.shardings:
+    for entry in (*stage.shardings, *stage.gathered):
         if len(entry) != 2 or not isinstance(entry[0], int) or entry[0] < 0 or any(a is not None and a not in axes for a in entry[1]):
             raise PlanError(f"{label}: the sharding {list(entry)} is not [value id, [mesh axis or null per dimension]] "
                             f"over this stage's axes {sorted(axes)}")
+    if stage.zero not in (0, 1, 2, 3):
+        raise PlanError(f"{label}: zero is {stage.zero!r}; the ZeRO stage is 0 (replicated state), 1, 2 or 3")
+    if stage.gathered and stage.zero != 3:
+        raise PlanError(f"{label}: the stage lists parameters to gather (gathered) but zero is {stage.zero}; only ZeRO-3 "
+                        f"stores parameters sharded: set zero to 3 or drop gathered")
 
 
 def _check_chunks(stages: list[StagePlan], plan: Plan, where: str) -> None:

@@ -225,6 +225,8 @@ def _memory(stage: StagePlan, placed: tuple, layers: Layers, plan: Plan) -> int:
     (split over its data-parallel devices)."""
     state = sum(nbytes for _, _, nbytes in placed)
     grads = sum(layers.param_bytes[stage.layer_start : stage.layer_end]) / max(stage.tensor_parallel, 1) if layers.param_bytes else 0
+    if stage.zero >= 2:  # gradients reduce-scattered over the data axis (parameters and optimizer state: in `placed`)
+        grads /= mesh_axes(stage).get("data", 1)
     saved = sum(layers.saved_bytes[stage.layer_start : stage.layer_end]) if layers.saved_bytes else 0
     stages = plan.replica_stages(stage.replica)
     position = [s.index for s in stages].index(stage.index)

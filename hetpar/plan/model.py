@@ -47,6 +47,15 @@ class StagePlan:
     # Which of its device group's chunks this stage is (interleaved schedules): stages
     # with the same device_ids are chunks of one group and share its mesh.
     chunk: int = 0
+    # ZeRO over the stage's `data` mesh axis (DeepSpeed's stages): 0 every data-parallel
+    # device holds the whole state; 1 optimizer state sharded; 2 gradients too
+    # (reduce-scattered, not all-reduced); 3 parameters too, all-gathered where the
+    # forward and backward read them. The highest level any parameter of the stage got:
+    # the layouts themselves are in `shardings` (a parameter left whole has no data axis).
+    zero: int = 0
+    # ZeRO-3: each data-sharded parameter's layout while in use (value id, layout): the
+    # stage's forward and backward programs gather it to this where they read it.
+    gathered: tuple[tuple[int, Spec], ...] = ()
 
     @property
     def num_layers(self) -> int:

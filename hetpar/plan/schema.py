@@ -75,6 +75,8 @@ class StageSchema(_Strict):
     shardings: tuple[tuple[Count, Spec], ...] = ()  # (value id, PartitionSpec)
     operand_shardings: tuple[tuple[Count, tuple[Spec, Spec]], ...] = ()  # (operator index, (lhs, rhs))
     chunk: Count = 0
+    zero: Annotated[int, Field(ge=0, le=3)] = 0  # ZeRO stage over the data axis
+    gathered: tuple[tuple[Count, Spec], ...] = ()  # ZeRO-3: (value id, PartitionSpec while in use)
 
     @model_validator(mode="after")
     def _shape(self) -> "StageSchema":

@@ -12,10 +12,13 @@ from hetpar.cluster.catalog import device_type
 from hetpar.options import ShardingOption
 from hetpar.plan import Plan, StagePlan
 from hetpar.shard.strategies import AXES, Spec, to_source, stage_problem
+from hetpar.shard.zero import apply_zero, stage_params, zero_items
 from hetpar.trace.layers import Layers
 from hetpar.trace.traced_step import TracedStep
-from solver.collectives import LinkCost
+from solver.collectives import LinkCost, Topology
 from solver.intra_op import solve_intra_op
+from solver.planner.stage_costs import in_flight
+from solver.zero import choose_zero
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +44,45 @@ def shard_stages(traced: TracedStep, layers: Layers, plan: Plan, option: Shardin
             stage = _best_mesh(solver, plan, stage, traced.batch_size, devices_per_node.get(stage.group, stage.num_devices))
         mesh = mesh_axes(stage)
         specs, _, operands = solver.solve(stage, mesh) if mesh.get("model", 1) > 1 else ({}, 0.0, {})
-        stages.append(replace(stage, shardings=tuple(sorted(specs.items())), operand_shardings=tuple(sorted(operands.items()))))
+        specs, zero, gathered = _zero(traced, layers, plan, stage, specs, mesh, option)
+        stages.append(replace(stage, shardings=tuple(sorted(specs.items())), operand_shardings=tuple(sorted(operands.items())),
+                              zero=zero, gathered=tuple(sorted(gathered.items()))))
     return replace(plan, stages=tuple(stages))
+
+
+def _zero(traced: TracedStep, layers: Layers, plan: Plan, stage: StagePlan, specs: dict[int, Spec], mesh: dict[str, int],
+          option: ShardingOption) -> tuple[dict[int, Spec], int, dict[int, Spec]]:
+    """The stage's ZeRO stage per parameter (forced by `option.zero`, or chosen by
+    `solver.zero.choose_zero` against the memory its devices have left after the
+    activations its schedule keeps in flight), laid out in its shardings."""
+    dp = mesh.get("data", 1)
+    if dp == 1 or option.zero == 0:
+        return specs, 0, {}
+    params = stage_params(traced, plan.stage_of_operators(stage.replica), stage.index)
+    if option.zero is not None:
+        levels = [option.zero] * len(params)
+    else:
+        if not stage.memory_capacity:
+            return specs, 0, {}
+        link = device_type(stage.device_type).intra_node_link
+        budget = stage.memory_capacity - _activation_bytes(stage, layers, plan)
+        levels = choose_zero(zero_items(traced, params, specs, mesh), dp, Topology(1, dp, LinkCost(link.bandwidth, link.latency),
+                             LinkCost(link.bandwidth, link.latency)), plan.num_microbatches, budget)
+    specs, zero, gathered = apply_zero(traced, params, levels, specs, dp)
+    if zero:
+        log.info("stage %d: ZeRO-%d over its %d-way data axis (%d of %d parameters sharded)", stage.index, zero, dp,
+                 sum(1 for z in levels if z), len(params))
+    return specs, zero, gathered
+
+
+def _activation_bytes(stage: StagePlan, layers: Layers, plan: Plan) -> float:
+    """Per device, the forward values the stage's microbatches in flight keep for
+    their backward (the placement pass's estimate)."""
+    saved = sum(layers.saved_bytes[stage.layer_start : stage.layer_end]) if layers.saved_bytes else 0
+    stages = plan.replica_stages(stage.replica)
+    position = [s.index for s in stages].index(stage.index)
+    held = in_flight(plan.schedule, plan.num_microbatches, position, len(stages), plan.chunks)
+    return saved * stage.batch_share / plan.num_microbatches * held / max(stage.num_devices, 1)
 
 
 def _best_mesh(solver: "_StageSolver", plan: Plan, stage: StagePlan, batch_size: int, per_node: int) -> StagePlan:
