@@ -129,11 +129,14 @@ def stage_pass(traced: TracedStep, layers: Layers, cluster: Cluster, option: Sta
     stages = _stages_per_pipeline(option, cluster)
     schedule = option.schedule or schedules.DEFAULT
     if (option.num_replicas or 1) > 1:
-        return assign_replicas(layers, cluster, option.num_replicas, stages, num_microbatches, traced.batch_size,
+        plan = assign_replicas(layers, cluster, option.num_replicas, stages, num_microbatches, traced.batch_size,
                                schedule, uniform=uniform, chunks=_chunks(option))
-    plan = assign_stages(layers, cluster, stages, num_microbatches, schedule, sharding.mesh_shape, uniform=uniform,
-                         chunks=_chunks(option))
-    _check_schedule(plan)
+    else:
+        plan = assign_stages(layers, cluster, stages, num_microbatches, schedule, sharding.mesh_shape, uniform=uniform,
+                             chunks=_chunks(option))
+        _check_schedule(plan)
+    if option.remat:
+        plan = replace(plan, stages=tuple(replace(s, remat=option.remat) for s in plan.stages))
     return plan
 
 

@@ -48,6 +48,11 @@ class StagePlan:
     # Which of its device group's chunks this stage is (interleaved schedules): stages
     # with the same device_ids are chunks of one group and share its mesh.
     chunk: int = 0
+    # Recomputation (REMAT_POLICIES): "" keeps every forward activation for the
+    # backward; "full" keeps none (the backward program reruns the stage's forward from
+    # its inputs); "dots" keeps matmul results without batch dimensions, as
+    # jax.checkpoint_policies.dots_with_no_batch_dims_saveable does.
+    remat: str = ""
 
     @property
     def num_layers(self) -> int:

@@ -75,6 +75,7 @@ class StageSchema(_Strict):
     shardings: tuple[tuple[Count, Spec], ...] = ()  # (value id, PartitionSpec)
     operand_shardings: tuple[tuple[Count, tuple[Spec, Spec]], ...] = ()  # (operator index, (lhs, rhs))
     chunk: Count = 0
+    remat: Literal["", "full", "dots"] = ""
 
     @model_validator(mode="after")
     def _shape(self) -> "StageSchema":
