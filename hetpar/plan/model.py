@@ -53,6 +53,9 @@ class StagePlan:
     # its inputs); "dots" keeps matmul results without batch dimensions, as
     # jax.checkpoint_policies.dots_with_no_batch_dims_saveable does.
     remat: str = ""
+    # ZeRO stage over the data axis (solver.memory): 0 replicated, 1 optimizer state
+    # sharded, 2 and gradients, 3 and parameters.
+    zero: int = 0
 
     @property
     def num_layers(self) -> int:

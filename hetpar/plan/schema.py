@@ -76,6 +76,7 @@ class StageSchema(_Strict):
     operand_shardings: tuple[tuple[Count, tuple[Spec, Spec]], ...] = ()  # (operator index, (lhs, rhs))
     chunk: Count = 0
     remat: Literal["", "full", "dots"] = ""
+    zero: Annotated[int, Field(ge=0, le=3)] = 0
 
     @model_validator(mode="after")
     def _shape(self) -> "StageSchema":
