@@ -19,13 +19,14 @@ from hetpar.plan.auto import SearchOptions, search
 from hetpar.plan.manual import assign_replicas, assign_stages
 from hetpar.plan.model import Plan, Spec, StagePlan, runs
 from hetpar.plan.runnable import check_runnable
-from hetpar.shard import mesh_axes, shard_stages
+from hetpar.shard import AXES, mesh_axes, shard_stages
 from hetpar.trace.fingerprint import differences, signature
 from hetpar.trace.flops import op_costs
 from hetpar.trace.layers import Layers, block_count, build_layers, compute_dtype
+from hetpar.trace.microbatch import input_roles
 from hetpar.trace.traced_step import TracedStep, trace_step
 from solver import schedules
-from solver.planner.stage_costs import in_flight
+from solver.memory import StageActivations, in_flight, sharded_state, stage_memory
 
 
 def make_plan(
@@ -176,7 +177,7 @@ def placement_pass(traced: TracedStep, layers: Layers, plan: Plan) -> Plan:
     device; refuses a plan that does not fit."""
     placed = _placed_params(traced, plan)
     stages = tuple(
-        replace(s, param_specs=tuple((name, spec) for name, spec, _ in specs), memory_bytes=_memory(s, specs, layers, plan))
+        replace(s, param_specs=tuple((name, spec) for name, spec, _, _ in specs), memory_bytes=_memory(s, specs, layers, plan))
         for s, specs in zip(plan.stages, placed)
     )
     stages = _device_memory(stages)
@@ -209,26 +210,46 @@ def _operator_stages(traced: TracedStep, layers: Layers, plan: Plan) -> tuple[tu
 
 
 def _memory(stage: StagePlan, placed: tuple, layers: Layers, plan: Plan) -> int:
-    """Per device: the stage's parameters and optimizer state, a gradient per
-    parameter, and the activations its microbatches in flight keep for the backward
-    (split over its data-parallel devices)."""
-    state = sum(nbytes for _, _, nbytes in placed)
-    grads = sum(layers.param_bytes[stage.layer_start : stage.layer_end]) / max(stage.tensor_parallel, 1) if layers.param_bytes else 0
-    saved = sum(layers.saved_bytes[stage.layer_start : stage.layer_end]) if layers.saved_bytes else 0
+    """Per device, by solver.memory (the planner's own model): the stage's parameters
+    and optimizer state as placed (`placed`), a gradient per parameter laid out like
+    it, each divided over the data axis by the stage's ZeRO stage where its sharding
+    does not already split it there; and the activations its microbatches in flight
+    keep for the backward at its position in its own pipeline, under its
+    recomputation. The layers' activations are split over all the stage's devices
+    (the model axis shards the wide ones too, as the planner assumes). "dots" is
+    charged as keeping everything: the layers do not say which activations are
+    matmul results, and this check must not pass a plan that does not fit."""
+    dp = stage.data_parallel or stage.num_devices
+
+    def total(role: str, on_data: bool) -> float:
+        return sum(nbytes for _, spec, nbytes, r in placed if r == role and (AXES[0] in spec) == on_data)
+
+    # ZeRO divides what the sharding left whole over the data axis; what it already
+    # splits there counts as placed.
+    free = sharded_state(total("parameter", False), total("parameter", False), total("optimizer_state", False), dp, stage.zero)
+    split = total("parameter", True), total("optimizer_state", True)
+    state = replace(free, parameters=free.parameters + split[0], gradients=free.gradients + split[0],
+                    optimizer_state=free.optimizer_state + split[1])
     stages = plan.replica_stages(stage.replica)
     position = [s.index for s in stages].index(stage.index)
     held = in_flight(plan.schedule, plan.num_microbatches, position, len(stages), plan.chunks)
-    kept = saved * stage.batch_share / plan.num_microbatches * held
-    return int(state + grads + kept / max(stage.num_devices, 1))  # the model axis shards the wide activations too, as the planner assumes
+    per_device = stage.batch_share / plan.num_microbatches / max(stage.num_devices, 1)
+    saved = sum(layers.saved_bytes[stage.layer_start : stage.layer_end]) if layers.saved_bytes else 0
+    inputs = layers.boundary_bytes[stage.layer_start] if layers.boundary_bytes else 0
+    acts = StageActivations(saved * per_device, inputs * per_device)
+    remat = "" if stage.remat == "dots" else stage.remat
+    return int(stage_memory(state, acts, held, remat, fused=position == len(stages) - 1).total)
 
 
-def _placed_params(traced: TracedStep, plan: Plan) -> list[tuple[tuple[str, Spec, int], ...]]:
+def _placed_params(traced: TracedStep, plan: Plan) -> list[tuple[tuple[str, Spec, int, str], ...]]:
     """Each stage's parameters and optimizer state (batch-free step inputs its
     operators read): path, sharding (replicated over a data-parallel stage mesh, or
-    as the intra-op ILP lays it out on a data x model mesh), bytes per device."""
+    as the intra-op ILP lays it out on a data x model mesh), bytes per device, and
+    role ("parameter" or "optimizer_state", hetpar.trace.microbatch.input_roles)."""
     specs = {s.index: dict(s.shardings) for s in plan.stages}
     position = {v: i for i, v in enumerate(traced.full.invars)}
-    out: list[list[tuple[str, Spec, int]]] = [[] for _ in plan.stages]
+    roles = input_roles(traced.full, traced.analysis, sorted(traced.batch_invars))
+    out: list[list[tuple[str, Spec, int, str]]] = [[] for _ in plan.stages]
     for r in range(plan.num_replicas):
         stage_of_op = plan.stage_of_operators(r)
         owner: dict[int, int] = {}
@@ -239,12 +260,13 @@ def _placed_params(traced: TracedStep, plan: Plan) -> list[tuple[tuple[str, Spec
         for v, stage in sorted(owner.items(), key=lambda kv: position[kv[0]]):
             name = traced.input_paths[position[v]] if traced.input_paths else f"arg {position[v]}"
             spec = specs[stage].get(v)
+            role = "optimizer_state" if roles.get(v) == "optimizer_state" else "parameter"
             if spec is None:
-                out[stage].append((name, (), traced.full.nbytes(v)))
+                out[stage].append((name, (), traced.full.nbytes(v), role))
             else:
                 mesh = mesh_axes(plan.stages[stage])
                 shards = math.prod(mesh[a] for a in spec if a is not None)
-                out[stage].append((name, tuple(spec), traced.full.nbytes(v) // shards))
+                out[stage].append((name, tuple(spec), traced.full.nbytes(v) // shards, role))
     return [tuple(specs) for specs in out]
 
 
