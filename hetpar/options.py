@@ -14,6 +14,7 @@ from hetpar.errors import HetparError, PlanError
 from solver import schedules
 
 STAGE_MODES = ("auto", "manual", "uniform")
+REMAT_POLICIES = ("", "full", "dots")  # as hetpar.compile.remat runs them
 RUNTIMES = ("local", "ray")
 
 
@@ -44,6 +45,10 @@ class StageOption:
     time_limit_s: float | None = None  # the planner's search; None: until proven optimal
     max_planning_layers: int = 8  # "auto" cuts the step into at most this many layers
     layer_overhead_s: float = 50e-6  # kernel launches of one layer's forward and backward
+    # Recomputation on every stage: "" none, "full" (nothing kept, the backward reruns
+    # the forward), "dots" (matmul results without batch dims kept). None: the
+    # planner ("auto") recomputes where memory needs it; hand-made plans do not.
+    remat: str | None = None
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,9 @@ def check_options(stage: StageOption, sharding: ShardingOption, runtime: Runtime
                         f"interleaved schedule runs: use schedule={interleaved[0]!r}, or drop chunks")
     if stage.time_limit_s is not None and not stage.time_limit_s > 0:
         raise PlanError(f"StageOption.time_limit_s must be positive (or None for no limit), got {stage.time_limit_s}")
+    if stage.remat is not None and stage.remat not in REMAT_POLICIES:
+        raise PlanError(f"StageOption.remat {stage.remat!r} is not a recomputation policy; use one of "
+                        f"{', '.join(repr(p) for p in REMAT_POLICIES)} (or None: the planner's choice)")
     if stage.max_planning_layers < 1:
         raise PlanError(f"StageOption.max_planning_layers must be at least 1, got {stage.max_planning_layers}")
     if not sharding.time_limit_s > 0:

@@ -97,7 +97,7 @@ def test_activation_memory_follows_the_schedule(two_stage):
     capacity = {s.index: 80 * 2**30 for s in plan.stages}
     gpipe = stage_memory(compiled, plan, capacity, estimates, "gpipe")
     one_f = stage_memory(compiled, plan, capacity, estimates, "1f1b")
-    remat = stage_memory(compiled, plan, capacity, estimates, "gpipe", remat=True)
+    remat = stage_memory(compiled, plan, capacity, estimates, "gpipe", remat="full")
     assert gpipe[0].activations > 0
     assert one_f[0].activations == gpipe[0].activations * 2 // 4  # 2 stages in flight of 4 microbatches
     assert remat[0].activations < gpipe[0].activations

@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 
 from hetpar.compile.compiled import CompiledStep
 from hetpar.compile.programs import FusedProgram, Program, compile_fused, compile_task
+from hetpar.compile.remat import recompute
 from hetpar.compile.tasks import Task, build_tasks, op_stages
 from hetpar.errors import PlanError
 from hetpar.plan import Plan
@@ -51,7 +52,8 @@ def step_tasks(traced: TracedStep, plan: Plan) -> StepTasks:
     start = 0
     for r, examples in enumerate(batches):
         size = examples // m
-        for t in build_tasks(traced.full, traced.analysis, plan.stage_of_operators(r)):
+        built = build_tasks(traced.full, traced.analysis, plan.stage_of_operators(r))
+        for t in recompute(built, traced.full, {s.index: s.remat for s in plan.replica_stages(r)}):
             if t.kind == "post" and r > 0:
                 continue
             tasks.append(t)

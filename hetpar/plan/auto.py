@@ -4,9 +4,10 @@ cluster's devices.
 
 The planner prices tensor parallelism from each layer's Megatron-style estimate
 (`Layers.tp_bytes`); a stage it gives `dp x tp` devices runs on a `data` x `model`
-mesh whose final split and layouts the intra-op ILP decides. Rematerialization
-stays off (the runtime does not rematerialize yet), and `parallelize` keeps the
-step's own microbatch count.
+mesh whose final split and layouts the intra-op ILP decides. The planner may
+recompute a stage's forward ("full", run by hetpar.compile.remat) and shard its state
+over the data axis (ZeRO 1-3) where memory or time asks, priced by solver.memory;
+`parallelize` keeps the step's own microbatch count.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ class SearchOptions:
     schedules: tuple[str, ...] = field(default_factory=schedules.names)
     chunks: tuple[int, ...] = (2, 4)  # stages per device group an interleaved schedule may use
     max_tp: int = 8  # within a node
-    allow_remat: bool = False
-    force_remat: bool = False  # price full recomputation on every stage (what large runs do); the runtime does not yet
+    allow_remat: bool = True  # recompute a stage's forward in its backward where memory needs it (hetpar.compile.remat)
+    force_remat: bool = False  # full recomputation on every stage (what large runs do)
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)  # ZeRO stages a data-parallel stage may use
     allow_replicas: bool = True
     dtype: str = "float32"
     top_k: int = 5
@@ -81,6 +83,7 @@ def problem_for(layers: Layers, cluster: Cluster, batch_size: int, tokens_per_ex
         layer_costs(layers, batch_size), device_kinds(cluster, options.dtype, options.layer_overhead_s), batch_size, group_links(cluster),
         tokens_per_example=tokens_per_example, microbatches=options.microbatches, schedules=options.schedules, chunks=options.chunks,
         max_tp=options.max_tp, allow_remat=options.allow_remat, force_remat=options.force_remat, allow_replicas=options.allow_replicas,
+        zero_stages=options.zero_stages,
         min_microbatch=options.min_microbatch,
         memory_reserve=options.memory_reserve,
     )
@@ -128,6 +131,7 @@ def to_plan(choice: PlanChoice, layers: Layers, cluster: Cluster, bound_ratio: f
             data_parallel=s.dp, tensor_parallel=s.tp, batch_share=share, forward_s=s.forward_s, backward_s=s.backward_s,
             send_s=s.send_s, sync_s=s.sync_s + choice.cross_sync_s, optimizer_s=s.optimizer_s, memory_bytes=s.memory_bytes,
             memory_capacity=s.memory_capacity, replica=s.replica, chunk=position // per_replica,
+            remat="full" if s.remat else "", zero=s.zero,
         ))
     return Plan(
         tuple(stages), choice.num_microbatches, layers.num_layers, cluster.describe(), choice.schedule,

@@ -20,14 +20,15 @@ from hetpar.plan.manual import assign_replicas, assign_stages, link_cost
 from hetpar.plan.model import Plan, Spec, StagePlan, runs
 from hetpar.plan.runnable import check_runnable
 from hetpar.predict.plan_time import priced
-from hetpar.shard import mesh_axes, shard_stages
+from hetpar.shard import AXES, mesh_axes, shard_stages
 from hetpar.trace.fingerprint import differences, signature
 from hetpar.trace.flops import op_costs
 from hetpar.trace.layers import Layers, block_count, build_layers, compute_dtype
+from hetpar.trace.microbatch import input_roles
 from hetpar.trace.traced_step import TracedStep, trace_step
 from solver import schedules
 from solver.collectives import LinkCost
-from solver.planner.stage_costs import in_flight
+from solver.memory import DeviceMemory, StageActivations, in_flight, stage_memory
 
 
 def make_plan(
@@ -119,30 +120,36 @@ def stage_pass(traced: TracedStep, layers: Layers, cluster: Cluster, option: Sta
     user's stage count with layers split by speed ("manual") or evenly ("uniform")."""
     num_microbatches = traced.batch_size // traced.microbatch_size
     if auto:
-        options = search_options(traced, option, search_microbatches)
+        options = search_options(traced, option, search_microbatches, zero=sharding.zero)
         return search(layers, cluster, traced.batch_size, _tokens(traced) // traced.batch_size, options)[0]
     uniform = option.mode == "uniform"
     stages = _stages_per_pipeline(option, cluster)
     schedule = option.schedule or schedules.DEFAULT
     if (option.num_replicas or 1) > 1:
-        return assign_replicas(layers, cluster, option.num_replicas, stages, num_microbatches, traced.batch_size,
+        plan = assign_replicas(layers, cluster, option.num_replicas, stages, num_microbatches, traced.batch_size,
                                schedule, uniform=uniform, chunks=_chunks(option))
-    plan = assign_stages(layers, cluster, stages, num_microbatches, schedule, sharding.mesh_shape, uniform=uniform,
-                         chunks=_chunks(option))
-    _check_schedule(plan)
+    else:
+        plan = assign_stages(layers, cluster, stages, num_microbatches, schedule, sharding.mesh_shape, uniform=uniform,
+                             chunks=_chunks(option))
+        _check_schedule(plan)
+    if option.remat:
+        plan = replace(plan, stages=tuple(replace(s, remat=option.remat) for s in plan.stages))
     return plan
 
 
-def search_options(traced: TracedStep, option: StageOption, search_microbatches: bool = False) -> SearchOptions:
-    """What the planner may choose for this step: the user's schedule and chunks if
-    given, the traced microbatch count unless `search_microbatches`."""
+def search_options(traced: TracedStep, option: StageOption, search_microbatches: bool = False,
+                   zero: int | None = None) -> SearchOptions:
+    """What the planner may choose for this step: the user's schedule, chunks and
+    ZeRO stage (`ShardingOption.zero`) if given, the traced microbatch count unless
+    `search_microbatches`."""
     chunks = {"chunks": (option.chunks,)} if option.chunks else {}  # else the planner's choices
     return SearchOptions(
         microbatches=None if search_microbatches else (traced.batch_size // traced.microbatch_size,),
         schedules=(option.schedule,) if option.schedule else schedules.names(),
         min_microbatch=2 if traced.microbatch_size >= 4 or search_microbatches else 1,  # size 1 traces apart
         dtype=compute_dtype(traced.full, [c.flops for c in op_costs(traced.full)]),
-        time_limit_s=option.time_limit_s, layer_overhead_s=option.layer_overhead_s, **chunks,
+        time_limit_s=option.time_limit_s, layer_overhead_s=option.layer_overhead_s,
+        zero_stages=(0, 1, 2, 3) if zero is None else (zero,), **chunks,
     )
 
 
@@ -187,7 +194,7 @@ def placement_pass(traced: TracedStep, layers: Layers, plan: Plan) -> Plan:
     device; refuses a plan that does not fit."""
     placed = _placed_params(traced, plan)
     stages = tuple(
-        replace(s, param_specs=tuple((name, spec) for name, spec, _ in specs), memory_bytes=_memory(s, specs, layers, plan))
+        replace(s, param_specs=tuple((name, spec) for name, spec, _, _ in specs), memory_bytes=_memory(s, specs, layers, plan))
         for s, specs in zip(plan.stages, placed)
     )
     stages = _device_memory(stages)
@@ -220,28 +227,48 @@ def _operator_stages(traced: TracedStep, layers: Layers, plan: Plan) -> tuple[tu
 
 
 def _memory(stage: StagePlan, placed: tuple, layers: Layers, plan: Plan) -> int:
-    """Per device: the stage's parameters and optimizer state, a gradient per
-    parameter, and the activations its microbatches in flight keep for the backward
-    (split over its data-parallel devices)."""
-    state = sum(nbytes for _, _, nbytes in placed)
-    grads = sum(layers.param_bytes[stage.layer_start : stage.layer_end]) / max(stage.tensor_parallel, 1) if layers.param_bytes else 0
-    if stage.zero >= 2:  # gradients reduce-scattered over the data axis (parameters and optimizer state: in `placed`)
-        grads /= mesh_axes(stage).get("data", 1)
-    saved = sum(layers.saved_bytes[stage.layer_start : stage.layer_end]) if layers.saved_bytes else 0
+    """Per device, by solver.memory (the planner's own model): the stage's parameters
+    and optimizer state as placed (`placed`: the sharding pass already laid ZeRO's
+    data-axis splits into them), a gradient per parameter laid out like it, or
+    reduce-scattered over the data axis under ZeRO-2; and the activations its
+    microbatches in flight keep for the backward at its position in its own
+    pipeline, under its recomputation. The layers' activations are split over all the
+    stage's devices (the model axis shards the wide ones too, as the planner
+    assumes). "dots" is charged as keeping everything: the layers do not say which
+    activations are matmul results, and this check must not pass a plan that does
+    not fit."""
+    dp = mesh_axes(stage).get(AXES[0], 1)
+
+    def total(role: str, on_data: bool) -> float:
+        return sum(nbytes for _, spec, nbytes, r in placed if r == role and (AXES[0] in spec) == on_data)
+
+    whole, split = total("parameter", False), total("parameter", True)
+    state = DeviceMemory(
+        parameters=whole + split,
+        gradients=split + (whole / dp if stage.zero >= 2 else whole),
+        optimizer_state=total("optimizer_state", False) + total("optimizer_state", True),
+        activations=0.0,
+    )
     stages = plan.replica_stages(stage.replica)
     position = [s.index for s in stages].index(stage.index)
     held = in_flight(plan.schedule, plan.num_microbatches, position, len(stages), plan.chunks)
-    kept = saved * stage.batch_share / plan.num_microbatches * held
-    return int(state + grads + kept / max(stage.num_devices, 1))  # the model axis shards the wide activations too, as the planner assumes
+    per_device = stage.batch_share / plan.num_microbatches / max(stage.num_devices, 1)
+    saved = sum(layers.saved_bytes[stage.layer_start : stage.layer_end]) if layers.saved_bytes else 0
+    inputs = layers.boundary_bytes[stage.layer_start] if layers.boundary_bytes else 0
+    acts = StageActivations(saved * per_device, inputs * per_device)
+    remat = "" if stage.remat == "dots" else stage.remat
+    return int(stage_memory(state, acts, held, remat, fused=position == len(stages) - 1).total)
 
 
-def _placed_params(traced: TracedStep, plan: Plan) -> list[tuple[tuple[str, Spec, int], ...]]:
+def _placed_params(traced: TracedStep, plan: Plan) -> list[tuple[tuple[str, Spec, int, str], ...]]:
     """Each stage's parameters and optimizer state (batch-free step inputs its
     operators read): path, sharding (replicated over a data-parallel stage mesh, or
-    as the intra-op ILP lays it out on a data x model mesh), bytes per device."""
+    as the intra-op ILP lays it out on a data x model mesh), bytes per device, and
+    role ("parameter" or "optimizer_state", hetpar.trace.microbatch.input_roles)."""
     specs = {s.index: dict(s.shardings) for s in plan.stages}
     position = {v: i for i, v in enumerate(traced.full.invars)}
-    out: list[list[tuple[str, Spec, int]]] = [[] for _ in plan.stages]
+    roles = input_roles(traced.full, traced.analysis, sorted(traced.batch_invars))
+    out: list[list[tuple[str, Spec, int, str]]] = [[] for _ in plan.stages]
     for r in range(plan.num_replicas):
         stage_of_op = plan.stage_of_operators(r)
         owner: dict[int, int] = {}
@@ -252,12 +279,13 @@ def _placed_params(traced: TracedStep, plan: Plan) -> list[tuple[tuple[str, Spec
         for v, stage in sorted(owner.items(), key=lambda kv: position[kv[0]]):
             name = traced.input_paths[position[v]] if traced.input_paths else f"arg {position[v]}"
             spec = specs[stage].get(v)
+            role = "optimizer_state" if roles.get(v) == "optimizer_state" else "parameter"
             if spec is None:
-                out[stage].append((name, (), traced.full.nbytes(v)))
+                out[stage].append((name, (), traced.full.nbytes(v), role))
             else:
                 mesh = mesh_axes(plan.stages[stage])
                 shards = math.prod(mesh[a] for a in spec if a is not None)
-                out[stage].append((name, tuple(spec), traced.full.nbytes(v) // shards))
+                out[stage].append((name, tuple(spec), traced.full.nbytes(v) // shards, role))
     return [tuple(specs) for specs in out]
 
 

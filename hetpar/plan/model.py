@@ -56,6 +56,11 @@ class StagePlan:
     # ZeRO-3: each data-sharded parameter's layout while in use (value id, layout): the
     # stage's forward and backward programs gather it to this where they read it.
     gathered: tuple[tuple[int, Spec], ...] = ()
+    # Recomputation (REMAT_POLICIES): "" keeps every forward activation for the
+    # backward; "full" keeps none (the backward program reruns the stage's forward from
+    # its inputs); "dots" keeps matmul results without batch dimensions, as
+    # jax.checkpoint_policies.dots_with_no_batch_dims_saveable does.
+    remat: str = ""
 
     @property
     def num_layers(self) -> int:

@@ -77,6 +77,7 @@ class StageSchema(_Strict):
     chunk: Count = 0
     zero: Annotated[int, Field(ge=0, le=3)] = 0  # ZeRO stage over the data axis
     gathered: tuple[tuple[Count, Spec], ...] = ()  # ZeRO-3: (value id, PartitionSpec while in use)
+    remat: Literal["", "full", "dots"] = ""
 
     @model_validator(mode="after")
     def _shape(self) -> "StageSchema":

@@ -1,11 +1,13 @@
-"""Memory per device of each stage, by what holds it.
+"""Memory per device of each stage, by what holds it, read off the compiled
+programs and priced by the one memory model (solver.memory).
 
-Parameters, gradient accumulators and optimizer state stay for the whole step;
-activations a stage keeps for its backward live once per microbatch in flight: GPipe
-runs every forward before any backward, so it keeps all of them; 1F1B keeps at most
-as many as there are stages from this one to the last. Rematerialization keeps only
-each microbatch's stage inputs and recomputes the rest, at the cost of one
-microbatch's activations at a time. Workspace is the largest program's temporaries.
+Parameters, gradient accumulators and optimizer state stay for the whole step
+(split by the stage's ZeRO stage and tensor parallelism); the activations a stage's
+forward program hands its backward program live once per microbatch the schedule
+keeps in flight at the stage's position in its own pipeline. A recomputing stage's
+programs already hand over less (hetpar.compile.remat), and its backward's
+recomputation shows in that program's temporaries: the workspace, the largest
+program's temporaries. `remat` prices recomputation a plan does not have yet.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from hetpar.plan import Plan
 from hetpar.predict.programs import ProgramEstimate, share
 from hetpar.compile.compiled import CompiledStep
 from hetpar.trace.microbatch import input_roles
-from solver.planner.stage_costs import in_flight
+from solver.memory import StageActivations, in_flight, sharded_state, stage_memory as device_memory
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,7 @@ def stage_memory(
     capacity: dict[int, int],
     estimates: list[ProgramEstimate],
     schedule: str | None = None,  # None: the plan's
-    remat: bool = False,
+    remat: str = "",  # price this recomputation on every stage that does not recompute already
 ) -> list[MemoryBreakdown]:
     schedule = schedule or plan.schedule
     graph, analysis = compiled.graph, compiled.analysis
@@ -51,20 +53,25 @@ def stage_memory(
     out = []
     for stage in plan.stages:
         k = len(stage.device_ids)
+        tp = max(stage.tensor_parallel, 1)
         programs = [(p, e) for p, e in zip(compiled.programs, estimates) if p.task.stage == stage.index]
         reads = {v for p, _ in programs for v in p.task.inputs}
-        params = sum(graph.nbytes(v) for v in reads if roles.get(v) == "parameter")
-        opt = sum(graph.nbytes(v) for v in reads if roles.get(v) == "optimizer_state")
-        grads = sum(graph.nbytes(v) for p, _ in programs if p.task.per_microbatch for v in p.task.reductions)
+        params = sum(graph.nbytes(v) for v in reads if roles.get(v) == "parameter") / tp
+        opt = sum(graph.nbytes(v) for v in reads if roles.get(v) == "optimizer_state") / tp
+        grads = sum(graph.nbytes(v) for p, _ in programs if p.task.per_microbatch for v in p.task.reductions) / tp
+        state = sharded_state(params, grads, opt, stage.data_parallel or k, stage.zero)
         forward = [p for p, _ in programs if p.task.kind == "fwd"]
         backward = {v for p, _ in programs if p.task.kind == "bwd" for v in p.task.inputs}
         kept = [v for p in forward for v in p.task.outputs if v in backward]
         per_mb = sum(graph.nbytes(v) * share(graph, analysis, v, k) for v in kept)
-        if remat:
-            stage_inputs = sum(graph.nbytes(v) * share(graph, analysis, v, k) for p in forward for v in p.task.inputs if compiled.per_microbatch(v))
-            activations = int(stage_inputs * in_flight(schedule, plan.num_microbatches, stage.index, plan.num_stages, plan.chunks) + per_mb)
-        else:
-            activations = int(per_mb * in_flight(schedule, plan.num_microbatches, stage.index, plan.num_stages, plan.chunks))
+        stage_inputs = sum(graph.nbytes(v) * share(graph, analysis, v, k) for p in forward for v in p.task.inputs
+                           if compiled.per_microbatch(v))
+        stages = plan.replica_stages(stage.replica)
+        position = [s.index for s in stages].index(stage.index)
+        held = in_flight(schedule, plan.num_microbatches, position, len(stages), plan.chunks)
         workspace = max((e.temp_bytes for _, e in programs), default=0)
-        out.append(MemoryBreakdown(params, grads, opt, activations, workspace, capacity[stage.index]))
+        price = remat if not stage.remat else ""  # a recomputing stage's programs already keep less
+        need = device_memory(state, StageActivations(per_mb, stage_inputs), held, price, workspace=workspace)
+        out.append(MemoryBreakdown(int(need.parameters), int(need.gradients), int(need.optimizer_state), int(need.activations),
+                                   int(need.workspace), capacity[stage.index]))
     return out

@@ -52,15 +52,17 @@ def shard_stages(traced: TracedStep, layers: Layers, plan: Plan, option: Shardin
 
 def _zero(traced: TracedStep, layers: Layers, plan: Plan, stage: StagePlan, specs: dict[int, Spec], mesh: dict[str, int],
           option: ShardingOption) -> tuple[dict[int, Spec], int, dict[int, Spec]]:
-    """The stage's ZeRO stage per parameter (forced by `option.zero`, or chosen by
+    """The stage's ZeRO stage per parameter (forced by `option.zero`, or the stage
+    assignment's choice where the planner priced one, or else chosen by
     `solver.zero.choose_zero` against the memory its devices have left after the
     activations its schedule keeps in flight), laid out in its shardings."""
     dp = mesh.get("data", 1)
     if dp == 1 or option.zero == 0:
         return specs, 0, {}
     params = stage_params(traced, plan.stage_of_operators(stage.replica), stage.index)
-    if option.zero is not None:
-        levels = [option.zero] * len(params)
+    forced = option.zero if option.zero is not None else stage.zero  # the user's, or the planner's priced choice
+    if forced:
+        levels = [forced] * len(params)
     else:
         if not stage.memory_capacity:
             return specs, 0, {}

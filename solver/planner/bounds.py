@@ -96,7 +96,8 @@ class LowerBounds:
         caps = {lay: self.stage_capacity(lay, b) for lay in order}
         c = np.array([caps[lay][0] for lay in stages])
         cr = np.array([caps[lay][2] for lay in stages])
-        fitting = np.array([self._layers_fitting(lay, b, in_flight(schedule, m, p, len(stages))) for p, lay in enumerate(stages)])
+        fitting = np.array([self._layers_fitting(lay, b, in_flight(schedule, m, p, len(stages)) if p < len(stages) - 1 else 1)
+                            for p, lay in enumerate(stages)])  # the last stage holds one microbatch (solver.memory)
         n, nr = fitting[:, 0], fitting[:, 1]
         layers = self.costs.n
         if np.maximum(n, nr).sum() < layers:
@@ -138,17 +139,19 @@ class LowerBounds:
 
     def _layers_fitting(self, layout: KindLayout, b: int, in_flight_count: int) -> tuple[int, int]:
         """The most layers a stage holds with this many microbatches in flight,
-        keeping every activation or (remat) only layer inputs: capacity over the
-        least bytes any one layer needs."""
+        keeping every activation or (full recomputation, solver.memory) only its input
+        per microbatch and one microbatch's activations: capacity over the least bytes
+        any one layer needs, under the ZeRO stage that shards the most."""
         key = (layout, b, in_flight_count)
         if key not in self._fitting:
             layer = self.costs.per_layer(layout.config, b)
             capacity = self.costs.capacity(layout.kind)
 
-            def most(kept: np.ndarray) -> int:
-                return int(min(capacity // max(float((layer.state + kept * in_flight_count).min()), 1.0), self.costs.n))
+            def most(room: float, per_layer: np.ndarray) -> int:
+                return int(min(max(room, 0.0) // max(float(per_layer.min()), 1.0), self.costs.n))
 
             p = self.problem
-            self._fitting[key] = (0 if p.force_remat else most(layer.saved),
-                                  most(layer.inputs) if p.allow_remat or p.force_remat else 0)
+            self._fitting[key] = (0 if p.force_remat else most(capacity, layer.state + layer.saved * in_flight_count),
+                                  most(capacity - float(layer.inputs.min()) * in_flight_count, layer.state + layer.saved)
+                                  if p.allow_remat or p.force_remat else 0)
         return self._fitting[key]

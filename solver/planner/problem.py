@@ -67,6 +67,7 @@ class Problem:
     max_tp: int = 8
     allow_remat: bool = True
     force_remat: bool = False  # every stage recomputes its forward in the backward (Megatron's full recomputation)
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)  # ZeRO stages a data-parallel stage may use (solver.memory.ZERO_STAGES)
     allow_replicas: bool = True  # pipelines of different kinds side by side, splitting the batch
     min_examples: int = 1  # per microbatch on each data-parallel device
     min_microbatch: int = 1  # examples in any pipeline's microbatch (a replica's share included)
@@ -98,6 +99,8 @@ class Problem:
             raise PlanningError(f"unknown schedule {bad[0]!r}; known: {', '.join(schedules.names())}")
         if any(c < 1 for c in self.chunks):
             raise PlanningError(f"chunk counts must be positive, got {self.chunks}")
+        if bad := [z for z in self.zero_stages if z not in (0, 1, 2, 3)]:
+            raise PlanningError(f"unknown ZeRO stage {bad[0]}; use 0 (replicated), 1 (optimizer state sharded), 2 (+ gradients) or 3 (+ parameters)")
         if not self.microbatch_counts():
             raise PlanningError(f"none of the microbatch counts {self.microbatches} divides the batch of {self.batch_size}")
 
@@ -120,6 +123,7 @@ class StageChoice:
     memory_bytes: int  # per device
     memory_capacity: int
     replica: int = 0
+    zero: int = 0  # ZeRO stage over the data-parallel devices (solver.memory)
 
     @property
     def devices(self) -> int:
@@ -161,7 +165,7 @@ class PlanChoice:
         for r, share in enumerate(self.replica_batch):
             stages = [s for s in self.stages if s.replica == r]
             body = " | ".join(
-                f"{s.kind} dp{s.dp}tp{s.tp} L{s.layer_start}-{s.layer_end - 1}{' remat' if s.remat else ''}" for s in stages
+                f"{s.kind} dp{s.dp}tp{s.tp} L{s.layer_start}-{s.layer_end - 1}{' remat' if s.remat else ''}{f' zero{s.zero}' if s.zero else ''}" for s in stages
             )
             parts.append(f"[{share} ex] {body}" if len(self.replica_batch) > 1 else body)
         schedule = f"{self.schedule} x{self.chunks}" if self.chunks > 1 else self.schedule

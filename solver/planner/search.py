@@ -71,7 +71,8 @@ class Planner:
             return None
         if registry.get(schedule).check(len(groups), m, chunks):
             return None
-        tables = [self.costs.table(c, b, in_flight(schedule, m, p, len(configs), chunks)) for p, c in enumerate(configs)]
+        tables = [self.costs.table(c, b, in_flight(schedule, m, p, len(configs), chunks), p == len(configs) - 1, m)
+                  for p, c in enumerate(configs)]
         sends = [self.costs.sends(a, c, b) for a, c in zip(configs, configs[1:])]
         split = best_split(tables, sends, m, beat, schedule, chunks)
         if split is None or not _chunks_fit(tables, split.cuts, len(groups)):
@@ -82,7 +83,7 @@ class Planner:
         """A given split over given stages, scored by the same model (for baselines)."""
         if any(b % c.dp for c in configs):
             return None
-        tables = [self.costs.table(c, b, in_flight(schedule, m, p, len(configs))) for p, c in enumerate(configs)]
+        tables = [self.costs.table(c, b, in_flight(schedule, m, p, len(configs)), p == len(configs) - 1, m) for p, c in enumerate(configs)]
         sends = [self.costs.sends(a, c, b) for a, c in zip(configs, configs[1:])]
         value = score(tables, sends, m, cuts, schedule)
         return None if value == INF else self._pipeline_choice(configs, tables, sends, m, b, schedule, cuts, value)
@@ -94,7 +95,7 @@ class Planner:
             StageChoice(
                 c.kind, c.dp, c.tp, i, j, bool(t.remat[i, j]), float(t.forward[i, j]), float(t.backward[i, j]),
                 float(sends[p][j]) if p < len(sends) else 0.0, float(t.sync[i, j]), float(t.tail[i, j] - t.sync[i, j]),
-                int(t.memory[i, j]), t.capacity,
+                int(t.memory[i, j]), t.capacity, zero=int(t.zero[i, j]) if t.zero is not None else 0,
             )
             for p, (c, t, (i, j)) in enumerate(zip(configs, tables, bounds))
         )

@@ -2,8 +2,9 @@
 
 A stage is `dp * tp` devices of one kind running layers [i, j) on microbatches of
 `b` examples. Entry [i, j] of each matrix is that range's forward and backward time
-per microbatch, its memory per device, and its once-per-step tail (gradient
-all-reduce over the data-parallel devices, then the optimizer). Prefix sums make a
+per microbatch, its memory per device (`solver.memory`, the one memory model), and
+its once-per-step tail (gradient all-reduce over the data-parallel devices, then the
+optimizer), under the fastest ZeRO stage and recomputation choice that fits. Prefix sums make a
 whole matrix a few numpy operations, which is what lets the search score thousands
 of stage layouts in seconds.
 """
@@ -17,7 +18,7 @@ import numpy as np
 
 from solver.collectives import Topology, affine_costs
 from solver.efficiency import matmul_rate
-from solver import schedules
+from solver.memory import StageActivations, in_flight, sharded_state, stage_memory
 from solver.planner.problem import DeviceKind, Problem
 
 INF = float("inf")
@@ -47,15 +48,17 @@ class PerLayer:
 
 @dataclass(frozen=True)
 class StageTable:
-    """Everything about one stage position, for all layer ranges [i, j) (i < j)."""
+    """Everything about one stage position, for all layer ranges [i, j) (i < j), with
+    the fastest ZeRO stage and recomputation choice that fits chosen per range."""
 
     forward: np.ndarray  # (L+1, L+1) seconds per microbatch, inf where the range does not fit
     backward: np.ndarray
-    remat: np.ndarray  # bool: the range fits only by recomputing its forward
-    memory: np.ndarray  # bytes per device
+    remat: np.ndarray  # bool: the range recomputes its forward ("full")
+    memory: np.ndarray  # bytes per device (solver.memory)
     tail: np.ndarray  # gradient sync + optimizer, seconds per step
     sync: np.ndarray
     capacity: int
+    zero: np.ndarray | None = None  # int: the range's ZeRO stage; None: 0 everywhere
 
     @cached_property
     def time(self) -> np.ndarray:
@@ -90,30 +93,41 @@ class StageCosts:
         self.tp_bytes = np.array([layer.tp_bytes for layer in layers])
         self.tp_count = np.array([layer.tp_collectives for layer in layers], dtype=float)
         self.matmuls = np.array([layer.matmuls for layer in layers], dtype=float)
-        self.saved_max = _range_max(self.saved)
+        self.params_max = _range_max(self.params)
         self.kinds = {k.name: k for k in problem.kinds}
         self._tables = lru_cache(maxsize=None)(self._table)
         self._ranges = lru_cache(maxsize=None)(self._ranges_uncached)
 
-    def table(self, cfg: StageConfig, b: int, in_flight: int) -> StageTable:
-        return self._tables(cfg, b, in_flight)
+    def table(self, cfg: StageConfig, b: int, in_flight: int, last: bool = False, m: int = 1) -> StageTable:
+        """Stage `cfg` on microbatches of `b` examples holding `in_flight` of them; `last`:
+        the pipeline's last stage (forward and backward one program); `m`: microbatches
+        per step, which weighs per-microbatch time against the once-per-step tail when
+        choosing ZeRO and recomputation."""
+        return self._tables(cfg, b, in_flight, last, m)
 
     def capacity(self, kind: str) -> int:
         """Bytes a stage may use on each device: its memory less the reserve."""
         return int(self.kinds[kind].memory_bytes * (1 - self.problem.memory_reserve))
 
+    def zero_stages(self, cfg: StageConfig) -> list[int]:
+        """ZeRO stages worth trying: sharding over the data axis needs one."""
+        return [z for z in self.problem.zero_stages if z == 0 or cfg.dp > 1] or [0]
+
     def per_layer(self, cfg: StageConfig, b: int) -> PerLayer:
         """Each layer alone on one of these stages: the numbers every range sums, and
-        what the planner's lower bounds take the least of."""
+        what the planner's lower bounds take the least of (`state`: under the ZeRO
+        stage that shards the most, so a bound never says too few layers fit)."""
         kind = self.kinds[cfg.kind]
         per_device = b / cfg.dp  # examples each data-parallel slice runs
         speed = cfg.tp * self.matmul_rates(kind, cfg, per_device)
         tp_comm = self.tp_allreduce(kind, cfg.tp, self.tp_bytes * per_device, self.tp_count)  # forward; backward as much
         shard = per_device / cfg.tp  # activations split over tensor-parallel devices too (sequence parallel)
+        params = self.params / cfg.tp
+        state = sharded_state(params, params, params * (self.problem.state_factor - 2), cfg.dp, max(self.zero_stages(cfg)))
         return PerLayer(
             forward=self.fwd_flops * per_device / speed + tp_comm + kind.layer_overhead_s / 3,
             backward=(self.flops - self.fwd_flops) * per_device / speed + tp_comm + 2 * kind.layer_overhead_s / 3,
-            state=self.params * self.problem.state_factor / cfg.tp,
+            state=state.state,
             saved=self.saved * shard,
             inputs=self.inputs * shard,
         )
@@ -124,29 +138,48 @@ class StageCosts:
         each = np.where(self.matmuls > 0, self.fwd_flops * per_device / cfg.tp / np.maximum(self.matmuls, 1.0), 0.0)
         return np.asarray(matmul_rate(kind.flops, each, kind.matmul_half_flops), dtype=float).reshape(self.n)
 
-    def _table(self, cfg: StageConfig, b: int, in_flight: int) -> StageTable:
-        f, bw, state, saved, kept_inputs, sync, tail = self._ranges(cfg, b)
+    def _table(self, cfg: StageConfig, b: int, held: int, last: bool, m: int) -> StageTable:
+        """Every (ZeRO stage, recomputation) the problem allows, priced by solver.memory
+        and the collectives; per range the fastest that fits."""
+        p, kind = self.problem, self.kinds[cfg.kind]
+        f, bw, saved, sync, grads = self._ranges(cfg, b)
         capacity = self.capacity(cfg.kind)
-        kept = state + saved * in_flight
-        kept_remat = state + kept_inputs * in_flight + self.saved_max * (b / cfg.dp / cfg.tp)
-        force = self.problem.force_remat  # large runs recompute whether or not memory asks
-        fits, fits_remat = kept <= capacity, (kept_remat <= capacity) & (self.problem.allow_remat or force)
-        remat = fits_remat if force else ~fits & fits_remat
-        ok = np.triu(remat | (fits & (not force)), k=1)
-        forward = np.where(ok, f, INF)
-        backward = np.where(ok, bw + np.where(remat, f, 0.0), INF)
-        return StageTable(forward, backward, remat & ok, np.where(remat, kept_remat, kept), tail, sync, capacity)
+        inputs = np.broadcast_to((self.inputs * (b / cfg.dp / cfg.tp)).tolist() + [0.0], f.shape).T  # a stage keeps its own input
+        activations = StageActivations(saved, inputs)
+        gathered = self.params_max / cfg.tp  # ZeRO-3: one layer's parameters gathered at a time
+        optimizer = grads * p.optimizer_traffic / kind.memory_bandwidth
+        half = sync / 2  # an all-gather or a reduce-scatter: half a ring all-reduce of the same bytes
+        force = p.force_remat  # large runs recompute whether or not memory asks
+        remats = ["full"] if force else [""] + (["full"] if p.allow_remat else [])
+        best = np.full(f.shape, INF)
+        out = {name: np.zeros(f.shape) for name in ("forward", "backward", "memory", "tail", "sync", "zero", "remat")}
+        for zero in self.zero_stages(cfg):
+            state = sharded_state(grads, grads, grads * (p.state_factor - 2), cfg.dp, zero)
+            extra_f = half if zero >= 3 else 0.0  # parameters gathered for the forward
+            extra_b = (2 * half if zero >= 3 else half) if zero >= 2 else 0.0  # and the backward; gradients reduce-scattered
+            step_sync = {0: sync, 1: sync, 2: half, 3: np.zeros_like(sync)}[zero]
+            tail = step_sync + (optimizer / cfg.dp if zero >= 1 else optimizer)  # ZeRO-1+: each device updates its shard
+            for remat in remats:
+                need = stage_memory(state, activations, held, remat, fused=last, workspace=gathered if zero >= 3 else 0.0).total
+                forward, backward = f + extra_f, bw + extra_b + (f + extra_f if remat else 0.0)
+                cost = np.where(need <= capacity, m * (forward + backward) + tail, INF)
+                better = cost < best
+                best = np.where(better, cost, best)
+                for name, value in (("forward", forward), ("backward", backward), ("memory", need), ("tail", tail),
+                                    ("sync", step_sync), ("zero", zero), ("remat", bool(remat))):
+                    out[name] = np.where(better, value, out[name])
+        ok = np.triu(best < INF, k=1)
+        return StageTable(np.where(ok, out["forward"], INF), np.where(ok, out["backward"], INF), (out["remat"] > 0) & ok,
+                          out["memory"], out["tail"], out["sync"], capacity, out["zero"].astype(int))
 
     def _ranges_uncached(self, cfg: StageConfig, b: int) -> tuple[np.ndarray, ...]:
-        """What does not depend on the stage's place in the pipeline: times, state,
-        activations of one microbatch (kept whole, or only layer inputs under remat)."""
-        p, kind = self.problem, self.kinds[cfg.kind]
+        """What does not depend on the stage's place in the pipeline: times and
+        activations of one microbatch, the gradient all-reduce, the gradient bytes."""
+        kind = self.kinds[cfg.kind]
         layer = self.per_layer(cfg, b)
         grads = _span(_cumsum(self.params)) / cfg.tp
         sync = self._sync(kind, cfg, grads)
-        tail = sync + grads * p.optimizer_traffic / kind.memory_bandwidth
-        return (_span(_cumsum(layer.forward)), _span(_cumsum(layer.backward)), _span(_cumsum(layer.state)),
-                _span(_cumsum(layer.saved)), _span(_cumsum(layer.inputs)), sync, tail)
+        return (_span(_cumsum(layer.forward)), _span(_cumsum(layer.backward)), _span(_cumsum(layer.saved)), sync, grads)
 
     def tp_allreduce(self, kind: DeviceKind, tp: int, nbytes: np.ndarray, count: np.ndarray) -> np.ndarray:
         """Seconds of one pass's tensor-parallel all-reduces per layer: `count` sums
@@ -185,7 +218,4 @@ def _cumsum(values: np.ndarray) -> np.ndarray:
     return np.concatenate([[0.0], np.cumsum(values)])
 
 
-def in_flight(schedule: str, num_microbatches: int, position: int, num_stages: int, chunks: int = 1) -> int:
-    """Microbatches whose activations stage `position` (of `num_stages`, virtual
-    stages under an interleaved schedule) holds at once: the schedule's answer."""
-    return schedules.get(schedule).in_flight(num_microbatches, position, num_stages, chunks)
+__all__ = ["INF", "StageConfig", "StageCosts", "StageTable", "in_flight"]  # in_flight: solver.memory's, re-exported

@@ -1,0 +1,102 @@
+"""Memory per device of a pipeline stage: the one formula the planner, hand-made
+plans (`hetpar.plan.make`) and the predictor (`hetpar.predict.memory`) all use.
+
+A device of a stage holds, for the whole step, its share of the stage's state:
+parameters, gradient accumulators and optimizer state, each split over the model
+axis (tensor parallelism) and, by ZeRO stage, over the data axis too (1: optimizer
+state; 2: and gradients; 3: and parameters, gathered one use at a time). It also
+holds the activations its forward keeps for its backward, once per microbatch the
+schedule keeps in flight at the stage's position in its own pipeline
+(`solver.schedules`). Recomputation trades them for time: "full" keeps only the
+stage's input per microbatch and reruns the whole stage forward for one microbatch
+in its backward program; "dots" keeps the matmul results without batch dimensions
+as well and reruns the rest. The last stage of a pipeline runs each microbatch's
+forward and backward as one program, so it holds one microbatch's activations and
+recomputation changes nothing there.
+
+Bytes are plain numbers or numpy arrays of them (the planner prices every layer
+range at once); no JAX: callers say what a stage holds, this module says what a
+device of it needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from solver import schedules
+
+REMAT_POLICIES = ("", "full", "dots")  # none, nothing saved, dots without batch dims saved
+ZERO_STAGES = (0, 1, 2, 3)  # 0 replicated; 1 optimizer state sharded over data; 2 + gradients; 3 + parameters
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """Bytes on one device of a stage, by what holds them."""
+
+    parameters: float
+    gradients: float
+    optimizer_state: float
+    activations: float  # kept for the backward (all microbatches in flight) and the backward's recomputation
+    workspace: float = 0.0  # temporaries: a gathered ZeRO-3 layer, a program's scratch
+
+    @property
+    def state(self) -> float:
+        return self.parameters + self.gradients + self.optimizer_state
+
+    @property
+    def total(self) -> float:
+        return self.state + self.activations + self.workspace
+
+
+@dataclass(frozen=True)
+class StageActivations:
+    """One microbatch's activations on one device of a stage (already split over its
+    data- and model-parallel devices)."""
+
+    saved: float  # what the backward reads when nothing is recomputed
+    inputs: float  # the stage's input: all that "full" recomputation keeps
+    dots: float = 0.0  # matmul results without batch dims, part of `saved`: what "dots" keeps besides
+
+
+def in_flight(schedule: str, num_microbatches: int, position: int, num_stages: int, chunks: int = 1) -> int:
+    """Microbatches whose activations stage `position` of its pipeline (`num_stages`
+    stages, virtual ones under an interleaved schedule) holds at once: the schedule's
+    answer. `position` counts within the stage's own pipeline, not the plan."""
+    return schedules.get(schedule).in_flight(num_microbatches, position, num_stages, chunks)
+
+
+def sharded_state(param_bytes: float, gradient_bytes: float, optimizer_bytes: float, dp: int, zero: int = 0) -> DeviceMemory:
+    """Per device: a stage's parameters, gradients and optimizer state (each already
+    divided by tensor parallelism) under ZeRO stage `zero` over `dp` data-parallel
+    devices. Activations are left at 0."""
+    if zero not in ZERO_STAGES:
+        raise ValueError(f"ZeRO stage must be one of {ZERO_STAGES}, got {zero}")
+    dp = max(dp, 1)
+    return DeviceMemory(
+        param_bytes / dp if zero >= 3 else param_bytes,
+        gradient_bytes / dp if zero >= 2 else gradient_bytes,
+        optimizer_bytes / dp if zero >= 1 else optimizer_bytes,
+        0.0,
+    )
+
+
+def activation_bytes(per_microbatch: StageActivations, held: int, remat: str = "", fused: bool = False) -> float:
+    """Activations a device keeps with `held` microbatches in flight under `remat`.
+    `fused`: the stage runs forward and backward as one program (a pipeline's last)."""
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"unknown recomputation policy {remat!r}; use one of {REMAT_POLICIES}")
+    a = per_microbatch
+    if fused or not remat:
+        return a.saved * (1 if fused else held)
+    kept = a.inputs + (a.dots if remat == "dots" else 0.0)
+    return kept * held + np.maximum(a.saved - (a.dots if remat == "dots" else 0.0), 0.0)
+
+
+def stage_memory(state: DeviceMemory, per_microbatch: StageActivations, held: int, remat: str = "",
+                 fused: bool = False, workspace: float = 0.0) -> DeviceMemory:
+    """A device's whole need: its (sharded) state, the activations the schedule and
+    recomputation keep, and `workspace` (e.g. the largest gathered ZeRO-3 layer)."""
+    return DeviceMemory(state.parameters, state.gradients, state.optimizer_state,
+                        activation_bytes(per_microbatch, held, remat, fused), state.workspace + workspace)
