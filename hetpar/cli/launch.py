@@ -1,0 +1,23 @@
+"""`hetpar launch`: run a training script as one process per host of a cluster file."""
+
+from __future__ import annotations
+
+import argparse
+
+from hetpar.errors import HetparError
+
+
+def launch(args: argparse.Namespace) -> int:
+    from hetpar.cluster.cluster import Cluster
+    from hetpar.runtime.launcher import launch_local, main_command
+
+    command = list(args.command_line)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise HetparError("hetpar launch needs the command to run after '--', e.g. "
+                          "hetpar launch --cluster cluster.yaml -- python train.py")
+    if args.timeout is not None and args.timeout <= 0:
+        raise HetparError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    launch_local(Cluster.from_file(args.cluster), main_command(command), timeout_s=args.timeout)
+    return 0
