@@ -10,7 +10,10 @@ import hetpar
 from hetpar.runtime import distributed
 
 distributed.initialize()
-import faulthandler; faulthandler.dump_traceback_later(240, exit=True)
+import faulthandler  # noqa: E402
+
+faulthandler.dump_traceback_later(240, exit=True)  # a hang shows where each process was
+print(f"PID {__import__('os').getpid()}", flush=True)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -104,7 +107,7 @@ def inject(kind: str) -> None:
     jax.block_until_ready(state)
     if jax.process_index() == 1:
         step = par.compiled().step
-        i = next(i for i, p in enumerate(step.programs) if p is not None and p.task.stage == 1 and p.task.kind == "bwd")
+        i = next(i for i, p in enumerate(step.programs) if p is not None and p.task.stage == 1 and p.task.kind == "fwd")
         tracked = step.programs[i].fn
 
         def fault(*args):

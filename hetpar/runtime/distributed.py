@@ -252,9 +252,7 @@ def step_failure(error: BaseException, tracker: StageTracker, status: Status, st
     step fails: it names the process, the stage and the cause."""
     where = tracker.describe()
     cause = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}".rstrip(": ")
-    message = (f"process {jax.process_index()} of {jax.process_count()} failed {where} during step {step}: {cause}; "
-               "the other processes are stopped (by hetpar launch, or by jax.distributed's heartbeat). "
-               "Restart the job from your last checkpoint.")
+    message = f"process {jax.process_index()} of {jax.process_count()} failed {where} during step {step}: {cause}"
     stage = tracker.current[0] if tracker.current else None
     status.update(error=message, failed_stage=stage)
     return HetparError(message)

@@ -130,7 +130,7 @@ def _describe(i: int, code: int | None, layout: list[ProcessSpec], status_dir: s
     others = [j for j in range(len(children)) if j != i]
     stopped = f"; stopped process(es) {', '.join(map(str, others))}" if others else ""
     if status.get("error"):
-        return f"{where}: {status['error']}{stopped}"
+        return f"{where}: {status['error'].rstrip('.')}{stopped}. Restart the job from your last checkpoint."
     step = status.get("step")
     during = f" during step {step}" if step else ""
     if code is not None and code < 0:
