@@ -95,6 +95,11 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--cluster", required=True, help="the cluster file (YAML): one process per node of each group")
     p.add_argument("--timeout", type=float, help="stop the job after this many seconds (default: no limit)")
+    p.add_argument("--ray", action="store_true", help="place the processes with Ray, one actor per node reserving its "
+                   "GPUs (a local Ray instance unless --address)")
+    p.add_argument("--address", help="the Ray cluster to use (implies --ray), e.g. head:6379")
+    p.add_argument("--virtual", action="store_true", help="with --ray: reserve no accelerators; each process gets its "
+                   "node's devices as virtual CPU devices (CPU-only Ray clusters, tests)")
     p.add_argument("command_line", nargs=argparse.REMAINDER, help="-- then the command, e.g. -- python train.py")
     p.set_defaults(run=launch.launch)
     return top

@@ -7,8 +7,9 @@ by the group's device type through the cluster file), all joined by
 process dies, exits with an error, or records one in its status file, the others
 are stopped at once (SIGTERM, then SIGKILL) and the launch fails with a HetparError
 that names the process, its stages and the cause. On a real cluster the same
-processes are started one per machine by SLURM (`srun`, with `jax.distributed`'s
-auto-detection) or by hand with the same environment (README, "Many machines").
+processes are placed one per machine by Ray (hetpar/runtime/ray_launcher.py), by
+SLURM (`srun`, with `jax.distributed`'s auto-detection), or started by hand with
+the same environment (README, "Many processes, many machines").
 """
 
 from __future__ import annotations
@@ -53,13 +54,13 @@ def process_layout(cluster: Cluster) -> list[ProcessSpec]:
     return out
 
 
-def free_ports(count: int) -> list[int]:
-    """Ports free on loopback now (held open together so they differ)."""
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """Ports free on `host` now (held open together so they differ)."""
     sockets = []
     try:
         for _ in range(count):
             s = socket.socket()
-            s.bind(("127.0.0.1", 0))
+            s.bind((host, 0))
             sockets.append(s)
         return [s.getsockname()[1] for s in sockets]
     finally:
@@ -122,18 +123,25 @@ def _watch(children: list[subprocess.Popen], layout: list[ProcessSpec], status_d
 
 def _describe(i: int, code: int | None, layout: list[ProcessSpec], status_dir: str,
               children: list[subprocess.Popen]) -> str:
-    status = dist.read_status(status_dir, i)
+    return _describe_failure(i, code, layout, dist.read_status(status_dir, i), len(children))
+
+
+def _describe_failure(i: int, code: int | None, layout: list[ProcessSpec], status: dict, count: int) -> str:
+    """One line: the process, its device type, node and stages, what happened, and
+    which processes were stopped because of it."""
     spec = layout[i]
     stages = status.get("stages")
     where = f"process {i} ({spec.device_type} node {spec.node} of group {spec.group}"
     where += f", stages {stages})" if stages is not None else ", before it was given stages)"
-    others = [j for j in range(len(children)) if j != i]
+    others = [j for j in range(count) if j != i]
     stopped = f"; stopped process(es) {', '.join(map(str, others))}" if others else ""
     if status.get("error"):
         return f"{where}: {status['error'].rstrip('.')}{stopped}. Restart the job from your last checkpoint."
     step = status.get("step")
     during = f" during step {step}" if step else ""
-    if code is not None and code < 0:
+    if code is None:
+        how = "stopped answering"
+    elif code < 0:
         how = f"was killed by {signal.Signals(-code).name}"
     else:
         how = f"exited with status {code}"
