@@ -122,7 +122,21 @@ def inject(kind: str) -> None:
     raise AssertionError("step 2 returned although process 1 failed in it")
 
 
-CHECKS = {"gpipe": lambda: check_pipeline("gpipe"), "1f1b": lambda: check_pipeline("1f1b"), "replicas": check_replicas,
+def check_transfer() -> None:
+    """A value made on process 0's mesh, moved to process 1's with device_put, read back everywhere."""
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    assert jax.process_count() == 2 and jax.local_device_count() == 2, (jax.process_count(), jax.local_device_count())
+    meshes = [Mesh(np.array([d for d in jax.devices() if d.process_index == p]), ("data",)) for p in (0, 1)]
+    made = jax.jit(lambda: jnp.arange(12.0).reshape(4, 3) * 2, out_shardings=NamedSharding(meshes[0], PartitionSpec("data")))()
+    moved = jax.device_put(made, NamedSharding(meshes[1], PartitionSpec("data")))
+    np.testing.assert_array_equal(distributed.to_host(moved), np.arange(12.0).reshape(4, 3) * 2)
+    if jax.process_index() == 0:
+        print("CHECK transfer ok", flush=True)
+
+
+CHECKS = {"transfer": check_transfer, "gpipe": lambda: check_pipeline("gpipe"), "1f1b": lambda: check_pipeline("1f1b"), "replicas": check_replicas,
           "spanning": check_spanning, "raise": lambda: inject("raise"), "kill": lambda: inject("kill")}
 
 for name in sys.argv[2:]:

@@ -19,11 +19,11 @@ TWO = ROOT / "tests" / "clusters" / "mp_two.yaml"
 FOUR = ROOT / "tests" / "clusters" / "mp_four.yaml"
 
 
-def launch(cluster: Path, *checks: str, timeout_s: float = 400) -> tuple[subprocess.CompletedProcess, float]:
+def launch(cluster: Path, *checks: str, timeout_s: float = 400, ray: bool = False) -> tuple[subprocess.CompletedProcess, float]:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("JAX_NUM_CPU_DEVICES", None)
     command = [sys.executable, "-m", "hetpar.cli", "launch", "--cluster", str(cluster), "--timeout", str(timeout_s - 30),
-               "--", "python", str(CHECKS), str(cluster), *checks]
+               *(["--ray", "--virtual"] if ray else []), "--", "python", str(CHECKS), str(cluster), *checks]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
     return result, time.time()
 
@@ -70,3 +70,12 @@ def test_a_failing_process_stops_the_job(fault):
     else:
         assert "was killed by SIGKILL during step 2" in message
     _assert_all_gone(result.stdout)
+
+
+def test_ray_places_the_processes():
+    """`hetpar launch --ray`: the same two processes as Ray actors on a local Ray
+    instance; they join one job and move a value between their meshes. (Their output
+    goes to Ray's logs: success is every process exiting 0, which the check's
+    assertions decide.)"""
+    result, _ = launch(TWO, "transfer", timeout_s=300, ray=True)
+    assert result.returncode == 0, result.stderr[-3000:]
