@@ -28,7 +28,8 @@ from hetpar.outputs import like_options, place_metrics
 from hetpar.plan import Plan
 from hetpar.plan.file import load_plan
 from hetpar.plan.make import check_fits, cluster_for, solve
-from hetpar.runtime.distributed import DistributedStep, is_multiprocess, share_plan, stages_of_process
+from hetpar.runtime.distributed import (DistributedStep, check_cross_process, is_multiprocess, share_plan,
+                                        stages_of_process)
 from hetpar.runtime.executor import RunStats, run
 from hetpar.runtime.ray_runtime import RayStep
 from hetpar.signature import bind_call, free_donated, normalize_argnums
@@ -148,7 +149,9 @@ class ParallelFunction:
             graphs = microbatch_graphs(fn, args, batch_argnum, traced, plan)
             compiled = compile_step(traced, plan, meshes, graphs)
         if distributed:
-            compiled = DistributedStep(compiled, stages_of_process(plan, jax_devices(tuple(order)), jax.process_index()))
+            devices = jax_devices(tuple(order))
+            check_cross_process(plan, devices)
+            compiled = DistributedStep(compiled, stages_of_process(plan, devices, jax.process_index()))
         log.info("hetpar built a %d-stage plan in %s", plan.num_stages, timer)
         return plan, compiled
 

@@ -36,6 +36,37 @@ def _assert_all_gone(output: str) -> None:
             os.kill(pid, 0)
 
 
+def test_the_launcher_stops_the_others_when_one_exits():
+    """No JAX: process 1 exits with status 3 while process 0 sleeps; the launch fails
+    at once naming process 1, and process 0 is gone."""
+    import hetpar
+    from hetpar.runtime.launcher import launch_local
+
+    script = ("import os, time; print('PID', os.getpid(), flush=True)\n"
+              "if os.environ['HETPAR_PROCESS_ID'] == '1': raise SystemExit(3)\n"
+              "time.sleep(120)")
+    start = time.time()
+    with pytest.raises(hetpar.HetparError, match=r"process 1 \(V100 node 0 of group v100, before it was given stages\) "
+                       r"exited with status 3; stopped process\(es\) 0"):
+        launch_local(hetpar.Cluster.from_file(str(TWO)), [sys.executable, "-c", script], timeout_s=60)
+    assert time.time() - start < 30
+
+
+def test_stages_in_different_processes_need_meshes_of_one_shape():
+    from types import SimpleNamespace
+
+    from hetpar import PlanError
+    from hetpar.runtime.distributed import check_cross_process
+
+    devices = [SimpleNamespace(process_index=p) for p in (0, 0, 1)]
+    stage = lambda i, ids, shape=(): SimpleNamespace(index=i, device_ids=ids, mesh_shape=shape)  # noqa: E731
+    check_cross_process(SimpleNamespace(stages=[stage(0, (0,)), stage(1, (2,))]), devices)
+    check_cross_process(SimpleNamespace(stages=[stage(0, (0, 1), (1, 2)), stage(1, (0, 1), (2, 1))]), devices)  # one process
+    with pytest.raises(PlanError, match=r"stages 0 and 1 run in different processes with meshes of different shapes "
+                       r"\(2 and 1 devices\)"):
+        check_cross_process(SimpleNamespace(stages=[stage(0, (0, 1)), stage(1, (2,))]), devices)
+
+
 def test_two_processes_pipeline_schedules_and_uneven_replicas():
     """One stage per process (A100 process, V100 process) under GPipe and 1F1B, 3
     steps with the state resident (no device-to-host transfer in steps 2-3); then two

@@ -27,11 +27,10 @@ from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hetpar.compile.compiled import CompiledStep
-from hetpar.errors import HetparError
+from hetpar.errors import HetparError, PlanError
 from hetpar.plan import Plan
 from hetpar.plan.file import plan_from_dict, plan_to_dict
 from hetpar.runtime.executor import RunStats, run
@@ -123,10 +122,11 @@ def share_plan(make: Callable[[], Plan]) -> Plan:
     payload = np.zeros((0,), np.uint8)
     if jax.process_index() == 0:
         payload = np.frombuffer(json.dumps(plan_to_dict(make())).encode(), np.uint8)
-    size = int(multihost_utils.broadcast_one_to_all(np.int32(payload.size)))
+    first = jax.process_index() == 0
+    size = int(broadcast(np.int32(payload.size), first))
     padded = np.zeros((size,), np.uint8)
     padded[: payload.size] = payload
-    data = np.asarray(multihost_utils.broadcast_one_to_all(padded))
+    data = broadcast(padded, first)
     return plan_from_dict(json.loads(data.tobytes().decode()), where="plan from process 0")
 
 
@@ -149,10 +149,32 @@ def to_host(tree: Any) -> Any:
             value = np.asarray(whole.addressable_data(0) if len(owners) > 1 else jax.device_get(whole)).astype(kind)
         else:
             value = np.zeros(x.shape, kind)
-        out = np.asarray(multihost_utils.broadcast_one_to_all(value, is_source=here == owners[0]))
-        return out.astype(x.dtype)
+        return broadcast(value, here == owners[0]).astype(x.dtype)
 
     return jax.tree.map(one, tree)
+
+
+def broadcast(value: np.ndarray, is_source: bool) -> np.ndarray:
+    """The source process's `value` on every process: a sum over a mesh of one device
+    per process, to which the others add zeros. (multihost_utils.broadcast_one_to_all
+    assumes every process has as many devices; a cluster's hosts need not.)"""
+    value = np.asarray(value)
+    mesh = _one_device_per_process()
+    mine = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
+    local = value if is_source else np.zeros_like(value)
+    kind = np.int32 if local.dtype == np.uint8 else local.dtype  # sum without overflow
+    shard = jax.device_put(local.astype(kind)[None], mine)
+    stacked = jax.make_array_from_single_device_arrays((mesh.size, *value.shape), NamedSharding(mesh, PartitionSpec("p")),
+                                                       [shard])
+    total = jax.jit(lambda v: v.sum(0), out_shardings=NamedSharding(mesh, PartitionSpec()))(stacked)
+    return np.asarray(total.addressable_data(0)).astype(value.dtype)
+
+
+def _one_device_per_process() -> Mesh:
+    first: dict[int, Any] = {}
+    for d in jax.devices():
+        first.setdefault(d.process_index, d)
+    return Mesh(np.array([first[p] for p in sorted(first)]), ("p",))
 
 
 def replicate(x: jax.Array) -> jax.Array:
@@ -169,6 +191,26 @@ def replicate(x: jax.Array) -> jax.Array:
 def stages_of_process(plan: Plan, device_order: Sequence[Any], process: int) -> list[int]:
     """The stages with a device on `process` (device positions index `device_order`)."""
     return [s.index for s in plan.stages if any(device_order[p].process_index == process for p in s.device_ids)]
+
+
+def check_cross_process(plan: Plan, device_order: Sequence[Any]) -> None:
+    """Refuses a plan whose stages on different processes have meshes of different
+    shapes: JAX moves a value between processes shard for shard, so both sides must
+    cut it alike (a 2-device stage cannot send to a 1-device stage in another process;
+    JAX raises, and reshaping on the way is not built yet)."""
+    def shape(s: Any) -> tuple[int, ...]:
+        dims = tuple(s.mesh_shape) if s.mesh_shape else (len(s.device_ids),)
+        return tuple(d for d in dims if d > 1) or (1,)
+
+    owners = {s.index: {device_order[p].process_index for p in s.device_ids} for s in plan.stages}
+    for a in plan.stages:
+        for b in plan.stages:
+            if a.index < b.index and owners[a.index] != owners[b.index] and shape(a) != shape(b):
+                raise PlanError(
+                    f"stages {a.index} and {b.index} run in different processes with meshes of different shapes "
+                    f"({'x'.join(map(str, shape(a)))} and {'x'.join(map(str, shape(b)))} devices): values cross between "
+                    "processes shard for shard, so give every stage the same mesh (equal devices_per_node in the cluster "
+                    "file, or mesh_shape=), or run this plan with runtime='ray'")
 
 
 class Status:

@@ -123,10 +123,10 @@ def _watch(children: list[subprocess.Popen], layout: list[ProcessSpec], status_d
 
 def _describe(i: int, code: int | None, layout: list[ProcessSpec], status_dir: str,
               children: list[subprocess.Popen]) -> str:
-    return _describe_failure(i, code, layout, dist.read_status(status_dir, i), len(children))
+    return describe_failure(i, code, layout, dist.read_status(status_dir, i), len(children))
 
 
-def _describe_failure(i: int, code: int | None, layout: list[ProcessSpec], status: dict, count: int) -> str:
+def describe_failure(i: int, code: int | None, layout: list[ProcessSpec], status: dict, count: int) -> str:
     """One line: the process, its device type, node and stages, what happened, and
     which processes were stopped because of it."""
     spec = layout[i]
@@ -135,8 +135,9 @@ def _describe_failure(i: int, code: int | None, layout: list[ProcessSpec], statu
     where += f", stages {stages})" if stages is not None else ", before it was given stages)"
     others = [j for j in range(count) if j != i]
     stopped = f"; stopped process(es) {', '.join(map(str, others))}" if others else ""
+    restart = " Restart the job from your last checkpoint." if status.get("step") else ""
     if status.get("error"):
-        return f"{where}: {status['error'].rstrip('.')}{stopped}. Restart the job from your last checkpoint."
+        return f"{where}: {status['error'].rstrip('.')}{stopped}.{restart}"
     step = status.get("step")
     during = f" during step {step}" if step else ""
     if code is None:
@@ -145,7 +146,7 @@ def _describe_failure(i: int, code: int | None, layout: list[ProcessSpec], statu
         how = f"was killed by {signal.Signals(-code).name}"
     else:
         how = f"exited with status {code}"
-    return f"{where} {how}{during}{stopped}. Restart the job from your last checkpoint."
+    return f"{where} {how}{during}{stopped}.{restart}"
 
 
 def _stop(children: list[subprocess.Popen], grace_s: float) -> None:

@@ -26,7 +26,7 @@ from hetpar.cluster.catalog import device_type
 from hetpar.cluster.cluster import Cluster
 from hetpar.errors import HetparError
 from hetpar.runtime import distributed as dist
-from hetpar.runtime.launcher import ProcessSpec, _describe_failure, free_ports, process_layout
+from hetpar.runtime.launcher import ProcessSpec, describe_failure, free_ports, process_layout
 
 log = logging.getLogger("hetpar.launch")
 
@@ -132,7 +132,7 @@ def _watch(actors: list[Any], layout: list[ProcessSpec], timeout_s: float | None
             _stop(actors, grace_s)
             status = states[failed][1] if states[failed] else {}
             lost = " (its Ray actor or machine was lost)" if states[failed] is None else ""
-            raise HetparError(_describe_failure(failed, codes[failed] if states[failed] else None, layout, status,
+            raise HetparError(describe_failure(failed, codes[failed] if states[failed] else None, layout, status,
                                                 len(actors)) + lost)
         if timeout_s is not None and time.monotonic() - start > timeout_s:
             _stop(actors, grace_s)
