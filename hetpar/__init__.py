@@ -9,6 +9,8 @@ from hetpar.options import RuntimeOption, ShardingOption, StageOption
 from hetpar.outputs import gather
 from hetpar.plan import Plan, StagePlan
 from hetpar.plan.file import load_plan, save_plan
+from hetpar.runtime.distributed import initialize as initialize_distributed
+from hetpar.runtime.distributed import to_host
 from hetpar.runtime.ray_runtime import init, shutdown
 from hetpar.plan.make import make_plan
 from hetpar.plan.compare import compare_plans
@@ -31,6 +33,8 @@ __all__ = [
     "gather",
     "grad",
     "init",
+    "initialize_distributed",
+    "to_host",
     "shutdown",
     "load_plan",
     "make_plan",

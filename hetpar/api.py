@@ -18,7 +18,7 @@ from typing import Any, Callable
 import jax
 
 from hetpar.arguments import check_arguments, check_step
-from hetpar.cluster.cluster import Cluster
+from hetpar.cluster.cluster import Cluster, jax_devices
 from hetpar.compile.compiled import CompiledStep
 from hetpar.compile.programs import stage_mesh
 from hetpar.compile.step import compile_step, microbatch_graphs
@@ -29,6 +29,8 @@ from hetpar.plan import Plan
 from hetpar.plan.file import load_plan
 from hetpar.plan.like import placed_like
 from hetpar.plan.make import check_fits, cluster_for, solve
+from hetpar.runtime.distributed import (DistributedStep, check_cross_process, is_multiprocess, share_plan,
+                                        stages_of_process)
 from hetpar.runtime.executor import RunStats, run
 from hetpar.runtime.ray_runtime import RayStep
 from hetpar.signature import bind_call, free_donated, normalize_argnums
@@ -59,9 +61,9 @@ class ParallelFunction:
     def __init__(self, fn: Callable, options: Options):
         self._fn = check_step(fn)
         self._options = options
-        self._cache: dict[Any, tuple[Plan, CompiledStep | RayStep]] = {}
+        self._cache: dict[Any, tuple[Plan, CompiledStep | RayStep | DistributedStep]] = {}
         self._last: Plan | None = None
-        self._last_compiled: CompiledStep | RayStep | None = None
+        self._last_compiled: CompiledStep | RayStep | DistributedStep | None = None
         functools.update_wrapper(self, fn)
 
     @property
@@ -71,7 +73,7 @@ class ParallelFunction:
             raise HetparError("no plan yet: the plan is made on the first call, from the arguments' shapes")
         return self._last
 
-    def compiled(self) -> CompiledStep | RayStep:
+    def compiled(self) -> CompiledStep | RayStep | DistributedStep:
         """The compiled step of the most recent call (for the predictor and benchmarks)."""
         if self._last is None:
             raise HetparError("nothing compiled yet: compilation happens on the first call")
@@ -94,7 +96,12 @@ class ParallelFunction:
             self._cache[key] = self._build(call.args, call.fn, call.batch_argnum)
         plan, compiled = self._cache[key]
         self._last, self._last_compiled = plan, compiled
-        outputs = compiled(flat) if isinstance(compiled, RayStep) else run(compiled, flat, stats)
+        if isinstance(compiled, RayStep):
+            outputs = compiled(flat)
+        elif isinstance(compiled, DistributedStep):
+            outputs = compiled(flat, stats)
+        else:
+            outputs = run(compiled, flat, stats)
         result = place_metrics(jax.tree.unflatten(compiled.graph.out_tree, outputs))
         free_donated(call.donated, result, call.kept)
         return result
@@ -106,7 +113,7 @@ class ParallelFunction:
                 compiled.shutdown()
         self._cache.clear()
 
-    def _build(self, args: tuple, fn: Callable, batch_argnum: int) -> tuple[Plan, CompiledStep | RayStep]:
+    def _build(self, args: tuple, fn: Callable, batch_argnum: int) -> tuple[Plan, CompiledStep | RayStep | DistributedStep]:
         """The passes, in order: trace, plan (or check a given plan), compile."""
         o = self._options
         timer = _Timer()
@@ -118,6 +125,7 @@ class ParallelFunction:
             cluster = cluster_for(o.plan)
         else:
             cluster = o.cluster if all(g.device_ids for g in o.cluster.groups) else o.cluster.bind()
+        distributed = o.runtime.runtime == "distributed" or (o.runtime.runtime == "local" and is_multiprocess())
         with timer("plan"):
             placed = None
             if o.like is not None and o.like._last is not None:
@@ -131,7 +139,9 @@ class ParallelFunction:
                 stage = o.stage
                 if o.runtime.runtime == "ray" and stage.schedule is None and stage.chunks is None:
                     stage = replace(stage, chunks=1)  # one actor per stage: no chunks sharing a device group
-                plan = solve(traced, cluster, stage, o.sharding)
+                # Several processes: process 0 solves, the others receive its plan.
+                plan = share_plan(lambda: solve(traced, cluster, stage, o.sharding)) if distributed else (
+                    solve(traced, cluster, stage, o.sharding))
         if o.runtime.runtime == "ray":
             if plan.chunks > 1:
                 raise HetparError(f"the Ray runtime runs one actor per stage; this {plan.schedule} plan puts {plan.chunks} stages "
@@ -145,6 +155,10 @@ class ParallelFunction:
             meshes = {s.index: stage_mesh(tuple(order[p] for p in s.device_ids), s.mesh_shape) for s in plan.stages}
             graphs = microbatch_graphs(fn, args, batch_argnum, traced, plan)
             compiled = compile_step(traced, plan, meshes, graphs)
+        if distributed:
+            devices = jax_devices(tuple(order))
+            check_cross_process(plan, devices)
+            compiled = DistributedStep(compiled, stages_of_process(plan, devices, jax.process_index()))
         log.info("hetpar built a %d-stage plan in %s", plan.num_stages, timer)
         return plan, compiled
 

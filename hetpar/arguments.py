@@ -43,7 +43,7 @@ class _Counts(BaseModel):
     num_replicas: Count | None = None
     batch_argnum: Index = 1
     schedule: str | None = None  # a registered name: checked with the other options (hetpar/options.py)
-    runtime: Literal["local", "ray"] | None = None
+    runtime: Literal["local", "distributed", "ray"] | None = None
     mesh_shape: MeshShape | tuple[MeshShape, ...] | None = None
 
 

@@ -15,7 +15,7 @@ from solver import schedules
 
 STAGE_MODES = ("auto", "manual", "uniform")
 REMAT_POLICIES = ("", "full", "dots")  # as hetpar.compile.remat runs them
-RUNTIMES = ("local", "ray")
+RUNTIMES = ("local", "distributed", "ray")
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,10 @@ class ShardingOption:
 class RuntimeOption:
     """Where and how the compiled stages run."""
 
-    runtime: str = "local"  # "local": this process; "ray": one Ray actor per stage mesh
+    # "local": this process; "distributed": every process of a jax.distributed job runs
+    # the step on its own devices (chosen by itself when the job has several processes);
+    # "ray": one Ray actor per stage mesh, state through the driver (single machine only)
+    runtime: str = "local"
     # The Ray runtime's wait for a step or a build before it reports a stuck worker;
     # None: the HETPAR_WORKER_TIMEOUT_S environment variable, or 300 s.
     timeout_s: float | None = None

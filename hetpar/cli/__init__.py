@@ -7,6 +7,8 @@
                                     make a plan offline
     hetpar show plan.json           stages, meshes, predicted time, memory, MFU
     hetpar simulate plan.json       the step event by event: a trace and a timeline
+    hetpar launch --cluster cluster.yaml -- python train.py
+                                    one process per node of the cluster file, on jax.distributed
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import argparse
 import logging
 import sys
 
-from hetpar.cli import machines, plans
+from hetpar.cli import launch, machines, plans
 from hetpar.cli.options import check_options
 from hetpar.errors import HetparError
 from solver import schedules
@@ -93,6 +95,21 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", help="write a PNG timeline here")
     p.add_argument("--schedule", choices=schedules.names(), help="simulate another schedule than the plan's")
     p.set_defaults(run=plans.simulate)
+
+    p = sub.add_parser(
+        "launch",
+        help="run a script as one process per node of a cluster file, joined by jax.distributed (on this machine: "
+        "each process gets the node's devices as virtual CPU devices); a failing process stops them all",
+    )
+    p.add_argument("--cluster", required=True, help="the cluster file (YAML): one process per node of each group")
+    p.add_argument("--timeout", type=float, help="stop the job after this many seconds (default: no limit)")
+    p.add_argument("--ray", action="store_true", help="place the processes with Ray, one actor per node reserving its "
+                   "GPUs (a local Ray instance unless --address)")
+    p.add_argument("--address", help="the Ray cluster to use (implies --ray), e.g. head:6379")
+    p.add_argument("--virtual", action="store_true", help="with --ray: reserve no accelerators; each process gets its "
+                   "node's devices as virtual CPU devices (CPU-only Ray clusters, tests)")
+    p.add_argument("command_line", nargs=argparse.REMAINDER, help="-- then the command, e.g. -- python train.py")
+    p.set_defaults(run=launch.launch)
     return top
 
 

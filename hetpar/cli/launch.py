@@ -1,0 +1,30 @@
+"""`hetpar launch`: run a training script as one process per host of a cluster file."""
+
+from __future__ import annotations
+
+import argparse
+
+from hetpar.errors import HetparError
+
+
+def launch(args: argparse.Namespace) -> int:
+    from hetpar.cluster.cluster import Cluster
+    from hetpar.runtime.launcher import launch_local, main_command
+    from hetpar.runtime.ray_launcher import launch_ray
+
+    command = list(args.command_line)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise HetparError("hetpar launch needs the command to run after '--', e.g. "
+                          "hetpar launch --cluster cluster.yaml -- python train.py")
+    if args.timeout is not None and args.timeout <= 0:
+        raise HetparError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    cluster = Cluster.from_file(args.cluster)
+    if args.ray or args.address:
+        launch_ray(cluster, main_command(command), address=args.address, virtual=args.virtual, timeout_s=args.timeout)
+    else:
+        if args.virtual:
+            raise HetparError("--virtual is for --ray: local launches always use virtual CPU devices")
+        launch_local(cluster, main_command(command), timeout_s=args.timeout)
+    return 0

@@ -1,0 +1,300 @@
+"""The multi-controller runtime: one process per host on `jax.distributed`.
+
+Every process runs the user's script (JAX's convention for many hosts), gets the
+same plan (process 0 makes it and broadcasts it: the planner has wall-clock limits,
+so independent solves could differ), builds the same global stage meshes from the
+cluster's device positions, and runs the in-process executor unchanged: each jitted
+stage program runs on the processes that own devices in its mesh (the others get an
+array with no local shards and do nothing), and values move between stage meshes
+with `jax.device_put` across processes (JAX's cross-host transfers). Parameters and
+optimizer state stay on their stage's devices between steps; nothing passes through
+a driver.
+
+`initialize()` reads what `hetpar launch` (hetpar/runtime/launcher.py) puts in the
+environment. Each process also keeps a small status file (its stages, its step, its
+error) that the launcher reads to name the process and stage when one fails.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from hetpar.compile.compiled import CompiledStep
+from hetpar.errors import HetparError, PlanError
+from hetpar.plan import Plan
+from hetpar.plan.file import plan_from_dict, plan_to_dict
+from hetpar.runtime.executor import RunStats, run
+
+log = logging.getLogger("hetpar.distributed")
+
+# What `hetpar launch` tells each process (one name per fact, all strings).
+ENV_COORDINATOR = "HETPAR_COORDINATOR"  # host:port of process 0's coordination service
+ENV_NUM_PROCESSES = "HETPAR_NUM_PROCESSES"
+ENV_PROCESS_ID = "HETPAR_PROCESS_ID"
+ENV_TRANSFER_ADDRESS = "HETPAR_TRANSFER_ADDRESS"  # host:port this process serves cross-host transfers on
+ENV_CPU_DEVICES = "HETPAR_CPU_DEVICES"  # on CPU: this process's number of virtual devices
+ENV_STATUS_DIR = "HETPAR_STATUS_DIR"  # where each process writes process-<i>.json for the launcher
+ENV_HEARTBEAT_S = "HETPAR_HEARTBEAT_TIMEOUT_S"  # jax.distributed's heartbeat timeout (default 30)
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    process_id: int
+    num_processes: int
+
+
+def initialize(
+    coordinator_address: str | None = None, num_processes: int | None = None, process_id: int | None = None,
+    transfer_address: str | None = None, cpu_devices: int | None = None,
+) -> ProcessInfo:
+    """Joins this process to the job, before any JAX computation: from the arguments,
+    else from what `hetpar launch` set in the environment; without either, JAX's own
+    auto-detection (SLURM, cloud TPU) is tried when the environment looks like one,
+    and otherwise the process runs alone. Call it at the top of the training script."""
+    env = os.environ
+    coordinator_address = coordinator_address or env.get(ENV_COORDINATOR)
+    num_processes = num_processes if num_processes is not None else _int_env(ENV_NUM_PROCESSES)
+    process_id = process_id if process_id is not None else _int_env(ENV_PROCESS_ID)
+    transfer_address = transfer_address or env.get(ENV_TRANSFER_ADDRESS)
+    cpu_devices = cpu_devices if cpu_devices is not None else _int_env(ENV_CPU_DEVICES)
+    if cpu_devices:
+        jax.config.update("jax_num_cpu_devices", cpu_devices)
+    if coordinator_address is None and "SLURM_JOB_ID" not in env:
+        return ProcessInfo(0, 1)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if transfer_address:
+        jax.config.update("jax_cross_host_transfer_socket_address", transfer_address)
+    heartbeat = _int_env(ENV_HEARTBEAT_S) or 30
+    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
+                               process_id=process_id, heartbeat_timeout_seconds=heartbeat, initialization_timeout=120,
+                               shutdown_timeout_seconds=heartbeat)
+    _report_uncaught()
+    info = ProcessInfo(jax.process_index(), jax.process_count())
+    log.info("process %d of %d joined; %d local devices of %d", info.process_id, info.num_processes,
+             jax.local_device_count(), jax.device_count())
+    return info
+
+
+def _report_uncaught() -> None:
+    """An exception that ends the script (outside a step too) is written to the status
+    file first: the launcher then stops the job at once, instead of waiting for this
+    process's exit, which jax.distributed's shutdown barrier can hold up."""
+    previous = sys.excepthook
+
+    def hook(kind: type, error: BaseException, tb: Any) -> None:
+        status = Status()
+        if not status.read().get("error"):
+            status.update(error=f"process {jax.process_index()} raised {kind.__name__}: {str(error).strip()[:300]}")
+        previous(kind, error, tb)
+
+    sys.excepthook = hook
+
+
+def _int_env(name: str) -> int | None:
+    text = os.environ.get(name)
+    if not text:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise HetparError(f"{name} must be an integer, got {text!r}; it is set by hetpar launch") from None
+
+
+def is_multiprocess() -> bool:
+    return jax.process_count() > 1
+
+
+def share_plan(make: Callable[[], Plan]) -> Plan:
+    """Process 0 makes the plan; every process gets that plan (as plan-file JSON over
+    a broadcast), so all compile the same programs."""
+    if not is_multiprocess():
+        return make()
+    payload = np.zeros((0,), np.uint8)
+    if jax.process_index() == 0:
+        payload = np.frombuffer(json.dumps(plan_to_dict(make())).encode(), np.uint8)
+    first = jax.process_index() == 0
+    size = int(broadcast(np.int32(payload.size), first))
+    padded = np.zeros((size,), np.uint8)
+    padded[: payload.size] = payload
+    data = broadcast(padded, first)
+    return plan_from_dict(json.loads(data.tobytes().decode()), where="plan from process 0")
+
+
+def to_host(tree: Any) -> Any:
+    """Every array of `tree` as a numpy array on every process (for logging, checks
+    and checkpoints of small values). Each process must make the same call. A value
+    on other processes' devices is made whole on its own mesh, read by the first
+    process that holds it, and broadcast from there (`broadcast_one_to_all`)."""
+    if not is_multiprocess():
+        return jax.device_get(tree)
+
+    def one(x: Any) -> Any:
+        if not isinstance(x, jax.Array):
+            return x
+        owners = sorted({d.process_index for d in x.sharding.device_set})
+        whole = replicate(x) if len(owners) > 1 else x
+        here = jax.process_index()
+        kind = np.uint8 if x.dtype == np.bool_ else x.dtype
+        if here in owners:
+            value = np.asarray(whole.addressable_data(0) if len(owners) > 1 else jax.device_get(whole)).astype(kind)
+        else:
+            value = np.zeros(x.shape, kind)
+        return broadcast(value, here == owners[0]).astype(x.dtype)
+
+    return jax.tree.map(one, tree)
+
+
+def broadcast(value: np.ndarray, is_source: bool) -> np.ndarray:
+    """The source process's `value` on every process: a sum over a mesh of one device
+    per process, to which the others add zeros. (multihost_utils.broadcast_one_to_all
+    assumes every process has as many devices; a cluster's hosts need not.)"""
+    value = np.asarray(value)
+    mesh = _one_device_per_process()
+    mine = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
+    local = value if is_source else np.zeros_like(value)
+    kind = np.int32 if local.dtype == np.uint8 else local.dtype  # sum without overflow
+    shard = jax.device_put(local.astype(kind)[None], mine)
+    stacked = jax.make_array_from_single_device_arrays((mesh.size, *value.shape), NamedSharding(mesh, PartitionSpec("p")),
+                                                       [shard])
+    total = jax.jit(lambda v: v.sum(0), out_shardings=NamedSharding(mesh, PartitionSpec()))(stacked)
+    return np.asarray(total.addressable_data(0)).astype(value.dtype)
+
+
+def _one_device_per_process() -> Mesh:
+    first: dict[int, Any] = {}
+    for d in jax.devices():
+        first.setdefault(d.process_index, d)
+    return Mesh(np.array([first[p] for p in sorted(first)]), ("p",))
+
+
+def replicate(x: jax.Array) -> jax.Array:
+    """`x` whole on every device of its own mesh (a no-op if it already is): every
+    process calls it; those without devices in the mesh do nothing."""
+    if x.is_fully_replicated:
+        return x
+    sharding = x.sharding
+    mesh = sharding.mesh if isinstance(sharding, NamedSharding) else Mesh(np.array(list(sharding.device_set)), ("d",))
+    target = NamedSharding(mesh, PartitionSpec())
+    return jax.jit(lambda v: v, out_shardings=target)(x)
+
+
+def stages_of_process(plan: Plan, device_order: Sequence[Any], process: int) -> list[int]:
+    """The stages with a device on `process` (device positions index `device_order`)."""
+    return [s.index for s in plan.stages if any(device_order[p].process_index == process for p in s.device_ids)]
+
+
+def check_cross_process(plan: Plan, device_order: Sequence[Any]) -> None:
+    """Refuses a plan whose stages on different processes have meshes of different
+    shapes: JAX moves a value between processes shard for shard, so both sides must
+    cut it alike (a 2-device stage cannot send to a 1-device stage in another process;
+    JAX raises, and reshaping on the way is not built yet)."""
+    def shape(s: Any) -> tuple[int, ...]:
+        dims = tuple(s.mesh_shape) if s.mesh_shape else (len(s.device_ids),)
+        return tuple(d for d in dims if d > 1) or (1,)
+
+    owners = {s.index: {device_order[p].process_index for p in s.device_ids} for s in plan.stages}
+    for a in plan.stages:
+        for b in plan.stages:
+            if a.index < b.index and owners[a.index] != owners[b.index] and shape(a) != shape(b):
+                raise PlanError(
+                    f"stages {a.index} and {b.index} run in different processes with meshes of different shapes "
+                    f"({'x'.join(map(str, shape(a)))} and {'x'.join(map(str, shape(b)))} devices): values cross between "
+                    "processes shard for shard, so give every stage the same mesh (equal devices_per_node in the cluster "
+                    "file, or mesh_shape=), or run this plan with runtime='ray'")
+
+
+class Status:
+    """This process's status file for the launcher: which stages it holds, which step
+    it is on, and the error it stopped with. Written once per step, never per program."""
+
+    def __init__(self) -> None:
+        folder = os.environ.get(ENV_STATUS_DIR)
+        self.path = Path(folder) / f"process-{jax.process_index()}.json" if folder else None
+        self.fields: dict[str, Any] = {"process": jax.process_index()}
+
+    def read(self) -> dict[str, Any]:
+        return read_status(self.path.parent, jax.process_index()) if self.path else {}
+
+    def update(self, **fields: Any) -> None:
+        if self.path is None:
+            return
+        self.fields = {**self.read(), **self.fields, **fields}  # another Status of this process may have written
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.fields))
+        tmp.replace(self.path)
+
+
+def read_status(folder: str | Path, process: int) -> dict[str, Any]:
+    """What process `process` last wrote (empty if nothing)."""
+    try:
+        return json.loads((Path(folder) / f"process-{process}.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+class StageTracker:
+    """Which stage program this process dispatched last, so an exception raised in a
+    step names its stage. Wraps each program's callable; the executor is unchanged."""
+
+    def __init__(self) -> None:
+        self.current: tuple[int, str, int | None] | None = None
+
+    def wrap(self, programs: list[Any]) -> list[Any]:
+        return [None if p is None else replace(p, fn=self._tracked(p.fn, p.task.stage, p.task.kind)) for p in programs]
+
+    def _tracked(self, fn: Callable, stage: int, kind: str) -> Callable:
+        def call(*args: Any) -> Any:
+            self.current = (stage, kind, None)
+            return fn(*args)
+
+        call.lower = getattr(fn, "lower", None)  # Program.lower still reaches the jitted function
+        return call
+
+    def describe(self) -> str:
+        if self.current is None:
+            return "before its first stage program"
+        stage, kind, _ = self.current
+        return f"in stage {stage} ({kind} program)"
+
+
+class DistributedStep:
+    """A compiled step run by every process of the job: the in-process executor,
+    with each failure turned into a HetparError naming this process and the stage."""
+
+    def __init__(self, step: CompiledStep, stages: list[int]):
+        self.tracker = StageTracker()
+        self.step = replace(step, programs=self.tracker.wrap(step.programs))
+        self.graph = step.graph
+        self.status = Status()
+        self.steps = 0
+        self.status.update(stages=stages, step=0)
+
+    def __call__(self, flat_args: Sequence[Any], stats: RunStats | None = None) -> list[Any]:
+        self.steps += 1
+        self.status.update(step=self.steps)
+        self.tracker.current = None
+        try:
+            return run(self.step, flat_args, stats)
+        except Exception as e:
+            raise step_failure(e, self.tracker, self.status, self.steps) from e
+
+
+def step_failure(error: BaseException, tracker: StageTracker, status: Status, step: int) -> HetparError:
+    """The error a process raises (and records for the launcher) when its part of a
+    step fails: it names the process, the stage and the cause."""
+    where = tracker.describe()
+    cause = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}".rstrip(": ")
+    message = f"process {jax.process_index()} of {jax.process_count()} failed {where} during step {step}: {cause}"
+    stage = tracker.current[0] if tracker.current else None
+    status.update(error=message, failed_stage=stage)
+    return HetparError(message)

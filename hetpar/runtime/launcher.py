@@ -1,0 +1,178 @@
+"""`hetpar launch`: start one process per host of a cluster file and watch them.
+
+Locally (tests, one machine) every node of the cluster file becomes a process on
+this machine with its own virtual CPU devices (`devices_per_node` of them, labelled
+by the group's device type through the cluster file), all joined by
+`jax.distributed` over loopback. The launcher is also the job's watchdog: when a
+process dies, exits with an error, or records one in its status file, the others
+are stopped at once (SIGTERM, then SIGKILL) and the launch fails with a HetparError
+that names the process, its stages and the cause. On a real cluster the same
+processes are placed one per machine by Ray (hetpar/runtime/ray_launcher.py), by
+SLURM (`srun`, with `jax.distributed`'s auto-detection), or started by hand with
+the same environment (README, "Many processes, many machines").
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from hetpar.cluster.cluster import Cluster
+from hetpar.errors import HetparError
+from hetpar.runtime import distributed as dist
+
+log = logging.getLogger("hetpar.launch")
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """One process of the job: node `node` of group `group` (a device type)."""
+
+    process_id: int
+    group: str
+    device_type: str
+    node: int
+    num_devices: int
+
+
+def process_layout(cluster: Cluster) -> list[ProcessSpec]:
+    """One process per node, in the cluster file's order: groups, then their nodes.
+    Global device positions follow the same order, so `Cluster.bind()` in every
+    process gives each group the devices of its own processes."""
+    out = []
+    for g in cluster.groups:
+        for node in range(g.nodes):
+            out.append(ProcessSpec(len(out), g.label, g.type_name, node, g.devices_per_node))
+    return out
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """Ports free on `host` now (held open together so they differ)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind((host, 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def launch_local(cluster: Cluster, command: Sequence[str], timeout_s: float | None = None,
+                 env: dict[str, str] | None = None, grace_s: float = 5.0) -> None:
+    """Runs `command` once per process of `cluster` on this machine and waits for all
+    of them. Returns when every process exited 0; otherwise stops the others and
+    raises a HetparError naming the first that failed."""
+    if not command:
+        raise HetparError("hetpar launch needs a command after '--', e.g. hetpar launch --cluster c.yaml -- python train.py")
+    layout = process_layout(cluster)
+    ports = free_ports(len(layout) + 1)
+    status_dir = tempfile.mkdtemp(prefix="hetpar-launch-")
+    children: list[subprocess.Popen] = []
+    base = dict(os.environ if env is None else env)
+    for spec in layout:
+        child_env = dict(base)
+        child_env.update({
+            dist.ENV_COORDINATOR: f"127.0.0.1:{ports[0]}",
+            dist.ENV_NUM_PROCESSES: str(len(layout)),
+            dist.ENV_PROCESS_ID: str(spec.process_id),
+            dist.ENV_TRANSFER_ADDRESS: f"127.0.0.1:{ports[1 + spec.process_id]}",
+            dist.ENV_CPU_DEVICES: str(spec.num_devices),
+            dist.ENV_STATUS_DIR: status_dir,
+            "JAX_PLATFORMS": base.get("JAX_PLATFORMS", "cpu"),
+        })
+        # Its own session: stopping a process also stops whatever it started.
+        children.append(subprocess.Popen(list(command), env=child_env, start_new_session=True))
+    log.info("launched %d processes (status in %s)", len(children), status_dir)
+    _watch(children, layout, status_dir, timeout_s, grace_s)
+
+
+def _watch(children: list[subprocess.Popen], layout: list[ProcessSpec], status_dir: str,
+           timeout_s: float | None, grace_s: float) -> None:
+    start = time.monotonic()
+    try:
+        while True:
+            codes = [c.poll() for c in children]
+            if all(code == 0 for code in codes):
+                return
+            failed = next((i for i, code in enumerate(codes) if code not in (None, 0)), None)
+            if failed is None:
+                failed = next((i for i in range(len(children)) if dist.read_status(status_dir, i).get("error")), None)
+            if failed is not None:
+                _stop(children, grace_s)
+                raise HetparError(_describe(failed, codes[failed], layout, status_dir, children))
+            if timeout_s is not None and time.monotonic() - start > timeout_s:
+                _stop(children, grace_s)
+                raise HetparError(f"the job did not finish within {timeout_s:.0f} s; all {len(children)} processes were "
+                                  "stopped (raise --timeout if it needs longer)")
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        _stop(children, grace_s)
+        raise
+
+
+def _describe(i: int, code: int | None, layout: list[ProcessSpec], status_dir: str,
+              children: list[subprocess.Popen]) -> str:
+    return describe_failure(i, code, layout, dist.read_status(status_dir, i), len(children))
+
+
+def describe_failure(i: int, code: int | None, layout: list[ProcessSpec], status: dict, count: int) -> str:
+    """One line: the process, its device type, node and stages, what happened, and
+    which processes were stopped because of it."""
+    spec = layout[i]
+    stages = status.get("stages")
+    where = f"process {i} ({spec.device_type} node {spec.node} of group {spec.group}"
+    where += f", stages {stages})" if stages is not None else ", before it was given stages)"
+    others = [j for j in range(count) if j != i]
+    stopped = f"; stopped process(es) {', '.join(map(str, others))}" if others else ""
+    restart = " Restart the job from your last checkpoint." if status.get("step") else ""
+    if status.get("error"):
+        return f"{where}: {status['error'].rstrip('.')}{stopped}.{restart}"
+    step = status.get("step")
+    during = f" during step {step}" if step else ""
+    if code is None:
+        how = "stopped answering"
+    elif code < 0:
+        how = f"was killed by {signal.Signals(-code).name}"
+    else:
+        how = f"exited with status {code}"
+    return f"{where} {how}{during}{stopped}.{restart}"
+
+
+def _stop(children: list[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM to every live process's session, SIGKILL to any left after `grace_s`."""
+    for c in children:
+        if c.poll() is None:
+            _signal(c, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for c in children:
+        try:
+            c.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal(c, signal.SIGKILL)
+            c.wait()
+
+
+def _signal(child: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(child.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def main_command(argv: Sequence[str]) -> list[str]:
+    """The command after `--`, with `python` meaning this interpreter."""
+    command = list(argv)
+    if command and command[0] == "python":
+        command[0] = sys.executable
+    return command

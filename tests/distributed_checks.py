@@ -1,0 +1,143 @@
+"""Run by every process of a `hetpar launch` job in tests/test_distributed.py: the
+checks named on the command line, each against `jax.jit(step)` on one local device.
+Process 0 prints `CHECK <name> ok` after each; any failure raises (and fails the launch)."""
+
+from __future__ import annotations
+
+import sys
+
+import hetpar
+from hetpar.runtime import distributed
+
+distributed.initialize()
+import faulthandler  # noqa: E402
+
+faulthandler.dump_traceback_later(240, exit=True)  # a hang shows where each process was
+print(f"PID {__import__('os').getpid()}", flush=True)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+import models  # noqa: E402
+from parity import assert_close, with_grads  # noqa: E402
+
+
+def workload(batch_size: int = 8):
+    return models.get("mlp", batch_size=batch_size)
+
+
+def reference(w, steps: int):
+    """jax.jit on this process's first device: the numbers every plan must give."""
+    device = jax.local_devices()[0]
+    step = jax.jit(with_grads(w.loss_fn))
+    state, batch = jax.device_put((w.state, w.batch), device)
+    out = []
+    for _ in range(steps):
+        state, loss, grads = step(state, batch)
+        out.append(jax.device_get((state.params, state.opt_state, loss, grads)))
+    return out
+
+
+def compare(parallel, w, steps: int, name: str, resident_from: int = 1) -> None:
+    """`steps` steps of `parallel` against jax.jit; from step `resident_from` on, no
+    array may leave the devices for the host during the step (state stays resident)."""
+    expected = reference(w, steps)
+    state = w.state
+    for i in range(steps):
+        if i >= resident_from:
+            with jax.transfer_guard_device_to_host("disallow_explicit"):
+                state, loss, grads = parallel(state, w.batch)
+            leaves = jax.tree.leaves(state.params)
+            assert all(isinstance(x, jax.Array) for x in leaves), "parameters left the devices"
+        else:
+            state, loss, grads = parallel(state, w.batch)
+        got = distributed.to_host((state.params, state.opt_state, loss, grads))
+        for what, a, e in zip(("parameters", "optimizer state", "loss", "gradients"), got, expected[i]):
+            assert_close(a, e, f"{name}: {what} after step {i}")
+    if jax.process_index() == 0:
+        print(f"CHECK {name} ok plan={parallel.plan.num_stages}stages", flush=True)
+
+
+def check_pipeline(schedule: str) -> None:
+    """One stage per device type; on 2 processes, one stage per process."""
+    w = workload()
+    cluster = hetpar.Cluster.from_file(sys.argv[1]).bind()
+    par = hetpar.parallelize(with_grads(w.loss_fn), cluster=cluster, num_stages=len(cluster.groups),
+                             num_microbatches=2, schedule=schedule)
+    compare(par, w, 3, f"pipeline-{schedule}")
+
+
+def check_replicas() -> None:
+    """Two data-parallel pipelines of different kinds, each with its own share of the batch."""
+    w = workload(batch_size=12)
+    cluster = hetpar.Cluster.from_file(sys.argv[1]).bind()
+    par = hetpar.parallelize(with_grads(w.loss_fn), cluster=cluster, num_replicas=len(cluster.groups), num_microbatches=2)
+    compare(par, w, 2, "replicas")
+    batch = list(par.plan.replica_batch)
+    assert len(set(batch)) > 1, f"the replicas' batch shares are even ({batch}): the test wants uneven ones"
+    if jax.process_index() == 0:
+        print(f"CHECK replicas-uneven ok shares={batch}", flush=True)
+
+
+def check_spanning() -> None:
+    """Each stage a 2x2 mesh over two processes: its collectives run across them."""
+    w = workload()
+    cluster = hetpar.Cluster.from_file(sys.argv[1]).bind()
+    par = hetpar.parallelize(with_grads(w.loss_fn), cluster=cluster, num_stages=2, num_microbatches=2, mesh_shape=(2, 2))
+    compare(par, w, 2, "spanning")
+    for s in par.plan.stages:
+        processes = {jax.devices()[p].process_index for p in s.device_ids}
+        assert len(processes) == 2, f"stage {s.index} is on processes {processes}; the check wants two"
+        assert s.mesh_shape == (2, 2), f"stage {s.index} has mesh {s.mesh_shape}; the check wants 2x2"
+
+
+def inject(kind: str) -> None:
+    """One good step, then a fault in process 1 while it runs stage 1 in step 2:
+    an exception ("raise") or SIGKILL ("kill")."""
+    import os
+    import signal
+    import time
+    from dataclasses import replace
+
+    w = workload()
+    cluster = hetpar.Cluster.from_file(sys.argv[1]).bind()
+    par = hetpar.parallelize(with_grads(w.loss_fn), cluster=cluster, num_stages=2, num_microbatches=2)
+    state, _, _ = par(w.state, w.batch)
+    jax.block_until_ready(state)
+    if jax.process_index() == 1:
+        step = par.compiled().step
+        i = next(i for i, p in enumerate(step.programs) if p is not None and p.task.stage == 1 and p.task.kind == "fwd")
+        tracked = step.programs[i].fn
+
+        def fault(*args):
+            tracked(*args)  # records stage 1 as the one running
+            print(f"INJECT {time.time():.3f}", flush=True)
+            if kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError("injected fault")
+
+        step.programs[i] = replace(step.programs[i], fn=fault)
+    par(state, w.batch)
+    raise AssertionError("step 2 returned although process 1 failed in it")
+
+
+def check_transfer() -> None:
+    """A value made on process 0's mesh, moved to process 1's with device_put, read back everywhere."""
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    assert jax.process_count() == 2 and jax.local_device_count() == 2, (jax.process_count(), jax.local_device_count())
+    meshes = [Mesh(np.array([d for d in jax.devices() if d.process_index == p]), ("data",)) for p in (0, 1)]
+    made = jax.jit(lambda: jnp.arange(12.0).reshape(4, 3) * 2, out_shardings=NamedSharding(meshes[0], PartitionSpec("data")))()
+    moved = jax.device_put(made, NamedSharding(meshes[1], PartitionSpec("data")))
+    np.testing.assert_array_equal(distributed.to_host(moved), np.arange(12.0).reshape(4, 3) * 2)
+    if jax.process_index() == 0:
+        print("CHECK transfer ok", flush=True)
+
+
+CHECKS = {"transfer": check_transfer, "gpipe": lambda: check_pipeline("gpipe"), "1f1b": lambda: check_pipeline("1f1b"), "replicas": check_replicas,
+          "spanning": check_spanning, "raise": lambda: inject("raise"), "kill": lambda: inject("kill")}
+
+for name in sys.argv[2:]:
+    CHECKS[name]()

@@ -1,0 +1,112 @@
+"""The multi-controller runtime: `hetpar launch` starts real processes on loopback,
+each running tests/distributed_checks.py (every check against `jax.jit` on one
+device). One launch runs several checks, to keep process start-ups few."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CHECKS = ROOT / "tests" / "distributed_checks.py"
+TWO = ROOT / "tests" / "clusters" / "mp_two.yaml"
+FOUR = ROOT / "tests" / "clusters" / "mp_four.yaml"
+
+
+def launch(cluster: Path, *checks: str, timeout_s: float = 400, ray: bool = False) -> tuple[subprocess.CompletedProcess, float]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("JAX_NUM_CPU_DEVICES", None)
+    command = [sys.executable, "-m", "hetpar.cli", "launch", "--cluster", str(cluster), "--timeout", str(timeout_s - 30),
+               *(["--ray", "--virtual"] if ray else []), "--", "python", str(CHECKS), str(cluster), *checks]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
+    return result, time.time()
+
+
+def _assert_all_gone(output: str) -> None:
+    pids = [int(p) for p in re.findall(r"PID (\d+)", output)]
+    assert pids, "the checks printed no process ids"
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_the_launcher_stops_the_others_when_one_exits():
+    """No JAX: process 1 exits with status 3 while process 0 sleeps; the launch fails
+    at once naming process 1, and process 0 is gone."""
+    import hetpar
+    from hetpar.runtime.launcher import launch_local
+
+    script = ("import os, time; print('PID', os.getpid(), flush=True)\n"
+              "if os.environ['HETPAR_PROCESS_ID'] == '1': raise SystemExit(3)\n"
+              "time.sleep(120)")
+    start = time.time()
+    with pytest.raises(hetpar.HetparError, match=r"process 1 \(V100 node 0 of group v100, before it was given stages\) "
+                       r"exited with status 3; stopped process\(es\) 0"):
+        launch_local(hetpar.Cluster.from_file(str(TWO)), [sys.executable, "-c", script], timeout_s=60)
+    assert time.time() - start < 30
+
+
+def test_stages_in_different_processes_need_meshes_of_one_shape():
+    from types import SimpleNamespace
+
+    from hetpar import PlanError
+    from hetpar.runtime.distributed import check_cross_process
+
+    devices = [SimpleNamespace(process_index=p) for p in (0, 0, 1)]
+    stage = lambda i, ids, shape=(): SimpleNamespace(index=i, device_ids=ids, mesh_shape=shape)  # noqa: E731
+    check_cross_process(SimpleNamespace(stages=[stage(0, (0,)), stage(1, (2,))]), devices)
+    check_cross_process(SimpleNamespace(stages=[stage(0, (0, 1), (1, 2)), stage(1, (0, 1), (2, 1))]), devices)  # one process
+    with pytest.raises(PlanError, match=r"stages 0 and 1 run in different processes with meshes of different shapes "
+                       r"\(2 and 1 devices\)"):
+        check_cross_process(SimpleNamespace(stages=[stage(0, (0, 1)), stage(1, (2,))]), devices)
+
+
+def test_two_processes_pipeline_schedules_and_uneven_replicas():
+    """One stage per process (A100 process, V100 process) under GPipe and 1F1B, 3
+    steps with the state resident (no device-to-host transfer in steps 2-3); then two
+    replicas of different kinds with uneven batch shares."""
+    result, _ = launch(TWO, "gpipe", "1f1b", "replicas")
+    assert result.returncode == 0, result.stderr[-3000:]
+    for name in ("pipeline-gpipe", "pipeline-1f1b", "replicas", "replicas-uneven"):
+        assert f"CHECK {name} ok" in result.stdout, result.stdout[-2000:]
+
+
+def test_four_processes_stages_span_two_processes():
+    """Two stages, each a 2x2 mesh over two processes."""
+    result, _ = launch(FOUR, "spanning")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "CHECK spanning ok" in result.stdout, result.stdout[-2000:]
+
+
+@pytest.mark.parametrize("fault", ["raise", "kill"])
+def test_a_failing_process_stops_the_job(fault):
+    """Process 1 raises in (or is killed during) stage 1 of step 2: within 60 s every
+    process has ended and the launch fails naming the process and the stage."""
+    result, ended = launch(TWO, fault, timeout_s=300)
+    assert result.returncode == 2, (result.returncode, result.stderr[-3000:])
+    injected = re.search(r"INJECT (\d+\.\d{3})", result.stdout)
+    assert injected, result.stdout[-2000:]
+    assert ended - float(injected.group(1)) < 60
+    message = result.stderr.strip().splitlines()[-1]
+    assert message.startswith("hetpar: process 1 (V100 node 0 of group v100, stages [1])"), message
+    assert "stopped process(es) 0" in message
+    if fault == "raise":
+        assert "failed in stage 1 (fwd program) during step 2: RuntimeError: injected fault" in message
+    else:
+        assert "was killed by SIGKILL during step 2" in message
+    _assert_all_gone(result.stdout)
+
+
+def test_ray_places_the_processes():
+    """`hetpar launch --ray`: the same two processes as Ray actors on a local Ray
+    instance; they join one job and move a value between their meshes. (Their output
+    goes to Ray's logs: success is every process exiting 0, which the check's
+    assertions decide.)"""
+    result, _ = launch(TWO, "transfer", timeout_s=300, ray=True)
+    assert result.returncode == 0, result.stderr[-3000:]
