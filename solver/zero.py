@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from solver.collectives import Topology, best
+from solver.memory import ZERO_STAGES as STAGES, sharded_state
 
-STAGES = (0, 1, 2, 3)
 
 
 def _check(dp: int, zero: int) -> None:
@@ -35,13 +35,12 @@ def _check(dp: int, zero: int) -> None:
 def state_bytes_per_device(param_bytes: float, opt_bytes: float, grad_bytes: float, dp: int, zero: int) -> float:
     """Bytes one device of a `dp`-wide data axis holds for parameters, optimizer state
     and gradients whose whole (per device without ZeRO: after any model-axis split)
-    sizes are given, at ZeRO stage `zero`. A parameter's gathered copy during the
-    forward or backward is activation-like (transient) and not counted here."""
+    sizes are given, at ZeRO stage `zero`: `solver.memory`'s split, summed. A
+    parameter's gathered copy during the forward or backward is activation-like
+    (transient) and not counted here."""
     _check(dp, zero)
-    params = param_bytes / dp if zero >= 3 else param_bytes
-    grads = grad_bytes / dp if zero >= 2 else grad_bytes
-    opt = opt_bytes / dp if zero >= 1 else opt_bytes
-    return params + grads + opt
+    held = sharded_state(param_bytes, grad_bytes, opt_bytes, dp, zero)
+    return held.parameters + held.gradients + held.optimizer_state
 
 
 def zero_comm_time(param_bytes: float, grad_bytes: float, dp: int, zero: int, topology: Topology,
