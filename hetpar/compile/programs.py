@@ -3,7 +3,9 @@
 A stage mesh is data parallel: values that carry the batch dimension are split over
 its devices along that dimension, everything else is replicated, and XLA's
 partitioner inserts the gradient all-reduce. Reductions are accumulated inside the
-program (the accumulator is donated), so a microbatch costs one dispatch per stage.
+program (the accumulator is donated), so a microbatch costs one dispatch per stage;
+and a stage's update (its post work) runs inside the program of its last
+microbatch (`compile_fused`), so it costs no dispatch of its own.
 """
 
 from __future__ import annotations

@@ -122,6 +122,7 @@ class PlanSchema(_Strict):
     bound_ratio: Annotated[float, Field(ge=0)] | None = None
     replica_batch: tuple[Positive, ...] = ()
     operator_stages: tuple[tuple[tuple[Count, Positive], ...], ...] = ()  # per replica: (stage, operators) runs
+    predicted_step_time_s: Figure = 0.0  # set by the planning pass; 0: not priced
 
     @model_validator(mode="after")
     def _stages(self) -> "PlanSchema":
