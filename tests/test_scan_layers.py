@@ -73,14 +73,14 @@ def _parity(state, batch, loss_fn, cluster, steps=2, **options):
     return parallel.plan
 
 
-@pytest.mark.parametrize("cluster,stages,microbatches,schedule", [
-    (TWO, 2, 2, "gpipe"),
-    (TWO, 2, 4, "1f1b"),
-    (THREE, 3, 1, "gpipe"),
-    (THREE, 3, 4, "1f1b"),
+@pytest.mark.parametrize("cluster,stages,microbatches,schedule,batch_size", [
+    (TWO, 2, 2, "gpipe", 8),
+    (TWO, 2, 4, "1f1b", 8),
+    (THREE, 3, 1, "gpipe", 8),
+    (THREE, 3, 8, "1f1b", 16),
 ])
-def test_scanned_blocks_split_over_stages(cluster, stages, microbatches, schedule):
-    state, batch, loss_fn = _workload()
+def test_scanned_blocks_split_over_stages(cluster, stages, microbatches, schedule, batch_size):
+    state, batch, loss_fn = _workload(batch=batch_size)
     plan = _parity(state, batch, loss_fn, cluster, num_microbatches=microbatches, num_stages=stages,
                    schedule=schedule)
     # The scanned blocks are spread: more than one stage runs some of them.
@@ -119,6 +119,9 @@ def test_planner_sees_each_iteration():
     assert per_iteration[0] > 0 and all(f == pytest.approx(per_iteration[0]) for f in per_iteration)
     assert block_count(traced.full, traced.analysis, flops) >= LAYERS
     assert "scan" not in {op.name for op in traced.full.ops}
+    # The planner's own plan spreads the iterations over stages.
+    plan = hetpar.make_plan(with_grads(loss_fn), (state, batch), hetpar.Cluster.virtual(THREE), num_microbatches=2)
+    assert sum("ScanBlock_0[" in s.layer_names for s in plan.stages) >= 2, plan
 
 
 def test_stacked_weights_are_cut_where_they_live():

@@ -35,6 +35,11 @@ _INLINED = {
 }
 
 
+# A scan over more iterations than this is not a stack of layers (a loop over the
+# entries of a parameter, say): it stays one operator rather than growing the graph.
+_MAX_UNROLLED_LAYERS = 1024
+
+
 class _Builder:
     """Assigns value ids in traversal order, so two traces of the same program at
     different batch sizes get the same ids for the same values."""
@@ -103,7 +108,7 @@ class _Builder:
         computed from parameters alone (a scan over time reads the batch as `xs` and
         its weights as constants, and stays whole)."""
         _, _, xs = _scan_parts(eqn.params, inputs)
-        return any(v in self.param_derived for v in xs)
+        return int(eqn.params["length"]) <= _MAX_UNROLLED_LAYERS and any(v in self.param_derived for v in xs)
 
     def _unroll_scan(self, eqn: Any, inputs: list[int], scope: str) -> list[int]:
         """The scan's body once per iteration, in the scan's order, each reading its
