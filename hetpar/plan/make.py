@@ -236,7 +236,8 @@ def _memory(stage: StagePlan, placed: tuple, layers: Layers, plan: Plan) -> int:
     per_device = stage.batch_share / plan.num_microbatches / max(stage.num_devices, 1)
     saved = sum(layers.saved_bytes[stage.layer_start : stage.layer_end]) if layers.saved_bytes else 0
     inputs = layers.boundary_bytes[stage.layer_start] if layers.boundary_bytes else 0
-    acts = StageActivations(saved * per_device, inputs * per_device)
+    largest = max(layers.largest_bytes[stage.layer_start : stage.layer_end], default=0) if layers.largest_bytes else 0
+    acts = StageActivations(saved * per_device, inputs * per_device, largest=largest * per_device)
     remat = "" if stage.remat == "dots" else stage.remat
     return int(stage_memory(state, acts, held, remat, fused=position == len(stages) - 1).total)
 

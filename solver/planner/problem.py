@@ -29,6 +29,7 @@ class LayerCost:
     input_bytes: float  # the activation entering the layer: what a cut before it sends, what remat keeps
     tp_bytes: float = 0.0  # all-reduced per forward under tensor parallelism (Megatron: two hidden-sized sums)
     tp_collectives: float = 2.0  # how many all-reduces carry `tp_bytes` per forward; the backward does as many
+    largest_bytes: float = 0.0  # the layer's largest single activation (solver.memory's backward working set)
 
 
 @dataclass(frozen=True)
