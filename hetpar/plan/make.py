@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from hetpar.cluster.cluster import Cluster, DeviceGroup
-from hetpar.compile.remat import saveable
+from hetpar.compile.remat import rerun, saveable
 from hetpar.compile.tasks import op_stages
 from hetpar.errors import PlanError
 from hetpar.options import ShardingOption, StageOption, build_options
@@ -212,15 +212,16 @@ def _operator_stages(traced: TracedStep, layers: Layers, plan: Plan) -> tuple[tu
 
 
 def _dots_kept(traced: TracedStep, plan: Plan, stage: StagePlan) -> int:
-    """Full batch bytes a "dots" stage keeps besides its input: results of its forward
-    matmuls without batch dimensions that its backward reads (hetpar.compile.remat)."""
+    """Full batch bytes a "dots" stage keeps besides its input: the results of its
+    forward matmuls without batch dimensions that its backward's recomputation stops
+    at (hetpar.compile.remat)."""
     graph, analysis = traced.full, traced.analysis
-    keep = saveable("dots")
     here = [i for i, s in enumerate(plan.stage_of_operators(stage.replica)) if s == stage.index
             and analysis.phase[i] is Phase.MICRO]
-    backward = {i for i in here if analysis.backward[i]}
-    return sum(graph.nbytes(v) for i in here if i not in backward and keep(graph.ops[i], graph) for v in graph.ops[i].outputs
-               if any(c in backward for c in graph.consumers.get(v, ())))
+    forward = [i for i in here if not analysis.backward[i]]
+    wanted = [v for i in here if analysis.backward[i] for v in graph.ops[i].inputs]
+    _, kept = rerun(graph, forward, wanted, saveable("dots"))
+    return sum(graph.nbytes(v) for v in kept)
 
 
 def _memory(stage: StagePlan, placed: tuple, layers: Layers, plan: Plan, dots: int = 0) -> int:
