@@ -1,26 +1,45 @@
-"""Memory per device of a GPT stage on 4 devices, as XLA reports it for the compiled
-stage programs (`compiled.memory_analysis()`).
+"""Memory per device, as XLA reports it for the compiled stage programs
+(`compiled.memory_analysis()`), and as the one memory model (solver.memory) predicts.
 
-Section "zero": the state one device holds (parameters, gradients, Adam's two
-moments: the arguments of the stage's optimizer-update program) with the state
-replicated over the 4-way data axis, and at ZeRO-1, -2 and -3. The goal on 4 devices
-is ZeRO-3 at most 0.3 of replicated (the ideal is 0.25: everything split 4 ways).
-Each section is one function returning its RESULT figures; main prints them on one
-line: RESULT zero3_over_replicated=<ratio>
-Run: PYTHONPATH=. .venv/bin/python benchmarks/memory.py
+Section "zero": a GPT stage on 4 devices; the state one device holds (parameters,
+gradients, Adam's two moments: the arguments of the stage's optimizer-update program)
+with the state replicated over the 4-way data axis, and at ZeRO-1, -2 and -3. Goal:
+ZeRO-3 at most 0.3 of replicated (the ideal is 0.25: everything split 4 ways).
+
+Sections "remat" and "predicted": a GPT stage sized so activations dominate (long
+sequences, narrow model) is the first of two single-device pipeline stages under
+GPipe, so it holds every microbatch's activations before its first backward.
+Measured, from `memory_analysis()` of its compiled programs: the state the step keeps
+(parameters, optimizer state, gradient accumulators), the activations its forward
+program returns for the backward times the microbatches in flight but one, and the
+backward program's arguments, outputs and temporaries (less what it aliases) while
+it runs the last of them. Predicted: the plan's `memory_bytes`, by solver.memory from
+the traced layers. Goal: predicted/measured within 0.9-1.1.
+
+Each section is one function returning its RESULT figure; main prints them on one line:
+RESULT zero3_over_replicated=<ratio> remat_over_saved=<ratio> predicted_over_measured_mem=<ratio>
+Run: PYTHONPATH=$PWD .venv/bin/python benchmarks/memory.py
 """
 
+from __future__ import annotations
+
 import argparse
+import os
+from functools import lru_cache
 
-import jax
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 
-jax.config.update("jax_num_cpu_devices", 8)
+import jax  # noqa: E402
 
 import hetpar  # noqa: E402
-from hetpar.options import ShardingOption  # noqa: E402
+from hetpar.options import ShardingOption, StageOption  # noqa: E402
+from hetpar.trace.microbatch import input_roles  # noqa: E402
 from models import gpt  # noqa: E402
 
-DEVICES = 4
+CONFIG = gpt.GPTConfig(vocab_size=64, seq_len=256, d_model=32, n_heads=4, n_layers=4)
+BATCH, MICROBATCHES = 16, 4
+
+DEVICES = 4  # the zero section's data axis
 
 
 def _config(args: argparse.Namespace) -> gpt.GPTConfig:
@@ -36,7 +55,7 @@ def _stage_memory(workload, **options) -> dict[str, object]:
     return {p.task.kind: p.lower().compile().memory_analysis() for p in step.compiled().programs}
 
 
-def zero_section(args: argparse.Namespace) -> dict[str, float]:
+def zero_section(args: argparse.Namespace) -> str:
     """State bytes per device at ZeRO 0-3 (the update program's arguments: every
     parameter, its gradient and its optimizer state, as one device holds them)."""
     workload = gpt.setup(batch_size=args.batch_size, config=_config(args))
@@ -52,18 +71,71 @@ def zero_section(args: argparse.Namespace) -> dict[str, float]:
         peak = work.argument_size_in_bytes + work.temp_size_in_bytes + work.output_size_in_bytes - work.alias_size_in_bytes
         name = "replicated" if zero == 0 else f"ZeRO-{zero}"
         print(f"  {name:<11} {state[zero] / 2**20:>9.2f} MiB {state[zero] / state[0]:>13.3f} {peak / 2**20:>16.2f} MiB")
-    return {"zero3_over_replicated": state[3] / state[0]}
+    return f"zero3_over_replicated={state[3] / state[0]:.3f}"
+
+
+def stage_memory(remat: str, stage: int = 0, config: gpt.GPTConfig = CONFIG) -> tuple[int, int]:
+    """(predicted, measured) peak bytes on a device of `stage` of a two-stage GPipe
+    GPT plan (one device per stage) whose stages recompute under `remat`."""
+    w = gpt.setup(batch_size=BATCH, config=config)
+    step = hetpar.parallelize(w.step, cluster=hetpar.Cluster.virtual({"A100": 1, "V100": 1}), num_stages=2,
+                              num_microbatches=MICROBATCHES, num_layers=config.n_layers, schedule="gpipe",
+                              stage_option=StageOption(remat=remat))
+    step(w.state, w.batch)
+    compiled, plan = step.compiled(), step.plan
+    return plan.stages[stage].memory_bytes, measured_peak(compiled, plan, stage)
+
+
+def measured_peak(compiled, plan: hetpar.Plan, stage: int) -> int:  # noqa: ANN001
+    """What XLA's memory analysis says a device of `stage` holds while its backward
+    runs on the last microbatch in flight (see the module docstring)."""
+    graph = compiled.graph
+    roles = input_roles(graph, compiled.analysis, sorted(compiled.batch_invars))
+    programs = {p.task.kind: p for p in compiled.programs if p.task.stage == stage}
+    fwd, bwd = programs["fwd"], programs["bwd"]
+    analysis = {kind: p.lower().compile().memory_analysis() for kind, p in (("fwd", fwd), ("bwd", bwd))}
+    kept = sum(graph.nbytes(v) for v in fwd.task.outputs if v in set(bwd.task.inputs))
+    optimizer = sum(graph.nbytes(v) for p in compiled.programs if p.task.stage == stage for v in p.task.inputs
+                    if roles.get(v) == "optimizer_state")
+    held = MICROBATCHES if plan.schedule == "gpipe" else 1
+    b = analysis["bwd"]
+    running = b.argument_size_in_bytes + b.output_size_in_bytes - b.alias_size_in_bytes + b.temp_size_in_bytes
+    return int(running + kept * (held - 1) + optimizer)
+
+
+@lru_cache(maxsize=None)
+def _measured(remat: str) -> tuple[int, int]:
+    return stage_memory(remat)
+
+
+def remat_section() -> str:
+    """Peak bytes of the first stage with and without full recomputation (measured)."""
+    none, full = _measured("")[1], _measured("full")[1]
+    print(f"stage 0 peak, measured: no recomputation {none / 2**20:.2f} MiB, full {full / 2**20:.2f} MiB")
+    return f"remat_over_saved={full / none:.3f}"
+
+
+def predicted_vs_measured_section() -> str:
+    """solver.memory's figure (the plan's memory_bytes) against the measured peak,
+    per policy; the RESULT figure is the recomputing ("full") stage's."""
+    for remat in ("", "full", "dots"):
+        predicted, measured = _measured(remat)
+        print(f"remat={remat or 'none':5s} stage 0 peak: measured {measured / 2**20:8.2f} MiB, "
+              f"predicted {predicted / 2**20:8.2f} MiB ({predicted / measured:.3f})")
+    predicted, measured = _measured("full")
+    return f"predicted_over_measured_mem={predicted / measured:.3f}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=8, help="zero section: the GPT stage's batch")
+    parser.add_argument("--layers", type=int, default=4, help="zero section: GPT blocks")
+    parser.add_argument("--d-model", type=int, default=128, help="zero section: GPT width")
     args = parser.parse_args()
-    results = {}
-    results.update(zero_section(args))
-    print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in results.items()))
+    print(f"jax {jax.__version__}")
+    zero = zero_section(args)
+    print(f"GPT {CONFIG}, batch {BATCH}, {MICROBATCHES} microbatches, GPipe, 2 stages of 1 device")
+    print("RESULT " + " ".join([zero, remat_section(), predicted_vs_measured_section()]))
 
 
 if __name__ == "__main__":

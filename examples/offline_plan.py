@@ -5,7 +5,9 @@
            --batch-size 16 --microbatches 4 --layers 4 -o plan.json
        hetpar show plan.json
        hetpar simulate plan.json --plot timeline.png
-   (`large_gpt` plans a model too big for this machine: its arguments are abstract.)
+   (`large_gpt` plans a model too big for this machine: its arguments are abstract;
+   so does `llama2_7b`, e.g. on 32 V100s only, where its state fits sharded:
+       hetpar solve examples/offline_plan.py:llama2_7b --cluster examples/clusters/v100_32.yaml -o plan.json)
 2. Load the plan and run it, here on 8 CPU virtual devices standing in for the cluster.
 Run: .venv/bin/python examples/offline_plan.py
 """
@@ -41,6 +43,13 @@ def large_gpt(batch_size: int = 64) -> tuple:
 
     state, batch = jax.eval_shape(build)
     return built["step"], (state, batch)
+
+
+def llama2_7b(batch_size: int = 64):  # noqa: ANN201
+    """Llama-2-7B (f32 parameters, bf16 compute, AdamW), abstract: shapes only."""
+    from models import llama
+
+    return llama.setup(batch_size, llama.LLAMA2_7B, abstract=True)
 
 
 def main() -> None:

@@ -10,7 +10,10 @@ schedule keeps in flight at the stage's position in its own pipeline
 (`solver.schedules`). Recomputation trades them for time: "full" keeps only the
 stage's input per microbatch and reruns the whole stage forward for one microbatch
 in its backward program; "dots" keeps the matmul results without batch dimensions
-as well and reruns the rest. The last stage of a pipeline runs each microbatch's
+as well and reruns the rest. While a backward runs, two buffers the size of the
+stage's largest activation are live besides (an operator's incoming and outgoing
+cotangents): measured against XLA's memory analysis, that is most of what a backward
+program needs beyond the activations it reads. The last stage of a pipeline runs each microbatch's
 forward and backward as one program, so it holds one microbatch's activations and
 recomputation changes nothing there.
 
@@ -58,6 +61,7 @@ class StageActivations:
     saved: float  # what the backward reads when nothing is recomputed
     inputs: float  # the stage's input: all that "full" recomputation keeps
     dots: float = 0.0  # matmul results without batch dims, part of `saved`: what "dots" keeps besides
+    largest: float = 0.0  # the largest single activation: two such buffers are live while the backward runs
 
 
 def in_flight(schedule: str, num_microbatches: int, position: int, num_stages: int, chunks: int = 1) -> int:
@@ -88,10 +92,11 @@ def activation_bytes(per_microbatch: StageActivations, held: int, remat: str = "
     if remat not in REMAT_POLICIES:
         raise ValueError(f"unknown recomputation policy {remat!r}; use one of {REMAT_POLICIES}")
     a = per_microbatch
+    working = 2 * a.largest  # the cotangent an operator's backward receives and the one it passes on
     if fused or not remat:
-        return a.saved * (1 if fused else held)
+        return a.saved * (1 if fused else held) + working
     kept = a.inputs + (a.dots if remat == "dots" else 0.0)
-    return kept * held + np.maximum(a.saved - (a.dots if remat == "dots" else 0.0), 0.0)
+    return kept * held + np.maximum(a.saved - (a.dots if remat == "dots" else 0.0), 0.0) + working
 
 
 def stage_memory(state: DeviceMemory, per_microbatch: StageActivations, held: int, remat: str = "",

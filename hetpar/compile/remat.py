@@ -44,6 +44,27 @@ def saveable(policy: str) -> Callable[[Op, OpGraph], bool]:
     return lambda op, graph: True
 
 
+def rerun(graph: OpGraph, forward: list[int], wanted: list[int], keep: Callable[[Op, OpGraph], bool]) -> tuple[set[int], set[int]]:
+    """(forward operators to rerun, forward values to keep) so that every value in
+    `wanted` the `forward` operators make is at hand: walk back from each to a value
+    `keep` saves or to the forward's inputs."""
+    made_by = {v: i for i in forward for v in graph.ops[i].outputs}
+    redo: set[int] = set()
+    kept: set[int] = set()
+    todo = [v for v in wanted if v in made_by]
+    while todo:
+        v = todo.pop()
+        i = made_by[v]
+        if keep(graph.ops[i], graph):
+            kept.add(v)
+            continue
+        if i in redo:
+            continue
+        redo.add(i)
+        todo += [u for u in graph.ops[i].inputs if u in made_by]
+    return redo, kept
+
+
 def recompute(tasks: list[Task], graph: OpGraph, policies: dict[int, str]) -> list[Task]:
     """`tasks` with each stage whose policy (by stage index) is not "" recomputing
     its forward in its backward program. Other stages' tasks are returned as they are."""
@@ -57,15 +78,7 @@ def recompute(tasks: list[Task], graph: OpGraph, policies: dict[int, str]) -> li
             continue  # the last stage: forward and backward are one program
         fwd, bwd = out[at["fwd", stage]], out[at["bwd", stage]]
         made_by = {v: i for i in fwd.ops for v in graph.ops[i].outputs}
-        redo: set[int] = set()
-        todo = [v for v in bwd.inputs if v in made_by]
-        while todo:  # forward operators the backward needs, back to saved values or the stage's inputs
-            v = todo.pop()
-            i = made_by[v]
-            if i in redo or keep(graph.ops[i], graph):
-                continue
-            redo.add(i)
-            todo += [u for u in graph.ops[i].inputs if u in made_by]
+        redo, _ = rerun(graph, fwd.ops, bwd.inputs, keep)
         if not redo:
             continue
         ops = sorted(redo) + bwd.ops  # forward operators come first: none reads a backward value

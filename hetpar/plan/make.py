@@ -11,6 +11,7 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from hetpar.cluster.cluster import Cluster, DeviceGroup
+from hetpar.compile.remat import rerun, saveable
 from hetpar.compile.tasks import op_stages
 from hetpar.errors import PlanError
 from hetpar.options import ShardingOption, StageOption, build_options
@@ -24,7 +25,7 @@ from hetpar.shard import AXES, mesh_axes, shard_stages
 from hetpar.trace.fingerprint import differences, signature
 from hetpar.trace.flops import op_costs
 from hetpar.trace.layers import Layers, block_count, build_layers, compute_dtype
-from hetpar.trace.microbatch import input_roles
+from hetpar.trace.microbatch import Phase, input_roles
 from hetpar.trace.traced_step import TracedStep, trace_step
 from solver import schedules
 from solver.collectives import LinkCost
@@ -194,7 +195,8 @@ def placement_pass(traced: TracedStep, layers: Layers, plan: Plan) -> Plan:
     device; refuses a plan that does not fit."""
     placed = _placed_params(traced, plan)
     stages = tuple(
-        replace(s, param_specs=tuple((name, spec) for name, spec, _, _ in specs), memory_bytes=_memory(s, specs, layers, plan))
+        replace(s, param_specs=tuple((name, spec) for name, spec, _, _ in specs),
+                memory_bytes=_memory(s, specs, layers, plan, _dots_kept(traced, plan, s) if s.remat == "dots" else 0))
         for s, specs in zip(plan.stages, placed)
     )
     stages = _device_memory(stages)
@@ -226,17 +228,28 @@ def _operator_stages(traced: TracedStep, layers: Layers, plan: Plan) -> tuple[tu
     return tuple(out)
 
 
-def _memory(stage: StagePlan, placed: tuple, layers: Layers, plan: Plan) -> int:
+def _dots_kept(traced: TracedStep, plan: Plan, stage: StagePlan) -> int:
+    """Full batch bytes a "dots" stage keeps besides its input: the results of its
+    forward matmuls without batch dimensions that its backward's recomputation stops
+    at (hetpar.compile.remat)."""
+    graph, analysis = traced.full, traced.analysis
+    here = [i for i, s in enumerate(plan.stage_of_operators(stage.replica)) if s == stage.index
+            and analysis.phase[i] is Phase.MICRO]
+    forward = [i for i in here if not analysis.backward[i]]
+    wanted = [v for i in here if analysis.backward[i] for v in graph.ops[i].inputs]
+    _, kept = rerun(graph, forward, wanted, saveable("dots"))
+    return sum(graph.nbytes(v) for v in kept)
+
+
+def _memory(stage: StagePlan, placed: tuple, layers: Layers, plan: Plan, dots: int = 0) -> int:
     """Per device, by solver.memory (the planner's own model): the stage's parameters
     and optimizer state as placed (`placed`: the sharding pass already laid ZeRO's
     data-axis splits into them), a gradient per parameter laid out like it, or
     reduce-scattered over the data axis under ZeRO-2; and the activations its
     microbatches in flight keep for the backward at its position in its own
-    pipeline, under its recomputation. The layers' activations are split over all the
-    stage's devices (the model axis shards the wide ones too, as the planner
-    assumes). "dots" is charged as keeping everything: the layers do not say which
-    activations are matmul results, and this check must not pass a plan that does
-    not fit."""
+    pipeline, under its recomputation ("dots": `dots`, the full batch's kept matmul
+    results). The layers' activations are split over all the stage's devices (the
+    model axis shards the wide ones too, as the planner assumes)."""
     dp = mesh_axes(stage).get(AXES[0], 1)
 
     def total(role: str, on_data: bool) -> float:
@@ -255,9 +268,9 @@ def _memory(stage: StagePlan, placed: tuple, layers: Layers, plan: Plan) -> int:
     per_device = stage.batch_share / plan.num_microbatches / max(stage.num_devices, 1)
     saved = sum(layers.saved_bytes[stage.layer_start : stage.layer_end]) if layers.saved_bytes else 0
     inputs = layers.boundary_bytes[stage.layer_start] if layers.boundary_bytes else 0
-    acts = StageActivations(saved * per_device, inputs * per_device)
-    remat = "" if stage.remat == "dots" else stage.remat
-    return int(stage_memory(state, acts, held, remat, fused=position == len(stages) - 1).total)
+    largest = max(layers.largest_bytes[stage.layer_start : stage.layer_end], default=0) if layers.largest_bytes else 0
+    acts = StageActivations(saved * per_device, inputs * per_device, dots * per_device, largest * per_device)
+    return int(stage_memory(state, acts, held, stage.remat, fused=position == len(stages) - 1).total)
 
 
 def _placed_params(traced: TracedStep, plan: Plan) -> list[tuple[tuple[str, Spec, int, str], ...]]:

@@ -35,6 +35,7 @@ class Layers:
     tp_bytes: list[int] = field(default_factory=list)  # per layer, full batch: all-reduced per forward if split Megatron's way
     tp_count: list[int] = field(default_factory=list)  # per layer: how many all-reduces carry `tp_bytes` (as many in the backward)
     matmuls: list[int] = field(default_factory=list)  # per layer: forward matmuls (their size sets their speed, solver/efficiency.py)
+    largest_bytes: list[int] = field(default_factory=list)  # per layer, full batch: its largest per-example value
 
 
 def build_layers(graph: OpGraph, analysis: MicrobatchAnalysis, op_flops: list[float], num_layers: int) -> Layers:
@@ -93,7 +94,7 @@ def build_layers(graph: OpGraph, analysis: MicrobatchAnalysis, op_flops: list[fl
     return Layers(
         op_layer, num_layers, flops, names, boundary, forward_flops,
         _param_bytes(graph, analysis, op_layer, num_layers), _saved_bytes(graph, analysis, op_layer, num_layers),
-        *_tp_bytes(graph, analysis, op_layer, num_layers), matmuls,
+        *_tp_bytes(graph, analysis, op_layer, num_layers), matmuls, _largest_bytes(graph, analysis, op_layer, num_layers),
     )
 
 
@@ -166,6 +167,18 @@ def _saved_bytes(graph: OpGraph, analysis: MicrobatchAnalysis, op_layer: dict[in
         for v in graph.ops[op].outputs:
             if any(analysis.backward[c] for c in graph.consumers.get(v, ()) if c in op_layer):
                 out[layer] += graph.nbytes(v)
+    return out
+
+
+def _largest_bytes(graph: OpGraph, analysis: MicrobatchAnalysis, op_layer: dict[int, int], num_layers: int) -> list[int]:
+    """The largest per-example value each layer makes, forward or backward: the size
+    of the cotangent buffers its backward passes from operator to operator (the
+    working set solver.memory adds while a backward runs)."""
+    out = [0] * num_layers
+    for op, layer in op_layer.items():
+        for v in graph.ops[op].outputs:
+            if analysis.batch_axis.get(v) is not None:
+                out[layer] = max(out[layer], graph.nbytes(v))
     return out
 
 

@@ -94,6 +94,7 @@ class StageCosts:
         self.tp_count = np.array([layer.tp_collectives for layer in layers], dtype=float)
         self.matmuls = np.array([layer.matmuls for layer in layers], dtype=float)
         self.params_max = _range_max(self.params)
+        self.largest_max = _range_max(np.array([layer.largest_bytes for layer in layers], dtype=float))
         self.kinds = {k.name: k for k in problem.kinds}
         self._tables = lru_cache(maxsize=None)(self._table)
         self._ranges = lru_cache(maxsize=None)(self._ranges_uncached)
@@ -145,7 +146,7 @@ class StageCosts:
         f, bw, saved, sync, grads = self._ranges(cfg, b)
         capacity = self.capacity(cfg.kind)
         inputs = np.broadcast_to((self.inputs * (b / cfg.dp / cfg.tp)).tolist() + [0.0], f.shape).T  # a stage keeps its own input
-        activations = StageActivations(saved, inputs)
+        activations = StageActivations(saved, inputs, largest=self.largest_max * (b / cfg.dp / cfg.tp))
         gathered = self.params_max / cfg.tp  # ZeRO-3: one layer's parameters gathered at a time
         optimizer = grads * p.optimizer_traffic / kind.memory_bandwidth
         half = sync / 2  # an all-gather or a reduce-scatter: half a ring all-reduce of the same bytes
