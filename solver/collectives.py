@@ -216,9 +216,15 @@ def costs(kind: str, topo: Topology, nbytes: float) -> dict[str, float]:
 
 
 def best(kind: str, topo: Topology, nbytes: float) -> tuple[str, float]:
-    """(algorithm, seconds) of the fastest algorithm for this size and topology."""
+    """(algorithm, seconds) of the fastest algorithm for this size and topology.
+    Remembered: the sharding pass asks the same few sizes millions of times."""
     if topo.size <= 1 or nbytes <= 0:
         return "none", 0.0
+    return _best(kind, topo, float(nbytes))
+
+
+@lru_cache(maxsize=1 << 16)
+def _best(kind: str, topo: Topology, nbytes: float) -> tuple[str, float]:
     options = costs(kind, topo, nbytes)
     name = min(options, key=options.get)
     return name, options[name]

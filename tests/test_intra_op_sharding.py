@@ -216,3 +216,19 @@ def test_mesh_shape_must_fit_the_stage():
     par = hetpar.parallelize(with_grads(loss_fn), cluster=hetpar.Cluster.virtual({"cpu": 4}), num_stages=1, mesh_shape=(3, 2))
     with pytest.raises(hetpar.PlanError, match=r"mesh_shape \(3, 2\) does not fit stage 0's 4 devices"):
         par(state, batch)
+
+
+def test_identical_stage_problems_are_solved_once():
+    """Stages holding the same blocks pose the same ILP up to operator names: the
+    second is answered from the first solve."""
+    from hetpar.shard import _solve_once
+    from solver.intra_op import IntraOpProblem, Node, Strategy
+
+    def problem(prefix):
+        options = (Strategy("split", 1.0, 0.25, 0), Strategy("replicate", 2.0, 0.0, 0))
+        return IntraOpProblem(tuple(Node(f"{prefix}/dot_general#{i}", options) for i in range(3)))
+
+    first = _solve_once(problem("Block_0"), 5.0)
+    assert first.choice == (0, 0, 0)
+    assert _solve_once(problem("Block_7"), 5.0) is first
+    assert _solve_once(problem("Block_7"), 6.0) is not first  # another time limit may answer differently

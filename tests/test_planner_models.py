@@ -81,11 +81,8 @@ def test_tensor_parallel_traffic_is_megatrons_two_sums_each_way(llama_layers, cl
     kind = problem.kind("a100")
     per = costs.per_layer(StageConfig("a100", 1, 2), BATCH)
     one_sum = best("all_reduce", Topology(1, 2, kind.intra, kind.intra), hidden)[1]
-    # Each device runs half of every matmul; their size sets their rate (solver/efficiency.py).
-    each = costs.fwd_flops * BATCH / 2 / np.array(layers.matmuls)
-    rate = kind.flops * each / (each + kind.matmul_half_flops)
-    compute_fwd = costs.fwd_flops * BATCH / (2 * rate) + kind.layer_overhead_s / 3
-    compute_bwd = (costs.flops - costs.fwd_flops) * BATCH / (2 * rate) + 2 * kind.layer_overhead_s / 3
+    compute_fwd = costs.fwd_flops * BATCH / (2 * kind.flops) + kind.layer_overhead_s / 3
+    compute_bwd = (costs.flops - costs.fwd_flops) * BATCH / (2 * kind.flops) + 2 * kind.layer_overhead_s / 3
     np.testing.assert_allclose(per.forward - compute_fwd, 2 * one_sum, rtol=1e-9)
     np.testing.assert_allclose(per.backward - compute_bwd, 2 * one_sum, rtol=1e-9)
 

@@ -6,6 +6,7 @@ chosen by the same solver. Compile only reads what this pass wrote."""
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import replace
 
 from hetpar.cluster.catalog import device_type
@@ -16,7 +17,7 @@ from hetpar.shard.zero import apply_zero, stage_params, zero_items
 from hetpar.trace.layers import Layers
 from hetpar.trace.traced_step import TracedStep
 from solver.collectives import LinkCost, Topology
-from solver.intra_op import solve_intra_op
+from solver.intra_op import IntraOpProblem, IntraOpSolution, solve_intra_op
 from solver.planner.stage_costs import in_flight
 from solver.zero import choose_zero
 
@@ -141,7 +142,7 @@ class _StageSolver:
                                 None, batch_axis=traced.analysis.batch_axis, op_layer=self.layers.op_layer)
         if problem is None:
             return {}, 0.0, {}
-        solution = solve_intra_op(problem.problem, self.option.time_limit_s)
+        solution = _solve_once(problem.problem, self.option.time_limit_s)
         log.info("stage %d sharded on %s: %.3g s predicted (%s)", stage.index, mesh, solution.cost_s,
                  "optimal" if solution.optimal else f"gap {solution.gap:.1%}")
         out: dict[int, Spec] = {}
@@ -154,6 +155,26 @@ class _StageSolver:
             choice = problem.choices[n][solution.choice[n]]
             out[weight] = to_source((choice.lhs, choice.rhs)[pos], dims)
         return _follow_state(traced, out), solution.cost_s, operands
+
+
+_SOLVED: OrderedDict[tuple, IntraOpSolution] = OrderedDict()
+_SOLVED_MAX = 256
+
+
+def _solve_once(problem: IntraOpProblem, time_limit_s: float) -> IntraOpSolution:
+    """The ILP's answer, solved once per distinct problem: stages holding the same
+    blocks on the same mesh (and a pass asked twice) pose the same problem up to the
+    names of its operators, and a solve can take the whole time limit."""
+    key = (tuple(n.strategies for n in problem.nodes), problem.edges, problem.memory_limit_bytes, problem.live_sets,
+           problem.same_as, time_limit_s)
+    if key in _SOLVED:
+        _SOLVED.move_to_end(key)
+        return _SOLVED[key]
+    solution = solve_intra_op(problem, time_limit_s)
+    _SOLVED[key] = solution
+    if len(_SOLVED) > _SOLVED_MAX:
+        _SOLVED.popitem(last=False)
+    return solution
 
 
 def _follow_state(traced: TracedStep, specs: dict[int, Spec]) -> dict[int, Spec]:

@@ -34,7 +34,6 @@ class Layers:
     saved_bytes: list[int] = field(default_factory=list)  # per layer, full batch: forward values its backward reads
     tp_bytes: list[int] = field(default_factory=list)  # per layer, full batch: all-reduced per forward if split Megatron's way
     tp_count: list[int] = field(default_factory=list)  # per layer: how many all-reduces carry `tp_bytes` (as many in the backward)
-    matmuls: list[int] = field(default_factory=list)  # per layer: forward matmuls (their size sets their speed, solver/efficiency.py)
     largest_bytes: list[int] = field(default_factory=list)  # per layer, full batch: its largest per-example value
 
 
@@ -87,14 +86,10 @@ def build_layers(graph: OpGraph, analysis: MicrobatchAnalysis, op_flops: list[fl
     ends = cuts + [len(forward)]
     names = [_describe(keys[s:e]) for s, e in zip(starts, ends)]
     boundary = [0] + [int(crossing[c]) for c in cuts]
-    matmuls = [0] * num_layers
-    for i, op in enumerate(forward):
-        if graph.ops[op].name in ("dot_general", "conv_general_dilated"):
-            matmuls[int(fwd_layer[i])] += 1
     return Layers(
         op_layer, num_layers, flops, names, boundary, forward_flops,
         _param_bytes(graph, analysis, op_layer, num_layers), _saved_bytes(graph, analysis, op_layer, num_layers),
-        *_tp_bytes(graph, analysis, op_layer, num_layers), matmuls, _largest_bytes(graph, analysis, op_layer, num_layers),
+        *_tp_bytes(graph, analysis, op_layer, num_layers), _largest_bytes(graph, analysis, op_layer, num_layers),
     )
 
 
