@@ -134,13 +134,16 @@ def to_host(tree: Any) -> Any:
     """Every array of `tree` as a numpy array on every process (for logging, checks
     and checkpoints of small values). Each process must make the same call. A value
     on other processes' devices is made whole on its own mesh, read by the first
-    process that holds it, and broadcast from there (`broadcast_one_to_all`)."""
+    process that holds it, and broadcast from there (`broadcast`). Typed PRNG keys
+    come back as their key data."""
     if not is_multiprocess():
         return jax.device_get(tree)
 
     def one(x: Any) -> Any:
         if not isinstance(x, jax.Array):
             return x
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return one(jax.random.key_data(x))
         owners = sorted({d.process_index for d in x.sharding.device_set})
         whole = replicate(x) if len(owners) > 1 else x
         here = jax.process_index()
