@@ -43,8 +43,7 @@ def test_each_stage_update_is_fused_into_its_last_backward(stages, microbatches,
     fused_steps = [s for s in compiled.order if s.fused is not None]
     assert len(fused_steps) == stages and all(s.microbatch == microbatches - 1 for s in fused_steps)
     assert not [s for s in compiled.order if s.program in posts]  # no separate update dispatch
-    # Gradients the step returns still leave the fused program; with one microbatch there is no accumulator.
-    assert all(bool(compiled.fused[h].reductions) == returns_grads for h in compiled.fused)
+    # With one microbatch there is nothing to accumulate into: no accumulator argument.
     assert all(f.accumulates == (microbatches > 1) for f in compiled.fused.values())
 
 
