@@ -28,6 +28,7 @@ CLUSTERS = Path(__file__).resolve().parent.parent / "examples" / "clusters"
 MODELS = {"llama2-7b": llama.LLAMA2_7B, "llama2-13b": llama.LLAMA2_13B}
 SCENARIOS = {  # cluster file -> global batch (sequences of 4096 tokens)
     "two_types": ("two_types.yaml", 64),
+    "v100_32": ("v100_32.yaml", 64),
     "three_types_768": ("three_types_768.yaml", 1536),
 }
 

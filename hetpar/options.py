@@ -12,9 +12,9 @@ from typing import Any
 
 from hetpar.errors import HetparError, PlanError
 from solver import schedules
+from solver.memory import REMAT_POLICIES
 
 STAGE_MODES = ("auto", "manual", "uniform")
-REMAT_POLICIES = ("", "full", "dots")  # as hetpar.compile.remat runs them
 RUNTIMES = ("local", "distributed", "ray")
 
 

@@ -28,6 +28,7 @@ def test_a_shortcut_that_disagrees_with_its_option_object_is_refused():
 @pytest.mark.parametrize("option, message", [
     (StageOption(mode="sideways"), "StageOption.mode 'sideways'"),
     (StageOption(time_limit_s=-1.0), "time_limit_s must be positive"),
+    (StageOption(remat="some"), "StageOption.remat 'some' is not a recomputation policy"),
     (ShardingOption(model_axis_margin=1.5), "model_axis_margin"),
 ])
 def test_impossible_options_are_named(option, message):

@@ -26,7 +26,7 @@ def llama_7b():
 def _plan(traced, cluster_file: str, **options):
     cluster = Cluster.from_file(str(CLUSTERS / cluster_file)).numbered()
     layers = layers_pass(traced, cluster, StageOption(), True)
-    return search(layers, cluster, BATCH, llama.LLAMA2_7B.seq_len, SearchOptions(**options))
+    return search(layers, cluster, BATCH, llama.LLAMA2_7B.seq_len, SearchOptions(**{"zero_stages": (0, 1, 2, 3), **options}))
 
 
 def _fits(plan) -> bool:

@@ -61,7 +61,7 @@ def test_gradient_sync_and_optimizer_see_the_parameters(llama_layers, cluster):
     assert stage.memory_bytes >= problem.state_factor * nbytes
     # With ZeRO allowed, sharding the optimizer state (same traffic: a reduce-scatter and
     # an all-gather) wins: each device updates and keeps a quarter of it.
-    zero = Planner(problem_for(layers, cluster, BATCH)).fixed_split([StageConfig("a100", 4, 1)], 1, BATCH, "1f1b", ()).stages[0]
+    zero = Planner(problem_for(layers, cluster, BATCH, options=SearchOptions(zero_stages=(0, 1, 2, 3)))).fixed_split([StageConfig("a100", 4, 1)], 1, BATCH, "1f1b", ()).stages[0]
     assert zero.zero == 1
     np.testing.assert_allclose(zero.sync_s, expected_sync, rtol=1e-9)
     np.testing.assert_allclose(zero.optimizer_s, stage.optimizer_s / 4, rtol=1e-9)

@@ -26,8 +26,8 @@ import jax
 from hetpar.compile.tasks import Task
 from hetpar.errors import PlanError
 from hetpar.trace.opgraph import Op, OpGraph
+from solver.memory import REMAT_POLICIES
 
-REMAT_POLICIES = ("", "full", "dots")
 
 
 def saveable(policy: str) -> Callable[[Op, OpGraph], bool]:

@@ -150,7 +150,7 @@ def search_options(traced: TracedStep, option: StageOption, search_microbatches:
         min_microbatch=2 if traced.microbatch_size >= 4 or search_microbatches else 1,  # size 1 traces apart
         dtype=compute_dtype(traced.full, [c.flops for c in op_costs(traced.full)]),
         time_limit_s=option.time_limit_s, layer_overhead_s=option.layer_overhead_s,
-        zero_stages=(0, 1, 2, 3) if zero is None else (zero,), **chunks,
+        **({} if zero is None else {"zero_stages": (zero,)}), **chunks,
     )
 
 
