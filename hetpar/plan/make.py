@@ -16,6 +16,7 @@ from hetpar.compile.tasks import op_stages
 from hetpar.errors import PlanError
 from hetpar.options import ShardingOption, StageOption, build_options
 from hetpar.passes import timed_pass
+from hetpar.plan.activations import stage_activations
 from hetpar.plan.auto import SearchOptions, search
 from hetpar.plan.manual import assign_replicas, assign_stages, link_cost
 from hetpar.plan.model import Plan, Spec, StagePlan, runs
@@ -29,7 +30,7 @@ from hetpar.trace.microbatch import Phase, input_roles
 from hetpar.trace.traced_step import TracedStep, trace_step
 from solver import schedules
 from solver.collectives import LinkCost
-from solver.memory import DeviceMemory, StageActivations, in_flight, stage_memory
+from solver.memory import DeviceMemory, stage_memory
 
 
 def make_plan(
@@ -248,8 +249,7 @@ def _memory(stage: StagePlan, placed: tuple, layers: Layers, plan: Plan, dots: i
     reduce-scattered over the data axis under ZeRO-2; and the activations its
     microbatches in flight keep for the backward at its position in its own
     pipeline, under its recomputation ("dots": `dots`, the full batch's kept matmul
-    results). The layers' activations are split over all the stage's devices (the
-    model axis shards the wide ones too, as the planner assumes)."""
+    results; `hetpar.plan.activations`)."""
     dp = mesh_axes(stage).get(AXES[0], 1)
 
     def total(role: str, on_data: bool) -> float:
@@ -262,15 +262,8 @@ def _memory(stage: StagePlan, placed: tuple, layers: Layers, plan: Plan, dots: i
         optimizer_state=total("optimizer_state", False) + total("optimizer_state", True),
         activations=0.0,
     )
-    stages = plan.replica_stages(stage.replica)
-    position = [s.index for s in stages].index(stage.index)
-    held = in_flight(plan.schedule, plan.num_microbatches, position, len(stages), plan.chunks)
-    per_device = stage.batch_share / plan.num_microbatches / max(stage.num_devices, 1)
-    saved = sum(layers.saved_bytes[stage.layer_start : stage.layer_end]) if layers.saved_bytes else 0
-    inputs = layers.boundary_bytes[stage.layer_start] if layers.boundary_bytes else 0
-    largest = max(layers.largest_bytes[stage.layer_start : stage.layer_end], default=0) if layers.largest_bytes else 0
-    acts = StageActivations(saved * per_device, inputs * per_device, dots * per_device, largest * per_device)
-    return int(stage_memory(state, acts, held, stage.remat, fused=position == len(stages) - 1).total)
+    acts, held, last = stage_activations(stage, layers, plan, dots)
+    return int(stage_memory(state, acts, held, stage.remat, fused=last).total)
 
 
 def _placed_params(traced: TracedStep, plan: Plan) -> list[tuple[tuple[str, Spec, int, str], ...]]:

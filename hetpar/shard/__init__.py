@@ -12,13 +12,13 @@ from dataclasses import replace
 from hetpar.cluster.catalog import device_type
 from hetpar.options import ShardingOption
 from hetpar.plan import Plan, StagePlan
+from hetpar.plan.activations import kept_bytes
 from hetpar.shard.strategies import AXES, Spec, to_source, stage_problem
 from hetpar.shard.zero import apply_zero, stage_params, zero_items
 from hetpar.trace.layers import Layers
 from hetpar.trace.traced_step import TracedStep
 from solver.collectives import LinkCost, Topology
-from solver.intra_op import IntraOpProblem, IntraOpSolution, solve_intra_op
-from solver.planner.stage_costs import in_flight
+from solver.intra_op import IntraOpError, IntraOpProblem, IntraOpSolution, peak_bytes, solve_intra_op
 from solver.zero import choose_zero
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ def _zero(traced: TracedStep, layers: Layers, plan: Plan, stage: StagePlan, spec
         if not stage.memory_capacity:
             return specs, 0, {}
         link = device_type(stage.device_type).intra_node_link
-        budget = stage.memory_capacity - _activation_bytes(stage, layers, plan)
+        budget = stage.memory_capacity - kept_bytes(stage, layers, plan)
         levels = choose_zero(zero_items(traced, params, specs, mesh), dp, Topology(1, dp, LinkCost(link.bandwidth, link.latency),
                              LinkCost(link.bandwidth, link.latency)), plan.num_microbatches, budget)
     specs, zero, gathered = apply_zero(traced, params, levels, specs, dp)
@@ -76,16 +76,6 @@ def _zero(traced: TracedStep, layers: Layers, plan: Plan, stage: StagePlan, spec
         log.info("stage %d: ZeRO-%d over its %d-way data axis (%d of %d parameters sharded)", stage.index, zero, dp,
                  sum(1 for z in levels if z), len(params))
     return specs, zero, gathered
-
-
-def _activation_bytes(stage: StagePlan, layers: Layers, plan: Plan) -> float:
-    """Per device, the forward values the stage's microbatches in flight keep for
-    their backward (the placement pass's estimate)."""
-    saved = sum(layers.saved_bytes[stage.layer_start : stage.layer_end]) if layers.saved_bytes else 0
-    stages = plan.replica_stages(stage.replica)
-    position = [s.index for s in stages].index(stage.index)
-    held = in_flight(plan.schedule, plan.num_microbatches, position, len(stages), plan.chunks)
-    return saved * stage.batch_share / plan.num_microbatches * held / max(stage.num_devices, 1)
 
 
 def _best_mesh(solver: "_StageSolver", plan: Plan, stage: StagePlan, batch_size: int, per_node: int) -> StagePlan:
@@ -138,11 +128,13 @@ class _StageSolver:
         spec = device_type(stage.device_type)
         catalog_link = LinkCost(spec.intra_node_link.bandwidth, spec.intra_node_link.latency)
         link = self.links.get(stage.group, catalog_link)
-        problem = stage_problem(traced.full, ops, batch_free, mesh, spec.matmul_flops(), link,
-                                None, batch_axis=traced.analysis.batch_axis, op_layer=self.layers.op_layer)
+        build = lambda budget: stage_problem(traced.full, ops, batch_free, mesh, spec.matmul_flops(), link,  # noqa: E731
+                                             budget, batch_axis=traced.analysis.batch_axis, op_layer=self.layers.op_layer)
+        problem = build(None)
         if problem is None:
             return {}, 0.0, {}
         solution = _solve_once(problem.problem, self.option.time_limit_s)
+        problem, solution = self._within_memory(stage, build, problem, solution)
         log.info("stage %d sharded on %s: %.3g s predicted (%s)", stage.index, mesh, solution.cost_s,
                  "optimal" if solution.optimal else f"gap {solution.gap:.1%}")
         out: dict[int, Spec] = {}
@@ -156,6 +148,24 @@ class _StageSolver:
             out[weight] = to_source((choice.lhs, choice.rhs)[pos], dims)
         return _follow_state(traced, out), solution.cost_s, operands
 
+
+    def _within_memory(self, stage: StagePlan, build, problem, solution):  # noqa: ANN001
+        """The fastest sharding is kept unless its weights' state overflows what the
+        stage's devices have left after their activations (the planner priced the
+        stage assuming its weights split over the model axis): then the ILP solves
+        again under that budget. Where no sharding fits the budget, the fastest one
+        stays and placement's fit check names the shortfall."""
+        if not stage.memory_capacity:
+            return problem, solution
+        budget = int(stage.memory_capacity - kept_bytes(stage, self.layers, self.plan))
+        bounded = build(max(budget, 0))
+        if bounded is None or peak_bytes(bounded.problem, solution.choice) <= budget:
+            return problem, solution
+        try:
+            return bounded, _solve_once(bounded.problem, self.option.time_limit_s)
+        except IntraOpError as e:
+            log.info("stage %d: %s; keeping the fastest sharding", stage.index, e)
+            return problem, solution
 
 _SOLVED: OrderedDict[tuple, IntraOpSolution] = OrderedDict()
 _SOLVED_MAX = 256
