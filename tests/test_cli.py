@@ -86,6 +86,13 @@ def test_solve_show_and_simulate_a_plan(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_solve_with_zero_writes_it_into_the_plan(tmp_path):
+    plan, result = _solved(tmp_path, "--stages", "2", "--zero", "3")
+    stages = json.loads(plan.read_text())["stages"]
+    assert [s["zero"] for s in stages if s["gathered"]] and all(s["zero"] in (0, 3) for s in stages)
+    assert "ZeRO-3" in result.stdout
+
+
 def test_solve_and_simulate_an_interleaved_plan(tmp_path):
     plan, result = _solved(tmp_path, "--schedule", "interleaved", "--chunks", "2", "--stages", "2")
     raw = json.loads(plan.read_text())

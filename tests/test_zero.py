@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 
-import jax
 import pytest
 
 import hetpar
@@ -25,8 +24,8 @@ def _mlp():
     return mlp.setup(batch_size=16, hidden=32, depth=3)  # Adam (adamw), as every reference model
 
 
-def _data_sharded(stage, plan_specs=None) -> set[int]:
-    return {v for v, spec in (plan_specs or stage.shardings) if "data" in spec}
+def _data_sharded(stage) -> set[int]:
+    return {v for v, spec in stage.shardings if "data" in spec}
 
 
 @pytest.mark.parametrize("zero, schedule", [(1, "gpipe"), (2, "1f1b"), (3, "gpipe"), (3, "1f1b")])
