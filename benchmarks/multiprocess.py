@@ -26,6 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from step_timing import step_times  # noqa: E402  (beside this script)
+
 CLUSTER = """name: mp-bench
 groups:
   - {name: a100, device: A100, nodes: 1, devices_per_node: 4}
@@ -40,20 +42,6 @@ def workload():
 
     config = gpt.GPTConfig(n_layers=4, d_model=128, n_heads=4, seq_len=64, vocab_size=256)
     return gpt.setup(batch_size=32, config=config)
-
-
-def step_times(step, state, batch, repeats: int) -> list[float]:
-    import jax
-
-    state, loss = step(state, batch)
-    jax.block_until_ready((state, loss))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        state, loss = step(state, batch)
-        jax.block_until_ready((state, loss))
-        times.append(time.perf_counter() - start)
-    return times
 
 
 def local(folder: Path, repeats: int) -> float:

@@ -9,7 +9,6 @@ Run: .venv/bin/python benchmarks/overhead.py
 
 import argparse
 import statistics
-import time
 
 import jax
 
@@ -18,20 +17,8 @@ jax.config.update("jax_num_cpu_devices", 8)
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 import hetpar  # noqa: E402
+from step_timing import step_times  # noqa: E402
 from models import gpt  # noqa: E402
-
-
-def median_step_time(step, state, batch, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        state, loss = step(state, batch)
-    jax.block_until_ready((state, loss))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        state, loss = step(state, batch)
-        jax.block_until_ready((state, loss))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -49,7 +36,7 @@ def main() -> None:
     replicated, split = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
     state = jax.device_put(w.state, replicated)
     batch = jax.device_put(w.batch, split)
-    baseline = median_step_time(jax.jit(w.step), state, batch, 3, args.iters)
+    baseline = statistics.median(step_times(jax.jit(w.step), state, batch, args.iters, warmup=3))
     print(f"jax.jit, data parallel on 8 devices: {baseline * 1e3:8.2f} ms/step")
 
     ratios = {}
@@ -59,7 +46,7 @@ def main() -> None:
             w.step, cluster=hetpar.Cluster.virtual(counts), num_stages=stages,
             num_microbatches=microbatches, num_layers=args.layers,
         )
-        t = median_step_time(step, w.state, w.batch, 3, args.iters)
+        t = statistics.median(step_times(step, w.state, w.batch, args.iters, warmup=3))
         ratios[stages] = t / baseline
         print(f"hetpar, {stages} stage(s), {microbatches} microbatch(es): {t * 1e3:8.2f} ms/step  ({t / baseline:.2f}x)")
     print(f"RESULT overhead_1stage={ratios[1]:.3f} overhead_2stage={ratios[2]:.3f}")

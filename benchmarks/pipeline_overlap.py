@@ -21,20 +21,10 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 
 import hetpar  # noqa: E402
+from step_timing import step_times  # noqa: E402
 from hetpar.predict.calibrate import time_program  # noqa: E402
 from hetpar.runtime.executor import RunStats  # noqa: E402
 from models import gpt  # noqa: E402
-
-
-def step_time(step, state, batch, repeats: int) -> float:
-    state, _ = step(state, batch)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        state, loss = step(state, batch)
-        jax.block_until_ready((state, loss))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -51,7 +41,7 @@ def main() -> None:
         step = hetpar.parallelize(
             w.step, cluster=cluster, num_stages=4, num_microbatches=args.microbatches, num_layers=4, schedule=schedule
         )
-        measured = step_time(step, w.state, w.batch, args.repeats)
+        measured = statistics.median(step_times(step, w.state, w.batch, args.repeats, warmup=0))
         compiled = step.compiled()
         # A fused step (a stage's last backward with its update) counts its two programs apart.
         timed = [i for s in compiled.order if not s.combine for i in (s.program, s.fused) if i is not None]

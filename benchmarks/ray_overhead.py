@@ -12,25 +12,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
 import hetpar  # noqa: E402
+from step_timing import step_times  # noqa: E402
 from models import gpt  # noqa: E402
-
-
-def step_time(step, state, batch, repeats: int) -> float:
-    state, _ = step(state, batch)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        state, loss = step(state, batch)
-        jax.block_until_ready((state, loss))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -46,7 +35,7 @@ def main() -> None:
     times = {}
     for runtime in ("local", "ray"):
         step = hetpar.parallelize(w.step, runtime=runtime, **options)
-        times[runtime] = step_time(step, w.state, w.batch, args.repeats)
+        times[runtime] = statistics.median(step_times(step, w.state, w.batch, args.repeats, warmup=0))
         print(f"{runtime:>5}: {times[runtime] * 1e3:8.2f} ms per step")
         step.shutdown()
     hetpar.shutdown()

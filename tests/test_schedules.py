@@ -153,12 +153,13 @@ def test_dispatch_order_interleaves_chunks_as_megatron():
 
 def _bubble_problem(schedules_allowed):
     """Four equal devices on fast links, eight equal layers of which a device holds
-    two at most (so the pipeline has four stages), a batch in four microbatches:
-    1F1B's bubble is three stage-times of seven; interleaving halves it."""
+    two at most without ZeRO (so the pipeline has four stages), a batch in four
+    microbatches: 1F1B's bubble is three stage-times of seven; interleaving halves it."""
     layer = LayerCost(1e12, 1e12 / 3, 8 * GIB, 2**20, 2**10)
     link = LinkCost(1e12, 1e-7)
     kind = DeviceKind("gpu", 4, 4, 1e13, 80 * GIB, 1e12, link, link)
-    return Problem((layer,) * 8, (kind,), 16, microbatches=(4,), schedules=schedules_allowed, allow_replicas=False, max_tp=1)
+    return Problem((layer,) * 8, (kind,), 16, microbatches=(4,), schedules=schedules_allowed, allow_replicas=False, max_tp=1,
+                   zero_stages=(0,))
 
 
 def test_the_planner_picks_interleaved_when_it_predicts_a_smaller_bubble():

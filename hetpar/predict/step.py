@@ -102,7 +102,7 @@ def predict_step(
             (forward if task.kind == "fwd" else backward)[task.stage] += est.time_s
         comm += est.communication_s
         if item.fused is not None:  # the stage's update, dispatched with its last microbatch
-            once += estimates[item.fused].time_s
+            once[task.stage] += estimates[item.fused].time_s
             comm += estimates[item.fused].communication_s
     comm += sum(transfer.values()) * m
     per_mb = {i: forward[i] + backward[i] + transfer[i] for i in forward}
