@@ -180,7 +180,7 @@ def test_identical_blocks_are_solved_once():
     assert all(solution.choice[k] == solution.choice[problem.same_as[k]] for k in copies)
 
 
-MESHES = [(1, 2), (1, 4), (2, 2), (2, 4)]
+MESHES = [(1, 4), (2, 2), (2, 4)]  # model axis only; both axes, square and wide
 
 
 @pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")

@@ -37,11 +37,10 @@ def workload():
 @pytest.mark.parametrize(
     "options",
     [
-        dict(cluster=TWO_TYPES, num_stages=2, num_microbatches=4, num_layers=4, schedule="gpipe"),
         dict(cluster=TWO_TYPES, num_stages=2, num_microbatches=4, num_layers=4, schedule="1f1b"),
         dict(cluster=FAST_SLOW, num_replicas=2, num_microbatches=2, num_layers=2),  # 12:4 batch split
     ],
-    ids=["gpipe", "1f1b", "uneven-replicas"],
+    ids=["1f1b", "uneven-replicas"],
 )
 def test_ray_runtime_parity(ray_cluster, workload, options):
     options = dict(options)
