@@ -45,14 +45,14 @@ def shard_stages(traced: TracedStep, layers: Layers, plan: Plan, option: Shardin
             stage = _best_mesh(solver, plan, stage, traced.batch_size, devices_per_node.get(stage.group, stage.num_devices))
         mesh = mesh_axes(stage)
         specs, _, operands = solver.solve(stage, mesh) if mesh.get("model", 1) > 1 else ({}, 0.0, {})
-        specs, zero, gathered = _zero(traced, layers, plan, stage, specs, mesh, option)
+        specs, zero, gathered = _zero(traced, layers, plan, stage, specs, mesh, option, solver.link(stage))
         stages.append(replace(stage, shardings=tuple(sorted(specs.items())), operand_shardings=tuple(sorted(operands.items())),
                               zero=zero, gathered=tuple(sorted(gathered.items()))))
     return replace(plan, stages=tuple(stages))
 
 
 def _zero(traced: TracedStep, layers: Layers, plan: Plan, stage: StagePlan, specs: dict[int, Spec], mesh: dict[str, int],
-          option: ShardingOption) -> tuple[dict[int, Spec], int, dict[int, Spec]]:
+          option: ShardingOption, link: LinkCost) -> tuple[dict[int, Spec], int, dict[int, Spec]]:
     """The stage's ZeRO stage per parameter (forced by `option.zero`, or the stage
     assignment's choice where the planner priced one, or else chosen by
     `solver.zero.choose_zero` against the memory its devices have left after the
@@ -67,10 +67,9 @@ def _zero(traced: TracedStep, layers: Layers, plan: Plan, stage: StagePlan, spec
     else:
         if not stage.memory_capacity:
             return specs, 0, {}
-        link = device_type(stage.device_type).intra_node_link
         budget = stage.memory_capacity - kept_bytes(stage, layers, plan)
-        levels = choose_zero(zero_items(traced, params, specs, mesh), dp, Topology(1, dp, LinkCost(link.bandwidth, link.latency),
-                             LinkCost(link.bandwidth, link.latency)), plan.num_microbatches, budget)
+        levels = choose_zero(zero_items(traced, params, specs, mesh), dp, Topology(1, dp, link, link),
+                             plan.num_microbatches, budget)
     specs, zero, gathered = apply_zero(traced, params, levels, specs, dp)
     if zero:
         log.info("stage %d: ZeRO-%d over its %d-way data axis (%d of %d parameters sharded)", stage.index, zero, dp,
@@ -120,14 +119,19 @@ class _StageSolver:
             self._solved[key] = self._solve(stage, mesh)
         return self._solved[key]
 
+    def link(self, stage: StagePlan) -> LinkCost:
+        """The link inside the stage's nodes: the cluster file's, else its device type's
+        catalog link. The model axis's collectives and ZeRO's cross it alike."""
+        catalog = device_type(stage.device_type).intra_node_link
+        return self.links.get(stage.group, LinkCost(catalog.bandwidth, catalog.latency))
+
     def _solve(self, stage: StagePlan, mesh: dict[str, int]) -> tuple[dict[int, Spec], float, dict[int, tuple[Spec, Spec]]]:
         traced = self.traced
         of_op = self.plan.stage_of_operators(stage.replica)
         ops = [i for i, s in enumerate(of_op) if s == stage.index]
         batch_free = {v for v in traced.full.invars if v not in traced.analysis.batch_axis}
         spec = device_type(stage.device_type)
-        catalog_link = LinkCost(spec.intra_node_link.bandwidth, spec.intra_node_link.latency)
-        link = self.links.get(stage.group, catalog_link)
+        link = self.link(stage)
         build = lambda budget: stage_problem(traced.full, ops, batch_free, mesh, spec.matmul_flops(), link,  # noqa: E731
                                              budget, batch_axis=traced.analysis.batch_axis, op_layer=self.layers.op_layer)
         problem = build(None)
