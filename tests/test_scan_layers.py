@@ -1,9 +1,10 @@
-"""A scan over layers (flax `nn.scan`, `jax.lax.scan` over stacked weights) is split
+"""A scan over layers (flax `nn.scan`, `nnx.scan`, `jax.lax.scan` over stacked weights) is split
 at iteration boundaries (issue 14, item 3): stages take iterations i..j, the planner
 sees each iteration's cost, and the stacked parameters, their gradients and optimizer
 state come back whole, as `jax.jit` returns them."""
 
 import flax.linen as nn
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import optax
@@ -106,6 +107,50 @@ def test_lax_scan_over_stacked_weights_three_types():
 
     state = train_state.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-2))
     plan = _parity(state, batch, loss_fn, THREE, num_microbatches=4, num_stages=3, schedule="gpipe")
+    assert sum("scan[" in s.layer_names for s in plan.stages) >= 2, [s.layer_names for s in plan.stages]
+
+
+class NnxBlock(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.norm = nnx.LayerNorm(D, rngs=rngs)
+        self.linear = nnx.Linear(D, D, rngs=rngs)
+
+    def __call__(self, x):
+        return x + jnp.tanh(self.linear(self.norm(x)))
+
+
+class NnxNet(nnx.Module):
+    """Blocks made by `nnx.vmap` (stacked parameters) and run by `nnx.scan`, the
+    form flax's nnx guide gives for scanned layers. nnx names no scopes, and the
+    scan's first input is the batch itself, so the only module boundaries are the
+    iterations'."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        @nnx.split_rngs(splits=LAYERS)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def blocks(rngs):
+            return NnxBlock(rngs)
+
+        self.blocks = blocks(rngs)
+        self.head = nnx.Linear(D, 2, rngs=rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def run(x, block):
+            return block(x)
+
+        return self.head(run(x, self.blocks))
+
+
+def test_nnx_scan_split_over_three_types():
+    graphdef, params = nnx.split(NnxNet(nnx.Rngs(0)))
+    batch = {"x": jax.random.normal(jax.random.key(4), (8, D)), "y": jax.random.normal(jax.random.key(5), (8, 2))}
+
+    def loss_fn(p, batch):
+        return jnp.mean((nnx.merge(graphdef, p)(batch["x"]) - batch["y"]) ** 2)
+
+    state = train_state.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-2))
+    plan = _parity(state, batch, loss_fn, THREE, steps=1, num_microbatches=2, num_stages=3, schedule="1f1b")
     assert sum("scan[" in s.layer_names for s in plan.stages) >= 2, [s.layer_names for s in plan.stages]
 
 
