@@ -60,6 +60,7 @@ def test_refused_with_microbatches_runs_with_one(loss_fn):
     with pytest.raises(hetpar.UnsupportedStepError, match="num_microbatches=1") as refusal:
         _run(step, microbatches=2)
     assert "operator" in str(refusal.value)
+    assert f"test_refusal_fixes.py:" in str(refusal.value) and loss_fn.__name__ in str(refusal.value)  # the user's line
     _run(step, microbatches=1)  # the fix the message offers
 
 

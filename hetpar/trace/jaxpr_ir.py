@@ -96,7 +96,7 @@ class _Builder:
             outputs = tuple(self.new_value(v.aval) for v in eqn.outvars)
             for var, vid in zip(eqn.outvars, outputs):
                 env[var] = vid
-            self.ops.append(Op(len(self.ops), eqn.primitive, dict(eqn.params), tuple(inputs), outputs, eqn_scope))
+            self.ops.append(Op(len(self.ops), eqn.primitive, dict(eqn.params), tuple(inputs), outputs, eqn_scope, eqn.source_info))
             if any(v in self.batch_derived for v in inputs):
                 self.batch_derived.update(outputs)
             elif any(v in self.param_derived for v in inputs):
@@ -236,7 +236,7 @@ def _live_ops(ops: list[Op], outvars: list[int]) -> list[Op]:
         if op.primitive.name in _EFFECTFUL or any(v in needed for v in op.outputs):
             keep.append(op)
             needed.update(op.inputs)
-    return [Op(i, op.primitive, op.params, op.inputs, op.outputs, op.scope) for i, op in enumerate(reversed(keep))]
+    return [Op(i, op.primitive, op.params, op.inputs, op.outputs, op.scope, op.source) for i, op in enumerate(reversed(keep))]
 
 
 _EFFECTFUL = {"debug_callback", "io_callback", "debug_print"}

@@ -117,7 +117,7 @@ def _analyze(full: OpGraph, probe: OpGraph, batch_invars: list[int], single: boo
         depends = any(v in batch_dependent for v in op.inputs)
         if touches_examples and markers and op.index not in inside_marked:
             raise UnsupportedStepError(
-                f"operator {op.name!r} (in {op.scope or 'the step'}) works on per-example values "
+                f"{op.describe()} works on per-example values "
                 "after hetpar.value_and_grad; with markers, all per-example work must happen "
                 "inside the marked loss function."
             )
@@ -199,7 +199,7 @@ def _check_marked_region_closed(full: OpGraph, phase: list, reductions: dict) ->
             p = full.producer.get(v)
             if p is not None and phase[p] is Phase.MICRO and v not in reductions:
                 raise UnsupportedStepError(
-                    f"operator {op.name!r} (in {op.scope or 'the step'}) uses a per-microbatch value "
+                    f"{op.describe()} uses a per-microbatch value "
                     "that hetpar.value_and_grad did not return; compute everything that depends "
                     "on the batch inside the loss function."
                 )
@@ -259,7 +259,7 @@ def _reductions(full: OpGraph, phase: list, batch_axis: dict[int, int]) -> dict[
             combine = _REDUCTION_COMBINE.get(op.name)
             if combine is None and op.name in ("scan", "while"):
                 raise CombineRefusal(
-                    f"a {op.name} loop (in {op.scope or 'the step'}) returns a value of shape {full.avals[v].shape} "
+                    f"{op.describe()}, a {op.name} loop, returns a value of shape {full.avals[v].shape} "
                     "that is not per-example, such as a weight gradient it sums inside; hetpar keeps a loop over "
                     "time (one whose scanned inputs are per-example, e.g. an RNN) whole and cannot tell how its "
                     "results combine across microbatches. Use num_microbatches=1; a scan over layers (stacked "
@@ -267,14 +267,14 @@ def _reductions(full: OpGraph, phase: list, batch_axis: dict[int, int]) -> dict[
                 )
             if combine is None:
                 raise CombineRefusal(
-                    f"operator {op.name!r} (in {op.scope or 'the step'}) turns per-example values "
+                    f"{op.describe()} turns per-example values "
                     "into one of shape "
                     f"{full.avals[v].shape} in a way hetpar cannot combine across microbatches. "
                     + _USE_MARKERS
                 )
             if op.name.startswith("scatter") and not _is_zero(full, op.inputs[0]):
                 raise CombineRefusal(
-                    f"a scatter-add over the batch (in {op.scope}) adds into a non-zero operand; "
+                    f"{op.describe()}, a scatter-add over the batch, adds into a non-zero operand; "
                     "summing it per microbatch would count the operand more than once. Add into "
                     "zeros and add the operand afterwards, or use num_microbatches=1."
                 )
@@ -303,7 +303,7 @@ def _check_no_cross_example_flow(full: OpGraph, phase: list, batch_axis: dict, r
             mixed = [v for v in op.inputs if v in post_values]
             if mixed:
                 raise CombineRefusal(
-                    f"operator {op.name!r} (in {op.scope or 'the step'}) feeds a value reduced "
+                    f"{op.describe()} feeds a value reduced "
                     "over the whole batch back into per-example work (batch statistics, e.g. "
                     "BatchNorm, or a loss that is not a sum or mean over examples), so "
                     "microbatches would change the result. " + _USE_MARKERS

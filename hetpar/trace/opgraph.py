@@ -20,6 +20,22 @@ class Op:
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
     scope: str  # JAX's name stack, e.g. "transpose(jvp(GPT))/Block_3/attn"
+    source: Any = field(default=None, repr=False, compare=False)  # JAX's record of the user code that made it
+
+    @property
+    def where(self) -> str:
+        """The user's line that made this operator, e.g. "train.py:41 (loss_fn)", so
+        that a refusal points at the code to change; "" when JAX kept no record."""
+        if self.source is None:
+            return ""
+        from jax.extend import source_info_util
+
+        return source_info_util.summarize(self.source)
+
+    def describe(self) -> str:
+        """How error messages name the operator: its primitive, module scope and line."""
+        where = self.where
+        return f"operator {self.name!r} (in {self.scope or 'the step'}" + (f", at {where})" if where else ")")
 
     @property
     def name(self) -> str:
