@@ -67,10 +67,10 @@ def worker(folder: Path, repeats: int, megabytes: int) -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.experimental import multihost_utils
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     import hetpar
+    from hetpar.runtime.remote import placeholder
 
     w = workload()
     step = hetpar.parallelize(w.step, plan=str(folder / "plan.json"), cluster=hetpar.Cluster.from_file(
@@ -80,15 +80,19 @@ def worker(folder: Path, repeats: int, megabytes: int) -> None:
     # One stage mesh to the other: 4 shards of megabytes/4 each, process 0 -> process 1.
     meshes = [Mesh(np.array([d for d in jax.devices() if d.process_index == p]), ("data",)) for p in (0, 1)]
     rows = megabytes * 2**20 // 4 // 1024
-    x = jax.jit(lambda: jnp.ones((rows, 1024), jnp.float32), out_shardings=NamedSharding(meshes[0], PartitionSpec("data")))()
+    source = NamedSharding(meshes[0], PartitionSpec("data"))
+    if jax.process_index() == 0:
+        x = jax.jit(lambda: jnp.ones((rows, 1024), jnp.float32), out_shardings=source)()
+    else:  # made on process 0 only (without cross-process collectives a program runs where its devices are)
+        x = placeholder(jax.ShapeDtypeStruct((rows, 1024), jnp.float32), source)
     target = NamedSharding(meshes[1], PartitionSpec("data"))
     jax.block_until_ready(jax.device_put(x, target))
     transfers = []
     for _ in range(repeats):
-        multihost_utils.sync_global_devices("before transfer")
+        distributed.barrier()
         start = time.perf_counter()
         jax.block_until_ready(jax.device_put(x, target))
-        multihost_utils.sync_global_devices("after transfer")
+        distributed.barrier()
         transfers.append(time.perf_counter() - start)
     if jax.process_index() == 0:
         (folder / "worker.json").write_text(json.dumps({"step_s": times, "transfer_s": transfers, "bytes": x.nbytes}))
