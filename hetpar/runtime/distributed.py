@@ -4,11 +4,19 @@ Every process runs the user's script (JAX's convention for many hosts), gets the
 same plan (process 0 makes it and broadcasts it: the planner has wall-clock limits,
 so independent solves could differ), builds the same global stage meshes from the
 cluster's device positions, and runs the in-process executor unchanged: each jitted
-stage program runs on the processes that own devices in its mesh (the others get an
-array with no local shards and do nothing), and values move between stage meshes
-with `jax.device_put` across processes (JAX's cross-host transfers). Parameters and
-optimizer state stay on their stage's devices between steps; nothing passes through
-a driver.
+stage program runs on the processes that own devices in its mesh (the others do not
+dispatch it: they make placeholder outputs with no local shards, remote.py), and
+values move between stage meshes with `jax.device_put` across processes (JAX's
+cross-host transfers). Parameters and optimizer state stay on their stage's devices
+between steps; nothing passes through a driver.
+
+On CPU, collectives across processes need gloo, and with gloo XLA runs every
+collective over it, also those among one process's own devices: about 10 ms per
+all-reduce on loopback against under 1 ms in-process, which made a 2-stage GPT step
+2.4-4x slower over two processes than in one (README, "Many processes"). So when no
+stage mesh spans processes (`hetpar launch` knows from the cluster file: one node
+per group), the job runs with XLA's in-process collectives ("local"), and the few
+values every process must agree on (the plan, `to_host`) travel by transfer.
 
 `initialize()` reads what `hetpar launch` (hetpar/runtime/launcher.py) puts in the
 environment. Each process also keeps a small status file (its stages, its step, its
