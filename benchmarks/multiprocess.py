@@ -11,8 +11,8 @@ parameters and optimizer state stay on their devices.
 
 Before the result, a breakdown of one serialized step per process (each stage
 program blocked on, its inputs first): per stage, compute and the wait for its
-inputs (transfers plus the other stage's work), and what is left (dispatch, Python);
-and the latency of one cross-process transfer of an activation-sized array.
+inputs (transfers plus the other stage's work), what is left (dispatch, Python), and
+the CPU time the process used in the step (all its threads); and the latency of one cross-process transfer of an activation-sized array.
 `HETPAR_CPU_COLLECTIVES=gloo` in the environment runs the processes with gloo
 collectives (hetpar launch's choice otherwise: in-process ones, see the README).
 
@@ -30,6 +30,7 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -54,8 +55,10 @@ def workload():
     return gpt.setup(batch_size=32, config=config)
 
 
-def local(folder: Path, repeats: int) -> float:
-    """In one process on 8 devices; saves the plan for the multi-process run."""
+def local(folder: Path, repeats: int) -> tuple[list[float], Callable[[], list[float]]]:
+    """In one process on 8 devices; saves the plan for the multi-process run. Returns
+    the step times and a function that times `repeats` more steps (run after the
+    multi-process run too, so that both sides sample the machine's load alike)."""
     import jax
 
     jax.config.update("jax_num_cpu_devices", 8)
@@ -64,10 +67,10 @@ def local(folder: Path, repeats: int) -> float:
     w = workload()
     cluster = hetpar.Cluster.from_file(str(folder / "cluster.yaml")).bind()
     step = hetpar.parallelize(w.step, cluster=cluster, num_stages=2, num_microbatches=4, num_layers=4)
-    median = statistics.median(step_times(step, w.state, w.batch, repeats))
+    times = step_times(step, w.state, w.batch, repeats)
     hetpar.save_plan(step.plan, folder / "plan.json")
     (folder / "local.json").write_text(json.dumps(breakdown(step, w, repeats)))
-    return median
+    return times, lambda: step_times(step, w.state, w.batch, repeats)
 
 
 def breakdown(step, w, repeats: int) -> dict:
@@ -106,10 +109,10 @@ def breakdown(step, w, repeats: int) -> dict:
     state = w.state
     for _ in range(repeats):
         spent.clear()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         state, out = step(state, w.batch)
         jax.block_until_ready((state, out))
-        rows.append({**spent, "step": time.perf_counter() - start})
+        rows.append({**spent, "step": time.perf_counter() - start, "cpu": time.process_time() - cpu})
     inner.programs[:] = programs
     inner.fused.clear()
     inner.fused.update(fused)
@@ -200,11 +203,14 @@ def main() -> None:
 
     folder = Path(tempfile.mkdtemp(prefix="hetpar-mp-bench-"))
     (folder / "cluster.yaml").write_text(CLUSTER)
-    t_local = local(folder, args.repeats)
-    print(f"in one process (8 devices):           {t_local * 1e3:8.2f} ms per step (median of {args.repeats})")
+    before, again = local(folder, args.repeats)
     launch_local(Cluster.from_file(str(folder / "cluster.yaml")),
                  [sys.executable, __file__, "--worker", str(folder), "--repeats", str(args.repeats),
                   "--megabytes", str(args.megabytes)], timeout_s=900)
+    after = again()
+    t_local = statistics.median(before + after)
+    print(f"in one process (8 devices):           {t_local * 1e3:8.2f} ms per step (median of {2 * args.repeats}: "
+          f"{statistics.median(before) * 1e3:.2f} before the 2-process run, {statistics.median(after) * 1e3:.2f} after)")
     workers = [json.loads((folder / f"worker-{i}.json").read_text()) for i in (0, 1)]
     measured = workers[0]
     t_mp = statistics.median(measured["step_s"])
@@ -221,9 +227,10 @@ def main() -> None:
         (f"process {i}", w["breakdown"]) for i, w in enumerate(workers)]
     for name, row in rows:
         stages = sorted({int(k[7:]) for k in row if k.startswith("compute")})
-        used = sum(v for k, v in row.items() if k != "step")
+        used = sum(v for k, v in row.items() if k not in ("step", "cpu"))
         cells = "  ".join(f"stage {s}: compute {row[f'compute{s}'] * 1e3:7.1f} wait {row[f'wait{s}'] * 1e3:7.1f}" for s in stages)
-        print(f"  {name:12s} step {row['step'] * 1e3:7.1f}  {cells}  other {(row['step'] - used) * 1e3:6.1f}")
+        print(f"  {name:12s} step {row['step'] * 1e3:7.1f}  {cells}  other {(row['step'] - used) * 1e3:6.1f}  "
+              f"(process CPU time {row['cpu'] * 1e3:7.1f})")
     print(f"RESULT mp_over_local={t_mp / t_local:.3f} transfer_gbps={gbytes * 8:.2f}")
 
 
