@@ -29,8 +29,8 @@ from hetpar.plan import Plan
 from hetpar.plan.file import load_plan
 from hetpar.plan.like import placed_like
 from hetpar.plan.make import check_fits, cluster_for, solve
-from hetpar.runtime.distributed import (DistributedStep, check_cross_process, is_multiprocess, share_plan,
-                                        stages_of_process)
+from hetpar.runtime.distributed import (DistributedStep, check_cross_process, cross_process_collectives, is_multiprocess,
+                                        share_plan, stages_of_process)
 from hetpar.runtime.executor import RunStats, run
 from hetpar.runtime.ray_runtime import RayStep
 from hetpar.signature import bind_call, free_donated, normalize_argnums
@@ -157,7 +157,7 @@ class ParallelFunction:
             compiled = compile_step(traced, plan, meshes, graphs)
         if distributed:
             devices = jax_devices(tuple(order))
-            check_cross_process(plan, devices)
+            check_cross_process(plan, devices, cross_process_collectives())
             compiled = DistributedStep(compiled, stages_of_process(plan, devices, jax.process_index()))
         log.info("hetpar built a %d-stage plan in %s", plan.num_stages, timer)
         return plan, compiled

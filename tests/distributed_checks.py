@@ -55,6 +55,7 @@ def compare(parallel, w, steps: int, name: str, resident_from: int = 1) -> None:
         got = distributed.to_host((state.params, state.opt_state, loss, grads))
         for what, a, e in zip(("parameters", "optimizer state", "loss", "gradients"), got, expected[i]):
             assert_close(a, e, f"{name}: {what} after step {i}")
+    distributed.barrier()
     if jax.process_index() == 0:
         print(f"CHECK {name} ok plan={parallel.plan.num_stages}stages", flush=True)
 
@@ -65,6 +66,9 @@ def check_pipeline(schedule: str) -> None:
     cluster = hetpar.Cluster.from_file(sys.argv[1]).bind()
     par = hetpar.parallelize(with_grads(w.loss_fn), cluster=cluster, num_stages=len(cluster.groups),
                              num_microbatches=2, schedule=schedule)
+    # hetpar launch keeps in-process collectives here (one node per group): a program
+    # on the other process's mesh cannot even compile, so this process never dispatches one.
+    assert not distributed.cross_process_collectives(), "one node per group, yet gloo collectives"
     compare(par, w, 3, f"pipeline-{schedule}")
 
 
@@ -85,6 +89,7 @@ def check_spanning() -> None:
     w = workload()
     cluster = hetpar.Cluster.from_file(sys.argv[1]).bind()
     par = hetpar.parallelize(with_grads(w.loss_fn), cluster=cluster, num_stages=2, num_microbatches=2, mesh_shape=(2, 2))
+    assert distributed.cross_process_collectives(), "stages span processes: hetpar launch must pick gloo"
     compare(par, w, 2, "spanning")
     for s in par.plan.stages:
         processes = {jax.devices()[p].process_index for p in s.device_ids}

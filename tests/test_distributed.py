@@ -65,6 +65,24 @@ def test_stages_in_different_processes_need_meshes_of_one_shape():
     with pytest.raises(PlanError, match=r"stages 0 and 1 run in different processes with meshes of different shapes "
                        r"\(2 and 1 devices\)"):
         check_cross_process(SimpleNamespace(stages=[stage(0, (0, 1)), stage(1, (2,))]), devices)
+    # Without cross-process collectives (CPU, HETPAR_CPU_COLLECTIVES=local) no stage may span processes.
+    check_cross_process(SimpleNamespace(stages=[stage(0, (0,)), stage(1, (2,))]), devices, collectives=False)
+    with pytest.raises(PlanError, match=r"stage 0 spans processes \[0, 1\].*HETPAR_CPU_COLLECTIVES=gloo"):
+        check_cross_process(SimpleNamespace(stages=[stage(0, (1, 2))]), devices, collectives=False)
+
+
+def test_launch_keeps_in_process_collectives_unless_a_group_has_several_nodes():
+    """One node per group: no stage can span processes, so no gloo (which would carry
+    every all-reduce inside a process over TCP); several nodes: gloo. A wrong value
+    is refused before JAX starts."""
+    import hetpar
+    from hetpar.runtime.distributed import initialize
+    from hetpar.runtime.launcher import cpu_collectives
+
+    assert cpu_collectives(hetpar.Cluster.from_file(str(TWO))) == "local"
+    assert cpu_collectives(hetpar.Cluster.from_file(str(FOUR))) == "gloo"
+    with pytest.raises(hetpar.HetparError, match=r"HETPAR_CPU_COLLECTIVES\) must be one of gloo, local, got 'nccl'"):
+        initialize(cpu_collectives="nccl")
 
 
 def test_two_processes_pipeline_schedules_and_uneven_replicas():

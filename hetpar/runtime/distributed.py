@@ -4,11 +4,19 @@ Every process runs the user's script (JAX's convention for many hosts), gets the
 same plan (process 0 makes it and broadcasts it: the planner has wall-clock limits,
 so independent solves could differ), builds the same global stage meshes from the
 cluster's device positions, and runs the in-process executor unchanged: each jitted
-stage program runs on the processes that own devices in its mesh (the others get an
-array with no local shards and do nothing), and values move between stage meshes
-with `jax.device_put` across processes (JAX's cross-host transfers). Parameters and
-optimizer state stay on their stage's devices between steps; nothing passes through
-a driver.
+stage program runs on the processes that own devices in its mesh (the others do not
+dispatch it: they make placeholder outputs with no local shards, remote.py), and
+values move between stage meshes with `jax.device_put` across processes (JAX's
+cross-host transfers). Parameters and optimizer state stay on their stage's devices
+between steps; nothing passes through a driver.
+
+On CPU, collectives across processes need gloo, and with gloo XLA runs every
+collective over it, also those among one process's own devices: about 10 ms per
+all-reduce on loopback against under 1 ms in-process, which made a 2-stage GPT step
+2.4-4x slower over two processes than in one (README, "Many processes"). So when no
+stage mesh spans processes (`hetpar launch` knows from the cluster file: one node
+per group), the job runs with XLA's in-process collectives ("local"), and the few
+values every process must agree on (the plan, `to_host`) travel by transfer.
 
 `initialize()` reads what `hetpar launch` (hetpar/runtime/launcher.py) puts in the
 environment. Each process also keeps a small status file (its stages, its step, its
@@ -34,6 +42,7 @@ from hetpar.errors import HetparError, PlanError
 from hetpar.plan import Plan
 from hetpar.plan.file import plan_from_dict, plan_to_dict
 from hetpar.runtime.executor import RunStats, run
+from hetpar.runtime.remote import has_local_devices, placeholder, skipped
 
 log = logging.getLogger("hetpar.distributed")
 
@@ -45,6 +54,10 @@ ENV_TRANSFER_ADDRESS = "HETPAR_TRANSFER_ADDRESS"  # host:port this process serve
 ENV_CPU_DEVICES = "HETPAR_CPU_DEVICES"  # on CPU: this process's number of virtual devices
 ENV_STATUS_DIR = "HETPAR_STATUS_DIR"  # where each process writes process-<i>.json for the launcher
 ENV_HEARTBEAT_S = "HETPAR_HEARTBEAT_TIMEOUT_S"  # jax.distributed's heartbeat timeout (default 30)
+# On CPU: "gloo" (collectives across processes) or "local" (each process's collectives
+# in-process; no stage mesh may span processes). Default gloo; `hetpar launch` sets it.
+ENV_CPU_COLLECTIVES = "HETPAR_CPU_COLLECTIVES"
+CPU_COLLECTIVES = ("gloo", "local")
 
 
 @dataclass(frozen=True)
@@ -55,12 +68,17 @@ class ProcessInfo:
 
 def initialize(
     coordinator_address: str | None = None, num_processes: int | None = None, process_id: int | None = None,
-    transfer_address: str | None = None, cpu_devices: int | None = None,
+    transfer_address: str | None = None, cpu_devices: int | None = None, cpu_collectives: str | None = None,
 ) -> ProcessInfo:
     """Joins this process to the job, before any JAX computation: from the arguments,
     else from what `hetpar launch` set in the environment; without either, JAX's own
     auto-detection (SLURM, cloud TPU) is tried when the environment looks like one,
-    and otherwise the process runs alone. Call it at the top of the training script."""
+    and otherwise the process runs alone. Call it at the top of the training script.
+
+    `cpu_collectives` (CPU only): "gloo", the default, runs collectives over TCP
+    between processes, and then also between the devices of one process; "local"
+    keeps XLA's in-process collectives, an order of magnitude faster per all-reduce
+    (README, "Many processes"), for jobs where every stage mesh lies in one process."""
     env = os.environ
     coordinator_address = coordinator_address or env.get(ENV_COORDINATOR)
     num_processes = num_processes if num_processes is not None else _int_env(ENV_NUM_PROCESSES)
@@ -69,9 +87,13 @@ def initialize(
     cpu_devices = cpu_devices if cpu_devices is not None else _int_env(ENV_CPU_DEVICES)
     if cpu_devices:
         jax.config.update("jax_num_cpu_devices", cpu_devices)
+    cpu_collectives = cpu_collectives or env.get(ENV_CPU_COLLECTIVES) or "gloo"
+    if cpu_collectives not in CPU_COLLECTIVES:
+        raise HetparError(f"cpu_collectives ({ENV_CPU_COLLECTIVES}) must be one of {', '.join(CPU_COLLECTIVES)}, "
+                          f"got {cpu_collectives!r}")
     if coordinator_address is None and "SLURM_JOB_ID" not in env:
         return ProcessInfo(0, 1)
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo" if cpu_collectives == "gloo" else None)
     if transfer_address:
         jax.config.update("jax_cross_host_transfer_socket_address", transfer_address)
     heartbeat = _int_env(ENV_HEARTBEAT_S) or 30
@@ -114,6 +136,12 @@ def is_multiprocess() -> bool:
     return jax.process_count() > 1
 
 
+def cross_process_collectives() -> bool:
+    """Whether one program may span processes' devices (always on accelerators;
+    on CPU only with gloo, see `initialize`)."""
+    return jax.default_backend() != "cpu" or jax.config.jax_cpu_collectives_implementation is not None
+
+
 def share_plan(make: Callable[[], Plan]) -> Plan:
     """Process 0 makes the plan; every process gets that plan (as plan-file JSON over
     a broadcast), so all compile the same programs."""
@@ -122,11 +150,10 @@ def share_plan(make: Callable[[], Plan]) -> Plan:
     payload = np.zeros((0,), np.uint8)
     if jax.process_index() == 0:
         payload = np.frombuffer(json.dumps(plan_to_dict(make())).encode(), np.uint8)
-    first = jax.process_index() == 0
-    size = int(broadcast(np.int32(payload.size), first))
+    size = int(broadcast(np.int32(payload.size), 0))
     padded = np.zeros((size,), np.uint8)
     padded[: payload.size] = payload
-    data = broadcast(padded, first)
+    data = broadcast(padded, 0)
     return plan_from_dict(json.loads(data.tobytes().decode()), where="plan from process 0")
 
 
@@ -152,25 +179,58 @@ def to_host(tree: Any) -> Any:
             value = np.asarray(whole.addressable_data(0) if len(owners) > 1 else jax.device_get(whole)).astype(kind)
         else:
             value = np.zeros(x.shape, kind)
-        return broadcast(value, here == owners[0]).astype(x.dtype)
+        return broadcast(value, owners[0]).astype(x.dtype)
 
     return jax.tree.map(one, tree)
 
 
-def broadcast(value: np.ndarray, is_source: bool) -> np.ndarray:
-    """The source process's `value` on every process: a sum over a mesh of one device
-    per process, to which the others add zeros. (multihost_utils.broadcast_one_to_all
-    assumes every process has as many devices; a cluster's hosts need not.)"""
+def broadcast(value: np.ndarray, source: int) -> np.ndarray:
+    """Process `source`'s `value` on every process (every process calls it with a
+    value of the same shape and dtype). With cross-process collectives, a sum over a
+    mesh of one device per process, to which the others add zeros
+    (multihost_utils.broadcast_one_to_all assumes every process has as many devices;
+    a cluster's hosts need not); without, one cross-process transfer per receiver."""
     value = np.asarray(value)
     mesh = _one_device_per_process()
+    if not cross_process_collectives():
+        return _broadcast_by_transfer(value, source, list(mesh.devices.flat))
     mine = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
-    local = value if is_source else np.zeros_like(value)
+    local = value if jax.process_index() == source else np.zeros_like(value)
     kind = np.int32 if local.dtype == np.uint8 else local.dtype  # sum without overflow
     shard = jax.device_put(local.astype(kind)[None], mine)
     stacked = jax.make_array_from_single_device_arrays((mesh.size, *value.shape), NamedSharding(mesh, PartitionSpec("p")),
                                                        [shard])
     total = jax.jit(lambda v: v.sum(0), out_shardings=NamedSharding(mesh, PartitionSpec()))(stacked)
     return np.asarray(total.addressable_data(0)).astype(value.dtype)
+
+
+def _broadcast_by_transfer(value: np.ndarray, source: int, devices: list[Any]) -> np.ndarray:
+    """`broadcast` as device_puts from the source's first device to each other
+    process's first device (every process makes every call, in one order)."""
+    def on(device: Any) -> NamedSharding:
+        return NamedSharding(Mesh(np.array([device]), ("p",)), PartitionSpec())
+
+    here = jax.process_index()
+    start = on(devices[source])
+    if here == source:
+        x = jax.device_put(value, start)
+    else:
+        x = placeholder(jax.ShapeDtypeStruct(value.shape, value.dtype), start)
+    out = value
+    for d in devices:
+        if d.process_index != source:
+            moved = jax.device_put(x, on(d))
+            if d.process_index == here:
+                out = np.asarray(moved.addressable_data(0))
+    return out
+
+
+def barrier() -> None:
+    """Returns once every process has called it (each hears from every other)."""
+    if not is_multiprocess():
+        return
+    for p in range(jax.process_count()):
+        broadcast(np.int32(p), p)
 
 
 def _one_device_per_process() -> Mesh:
@@ -196,16 +256,23 @@ def stages_of_process(plan: Plan, device_order: Sequence[Any], process: int) -> 
     return [s.index for s in plan.stages if any(device_order[p].process_index == process for p in s.device_ids)]
 
 
-def check_cross_process(plan: Plan, device_order: Sequence[Any]) -> None:
+def check_cross_process(plan: Plan, device_order: Sequence[Any], collectives: bool = True) -> None:
     """Refuses a plan whose stages on different processes have meshes of different
     shapes: JAX moves a value between processes shard for shard, so both sides must
     cut it alike (a 2-device stage cannot send to a 1-device stage in another process;
-    JAX raises, and reshaping on the way is not built yet)."""
+    JAX raises, and reshaping on the way is not built yet). Without cross-process
+    collectives (`collectives` False), also one whose stage mesh spans processes."""
     def shape(s: Any) -> tuple[int, ...]:
         dims = tuple(s.mesh_shape) if s.mesh_shape else (len(s.device_ids),)
         return tuple(d for d in dims if d > 1) or (1,)
 
     owners = {s.index: {device_order[p].process_index for p in s.device_ids} for s in plan.stages}
+    spanning = [s.index for s in plan.stages if len(owners[s.index]) > 1]
+    if spanning and not collectives:
+        raise PlanError(
+            f"stage {spanning[0]} spans processes {sorted(owners[spanning[0]])}, but this job runs without cross-process "
+            f"collectives on CPU ({ENV_CPU_COLLECTIVES}=local): start it with {ENV_CPU_COLLECTIVES}=gloo "
+            "(hetpar launch picks gloo when a group has several nodes), or give each stage the devices of one process")
     for a in plan.stages:
         for b in plan.stages:
             if a.index < b.index and owners[a.index] != owners[b.index] and shape(a) != shape(b):
@@ -272,11 +339,19 @@ class StageTracker:
 
 class DistributedStep:
     """A compiled step run by every process of the job: the in-process executor,
-    with each failure turned into a HetparError naming this process and the stage."""
+    with each failure turned into a HetparError naming this process and the stage.
+    Programs whose mesh has none of this process's devices are not dispatched here:
+    their outputs are placeholders (hetpar/runtime/remote.py), which is all this
+    process needs to send to or receive from them."""
 
     def __init__(self, step: CompiledStep, stages: list[int]):
         self.tracker = StageTracker()
-        self.step = replace(step, programs=self.tracker.wrap(step.programs))
+        programs = [p if p is None else self.tracker.wrap([p])[0] if has_local_devices(p.mesh.devices.flat) else replace(
+            p, fn=skipped(p.fn), init_acc=p.init_acc and skipped(p.init_acc), finish=p.finish and skipped(p.finish))
+            for p in step.programs]
+        fused = {i: f if has_local_devices(f.mesh.devices.flat) else replace(f, fn=skipped(f.fn))
+                 for i, f in step.fused.items()}
+        self.step = replace(step, programs=programs, fused=fused)
         self.graph = step.graph
         self.status = Status()
         self.steps = 0

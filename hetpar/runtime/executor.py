@@ -3,7 +3,9 @@
 Values live where they were produced; a task that needs a value on another stage's
 mesh gets a copy made with `jax.device_put` (cross-mesh transfer) and kept for the
 other tasks of that stage. JAX dispatch is asynchronous, so stages on different
-meshes overlap without explicit threads; nothing here blocks on a result.
+meshes overlap without explicit threads; nothing here blocks on a result. The few
+op-by-op calls go through `remote.eager`, so that under jax.distributed a process
+only makes placeholders of values computed on other processes' devices.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from hetpar.compile.compiled import CompiledStep, constant_output
 from hetpar.compile.order import Step
 from hetpar.compile.programs import FusedProgram, Program
 from hetpar.runtime.communicator import DevicePath
+from hetpar.runtime.remote import eager
 
 
 @dataclass
@@ -56,13 +59,13 @@ def run(step: CompiledStep, flat_args: Sequence[Any], stats: RunStats | None = N
             whole = store.get((value, None, replica)) or store[(value, None, 0)]
             start, size = step.microbatch_slice(mb)
             axis = step.analysis.batch_axis[value]
-            return jax.lax.slice_in_dim(next(iter(whole.values())), start, start + size, axis=axis)
+            return eager(lambda x: jax.lax.slice_in_dim(x, start, start + size, axis=axis), next(iter(whole.values())))
         arg = inputs[value]
         if mb is None:
             return arg
         start, size = step.microbatch_slice(mb)
         if isinstance(arg, jax.Array):  # a static slice: no index crosses from the host
-            return jax.lax.slice_in_dim(arg, start, start + size, axis=0)
+            return eager(lambda x: jax.lax.slice_in_dim(x, start, start + size, axis=0), arg)
         return arg[start : start + size]
 
     def fetch(value: int, mb: int | None, replica: int, stage: int, sharding: Any) -> Any:
@@ -149,7 +152,7 @@ def _combine_replicas(step: CompiledStep, store: dict) -> None:
             continue
         stage, mine = next(iter(home.items()))
         moved = _PATH.to_mesh(other, mine.sharding)
-        store[(value, None, 0)] = {stage: MERGE[step.analysis.reductions[value]](mine, moved)}
+        store[(value, None, 0)] = {stage: eager(MERGE[step.analysis.reductions[value]], mine, moved)}
         del store[(value, mb, replica)]
 
 
@@ -173,4 +176,4 @@ def _concatenate(value: int, step: CompiledStep, store: dict) -> Any:
         return pieces[0]
     first = pieces[0].sharding
     pieces = [_PATH.to_mesh(p, first) for p in pieces]
-    return jnp.concatenate(pieces, axis=step.analysis.batch_axis[value])
+    return eager(lambda *xs: jnp.concatenate(xs, axis=step.analysis.batch_axis[value]), *pieces)

@@ -68,6 +68,16 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
             s.close()
 
 
+def cpu_collectives(cluster: Cluster) -> str:
+    """What a local launch uses between its processes' CPU devices. With one node
+    per group no stage mesh can span processes (a stage's devices are one group's),
+    so each process keeps XLA's in-process collectives: gloo would carry every
+    all-reduce inside a stage over TCP too, at about 10 ms each on loopback
+    (README, "Many processes"). A group of several nodes may get a stage across
+    them, which needs gloo. HETPAR_CPU_COLLECTIVES in the environment overrides."""
+    return "gloo" if any(g.nodes > 1 for g in cluster.groups) else "local"
+
+
 def launch_local(cluster: Cluster, command: Sequence[str], timeout_s: float | None = None,
                  env: dict[str, str] | None = None, grace_s: float = 5.0) -> None:
     """Runs `command` once per process of `cluster` on this machine and waits for all
@@ -89,6 +99,7 @@ def launch_local(cluster: Cluster, command: Sequence[str], timeout_s: float | No
             dist.ENV_TRANSFER_ADDRESS: f"127.0.0.1:{ports[1 + spec.process_id]}",
             dist.ENV_CPU_DEVICES: str(spec.num_devices),
             dist.ENV_STATUS_DIR: status_dir,
+            dist.ENV_CPU_COLLECTIVES: base.get(dist.ENV_CPU_COLLECTIVES) or cpu_collectives(cluster),
             "JAX_PLATFORMS": base.get("JAX_PLATFORMS", "cpu"),
         })
         # Its own session: stopping a process also stops whatever it started.
