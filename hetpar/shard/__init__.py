@@ -161,7 +161,10 @@ class _StageSolver:
         stays and placement's fit check names the shortfall."""
         if not stage.memory_capacity:
             return problem, solution
-        budget = int(stage.memory_capacity - kept_bytes(stage, self.layers, self.plan))
+        unsplit = sum(self.layers.unsplit_param_bytes[stage.layer_start : stage.layer_end]) if self.layers.unsplit_param_bytes else 0
+        # The ILP holds the matmuls' weights (4 bytes of state per weight byte); the
+        # parameters no matmul reads (an embedding table) stay whole beside them.
+        budget = int(stage.memory_capacity - kept_bytes(stage, self.layers, self.plan) - 4 * unsplit)
         bounded = build(max(budget, 0))
         if bounded is None or peak_bytes(bounded.problem, solution.choice) <= budget:
             return problem, solution
