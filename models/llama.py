@@ -145,3 +145,9 @@ def setup(
         return state.apply_gradients(grads=grads), loss
 
     return Workload(train_step, state, batch, loss_fn, model)
+
+
+def llama2_7b(batch_size: int = 64) -> Workload:
+    """Llama-2-7B at its published size, abstract (for `hetpar solve models.llama:llama2_7b`):
+    f32 parameters, bf16 compute, AdamW, `batch_size` sequences of 4096 tokens."""
+    return setup(batch_size, LLAMA2_7B, abstract=True)

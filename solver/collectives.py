@@ -33,7 +33,9 @@ import itertools
 import math
 from functools import lru_cache
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -232,13 +234,14 @@ def _best(kind: str, topo: Topology, nbytes: float) -> tuple[str, float]:
 
 @lru_cache(maxsize=None)
 def affine_costs(kind: str, topo: Topology) -> tuple[tuple[float, float], ...]:
-    """Every algorithm's all-reduce time as (latency term, seconds per byte), so a
-    search can price thousands of message sizes with one numpy expression: the
-    fastest is the least of these lines. The flat closed forms are affine in the
-    size; the hierarchical one picks an algorithm per level, so it contributes one
-    line per combination of those picks."""
-    if kind != "all_reduce":
-        raise ValueError(f"affine_costs covers all_reduce only, not {kind!r}")
+    """Every algorithm's time for collective `kind` (an all-reduce, all-gather or
+    reduce-scatter) as (latency term, seconds per byte), so a search can price
+    thousands of message sizes with one numpy expression: the fastest is the least of
+    these lines. The flat closed forms are affine in the size; the hierarchical one
+    picks an algorithm per level, so it contributes one line per combination of
+    those picks."""
+    if kind not in ("all_reduce", "all_gather", "reduce_scatter"):
+        raise ValueError(f"affine_costs covers all_reduce, all_gather and reduce_scatter, not {kind!r}")
     if topo.size <= 1:
         return ()
     unit = 2.0**30
@@ -248,12 +251,29 @@ def affine_costs(kind: str, topo: Topology) -> tuple[tuple[float, float], ...]:
         return zero, (fn(unit) - zero) / unit
 
     link = topo.flat_link()
-    lines = [line(lambda m, f=f: f(topo.size, m, link)) for f in FLAT["all_reduce"].values()]
+    lines = [line(lambda m, f=f: f(topo.size, m, link)) for f in FLAT[kind].values()]
     if topo.nodes > 1 and topo.devices_per_node > 1:
         d, nodes = topo.devices_per_node, topo.nodes
-        for rs, ar, ag in itertools.product(FLAT["reduce_scatter"].values(), FLAT["all_reduce"].values(), FLAT["all_gather"].values()):
-            lines.append(line(lambda m, rs=rs, ar=ar, ag=ag: rs(d, m, topo.intra) + ar(nodes, m / d, topo.inter) + ag(d, m, topo.intra)))
+        if kind == "all_reduce":
+            for rs, ar, ag in itertools.product(FLAT["reduce_scatter"].values(), FLAT["all_reduce"].values(),
+                                                FLAT["all_gather"].values()):
+                lines.append(line(lambda m, rs=rs, ar=ar, ag=ag: rs(d, m, topo.intra) + ar(nodes, m / d, topo.inter)
+                                  + ag(d, m, topo.intra)))
+        else:  # as `hierarchical`: inside each node on its share, then across nodes
+            for inner, outer in itertools.product(FLAT[kind].values(), FLAT[kind].values()):
+                lines.append(line(lambda m, i=inner, o=outer: i(d, m / nodes, topo.intra) + o(nodes, m, topo.inter)))
     return tuple(lines)
+
+
+def fastest_times(kind: str, topo: Topology, nbytes: Any) -> Any:
+    """`best`'s time for every size in `nbytes` (a number or a numpy array) at once:
+    the least of `affine_costs`' lines, 0 for nothing to move."""
+    nbytes = np.asarray(nbytes, dtype=float)
+    lines = affine_costs(kind, topo)
+    if not lines:
+        return np.zeros_like(nbytes)
+    times = np.min([a + slope * nbytes for a, slope in lines], axis=0)
+    return np.where(nbytes > 0, times, 0.0)
 
 
 def p2p(nbytes: float, link: LinkCost) -> float:

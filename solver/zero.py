@@ -9,18 +9,20 @@ A stage's data-parallel devices may each hold all of a parameter's state, or a
   2  gradients too: reduce-scattered instead of all-reduced
   3  parameters too: all-gathered before the forward and again before the backward
      of every microbatch, and never gathered after the update
-hetpar's stage programs sync gradients inside every microbatch's backward (the
-accumulator lives where the gradient lands), so the gradient collective is paid per
-microbatch, the update's all-gather once per step. Pure numbers, no jax: the sharding
-pass and the planner's memory model both call these.
+A replicated gradient is all-reduced once per step; a sharded accumulator takes every
+microbatch's gradient reduce-scattered; the update's all-gather runs once per step
+(`zero_time`). Pure numbers, no jax: the sharding pass's choice and the planner's
+stage table both price ZeRO by `zero_time`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
-from solver.collectives import Topology, best
+import numpy as np
+
+from solver.collectives import Topology, fastest_times
 from solver.memory import ZERO_STAGES as STAGES, sharded_state
 
 
@@ -43,26 +45,45 @@ def state_bytes_per_device(param_bytes: float, opt_bytes: float, grad_bytes: flo
     return held.parameters + held.gradients + held.optimizer_state
 
 
+@dataclass(frozen=True)
+class ZeroTime:
+    """Seconds of a stage's data-axis collectives at one ZeRO stage, by when they run
+    (numbers, or numpy arrays of them for many parameter sets at once)."""
+
+    forward: Any  # per microbatch, before its forward: ZeRO-3's all-gather of the parameters
+    backward: Any  # per microbatch, in its backward: ZeRO-3's second all-gather; ZeRO-2/3's gradient reduce-scatter
+    step: Any  # once per step: ZeRO-0/1's gradient all-reduce; ZeRO-1/2's all-gather of the updated parameters
+
+    def per_step(self, microbatches: int) -> Any:
+        return max(1, microbatches) * (self.forward + self.backward) + self.step
+
+
+def zero_time(param_bytes: Any, grad_bytes: Any, zero: int, topology: Topology) -> ZeroTime:
+    """The one price of ZeRO's collectives, which the planner's stage table and the
+    sharding pass's per-parameter choice both ask: each collective at its fastest
+    algorithm on `topology` (its size is the data axis), for parameters and gradients
+    of these sizes per device before any data-axis split. A replicated gradient
+    (ZeRO-0/1) is all-reduced once per step, after the microbatches accumulate it; a
+    sharded accumulator (ZeRO-2/3) takes each microbatch's gradient reduce-scattered."""
+    _check(max(topology.size, 1), zero)
+    zeros = np.zeros_like(np.asarray(grad_bytes, dtype=float))
+    gather = fastest_times("all_gather", topology, param_bytes) + zeros
+    if zero <= 1:
+        return ZeroTime(zeros, zeros, fastest_times("all_reduce", topology, grad_bytes) + (gather if zero == 1 else zeros))
+    scatter = fastest_times("reduce_scatter", topology, grad_bytes) + zeros
+    if zero == 2:
+        return ZeroTime(zeros, scatter, gather)
+    return ZeroTime(gather, gather + scatter, zeros)
+
+
 def zero_comm_time(param_bytes: float, grad_bytes: float, dp: int, zero: int, topology: Topology,
                    microbatches: int = 1) -> float:
     """Seconds per step of the data axis's collectives for these parameters at ZeRO
-    stage `zero`, each collective at its best algorithm on `topology` (its size is
-    the data axis): the gradient sync of every microbatch, plus the all-gathers the
-    stage adds."""
+    stage `zero` (`zero_time`, over `microbatches`)."""
     _check(dp, zero)
     if dp == 1:
         return 0.0
-    m = max(1, microbatches)
-    all_reduce = best("all_reduce", topology, grad_bytes)[1]
-    reduce_scatter = best("reduce_scatter", topology, grad_bytes)[1]
-    gather = best("all_gather", topology, param_bytes)[1]
-    if zero == 0:
-        return m * all_reduce
-    if zero == 1:
-        return m * all_reduce + gather
-    if zero == 2:
-        return m * reduce_scatter + gather
-    return m * (reduce_scatter + 2 * gather)
+    return float(zero_time(param_bytes, grad_bytes, zero, topology).per_step(microbatches))
 
 
 @dataclass(frozen=True)

@@ -209,3 +209,18 @@ def test_equal_optima_resolve_the_same_way_every_time():
     problem = IntraOpProblem(nodes, edges)
     choices = {solve_intra_op(problem).choice for _ in range(5)}
     assert len(choices) == 1
+
+
+def test_a_budget_the_fast_start_breaks_still_gets_an_answer_that_fits():
+    """Where the budget binds, the unbudgeted start overflows it; with no time to search
+    (as a 7B stage on a 2x8 mesh had in 5 s) the answer is the start moved into the
+    budget, not an error."""
+    n = 40
+    strategies = (Strategy("fast", 0.0, 0.0, 10), Strategy("mid", 0.5, 0.0, 4), Strategy("small", 1.0, 0.0, 1))
+    nodes = tuple(Node(f"n{k}", strategies) for k in range(n))
+    agree = tuple(tuple(0.0 if i == j else 0.3 for j in range(3)) for i in range(3))
+    edges = tuple(Edge(k, k + 1, agree) for k in range(n - 1))
+    problem = IntraOpProblem(nodes, edges, memory_limit_bytes=150, live_sets=(tuple(range(n)),))
+    solution = solve_intra_op(problem, time_limit_s=1e-9)
+    assert peak_bytes(problem, solution.choice) <= 150
+    assert solution.cost_s == pytest.approx(evaluate(problem, solution.choice))

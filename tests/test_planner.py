@@ -66,7 +66,8 @@ def brute_pipeline(problem: Problem, costs: StageCosts, kinds: tuple[str, ...], 
                     if len(configs) > costs.n or any(b % c.dp or b // c.dp < problem.min_examples for c in configs):
                         continue
                     for schedule in schedules:
-                        tables = [costs.table(c, b, in_flight(schedule, m, p, len(configs))) for p, c in enumerate(configs)]
+                        tables = [costs.table(c, b, in_flight(schedule, m, p, len(configs)), p == len(configs) - 1, m)
+                                  for p, c in enumerate(configs)]
                         sends = [costs.sends(a, c, b) for a, c in zip(configs, configs[1:])]
                         for cuts in compositions(costs.n, len(configs)):
                             best_value = min(best_value, score(tables, sends, m, cuts, schedule))

@@ -6,8 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from solver.planner.stage_costs import StageCosts
+
 from hetpar.cluster.cluster import Cluster
-from hetpar.plan.auto import SearchOptions, search
+from hetpar.plan.auto import SearchOptions, problem_for, search
 from hetpar.plan.make import layers_pass
 from hetpar.options import StageOption
 from hetpar.trace.traced_step import trace_step
@@ -51,3 +53,17 @@ def test_7b_on_a100s_and_v100s_uses_the_v100s_and_beats_a100s_alone(llama_7b):
     assert "V100" in {s.device_type for s in plan.stages} and _fits(plan)
     a100_alone = dict(result.per_kind)["a100"]  # examples/s of the best A100-only plan, same model
     assert result.best.throughput > a100_alone
+
+
+def test_tensor_parallelism_splits_matmul_weights_only(llama_7b):
+    """The sharding pass lays out matmul operands only, so an embedding table and the
+    norms' scales stay whole on the model axis: the planner counts them whole per
+    device (before, it split them too and placement found stage 0 over budget)."""
+    c = llama.LLAMA2_7B
+    layers = layers_pass(llama_7b, Cluster.from_file(str(CLUSTERS / "v100_32.yaml")).numbered(), StageOption(), True)
+    whole = 4 * (c.vocab_size * c.d_model + (2 * c.n_layers + 1) * c.d_model)  # f32 embedding and RMSNorm scales
+    assert sum(layers.unsplit_param_bytes) == whole
+    assert layers.unsplit_param_bytes[0] >= 4 * c.vocab_size * c.d_model  # the embedding is the first layer's
+    costs = StageCosts(problem_for(layers, Cluster.from_file(str(CLUSTERS / "v100_32.yaml")).numbered(), BATCH, c.seq_len))
+    total = 4 * c.param_count()
+    assert costs.tp_params(8).sum() == pytest.approx((total - whole) / 8 + whole)

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 
 from solver.collectives import LinkCost, Topology, best
-from solver.zero import ZeroItem, choose_zero, state_bytes_per_device, zero_comm_time
+from solver.zero import ZeroItem, choose_zero, state_bytes_per_device, zero_comm_time, zero_time
 
 LINK = LinkCost(100e9, 5e-6)
 TOPO = Topology(1, 4, LINK, LINK)
@@ -22,13 +23,23 @@ def test_state_bytes_per_stage():
 
 
 def test_comm_time_per_stage():
+    """A replicated gradient is all-reduced once per step, a sharded one reduce-scattered
+    per microbatch; ZeRO-1/2 all-gather the updated parameters once, ZeRO-3 gathers
+    them for every forward and backward."""
     g = p = 1e8
     ar, rs, ag = (best(k, TOPO, 1e8)[1] for k in ("all_reduce", "reduce_scatter", "all_gather"))
-    assert zero_comm_time(p, g, 4, 0, TOPO, microbatches=3) == pytest.approx(3 * ar)
-    assert zero_comm_time(p, g, 4, 1, TOPO, microbatches=3) == pytest.approx(3 * ar + ag)
+    assert zero_comm_time(p, g, 4, 0, TOPO, microbatches=3) == pytest.approx(ar)
+    assert zero_comm_time(p, g, 4, 1, TOPO, microbatches=3) == pytest.approx(ar + ag)
     assert zero_comm_time(p, g, 4, 2, TOPO, microbatches=3) == pytest.approx(3 * rs + ag)
     assert zero_comm_time(p, g, 4, 3, TOPO, microbatches=3) == pytest.approx(3 * (rs + 2 * ag))
     assert zero_comm_time(p, g, 1, 3, TOPO) == 0.0
+    # Over nodes, the vectorized price (what the planner's tables use) is `best`'s, hierarchical included.
+    two_nodes = Topology(2, 4, LINK, LinkCost(12.5e9, 1e-5))
+    for zero in range(4):
+        times = zero_time(np.array([1e6, 1e8]), np.array([1e6, 1e8]), zero, two_nodes)
+        ar, rs, ag = (best(k, two_nodes, 1e8)[1] for k in ("all_reduce", "reduce_scatter", "all_gather"))
+        want = {0: (0, 0, ar), 1: (0, 0, ar + ag), 2: (0, rs, ag), 3: (ag, ag + rs, 0)}[zero]
+        assert (times.forward[1], times.backward[1], times.step[1]) == pytest.approx(want)
 
 
 @pytest.mark.parametrize("bad", [dict(zero=4), dict(dp=0)])

@@ -25,7 +25,7 @@ from hetpar.predict.plan_time import priced
 from hetpar.shard import AXES, mesh_axes, shard_stages
 from hetpar.trace.fingerprint import differences, signature
 from hetpar.trace.flops import op_costs
-from hetpar.trace.layers import Layers, block_count, build_layers, compute_dtype
+from hetpar.trace.layers import Layers, block_count, build_layers, compute_dtype, param_layers
 from hetpar.trace.microbatch import Phase, input_roles
 from hetpar.trace.traced_step import TracedStep, trace_step
 from solver import schedules
@@ -197,7 +197,8 @@ def placement_pass(traced: TracedStep, layers: Layers, plan: Plan) -> Plan:
     placed = _placed_params(traced, plan)
     stages = tuple(
         replace(s, param_specs=tuple((name, spec) for name, spec, _, _ in specs),
-                memory_bytes=_memory(s, specs, layers, plan, _dots_kept(traced, plan, s) if s.remat == "dots" else 0))
+                memory_bytes=_memory(s, specs, layers, plan, _dots_kept(traced, plan, s) if s.remat == "dots" else 0,
+                                     _gathered_bytes(traced, layers, s)))
         for s, specs in zip(plan.stages, placed)
     )
     stages = _device_memory(stages)
@@ -242,14 +243,30 @@ def _dots_kept(traced: TracedStep, plan: Plan, stage: StagePlan) -> int:
     return sum(graph.nbytes(v) for v in kept)
 
 
-def _memory(stage: StagePlan, placed: tuple, layers: Layers, plan: Plan, dots: int = 0) -> int:
+def _gathered_bytes(traced: TracedStep, layers: Layers, stage: StagePlan) -> float:
+    """Per device, the largest layer's ZeRO-3 parameters gathered to their layout in
+    use (`StagePlan.gathered`): what the stage holds besides its shards while that
+    layer's forward or backward runs, one layer at a time (as the planner assumes)."""
+    if not stage.gathered:
+        return 0.0
+    mesh = mesh_axes(stage)
+    owner = param_layers(traced.full, traced.analysis, layers.op_layer)
+    per_layer: dict[int, float] = {}
+    for v, spec in stage.gathered:
+        shards = math.prod(mesh[a] for a in spec if a is not None)
+        per_layer[owner.get(v, -1)] = per_layer.get(owner.get(v, -1), 0.0) + traced.full.nbytes(v) / shards
+    return max(per_layer.values())
+
+
+def _memory(stage: StagePlan, placed: tuple, layers: Layers, plan: Plan, dots: int = 0, gathered: float = 0.0) -> int:
     """Per device, by solver.memory (the planner's own model): the stage's parameters
     and optimizer state as placed (`placed`: the sharding pass already laid ZeRO's
     data-axis splits into them), a gradient per parameter laid out like it, or
     reduce-scattered over the data axis under ZeRO-2; and the activations its
     microbatches in flight keep for the backward at its position in its own
     pipeline, under its recomputation ("dots": `dots`, the full batch's kept matmul
-    results; `hetpar.plan.activations`)."""
+    results; `hetpar.plan.activations`); and, under ZeRO-3, the largest layer's
+    parameters `gathered` while in use."""
     dp = mesh_axes(stage).get(AXES[0], 1)
 
     def total(role: str, on_data: bool) -> float:
@@ -263,7 +280,7 @@ def _memory(stage: StagePlan, placed: tuple, layers: Layers, plan: Plan, dots: i
         activations=0.0,
     )
     acts, held, last = stage_activations(stage, layers, plan, dots)
-    return int(stage_memory(state, acts, held, stage.remat, fused=last).total)
+    return int(stage_memory(state, acts, held, stage.remat, fused=last, workspace=gathered).total)
 
 
 def _placed_params(traced: TracedStep, plan: Plan) -> list[tuple[tuple[str, Spec, int, str], ...]]:

@@ -19,6 +19,7 @@ from hetpar.trace.layers import Layers
 from hetpar.trace.traced_step import TracedStep
 from solver.collectives import LinkCost, Topology
 from solver.intra_op import IntraOpError, IntraOpProblem, IntraOpSolution, peak_bytes, solve_intra_op
+from solver.memory import sharded_state
 from solver.zero import choose_zero
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,14 @@ def _zero(traced: TracedStep, layers: Layers, plan: Plan, stage: StagePlan, spec
     return specs, zero, gathered
 
 
+def state_factor(zero: int, dp: int) -> float:
+    """Bytes of parameter, gradient and Adam state per parameter byte that a device of
+    a `dp`-wide data axis holds at ZeRO stage `zero` (solver.memory's split): what
+    the sharding ILP charges each weight byte against the stage's memory budget."""
+    held = sharded_state(1.0, 1.0, 2.0, dp, zero)
+    return held.parameters + held.gradients + held.optimizer_state
+
+
 def _best_mesh(solver: "_StageSolver", plan: Plan, stage: StagePlan, batch_size: int, per_node: int) -> StagePlan:
     """The stage's devices split into `data` x `model` as the sharding solver finds
     fastest, as Alpa has its intra-op pass price each logical mesh: a model axis
@@ -132,13 +141,16 @@ class _StageSolver:
         batch_free = {v for v in traced.full.invars if v not in traced.analysis.batch_axis}
         spec = device_type(stage.device_type)
         link = self.link(stage)
+        zero = self.option.zero if self.option.zero is not None else stage.zero
+        factor = state_factor(zero, mesh.get("data", 1))
         build = lambda budget: stage_problem(traced.full, ops, batch_free, mesh, spec.matmul_flops(), link,  # noqa: E731
-                                             budget, batch_axis=traced.analysis.batch_axis, op_layer=self.layers.op_layer)
+                                             budget, factor, batch_axis=traced.analysis.batch_axis,
+                                             op_layer=self.layers.op_layer)
         problem = build(None)
         if problem is None:
             return {}, 0.0, {}
         solution = _solve_once(problem.problem, self.option.time_limit_s)
-        problem, solution = self._within_memory(stage, build, problem, solution)
+        problem, solution = self._within_memory(stage, build, problem, solution, factor)
         log.info("stage %d sharded on %s: %.3g s predicted (%s)", stage.index, mesh, solution.cost_s,
                  "optimal" if solution.optimal else f"gap {solution.gap:.1%}")
         out: dict[int, Spec] = {}
@@ -153,7 +165,7 @@ class _StageSolver:
         return _follow_state(traced, out), solution.cost_s, operands
 
 
-    def _within_memory(self, stage: StagePlan, build, problem, solution):  # noqa: ANN001
+    def _within_memory(self, stage: StagePlan, build, problem, solution, factor: float = 4.0):  # noqa: ANN001
         """The fastest sharding is kept unless its weights' state overflows what the
         stage's devices have left after their activations (the planner priced the
         stage assuming its weights split over the model axis): then the ILP solves
@@ -161,7 +173,11 @@ class _StageSolver:
         stays and placement's fit check names the shortfall."""
         if not stage.memory_capacity:
             return problem, solution
-        budget = int(stage.memory_capacity - kept_bytes(stage, self.layers, self.plan))
+        unsplit = sum(self.layers.unsplit_param_bytes[stage.layer_start : stage.layer_end]) if self.layers.unsplit_param_bytes else 0
+        # The ILP holds the matmuls' weights (`factor` bytes of state per weight byte
+        # under the stage's ZeRO stage); the parameters no matmul reads (an embedding
+        # table) stay whole on the model axis beside them.
+        budget = int(stage.memory_capacity - kept_bytes(stage, self.layers, self.plan) - factor * unsplit)
         bounded = build(max(budget, 0))
         if bounded is None or peak_bytes(bounded.problem, solution.choice) <= budget:
             return problem, solution

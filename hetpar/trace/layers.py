@@ -35,6 +35,9 @@ class Layers:
     tp_bytes: list[int] = field(default_factory=list)  # per layer, full batch: all-reduced per forward if split Megatron's way
     tp_count: list[int] = field(default_factory=list)  # per layer: how many all-reduces carry `tp_bytes` (as many in the backward)
     largest_bytes: list[int] = field(default_factory=list)  # per layer, full batch: its largest per-example value
+    # per layer: the part of `param_bytes` no matmul reads (an embedding table, a norm's scale), which the
+    # sharding pass leaves whole on the model axis, so tensor parallelism does not split it
+    unsplit_param_bytes: list[int] = field(default_factory=list)
 
 
 def build_layers(graph: OpGraph, analysis: MicrobatchAnalysis, op_flops: list[float], num_layers: int) -> Layers:
@@ -90,6 +93,7 @@ def build_layers(graph: OpGraph, analysis: MicrobatchAnalysis, op_flops: list[fl
         op_layer, num_layers, flops, names, boundary, forward_flops,
         _param_bytes(graph, analysis, op_layer, num_layers), _saved_bytes(graph, analysis, op_layer, num_layers),
         *_tp_bytes(graph, analysis, op_layer, num_layers), _largest_bytes(graph, analysis, op_layer, num_layers),
+        _param_bytes(graph, analysis, op_layer, num_layers, unsplit=True),
     )
 
 
@@ -177,9 +181,22 @@ def _largest_bytes(graph: OpGraph, analysis: MicrobatchAnalysis, op_layer: dict[
     return out
 
 
-def _param_bytes(graph: OpGraph, analysis: MicrobatchAnalysis, op_layer: dict[int, int], num_layers: int) -> list[int]:
-    """Bytes of the batch-free step inputs (parameters) each layer's forward reads
-    first, directly or through batch-free work done once before the microbatches (a
+def _param_bytes(graph: OpGraph, analysis: MicrobatchAnalysis, op_layer: dict[int, int], num_layers: int,
+                 unsplit: bool = False) -> list[int]:
+    """Bytes of the parameters each layer owns (`param_layers`). `unsplit`: only those
+    no matmul reads (the sharding pass lays out matmul operands only, so the model
+    axis splits no others)."""
+    matmul_read = _matmul_params(graph, parameter_origins(graph, analysis)) if unsplit else set()
+    out = [0] * num_layers
+    for v, layer in param_layers(graph, analysis, op_layer).items():
+        if v not in matmul_read:
+            out[layer] += graph.nbytes(v)
+    return out
+
+
+def param_layers(graph: OpGraph, analysis: MicrobatchAnalysis, op_layer: dict[int, int]) -> dict[int, int]:
+    """Parameter (batch-free step input) -> the layer whose forward reads it first,
+    directly or through batch-free work done once before the microbatches (a
     mixed-precision step casts its f32 parameters to bf16 there: the layer reads the
     cast, but the gradient, its sync and the optimizer state are the f32 input's)."""
     owner: dict[int, int] = {}
@@ -190,9 +207,28 @@ def _param_bytes(graph: OpGraph, analysis: MicrobatchAnalysis, op_layer: dict[in
         for v in graph.ops[op].inputs:
             for p in origins.get(v, ()):
                 owner.setdefault(p, layer)
-    out = [0] * num_layers
-    for v, layer in owner.items():
-        out[layer] += graph.nbytes(v)
+    return owner
+
+
+_PASS_THROUGH = ("convert_element_type", "transpose", "copy", "copy_p", "reshape")
+
+
+def _matmul_params(graph: OpGraph, origins: dict[int, tuple[int, ...]]) -> set[int]:
+    """The step inputs some matmul reads, directly, through batch-free work, or
+    through a cast or transpose inside the microbatch."""
+    out: set[int] = set()
+    for op in graph.ops:
+        if op.name != "dot_general":
+            continue
+        for v in op.inputs:
+            for _ in range(4):
+                if v in origins:
+                    out.update(origins[v])
+                    break
+                producer = graph.producer.get(v)
+                if producer is None or graph.ops[producer].name not in _PASS_THROUGH:
+                    break
+                v = graph.ops[producer].inputs[0]
     return out
 
 

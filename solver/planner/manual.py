@@ -99,7 +99,8 @@ def price(problem: Problem, config: ManualConfig) -> PlanChoice:
     planner = Planner(problem, top_k=1)
     cfg = StageConfig(kind_name, config.dp, config.tp)
     configs = [cfg] * stages
-    tables = [planner.costs.table(c, b, in_flight(config.schedule, m, p, stages, config.chunks)) for p, c in enumerate(configs)]
+    tables = [planner.costs.table(c, b, in_flight(config.schedule, m, p, stages, config.chunks), p == stages - 1, m)
+              for p, c in enumerate(configs)]
     sends = [planner.costs.sends(a, c, b) for a, c in zip(configs, configs[1:])]
     cuts = even_cuts(n, stages)
     bounds = list(zip([0, *cuts], [*cuts, n]))

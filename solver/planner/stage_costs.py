@@ -16,10 +16,11 @@ from functools import cached_property, lru_cache
 
 import numpy as np
 
-from solver.collectives import Topology, affine_costs
+from solver.collectives import Topology, fastest_times
 from solver.efficiency import matmul_rate
 from solver.memory import StageActivations, in_flight, sharded_state, stage_memory
 from solver.planner.problem import DeviceKind, Problem
+from solver.zero import zero_time
 
 INF = float("inf")
 
@@ -88,16 +89,23 @@ class StageCosts:
         self.flops = np.array([layer.flops for layer in layers])
         self.fwd_flops = np.array([layer.forward_flops for layer in layers])
         self.params = np.array([layer.param_bytes for layer in layers], dtype=float)
+        self.unsplit = np.minimum(np.array([layer.unsplit_param_bytes for layer in layers], dtype=float), self.params)
         self.saved = np.array([layer.saved_bytes for layer in layers])
         self.inputs = np.array([layer.input_bytes for layer in layers])
         self.tp_bytes = np.array([layer.tp_bytes for layer in layers])
         self.tp_count = np.array([layer.tp_collectives for layer in layers], dtype=float)
         self.matmuls = np.array([layer.matmuls for layer in layers], dtype=float)
-        self.params_max = _range_max(self.params)
         self.largest_max = _range_max(np.array([layer.largest_bytes for layer in layers], dtype=float))
         self.kinds = {k.name: k for k in problem.kinds}
         self._tables = lru_cache(maxsize=None)(self._table)
         self._ranges = lru_cache(maxsize=None)(self._ranges_uncached)
+        self._params_max = lru_cache(maxsize=None)(lambda tp: _range_max(self.tp_params(tp)))
+
+    def tp_params(self, tp: int) -> np.ndarray:
+        """Each layer's parameter bytes on one device of a `tp`-wide model axis: the
+        matmuls' weights split, what no matmul reads (an embedding table) whole, as
+        the sharding pass lays them out."""
+        return (self.params - self.unsplit) / tp + self.unsplit
 
     def table(self, cfg: StageConfig, b: int, in_flight: int, last: bool = False, m: int = 1) -> StageTable:
         """Stage `cfg` on microbatches of `b` examples holding `in_flight` of them; `last`:
@@ -123,7 +131,7 @@ class StageCosts:
         speed = cfg.tp * self.matmul_rates(kind, cfg, per_device)
         tp_comm = self.tp_allreduce(kind, cfg.tp, self.tp_bytes * per_device, self.tp_count)  # forward; backward as much
         shard = per_device / cfg.tp  # activations split over tensor-parallel devices too (sequence parallel)
-        params = self.params / cfg.tp
+        params = self.tp_params(cfg.tp)
         state = sharded_state(params, params, params * (self.problem.state_factor - 2), cfg.dp, max(self.zero_stages(cfg)))
         return PerLayer(
             forward=self.fwd_flops * per_device / speed + tp_comm + kind.layer_overhead_s / 3,
@@ -147,18 +155,18 @@ class StageCosts:
         capacity = self.capacity(cfg.kind)
         inputs = np.broadcast_to((self.inputs * (b / cfg.dp / cfg.tp)).tolist() + [0.0], f.shape).T  # a stage keeps its own input
         activations = StageActivations(saved, inputs, largest=self.largest_max * (b / cfg.dp / cfg.tp))
-        gathered = self.params_max / cfg.tp  # ZeRO-3: one layer's parameters gathered at a time
+        gathered = self._params_max(cfg.tp)  # ZeRO-3: one layer's parameters gathered at a time
         optimizer = grads * p.optimizer_traffic / kind.memory_bandwidth
-        half = sync / 2  # an all-gather or a reduce-scatter: half a ring all-reduce of the same bytes
+        topology = self.dp_topology(kind, cfg)
         force = p.force_remat  # large runs recompute whether or not memory asks
         remats = ["full"] if force else [""] + (["full"] if p.allow_remat else [])
         best = np.full(f.shape, INF)
         out = {name: np.zeros(f.shape) for name in ("forward", "backward", "memory", "tail", "sync", "zero", "remat")}
         for zero in self.zero_stages(cfg):
             state = sharded_state(grads, grads, grads * (p.state_factor - 2), cfg.dp, zero)
-            extra_f = half if zero >= 3 else 0.0  # parameters gathered for the forward
-            extra_b = (2 * half if zero >= 3 else half) if zero >= 2 else 0.0  # and the backward; gradients reduce-scattered
-            step_sync = {0: sync, 1: sync, 2: half, 3: np.zeros_like(sync)}[zero]
+            comm = zero_time(grads, grads, zero, topology) if zero else None  # solver.zero: the one price of ZeRO
+            extra_f, extra_b = (comm.forward, comm.backward) if comm else (0.0, 0.0)
+            step_sync = comm.step if comm else sync
             tail = step_sync + (optimizer / cfg.dp if zero >= 1 else optimizer)  # ZeRO-1+: each device updates its shard
             for remat in remats:
                 need = stage_memory(state, activations, held, remat, fused=last, workspace=gathered if zero >= 3 else 0.0).total
@@ -178,7 +186,7 @@ class StageCosts:
         activations of one microbatch, the gradient all-reduce, the gradient bytes."""
         kind = self.kinds[cfg.kind]
         layer = self.per_layer(cfg, b)
-        grads = _span(_cumsum(self.params)) / cfg.tp
+        grads = _span(_cumsum(self.tp_params(cfg.tp)))
         sync = self._sync(kind, cfg, grads)
         return (_span(_cumsum(layer.forward)), _span(_cumsum(layer.backward)), _span(_cumsum(layer.saved)), sync, grads)
 
@@ -190,12 +198,18 @@ class StageCosts:
         count = np.maximum(count, 1.0)
         return count * all_reduce_times(Topology(1, tp, kind.intra, kind.intra), nbytes / count)
 
-    def _sync(self, kind: DeviceKind, cfg: StageConfig, grads: np.ndarray) -> np.ndarray:
-        if cfg.dp == 1:
-            return np.zeros_like(grads)
+    def dp_topology(self, kind: DeviceKind, cfg: StageConfig) -> Topology:
+        """The stage's data-parallel devices as a collective sees them: `tp`-wide
+        groups of a node's devices, one device of each group per data-parallel rank."""
         per_node = max(1, kind.devices_per_node // cfg.tp)
         nodes = max(1, cfg.dp // per_node)
-        return all_reduce_times(Topology(nodes, min(per_node, cfg.dp), kind.intra, kind.inter), grads)
+        return Topology(nodes, min(per_node, cfg.dp), kind.intra, kind.inter)
+
+    def _sync(self, kind: DeviceKind, cfg: StageConfig, grads: np.ndarray) -> np.ndarray:
+        """ZeRO-0's gradient all-reduce, once per step (`solver.zero.zero_time`)."""
+        if cfg.dp == 1:
+            return np.zeros_like(grads)
+        return zero_time(grads, grads, 0, self.dp_topology(kind, cfg)).step
 
     def sends(self, a: StageConfig, c: StageConfig, b: int) -> np.ndarray:
         """Seconds to move one microbatch's activation across a cut before layer j,
@@ -208,11 +222,7 @@ class StageCosts:
 
 def all_reduce_times(topo: Topology, nbytes: np.ndarray) -> np.ndarray:
     """The fastest all-reduce for every size in `nbytes` at once (0 for nothing)."""
-    lines = affine_costs("all_reduce", topo)
-    if not lines:
-        return np.zeros_like(nbytes)
-    times = np.min([a + slope * nbytes for a, slope in lines], axis=0)
-    return np.where(nbytes > 0, times, 0.0)
+    return fastest_times("all_reduce", topo, nbytes)
 
 
 def _cumsum(values: np.ndarray) -> np.ndarray:
