@@ -4,6 +4,9 @@ runtime between the backward and the update. Same numbers as jax.jit; where the
 update must wait for other pipelines' gradients (data-parallel replicas) it stays a
 program of its own."""
 
+import re
+from collections import Counter
+
 import jax
 import pytest
 
@@ -45,6 +48,26 @@ def test_each_stage_update_is_fused_into_its_last_backward(stages, microbatches,
     assert not [s for s in compiled.order if s.program in posts]  # no separate update dispatch
     # With one microbatch there is nothing to accumulate into: no accumulator argument.
     assert all(f.accumulates == (microbatches > 1) for f in compiled.fused.values())
+    # Data-parallel stages reduce their gradients over `data` once per step: a
+    # microbatch's program all-reduces nothing; the last (with the update) all-reduces
+    # exactly the stage's reductions, each once.
+    for host, fused in compiled.fused.items():
+        program = compiled.programs[host]
+        assert dict(program.mesh.shape) == {"data": 4 if stages == 2 else 8}  # the premise: data parallel only
+        assert program.stacked == set(program.task.reductions) and program.stacked
+        if microbatches > 1:
+            assert not _all_reduced(program.lower().compile().as_text()), "a microbatch's program all-reduces"
+        reductions = Counter(_type(compiled.graph.avals[v]) for v in program.task.reductions)
+        assert Counter(_all_reduced(fused.lower().compile().as_text())) == reductions
+
+
+def _type(aval) -> str:
+    return f"{aval.dtype}[{','.join(map(str, aval.shape))}]".replace("float32", "f32")
+
+
+def _all_reduced(hlo: str) -> list[str]:
+    """The result types of every all-reduce (a tuple-typed one gives each)."""
+    return [t for result in re.findall(r"= (.+?) all-reduce(?:-start)?\(", hlo) for t in re.findall(r"\w+\[[\d,]*\]", result)]
 
 
 def test_replicas_keep_the_update_apart():

@@ -52,12 +52,7 @@ def collectives(par, kind: str) -> dict[str, list[str]]:
     for program in step.programs:
         if program.task.kind != kind:
             continue
-        avals = step.graph.avals
-        acc = tuple(jax.ShapeDtypeStruct(avals[v].shape, avals[v].dtype, sharding=s)
-                    for v, s in zip(program.task.reductions, program.acc_shardings))
-        ins = [jax.ShapeDtypeStruct(avals[v].shape, avals[v].dtype, sharding=s)
-               for v, s in zip(program.task.inputs, program.in_shardings)]
-        text = program.fn.lower(acc, *ins).compile().as_text()
+        text = program.lower().compile().as_text()
         for name in found:  # XLA may combine several into one instruction of a tuple type
             for result in re.findall(rf"= (.+?) {name}(?:-start)?\(", text):
                 found[name] += re.findall(r"\w+\[[\d,]*\]", result)

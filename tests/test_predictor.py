@@ -88,6 +88,13 @@ def test_step_prediction_splits_time_and_reports_figures(two_stage):
     assert 0 < p.mfu < 1 and p.tokens_per_s > 0
     sequential = predict_step(step.compiled(), step.plan, cluster, concurrent=False)
     assert sequential.step_s > p.step_s  # stages that share cores cannot overlap
+    # Data-parallel stages keep gradients as per-device partials across microbatches
+    # (Program.stacked): their all-reduce is priced once per step, not per microbatch.
+    stacked = [(prog, est) for prog, est in zip(step.compiled().programs, p.programs) if prog.stacked]
+    assert stacked, "no stage accumulates partial gradients"
+    for prog, est in stacked:
+        assert est.finish_s > 0
+        assert (est.communication_s == 0) == (prog.stacked == set(prog.task.reductions))
 
 
 def test_activation_memory_follows_the_schedule(two_stage):

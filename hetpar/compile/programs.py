@@ -1,8 +1,10 @@
 """Stage programs: each task becomes one jitted function on its stage's mesh.
 
 A stage mesh is data parallel: values that carry the batch dimension are split over
-its devices along that dimension, everything else is replicated, and XLA's
-partitioner inserts the gradient all-reduce. Reductions are accumulated inside the
+its devices along that dimension, everything else is replicated. Reductions over the
+examples stay per-data-shard partial sums across microbatches and are summed (one
+all-reduce) when finished (partials.py); ZeRO-2/3 gradients are reduce-scattered per
+microbatch (scatter.py). Reductions are accumulated inside the
 program (the accumulator is donated), so a microbatch costs one dispatch per stage;
 and a stage's update (its post work) runs inside the program of its last
 microbatch (`compile_fused`), so it costs no dispatch of its own.
@@ -19,6 +21,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from hetpar.cluster.cluster import jax_devices
+from hetpar.compile.partials import partial_ops, partial_sums, stacked_spec
 from hetpar.compile.scatter import reduce_scatter, scatter_ops
 from hetpar.compile.tasks import Task
 from hetpar.trace import jaxpr_ir
@@ -78,8 +81,11 @@ class Program:
     in_shardings: tuple[NamedSharding, ...]
     acc_shardings: tuple[NamedSharding, ...]
     init_acc: Callable | None  # () -> accumulators of zeros (or the combine's identity)
-    finish: Callable | None = None  # accumulators -> the reductions in their own dtype
+    finish: Callable | None = None  # accumulators -> the reductions: partial stacks summed, in their own dtype
     arg_types: tuple = ()  # (accumulators, *inputs) as ShapeDtypeStructs with their shardings
+    # Reductions accumulated as stacks of per-data-shard partial sums, reduced over
+    # `data` once, by `finish` or the fused update (partials.py), not per microbatch.
+    stacked: frozenset[int] = frozenset()
 
     def lower(self) -> Any:
         """The program lowered for its argument types, e.g. `.as_text()` for StableHLO:
@@ -119,20 +125,20 @@ def compile_task(
         env = body.evaluate(args)
         return tuple(env[v] for v in task.outputs), body.accumulate(acc, env)
 
-    in_sh, out_sh, acc_sh = body.shardings(task.inputs), body.shardings(task.outputs), body.shardings(task.reductions)
+    in_sh, out_sh, acc_sh = body.shardings(task.inputs), body.shardings(task.outputs), body.acc_shardings()
     fn = jax.jit(run, in_shardings=(acc_sh, *in_sh), out_shardings=(out_sh, acc_sh), donate_argnums=0)
 
     init_acc = finish = None
     if task.reductions:
-        avals, acc_dtypes = body.reduction_avals, body.acc_dtypes
+        acc_types = body.acc_types()
         init_acc = jax.jit(
-            lambda: tuple(jnp.full(a.shape, _IDENTITY[c], d) for a, c, d in zip(avals, body.combine, acc_dtypes)),
+            lambda: tuple(jnp.full(a.shape, _IDENTITY[c], a.dtype) for a, c in zip(acc_types, body.combine)),
             out_shardings=acc_sh,
         )
-        if any(d != a.dtype for a, d in zip(avals, acc_dtypes)):
-            finish = jax.jit(lambda acc: tuple(x.astype(a.dtype) for x, a in zip(acc, avals)), out_shardings=acc_sh)
+        if body.stacked or any(d != a.dtype for a, d in zip(body.reduction_avals, body.acc_dtypes)):
+            finish = jax.jit(body.finals, in_shardings=(acc_sh,), out_shardings=body.shardings(task.reductions))
     arg_types = (body.acc_types(), *body.types(task.inputs, in_sh))
-    return Program(task, mesh, fn, in_sh, acc_sh, init_acc, finish, arg_types)
+    return Program(task, mesh, fn, in_sh, acc_sh, init_acc, finish, arg_types, frozenset(body.stacked))
 
 
 @dataclass
@@ -178,13 +184,13 @@ def compile_fused(
     def run(acc: tuple, *args: Any) -> tuple[tuple, tuple, tuple]:
         env = body.evaluate(args[: len(task.inputs)])
         new = body.accumulate(acc, env) if accumulates else body.scaled(env)
-        finals = {v: x.astype(a.dtype) for v, x, a in zip(task.reductions, new, body.reduction_avals)}
+        finals = dict(zip(task.reductions, body.finals(new)))
         outside = dict(zip(post_inputs, args[len(task.inputs):]))
         updated = after.evaluate([finals[v] if v in finals else outside[v] for v in post.inputs])
         return tuple(env[v] for v in task.outputs), tuple(finals[v] for v in kept), tuple(updated[v] for v in post.outputs)
 
     in_sh = body.shardings(task.inputs) + after.shardings(post_inputs)
-    acc_sh = body.shardings(task.reductions) if accumulates else ()
+    acc_sh = body.acc_shardings() if accumulates else ()
     out_sh = (body.shardings(task.outputs), body.shardings(kept), after.shardings(post.outputs))
     fn = jax.jit(run, in_shardings=(acc_sh, *in_sh), out_shardings=out_sh, donate_argnums=0)
     arg_types = (body.acc_types() if accumulates else (),
@@ -207,6 +213,11 @@ class _Body:
         # ZeRO-3 parameters are gathered where a microbatch reads them; the update works on shards.
         self.gather = {v: s for v, s in (gathered or {}).items() if v in task.inputs} if task.per_microbatch else {}
         self.scatter = scatter_ops(self.ops, task.reductions, graph, analysis, self.specs, mesh)
+        # Reductions left as per-data-shard partial sums until finished (partials.py).
+        self.partial = partial_ops(self.ops, task.reductions, graph, analysis, self.specs, mesh, set(self.scatter)) \
+            if task.per_microbatch else {}
+        self.dp = mesh.shape.get(DATA_AXIS, 1)
+        self.stacked = {op.outputs[0] for op in self.ops if op.index in self.partial}
         needed = {v for op in self.ops for v in op.inputs if v in graph.constants}
         source = graph.constants if analysis.marked else constants
         self.consts = {v: np.asarray(source[v], dtype=graph.avals[v].dtype) for v in needed}
@@ -229,6 +240,11 @@ class _Body:
                 ins = [jax.lax.with_sharding_constraint(x, spec_sharding(mesh, graph.avals[v], spec))
                        for x, v, spec in zip(ins, op.inputs, self.operand_specs[op.index])]
             scatter = self.scatter.get(op.index)
+            if op.index in self.partial:
+                pins = self.operand_specs.get(op.index) or [self._spec(v) for v in op.inputs]
+                stack = partial_sums(op, ins, self.partial[op.index], list(pins), self._spec(op.outputs[0]), mesh, self.dp)
+                env[op.outputs[0]] = stack
+                continue
             env.update(zip(op.outputs, reduce_scatter(op, ins, mesh, scatter) if scatter is not None else jaxpr_ir.bind(op, ins)))
             for v in op.outputs:
                 if v in self.specs:
@@ -242,10 +258,35 @@ class _Body:
     def accumulate(self, acc: tuple, env: dict[int, Any]) -> tuple:
         return tuple(_COMBINE[c](a, x.astype(a.dtype)) for c, a, x in zip(self.combine, acc, self.scaled(env)))
 
+    def finals(self, acc: tuple) -> tuple:
+        """The finished reductions from their accumulators: each stack of per-data-shard
+        partials summed (the step's one reduction over `data`), in the value's dtype."""
+        out = []
+        for v, x, a in zip(self.task.reductions, acc, self.reduction_avals):
+            if v in self.stacked:
+                x = jax.lax.with_sharding_constraint(x.sum(axis=0), self.sharding(v))
+            out.append(x.astype(a.dtype))
+        return tuple(out)
+
     def sharding(self, v: int) -> NamedSharding:
         if v in self.specs:
             return spec_sharding(self.mesh, self.graph.avals[v], self.specs[v])
         return value_sharding(self.mesh, self.graph.avals[v], self.analysis.batch_axis.get(v))
+
+    def _spec(self, v: int) -> tuple:
+        """`v`'s layout as a tuple of mesh axes, one per dimension."""
+        spec = tuple(self.sharding(v).spec)
+        return spec + (None,) * (len(self.graph.avals[v].shape) - len(spec))
+
+    def acc_shardings(self) -> tuple[NamedSharding, ...]:
+        """The accumulators' layouts: a reduction's own, or its stack of partials over `data`."""
+        return tuple(
+            spec_sharding(self.mesh, t, stacked_spec(self._spec(v), t.ndim - 1)) if v in self.stacked else self.sharding(v)
+            for v, t in zip(self.task.reductions, self._acc_avals()))
+
+    def _acc_avals(self) -> list[jax.ShapeDtypeStruct]:
+        return [jax.ShapeDtypeStruct(((self.dp,) if v in self.stacked else ()) + a.shape, d)
+                for v, a, d in zip(self.task.reductions, self.reduction_avals, self.acc_dtypes)]
 
     def shardings(self, values: Sequence[int]) -> tuple[NamedSharding, ...]:
         return tuple(self.sharding(v) for v in values)
@@ -255,5 +296,4 @@ class _Body:
                      for v, sh in zip(values, shardings))
 
     def acc_types(self) -> tuple:
-        return tuple(jax.ShapeDtypeStruct(a.shape, d, sharding=sh)
-                     for a, d, sh in zip(self.reduction_avals, self.acc_dtypes, self.shardings(self.task.reductions)))
+        return tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh) for a, sh in zip(self._acc_avals(), self.acc_shardings()))

@@ -2,7 +2,8 @@
 
 Work on values that carry the batch is split over the stage mesh (data parallel);
 everything else is replicated. Reductions over the batch end in an all-reduce of
-their bytes across the mesh.
+their bytes across the mesh: per call, or, for those the program accumulates as
+per-data-shard partials (`Program.stacked`), once per step when they are finished.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class ProgramEstimate:
     argument_bytes: int  # per device
     output_bytes: int  # per device
     temp_bytes: int  # per device: peak of intermediates the program materializes
+    finish_s: float = 0.0  # once per step: the all-reduce of the reductions kept as partials across calls
 
     @property
     def time_s(self) -> float:
@@ -97,18 +99,26 @@ def estimate_task(
     mesh_size: int,
     compute: ComputeModel,
     allreduce: LinkCost,
+    stacked: frozenset[int] = frozenset(),
 ) -> ProgramEstimate:
+    """`stacked`: the reductions this program accumulates unreduced (compiled
+    `Program.stacked`), all-reduced once per step (`finish_s`) rather than per call."""
     total = time_terms(task, graph, analysis, mesh_size, compute).scaled(compute)
-    # XLA combines a program's all-reduces into one, so latency is paid once, not per gradient.
-    reduced = sum(graph.nbytes(v) for v in task.reductions)
-    comm = best("all_reduce", Topology(1, mesh_size, allreduce, allreduce), reduced)[1] if mesh_size > 1 and reduced else 0.0
+
+    def all_reduce_s(values: list[int]) -> float:
+        # XLA combines a program's all-reduces into one, so latency is paid once, not per gradient.
+        reduced = sum(graph.nbytes(v) for v in values)
+        return best("all_reduce", Topology(1, mesh_size, allreduce, allreduce), reduced)[1] if mesh_size > 1 and reduced else 0.0
+
+    comm = all_reduce_s([v for v in task.reductions if v not in stacked])
+    finish = all_reduce_s([v for v in task.reductions if v in stacked])
 
     def per_device(values: list[int]) -> int:
         return int(sum(graph.nbytes(v) * share(graph, analysis, v, mesh_size) for v in values))
 
     arguments = per_device(task.inputs) + per_device(task.reductions)  # accumulators come in
     outputs = per_device(task.outputs) + per_device(task.reductions)
-    return ProgramEstimate(total, comm, arguments, outputs, _temp_bytes(task, graph, analysis, mesh_size))
+    return ProgramEstimate(total, comm, arguments, outputs, _temp_bytes(task, graph, analysis, mesh_size), finish)
 
 
 def _temp_bytes(task: Task, graph: OpGraph, analysis: MicrobatchAnalysis, mesh_size: int) -> int:

@@ -75,7 +75,8 @@ def predict_step(
     estimates = []
     for program in compiled.programs:
         model, allreduce = models[program.task.stage]
-        estimates.append(estimate_task(program.task, compiled.graph, compiled.analysis, sizes[program.task.stage], model, allreduce))
+        estimates.append(estimate_task(program.task, compiled.graph, compiled.analysis, sizes[program.task.stage], model, allreduce,
+                                       program.stacked))
 
     transfer = {s.index: 0.0 for s in plan.stages}  # per microbatch, into each stage
     for program in compiled.programs:
@@ -101,6 +102,9 @@ def predict_step(
         elif item.microbatch == 0:
             (forward if task.kind == "fwd" else backward)[task.stage] += est.time_s
         comm += est.communication_s
+        if item.last_microbatch:  # the partials kept across microbatches, reduced once
+            once[task.stage] += est.finish_s
+            comm += est.finish_s
         if item.fused is not None:  # the stage's update, dispatched with its last microbatch
             once[task.stage] += estimates[item.fused].time_s
             comm += estimates[item.fused].communication_s

@@ -1,0 +1,95 @@
+"""Data-parallel reductions summed once per step, not once per microbatch.
+
+A stage mesh splits each microbatch's examples over its `data` axis, so an operator
+that sums over the examples (a weight gradient's matmul, a bias gradient's sum, an
+embedding gradient's scatter-add, the loss sum) leaves each device a partial sum.
+Written plainly, XLA's partitioner all-reduces that partial inside the program, so a
+stage with m microbatches all-reduces its gradients m times, where the plan prices
+once (`solver.planner.stage_costs`). Here such an operator runs on each data shard's
+examples separately: its operands' example axis is split into (D, examples / D)
+with the D axis laid over `data`, the operator is vmapped over D, and its result is
+a stack of D partial sums, one per data shard, laid out over `data`: no collective.
+Accumulators hold the stacks across microbatches, and the sum over the stack (the
+one all-reduce) happens when the reduction is finished: in the fused update program
+of the stage's last microbatch, or in `Program.finish`.
+
+Only "sum" reductions of the ordinary split are deferred. Left on their per-microbatch
+path: reductions laid out over `data` (ZeRO-2/3 gradients, reduce-scattered per
+microbatch so the accumulator stays a shard: the memory ZeRO is chosen for); max/min;
+steps marked with `hetpar.value_and_grad` (their reductions are markers after the
+summing operators); and a microbatch the data axis does not divide.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from hetpar.trace import jaxpr_ir
+from hetpar.trace.microbatch import MicrobatchAnalysis
+from hetpar.trace.opgraph import Op, OpGraph
+
+DATA = "data"
+Partial = tuple[int | None, ...]  # per operand: its example axis, or None where it has none
+
+
+def partial_ops(ops: list[Op], reductions: list[int], graph: OpGraph, analysis: MicrobatchAnalysis,
+                specs: dict[int, tuple], mesh: Mesh, skip: set[int]) -> dict[int, Partial]:
+    """Operator index -> its operands' example axes, for each operator of `ops` that
+    makes one of `reductions` and can leave it as per-data-shard partial sums.
+    `skip`: operators already handled otherwise (ZeRO-2's explicit reduce-scatter)."""
+    dp = mesh.shape.get(DATA, 1)
+    if dp == 1 or analysis.marked or analysis.single:
+        return {}
+    out: dict[int, Partial] = {}
+    for op in ops:
+        if op.index in skip or len(op.outputs) != 1:
+            continue
+        v = op.outputs[0]
+        if v not in reductions or analysis.reductions.get(v) != "sum" or DATA in tuple(specs.get(v, ())):
+            continue
+        axes = tuple(analysis.batch_axis.get(x) for x in op.inputs)
+        if all(a is None for a in axes) or any(
+                a is not None and graph.avals[x].shape[a] % dp for x, a in zip(op.inputs, axes)):
+            continue
+        out[op.index] = axes
+    return out
+
+
+def stacked_spec(spec: tuple, ndim: int) -> tuple:
+    """The layout of a reduction's stack of partials: the stack axis over `data`, the
+    reduction's own layout (without `data`, which the stack now uses) after it."""
+    return (DATA, *_without_data(spec, ndim))
+
+
+def _without_data(spec: tuple, ndim: int) -> list:
+    """`spec` padded to `ndim` entries, with `data` taken out of every entry."""
+    entries = [*tuple(spec)[:ndim], *[None] * max(0, ndim - len(tuple(spec)))]
+    return [None if a == DATA or (isinstance(a, tuple) and DATA in a) else a for a in entries]
+
+
+def partial_sums(op: Op, args: list[Any], axes: Partial, operand_specs: list[tuple], out_spec: tuple,
+                 mesh: Mesh, dp: int) -> Any:
+    """`op` on each data shard's examples: a stack of `dp` partial results (axis 0)
+    whose sum is `op`'s result. `operand_specs` are the operands' layouts, kept on their
+    other dimensions; `out_spec` is the result's."""
+    split = []
+    for x, a, spec in zip(args, axes, operand_specs):
+        if a is None:
+            split.append(x)
+            continue
+        shape = (*x.shape[:a], dp, x.shape[a] // dp, *x.shape[a + 1:])
+        own = _without_data(spec, x.ndim)
+        layout = (*own[:a], DATA, own[a], *own[a + 1:])
+        y = x.reshape(shape)
+        split.append(jax.lax.with_sharding_constraint(y, _fit(mesh, y.shape, layout)))
+    stack = jax.vmap(lambda *xs: jaxpr_ir.bind(op, list(xs))[0], in_axes=axes)(*split)
+    return jax.lax.with_sharding_constraint(stack, _fit(mesh, stack.shape, stacked_spec(out_spec, stack.ndim - 1)))
+
+
+def _fit(mesh: Mesh, shape: tuple[int, ...], spec: tuple) -> NamedSharding:
+    """`spec` minus the axes a dimension of `shape` cannot divide by."""
+    return NamedSharding(mesh, PartitionSpec(*(
+        a if a is not None and a in mesh.shape and dim % mesh.shape[a] == 0 else None for a, dim in zip(spec, shape))))
