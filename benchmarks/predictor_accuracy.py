@@ -7,7 +7,7 @@ throughput over sizes, memory bandwidth, launch overhead, all-reduce, and the GP
 model's layers timed one by one at a different batch size than the one predicted),
 then predicts every figure from the profile and the traced program alone. Every
 measurement, the profile's included, is `hetpar.predict.timing.steady_time`: warm-up
-runs, then the least of a few rounds' medians, so that other work on the machine
+runs, then the least of a few rounds of runs, so that other work on the machine
 (a busy shared host) moves the figures less. On CPU virtual devices time is the
 process's CPU time (the core-seconds the devices' work takes, which other processes
 on a shared host do not inflate; see timing.py); on accelerators it is wall time.
@@ -41,7 +41,7 @@ from models import gpt  # noqa: E402
 
 def timed_training(step, state, batch, repeats: int, clock=None) -> float:  # noqa: ANN001
     """Seconds per step of a training loop (`steady_time`: warm-up, then the least
-    median of a few rounds): each step takes the state the last one returned, so it
+    of a few rounds of runs): each step takes the state the last one returned, so it
     already lives where the plan keeps it."""
     carried = [step(state, batch)[0]]
 
