@@ -7,18 +7,24 @@ throughput over sizes, memory bandwidth, launch overhead, all-reduce, and the GP
 model's layers timed one by one at a different batch size than the one predicted),
 then predicts every figure from the profile and the traced program alone. Every
 measurement, the profile's included, is `hetpar.predict.timing.steady_time`: warm-up
-runs, then the least of a few rounds' medians, so that other work on the machine
-(a busy shared host) moves the figures less. Layers are the stage programs
+runs, then the least of a few rounds of runs, so that other work on the machine
+(a busy shared host) moves the figures less. On CPU virtual devices time is the
+process's CPU time (the core-seconds the devices' work takes, which other processes
+on a shared host do not inflate; see timing.py); on accelerators it is wall time.
+Full steps also show their wall time on CPU, for reference only: on a loaded host it
+measures the neighbours (the `uptime` load average is printed). Layers are the stage programs
 of a plan with one layer per stage. Memory is compared with XLA's
 `compiled.memory_analysis()` (arguments + outputs + temporaries - aliased).
-Ends with: RESULT median_time_err=<f> max_time_err=<f> median_mem_err=<f>
+Ends with: RESULT median_time_err=<f> max_time_err=<f> median_mem_err=<f> median_step_wall_err=<f> load=<f>
 Run: .venv/bin/python benchmarks/predictor_accuracy.py   (runs unchanged on a GPU machine)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import time
 
 import jax
 
@@ -29,13 +35,13 @@ import hetpar  # noqa: E402
 from hetpar.predict.calibrate import program_inputs, time_program  # noqa: E402
 from hetpar.predict.profile import LayerWorkload, profile_local  # noqa: E402
 from hetpar.predict.step import predict_step  # noqa: E402
-from hetpar.predict.timing import steady_time  # noqa: E402
+from hetpar.predict.timing import busy_clock, steady_time  # noqa: E402
 from models import gpt  # noqa: E402
 
 
-def timed_training(step, state, batch, repeats: int) -> float:
+def timed_training(step, state, batch, repeats: int, clock=None) -> float:  # noqa: ANN001
     """Seconds per step of a training loop (`steady_time`: warm-up, then the least
-    median of a few rounds): each step takes the state the last one returned, so it
+    of a few rounds of runs): each step takes the state the last one returned, so it
     already lives where the plan keeps it."""
     carried = [step(state, batch)[0]]
 
@@ -43,7 +49,7 @@ def timed_training(step, state, batch, repeats: int) -> float:
         carried[0], loss = step(carried[0], batch)
         return carried[0], loss
 
-    return steady_time(run, repeats)
+    return steady_time(run, repeats, clock=clock)
 
 
 def main() -> None:
@@ -72,7 +78,8 @@ def main() -> None:
     w = gpt.setup(batch_size=args.batch_size, config=config)
     plans = [(4, 1), (1, 1), (1, 4), (2, 2), (2, 4)]  # (stages, microbatches); 4 stages = one layer each
 
-    rows, time_errors, mem_errors = [], [], []
+    loads = [os.getloadavg()[0]]
+    rows, time_errors, mem_errors, wall_errors = [], [], [], []
     for stages, microbatches in plans:
         step = hetpar.parallelize(w.step, cluster=cluster, num_stages=stages, num_microbatches=microbatches, num_layers=4)
         step(w.state, w.batch)
@@ -89,11 +96,16 @@ def main() -> None:
             rows.append((label, estimate.time_s, measured, estimate.memory_bytes, actual_mem, estimate.communication_s))
         measured_step = timed_training(step, w.state, w.batch, args.repeats)
         rows.append((f"full step ({stages} stg, {microbatches} mb)", prediction.step_s, measured_step, None, None, prediction.communication_s))
-
+        if busy_clock() is not time.perf_counter:
+            wall = timed_training(step, w.state, w.batch, args.repeats, clock=time.perf_counter)
+            wall_errors.append(abs(prediction.step_s - wall) / wall)
+            rows.append((f"  (wall clock, load {os.getloadavg()[0]:.1f})", prediction.step_s, wall, None, None, prediction.communication_s))
+        loads.append(os.getloadavg()[0])
     print(f"{'what':<44} {'pred ms':>9} {'(comm)':>8} {'meas ms':>9} {'err':>7} {'pred MB':>8} {'XLA MB':>8} {'err':>7}")
     for label, pred, meas, pmem, amem, comm in rows:
         err = abs(pred - meas) / meas
-        time_errors.append(err)
+        if not label.startswith("  (wall"):
+            time_errors.append(err)
         mem_txt = ""
         if pmem is not None and amem:
             merr = abs(pmem - amem) / amem
@@ -102,7 +114,8 @@ def main() -> None:
         print(f"{label:<44} {pred * 1e3:>9.3f} {comm * 1e3:>8.3f} {meas * 1e3:>9.3f} {err:>7.1%} {mem_txt}")
     print(
         f"RESULT median_time_err={statistics.median(time_errors):.3f} max_time_err={max(time_errors):.3f} "
-        f"median_mem_err={statistics.median(mem_errors):.3f}"
+        f"median_mem_err={statistics.median(mem_errors):.3f} "
+        f"median_step_wall_err={statistics.median(wall_errors) if wall_errors else 0.0:.3f} load={statistics.mean(loads):.1f}"
     )
 
 

@@ -56,7 +56,7 @@ class ShardingOption:
     """How each stage's operators are sharded over its devices (the intra-op ILP)."""
 
     mesh_shape: tuple | None = None  # (data, model), or one per stage; None: the ILP picks each stage's split
-    time_limit_s: float = 5.0  # per stage solve; past it the best sharding found is used and its gap logged
+    time_limit_s: float = 5.0  # per stage solve, in CP-SAT deterministic seconds (load-proof; solver/cpsat.py); past it the best found is used, its gap logged
     # The ILP prices matmuls and their collectives; the elementwise work between them,
     # which it does not see, is repeated on every device of a model axis, so a model
     # axis must win by this fraction to be chosen.

@@ -22,6 +22,7 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from solver.cpsat import cp_solver
+from solver.dead_ends import alive_strategies
 
 log = logging.getLogger(__name__)
 
@@ -115,9 +116,13 @@ def _check_cost(value: float, what: str) -> None:
 def _validate(problem: IntraOpProblem) -> None:
     """Rejects malformed problems up front, with the offending node or edge named."""
     n = len(problem.nodes)
+    seen: set[int] = set()  # identical blocks share their strategy tuples and edge tables: check each once
     for k, node in enumerate(problem.nodes):
         if not node.strategies:
             raise IntraOpError(f"node {k} ({node.name!r}) has no sharding strategy; give it at least one (e.g. replicated)")
+        if id(node.strategies) in seen:
+            continue
+        seen.add(id(node.strategies))
         for s in node.strategies:
             _check_cost(s.compute_s, f"compute_s of node {k} ({node.name!r}) strategy {s.name!r}")
             _check_cost(s.comm_s, f"comm_s of node {k} ({node.name!r}) strategy {s.name!r}")
@@ -130,9 +135,13 @@ def _validate(problem: IntraOpProblem) -> None:
             got = f"{len(e.cost_s)} rows of lengths {sorted({len(row) for row in e.cost_s})}"
             raise IntraOpError(f"edge {e_idx} ({e.src} -> {e.dst}) cost matrix has {got} but needs {want} "
                                f"(src x dst strategy counts); give one row per src strategy, one column per dst strategy")
-        for row in e.cost_s:
-            for c in row:
-                _check_cost(float(c), f"resharding cost on edge {e_idx} ({e.src} -> {e.dst})")
+        if id(e.cost_s) in seen:
+            continue
+        seen.add(id(e.cost_s))
+        costs = np.asarray(e.cost_s, dtype=float)
+        if costs.size and not (np.isfinite(costs).all() and (costs >= 0).all()):
+            bad = costs[~(np.isfinite(costs) & (costs >= 0))][0]
+            _check_cost(float(bad), f"resharding cost on edge {e_idx} ({e.src} -> {e.dst})")
     if problem.same_as:
         if len(problem.same_as) != n:
             raise IntraOpError(f"same_as has {len(problem.same_as)} entries for {n} nodes; give one per node")
@@ -324,6 +333,15 @@ def solve_intra_op(problem: IntraOpProblem, time_limit_s: float = 10.0, workers:
             if a > b:
                 a, b, mat = b, a, mat.T
             pairs[(a, b)] = pairs.get((a, b), 0.0) + mat
+    # Strategies some other strategy of the same node beats in every context can go
+    # (solver.dead_ends): the optimum stays, the model shrinks.
+    memory = None
+    if limit is not None:
+        memory = [np.array([row[j] for row in rows if j in row], dtype=np.int64).reshape(-1, len(u)) for j, u in enumerate(unary)]
+    alive = alive_strategies(unary, pairs, memory)
+    unary = [u[keep] for u, keep in zip(unary, alive)]
+    pairs = {(a, b): mat[np.ix_(alive[a], alive[b])] for (a, b), mat in pairs.items()}
+    rows = [{j: m[alive[j]] for j, m in row.items()} for row in rows]
     # Pull each term's minimum into a constant so the integer part is as small as possible.
     constant = 0.0
     for k, u in enumerate(unary):
@@ -340,7 +358,7 @@ def solve_intra_op(problem: IntraOpProblem, time_limit_s: float = 10.0, workers:
     scale = min(_SCALE_TARGET / largest, _TOTAL_CAP / total_max) if largest > 0 else 1.0
 
     def expand(picks: Sequence[int]) -> tuple[int, ...]:
-        return tuple(int(picks[index[r]]) for r in leaders)
+        return tuple(int(alive[index[r]][picks[index[r]]]) for r in leaders)
 
     # A complete, cheap starting point: CP-SAT on a large model can spend a short time
     # limit in presolve and find nothing; the start is then what we return.
@@ -377,6 +395,10 @@ def solve_intra_op(problem: IntraOpProblem, time_limit_s: float = 10.0, workers:
     model.Minimize(sum(objective))
 
     solver = cp_solver(time_limit_s, num_workers=workers, seed=0)
+    # Presolve has little to simplify in this model (exactly-one rows and the pair
+    # variables' marginals) but, on a 7B stage's tens of thousands of pair variables,
+    # took about two thirds of the time to a proven optimum.
+    solver.parameters.cp_model_presolve = False
     status = solver.Solve(model)
     if status == cp_model.INFEASIBLE:
         raise _no_fit(int(limit), rows, time_limit_s)

@@ -224,3 +224,29 @@ def test_a_budget_the_fast_start_breaks_still_gets_an_answer_that_fits():
     solution = solve_intra_op(problem, time_limit_s=1e-9)
     assert peak_bytes(problem, solution.choice) <= 150
     assert solution.cost_s == pytest.approx(evaluate(problem, solution.choice))
+
+
+def test_dead_ends_go_and_an_optimum_stays():
+    from solver.dead_ends import alive_strategies
+
+    # Node 0: strategy 2 costs 1 more than strategy 0 whatever node 1 does (a dead end);
+    # strategies 0 and 1 are equal in every context (one of them stays).
+    unary = [np.array([1.0, 1.0, 2.0]), np.array([0.0, 0.5])]
+    pairs = {(0, 1): np.array([[0.0, 3.0], [0.0, 3.0], [0.0, 3.0]])}
+    assert [a.tolist() for a in alive_strategies(unary, pairs)] == [[0], [0]]  # node 1's second always costs more
+    # A dearer strategy that holds fewer bytes must stay where memory is constrained.
+    memory = [np.array([[10, 10, 1]]), np.zeros((0, 2), dtype=np.int64)]
+    assert alive_strategies(unary, pairs, memory)[0].tolist() == [0, 2]
+    # On random problems the survivors still hold an optimum (brute force over them).
+    pruned = 0
+    for seed in range(40):
+        rng = np.random.default_rng(seed)
+        sizes = rng.integers(2, 5, 4)
+        unary = [rng.uniform(0, 1, k) for k in sizes]
+        pairs = {(a, b): rng.uniform(0, 0.3, (sizes[a], sizes[b])) for a, b in ((0, 1), (1, 2), (2, 3), (0, 3))}
+        cost = lambda c: sum(unary[k][c[k]] for k in range(4)) + sum(m[c[a], c[b]] for (a, b), m in pairs.items())  # noqa: E731
+        alive = alive_strategies(unary, pairs)
+        pruned += sum(sizes) - sum(len(a) for a in alive)
+        everything = min(cost(c) for c in itertools.product(*(range(k) for k in sizes)))
+        assert min(cost(c) for c in itertools.product(*alive)) == pytest.approx(everything, abs=1e-12)
+    assert pruned > 0

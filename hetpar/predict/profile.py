@@ -89,7 +89,7 @@ class Profile:
         return entry.compute if entry else None
 
 
-def _median_time(fn: Callable, *args: Any, repeats: int = 7) -> float:
+def _steady_time(fn: Callable, *args: Any, repeats: int = 7) -> float:
     return steady_time(lambda: fn(*args), repeats)
 
 
@@ -122,22 +122,22 @@ def measure(devices: Sequence[Any], device_type: str, sizes: Sequence[int] = (64
         rows = size * n  # each device multiplies a (size x size) by (size x size)
         a = jax.device_put(jnp.ones((rows, size), jnp.float32), split)
         b = jax.device_put(jnp.ones((size, size), jnp.float32), replicated)
-        seconds = _median_time(jax.jit(lambda a, b: a @ b, out_shardings=split), a, b)
+        seconds = _steady_time(jax.jit(lambda a, b: a @ b, out_shardings=split), a, b)
         samples.append((2.0 * size**3, seconds))
         log.info("matmul %d^3 on %d devices: %.3g s", size, n, seconds)
 
     tiny = jax.device_put(jnp.ones((n, 8)), split)
-    program_overhead = _median_time(jax.jit(lambda x: x + 1, out_shardings=split), tiny)
+    program_overhead = _steady_time(jax.jit(lambda x: x + 1, out_shardings=split), tiny)
     many = [jax.device_put(jnp.ones((n, 8)), split) for _ in range(32)]
-    many_s = _median_time(jax.jit(lambda *xs: [x + 1 for x in xs]), *many)
+    many_s = _steady_time(jax.jit(lambda *xs: [x + 1 for x in xs]), *many)
     argument_overhead = max(many_s - program_overhead, 0.0) / (2 * 31)  # 31 more inputs and outputs
     # Matmul timings include the launch; the fitted t0 beyond it is per-operator cost.
     rate, t0 = fit_affine(samples)
 
     big = jax.device_put(jnp.ones((n * (1 << 22),), jnp.float32), split)  # 16 MiB per device
-    copy_s = _median_time(jax.jit(lambda x: x * 2.0 + 1.0, out_shardings=split), big)
+    copy_s = _steady_time(jax.jit(lambda x: x * 2.0 + 1.0, out_shardings=split), big)
     bandwidth = 2 * big.nbytes / n / max(copy_s - program_overhead, 1e-9)
-    heavy_s = _median_time(jax.jit(lambda x: ((x * 1.5 + 2.0) * x - 1.0) * x + 0.5, out_shardings=split), big)
+    heavy_s = _steady_time(jax.jit(lambda x: ((x * 1.5 + 2.0) * x - 1.0) * x + 0.5, out_shardings=split), big)
     vector_flops = 7 * big.size / n / max(heavy_s - program_overhead, 1e-9)
 
     latency, bus_bandwidth = _allreduce_fit(mesh) if n > 1 else (0.0, float("inf"))
@@ -164,7 +164,7 @@ def _allreduce_fit(mesh: Mesh) -> tuple[float, float]:
     for elems in (1 << 8, 1 << 14, 1 << 18, 1 << 20):
         x = jax.device_put(jnp.ones((n, elems), jnp.float32), split)
         fn = jax.jit(lambda x: jnp.broadcast_to(x.sum(0, keepdims=True), x.shape), out_shardings=split)
-        samples.append((elems * 4.0, _median_time(fn, x)))
+        samples.append((elems * 4.0, _steady_time(fn, x)))
     rate, t0 = fit_affine([(2 * (n - 1) / n * b, t) for b, t in samples])
     return t0 / (2 * (n - 1)), rate
 

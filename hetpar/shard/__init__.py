@@ -195,7 +195,10 @@ def _solve_once(problem: IntraOpProblem, time_limit_s: float) -> IntraOpSolution
     """The ILP's answer, solved once per distinct problem: stages holding the same
     blocks on the same mesh (and a pass asked twice) pose the same problem up to the
     names of its operators, and a solve can take the whole time limit."""
-    key = (tuple(n.strategies for n in problem.nodes), problem.edges, problem.memory_limit_bytes, problem.live_sets,
+    # Edges in a canonical order: stages of the same blocks list their optimizer-update
+    # edges in their parameters' order, which sorts "layers_10" before "layers_2".
+    edges = tuple(sorted(problem.edges, key=lambda e: (e.src, e.dst, e.cost_s)))
+    key = (tuple(n.strategies for n in problem.nodes), edges, problem.memory_limit_bytes, problem.live_sets,
            problem.same_as, time_limit_s)
     if key in _SOLVED:
         _SOLVED.move_to_end(key)

@@ -164,10 +164,21 @@ def stage_problem(
     batch_axis = batch_axis or {}
     position = {i: n for n, i in enumerate(dots)}
     nodes, choices, weights = [], [], {}
+    # A stage of identical blocks asks the same questions once per block: a dot's
+    # choices and priced strategies depend only on its shapes (and which of its
+    # operands are weights first read there), and an edge's table only on its two
+    # ends' choices and the bytes crossing it. Each is computed once per pass.
+    options_of: dict[tuple, tuple[DotChoice, ...]] = {}
+    strategies_of: dict[tuple, tuple[Strategy, ...]] = {}
+    tables: dict[tuple, tuple[tuple[float, ...], ...]] = {}
     for n, i in enumerate(dots):
         op = graph.ops[i]
-        options = dot_choices(op, graph.avals, mesh, tuple(batch_axis.get(v) for v in op.inputs))
+        examples = tuple(batch_axis.get(v) for v in op.inputs)
         lhs, rhs = (graph.avals[v].shape for v in op.inputs)
+        shape_key = (repr(op.params["dimension_numbers"]), tuple(lhs), tuple(rhs), examples)
+        if shape_key not in options_of:
+            options_of[shape_key] = tuple(dot_choices(op, graph.avals, mesh, examples))
+        options = options_of[shape_key]
         (lc, _), _ = op.params["dimension_numbers"]
         flops = 2 * math.prod(graph.avals[op.outputs[0]].shape) * math.prod(lhs[d] for d in lc)
         out_bytes = graph.nbytes(op.outputs[0])
@@ -175,16 +186,19 @@ def stage_problem(
             for source, dims in _sources(graph, v):
                 if source in batch_free_inputs:
                     weights.setdefault(source, (n, pos, dims))
-        strategies = []
-        for c in options:
-            devices = _shards(c.lhs, mesh) * _shards(tuple(a for a in c.rhs if a not in c.lhs), mesh)
-            partial = out_bytes / _shards(c.out, mesh)
-            comm = sum(best("all_reduce", Topology(1, mesh[a], link, link), partial)[1] for a in c.summed_over)
-            held = sum(state_factor * graph.nbytes(w) / _shards((c.lhs, c.rhs)[pos], mesh)
-                       for w, (node, pos, _) in weights.items() if node == n)
-            strategies.append(Strategy(_describe(c), flops / devices / flops_per_s, comm, int(held)))
-        nodes.append(Node(f"{op.scope}/dot_general#{i}", tuple(strategies)))
-        choices.append(tuple(options))
+        held_here = tuple(sorted((pos, graph.nbytes(w)) for w, (node, pos, _) in weights.items() if node == n))
+        key = (shape_key, out_bytes, held_here)
+        if key not in strategies_of:
+            strategies = []
+            for c in options:
+                devices = _shards(c.lhs, mesh) * _shards(tuple(a for a in c.rhs if a not in c.lhs), mesh)
+                partial = out_bytes / _shards(c.out, mesh)
+                comm = sum(best("all_reduce", Topology(1, mesh[a], link, link), partial)[1] for a in c.summed_over)
+                held = sum(state_factor * nbytes / _shards((c.lhs, c.rhs)[pos], mesh) for pos, nbytes in held_here)
+                strategies.append(Strategy(_describe(c), flops / devices / flops_per_s, comm, int(held)))
+            strategies_of[key] = tuple(strategies)
+        nodes.append(Node(f"{op.scope}/dot_general#{i}", strategies_of[key]))
+        choices.append(options)  # shared by identical dots: edge tables are cached by its identity
     edges = []
     for n, i in enumerate(dots):
         for pos, v in enumerate(graph.ops[i].inputs):
@@ -192,19 +206,22 @@ def stage_problem(
             for source, dims in _sources(graph, v):
                 producer = graph.producer.get(source)
                 if producer in position:  # a matmul's result, on the way to this one
-                    src, have = position[producer], lambda a: a.out
+                    src, have, how = position[producer], lambda a: a.out, ("out",)
                 elif source in weights and weights[source][:2] != (n, pos):  # a weight laid out for its first reader
                     src, first_pos, first_dims = weights[source]
                     have = lambda a, p=first_pos, d=first_dims: to_source((a.lhs, a.rhs)[p], d)  # noqa: E731
+                    how = ("weight", first_pos, first_dims)
                 else:
                     continue
                 if src == n:
                     continue
-                table = tuple(
-                    tuple(_reshard_s(have(a), to_source((b.lhs, b.rhs)[pos], dims), nbytes, mesh, link) for b in choices[n])
-                    for a in choices[src]
-                )
-                edges.append(Edge(src, n, table))
+                key = (id(choices[src]), id(choices[n]), how, pos, dims, nbytes)
+                if key not in tables:
+                    tables[key] = tuple(
+                        tuple(_reshard_s(have(a), to_source((b.lhs, b.rhs)[pos], dims), nbytes, mesh, link) for b in choices[n])
+                        for a in choices[src]
+                    )
+                edges.append(Edge(src, n, tables[key]))
     edges += _update_edges(graph, position, choices, weights, mesh, link)
     holders = tuple(sorted({node for node, _, _ in weights.values()}))
     same_as = _same_as(graph, dots, weights, batch_axis, op_layer) if op_layer else ()
@@ -222,19 +239,22 @@ def _update_edges(graph: OpGraph, position: dict[int, int], choices: list, weigh
     gradient split over an axis the weight is not split over must be gathered). The
     step returns each new parameter where its old one came in."""
     edges = []
+    tables: dict[tuple, tuple[tuple[float, ...], ...]] = {}  # identical blocks share their tables
     for new, old in zip(graph.outvars, graph.invars):
         if old not in weights or getattr(graph.avals[new], "shape", None) != graph.avals[old].shape:
             continue
         reader, pos, dims = weights[old]
-        lies = [to_source((c.lhs, c.rhs)[pos], dims) for c in choices[reader]]
         for source, path in _sources(graph, new, UPDATE_HOPS):
             maker = position.get(graph.producer.get(source))
             if maker is None or maker == reader:
                 continue
             nbytes = graph.nbytes(source)
-            table = tuple(tuple(_reshard_s(a.out, to_source(want, path), nbytes, mesh, link) for want in lies)
-                          for a in choices[maker])
-            edges.append(Edge(maker, reader, table))
+            key = (id(choices[maker]), id(choices[reader]), pos, dims, path, nbytes)
+            if key not in tables:
+                lies = [to_source(to_source((c.lhs, c.rhs)[pos], dims), path) for c in choices[reader]]
+                tables[key] = tuple(tuple(_reshard_s(a.out, want, nbytes, mesh, link) for want in lies)
+                                    for a in choices[maker])
+            edges.append(Edge(maker, reader, tables[key]))
     return edges
 
 

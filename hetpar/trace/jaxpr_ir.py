@@ -204,9 +204,8 @@ def trace(fn: Callable, *args: Any, batch_leaves: Sequence[int] | None = None) -
     `batch_leaves` (the flat indices of the batch's leaves), scans over layers are
     unrolled: scans whose scanned inputs include values computed from the other
     inputs (the parameters) alone."""
-    closed = jax.make_jaxpr(fn, return_shape=False)(*args)
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)  # one trace gives both
     in_leaves, in_tree = jax.tree.flatten(args)
-    out_shape = jax.eval_shape(fn, *args)
     _, out_tree = jax.tree.flatten(out_shape)
     builder = _Builder(unroll_layer_scans=batch_leaves is not None)
     jaxpr, consts = _open(closed)
