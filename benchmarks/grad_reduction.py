@@ -11,7 +11,6 @@ Ends with: RESULT all_reduces_per_step=<n> all_reduce_mib_per_step=<MiB> ms_per_
 Run: .venv/bin/python benchmarks/grad_reduction.py
 """
 
-import argparse
 import re
 import statistics
 
@@ -22,8 +21,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import numpy as np  # noqa: E402
 
 import hetpar  # noqa: E402
-from models import gpt  # noqa: E402
-from step_timing import step_times  # noqa: E402
+from step_timing import gpt_benchmark, step_times  # noqa: E402
 
 _BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "pred": 1}
 
@@ -61,15 +59,7 @@ def step_all_reduces(compiled) -> list[int]:  # noqa: ANN001
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--iters", type=int, default=10)
-    args = parser.parse_args()
-
-    config = gpt.GPTConfig(n_layers=args.layers, d_model=128, n_heads=4, seq_len=64, vocab_size=256)
-    w = gpt.setup(batch_size=args.batch_size, config=config)
+    args, w = gpt_benchmark(__doc__.splitlines()[0], iters=10)
     step = hetpar.parallelize(w.step, cluster=hetpar.Cluster.virtual({"A100": 4, "V100": 4}), num_stages=2,
                               num_microbatches=args.microbatches, num_layers=args.layers, mesh_shape=(4, 1))
     t = statistics.median(step_times(step, w.state, w.batch, args.iters, warmup=2))

@@ -7,7 +7,6 @@ cores. Ends with: RESULT overhead_1stage=<ratio> overhead_2stage=<ratio>
 Run: .venv/bin/python benchmarks/overhead.py
 """
 
-import argparse
 import statistics
 
 import jax
@@ -17,20 +16,11 @@ jax.config.update("jax_num_cpu_devices", 8)
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 import hetpar  # noqa: E402
-from step_timing import step_times  # noqa: E402
-from models import gpt  # noqa: E402
+from step_timing import gpt_benchmark, step_times  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--iters", type=int, default=20)
-    args = parser.parse_args()
-
-    config = gpt.GPTConfig(n_layers=args.layers, d_model=128, n_heads=4, seq_len=64, vocab_size=256)
-    w = gpt.setup(batch_size=args.batch_size, config=config)
+    args, w = gpt_benchmark(__doc__.splitlines()[0], iters=20)
 
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     replicated, split = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
