@@ -1,7 +1,8 @@
-"""A scan over layers (flax `nn.scan`, `nnx.scan`, `jax.lax.scan` over stacked weights) is split
+"""A scan over layers (flax `nn.scan`, `jax.lax.scan` over stacked weights) is split
 at iteration boundaries (issue 14, item 3): stages take iterations i..j, the planner
 sees each iteration's cost, and the stacked parameters, their gradients and optimizer
-state come back whole, as `jax.jit` returns them."""
+state come back whole, as `jax.jit` returns them. `nnx.scan` runs with parity; its
+split between stages is still open."""
 
 import flax.linen as nn
 from flax import nnx
