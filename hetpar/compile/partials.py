@@ -25,7 +25,9 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
+
+from hetpar.compile.layouts import spec_sharding
 
 from hetpar.trace import jaxpr_ir
 from hetpar.trace.microbatch import MicrobatchAnalysis
@@ -84,12 +86,6 @@ def partial_sums(op: Op, args: list[Any], axes: Partial, operand_specs: list[tup
         own = _without_data(spec, x.ndim)
         layout = (*own[:a], DATA, own[a], *own[a + 1:])
         y = x.reshape(shape)
-        split.append(jax.lax.with_sharding_constraint(y, _fit(mesh, y.shape, layout)))
+        split.append(jax.lax.with_sharding_constraint(y, spec_sharding(mesh, y, layout)))
     stack = jax.vmap(lambda *xs: jaxpr_ir.bind(op, list(xs))[0], in_axes=axes)(*split)
-    return jax.lax.with_sharding_constraint(stack, _fit(mesh, stack.shape, stacked_spec(out_spec, stack.ndim - 1)))
-
-
-def _fit(mesh: Mesh, shape: tuple[int, ...], spec: tuple) -> NamedSharding:
-    """`spec` minus the axes a dimension of `shape` cannot divide by."""
-    return NamedSharding(mesh, PartitionSpec(*(
-        a if a is not None and a in mesh.shape and dim % mesh.shape[a] == 0 else None for a, dim in zip(spec, shape))))
+    return jax.lax.with_sharding_constraint(stack, spec_sharding(mesh, stack, stacked_spec(out_spec, stack.ndim - 1)))

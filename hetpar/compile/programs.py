@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from hetpar.cluster.cluster import jax_devices
+from hetpar.compile.layouts import spec_sharding
 from hetpar.compile.partials import partial_ops, partial_sums, stacked_spec
 from hetpar.compile.scatter import reduce_scatter, scatter_ops
 from hetpar.compile.tasks import Task
@@ -30,13 +31,6 @@ from hetpar.trace.opgraph import OpGraph
 
 DATA_AXIS = "data"
 MODEL_AXIS = "model"
-
-
-def spec_sharding(mesh: Mesh, aval: Any, spec: tuple) -> NamedSharding:
-    """A chosen sharding, minus the axes a dimension of this shape cannot divide by
-    (a microbatch may be smaller than the batch the sharding was chosen for)."""
-    fitted = [a if a is not None and a in mesh.shape and dim % mesh.shape[a] == 0 else None for a, dim in zip(spec, aval.shape)]
-    return NamedSharding(mesh, PartitionSpec(*fitted))
 
 
 def stage_mesh(device_ids: tuple[int, ...], shape: tuple[int, ...] = ()) -> Mesh:
