@@ -7,6 +7,9 @@ from typing import Any
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+DATA_AXIS = "data"  # a stage mesh's examples (and ZeRO's shards)
+MODEL_AXIS = "model"  # its tensor-parallel splits
+
 
 def spec_sharding(mesh: Mesh, aval: Any, spec: tuple) -> NamedSharding:
     """A chosen sharding, minus the axes a dimension of this shape cannot divide by

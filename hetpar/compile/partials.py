@@ -27,13 +27,12 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from hetpar.compile.layouts import spec_sharding
+from hetpar.compile.layouts import DATA_AXIS as DATA, spec_sharding
 
 from hetpar.trace import jaxpr_ir
 from hetpar.trace.microbatch import MicrobatchAnalysis
 from hetpar.trace.opgraph import Op, OpGraph
 
-DATA = "data"
 Partial = tuple[int | None, ...]  # per operand: its example axis, or None where it has none
 
 

@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from hetpar.cluster.cluster import jax_devices
-from hetpar.compile.layouts import spec_sharding
+from hetpar.compile.layouts import DATA_AXIS, MODEL_AXIS, spec_sharding
 from hetpar.compile.partials import partial_ops, partial_sums, stacked_spec
 from hetpar.compile.scatter import reduce_scatter, scatter_ops
 from hetpar.compile.tasks import Task
@@ -29,8 +29,6 @@ from hetpar.trace import jaxpr_ir
 from hetpar.trace.microbatch import MicrobatchAnalysis
 from hetpar.trace.opgraph import OpGraph
 
-DATA_AXIS = "data"
-MODEL_AXIS = "model"
 
 
 def stage_mesh(device_ids: tuple[int, ...], shape: tuple[int, ...] = ()) -> Mesh:

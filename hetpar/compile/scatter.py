@@ -20,11 +20,11 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
+from hetpar.compile.layouts import DATA_AXIS as DATA
 from hetpar.trace import jaxpr_ir
 from hetpar.trace.microbatch import MicrobatchAnalysis
 from hetpar.trace.opgraph import Op, OpGraph
 
-DATA = "data"
 Scatter = tuple[tuple[PartitionSpec, ...], PartitionSpec, int]  # operand specs, result spec, scattered dimension
 
 
