@@ -30,7 +30,6 @@ from hetpar.trace.microbatch import MicrobatchAnalysis
 from hetpar.trace.opgraph import OpGraph
 
 
-
 def stage_mesh(device_ids: tuple[int, ...], shape: tuple[int, ...] = ()) -> Mesh:
     """A 1-D data-parallel mesh, or `data` x `model` when `shape` has two dimensions.
     Auto axes: the traced step is mesh-agnostic, shardings are steered from outside."""
