@@ -95,6 +95,31 @@ def check_spanning() -> None:
         processes = {jax.devices()[p].process_index for p in s.device_ids}
         assert len(processes) == 2, f"stage {s.index} is on processes {processes}; the check wants two"
         assert s.mesh_shape == (2, 2), f"stage {s.index} has mesh {s.mesh_shape}; the check wants 2x2"
+    check_relayout_across_processes()
+
+
+def check_relayout_across_processes() -> None:
+    """A value changes its layout while it moves between two 2x2 meshes that each span
+    two processes (JAX alone moves only shard for shard): rows over `data` there,
+    columns over `model` here, and back replicated."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from hetpar.runtime.communicator import DevicePath
+
+    def mesh(processes):
+        return Mesh(np.array([d for d in jax.devices() if d.process_index in processes]).reshape(2, 2), ("data", "model"))
+
+    there, here = mesh((0, 1)), mesh((2, 3))
+    value = np.arange(24, dtype=np.float32).reshape(4, 6)
+    sharding = NamedSharding(there, P("data", None))
+    x = jax.make_array_from_callback(value.shape, sharding, lambda index: value[index], dtype=value.dtype)
+    moved = DevicePath().to_mesh(x, NamedSharding(here, P(None, "model")))
+    back = DevicePath().to_mesh(moved, NamedSharding(there, P()))
+    for name, y in (("moved", moved), ("back", back)):
+        np.testing.assert_array_equal(distributed.to_host(y), value, err_msg=f"relayout across processes: {name}")
+    distributed.barrier()
+    if jax.process_index() == 0:
+        print("CHECK relayout ok", flush=True)
 
 
 def inject(kind: str) -> None:

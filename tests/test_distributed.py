@@ -96,10 +96,12 @@ def test_two_processes_pipeline_schedules_and_uneven_replicas():
 
 
 def test_four_processes_stages_span_two_processes():
-    """Two stages, each a 2x2 mesh over two processes."""
+    """Two stages, each a 2x2 mesh over two processes; values re-laid on their way
+    between them."""
     result, _ = launch(FOUR, "spanning")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "CHECK spanning ok" in result.stdout, result.stdout[-2000:]
+    assert "CHECK relayout ok" in result.stdout, result.stdout[-2000:]
 
 
 @pytest.mark.parametrize("fault", ["raise", "kill"])

@@ -4,6 +4,8 @@ the compiled HLO, and parity with one device on every mesh shape."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
+from types import SimpleNamespace
 
 import flax.linen as nn
 import jax
@@ -227,3 +229,21 @@ def test_identical_stage_problems_are_solved_once():
     assert first.choice == (0, 0, 0)
     assert _solve_once(problem("Block_7"), 5.0) is first
     assert _solve_once(problem("Block_7"), 6.0) is not first  # another time limit may answer differently
+
+
+def test_chunks_sharing_devices_share_their_memory_budget():
+    """An interleaved plan's chunks on one device group split its memory in proportion
+    to the planner's figures: budgeted against the whole device each, two chunks that
+    each fit overflowed it together (Llama-2-7B on three_types_768 needed 107 GiB of 72)."""
+    from hetpar.plan import StagePlan
+    from hetpar.shard import memory_share
+
+    def stage(index, ids, memory):
+        return StagePlan(index, "H100", ids, index, index + 1, "", 1.0, 1.0, 1.0, memory_bytes=memory, memory_capacity=72)
+
+    alone, first, second = stage(0, (0, 1), 10), stage(1, (2, 3), 30), stage(2, (2, 3), 10)
+    plan = SimpleNamespace(stages=(alone, first, second))
+    assert memory_share(alone, plan) == 72
+    assert (memory_share(first, plan), memory_share(second, plan)) == (54, 18)
+    unplanned = SimpleNamespace(stages=(replace(first, memory_bytes=0), replace(second, memory_bytes=0)))
+    assert memory_share(unplanned.stages[0], unplanned) == 36

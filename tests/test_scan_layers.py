@@ -122,7 +122,9 @@ class NnxBlock(nnx.Module):
 
 class NnxNet(nnx.Module):
     """Blocks made by `nnx.vmap` (stacked parameters) and run by `nnx.scan`, the
-    form flax's nnx guide gives for scanned layers."""
+    form flax's nnx guide gives for scanned layers. nnx names no scopes, and the
+    scan's first input is the batch itself, so the only module boundaries are the
+    iterations'."""
 
     def __init__(self, rngs: nnx.Rngs):
         @nnx.split_rngs(splits=LAYERS)
@@ -150,11 +152,7 @@ def test_nnx_scan_split_over_stages():
 
     state = train_state.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-2))
     plan = _parity(state, batch, loss_fn, TWO, steps=1, num_microbatches=2, num_stages=2, schedule="1f1b")
-    # Not checked yet: that the iterations spread over stages. nnx names no module
-    # scopes and the scan's first input is the batch, so the cheapest cut (before the
-    # scan) sets the bar and every cut between iterations looks dear: today both
-    # stages' layers are [before the scan] and [the whole scan] (README, issue 14).
-    assert plan.num_stages == 2
+    assert sum("scan[" in s.layer_names for s in plan.stages) >= 2, [s.layer_names for s in plan.stages]
 
 
 def test_planner_sees_each_iteration():

@@ -75,7 +75,7 @@ AXIS_SWAP = {"attn/qkv/dot_general": "-> DMR", "attn/bqhd,bkhd->bhqk/dot_general
 
 
 def test_two_stage_axis_swap_parity(monkeypatch):
-    """The wide GPT over a 2x2 stage and a 1x4 stage with the data axis free to split
+    """The wide GPT over two 2x2 stages (a block each) with the data axis free to split
     anything, and the forward attention forced into the axis-swapped layouts that were
     0.7% off before the operand pins: parity with one device."""
     solve = shard.solve_intra_op
@@ -96,6 +96,6 @@ def test_two_stage_axis_swap_parity(monkeypatch):
     monkeypatch.setattr(shard, "solve_intra_op", swapped)
     wide = gpt.GPTConfig(d_model=256, n_heads=4, n_layers=2)
     plan = run_parity(gpt.setup(batch_size=4, config=wide), hetpar.Cluster.virtual({"cpu": 8}), num_stages=2,
-                      mesh_shape=((2, 2), (1, 4)), num_microbatches=2, num_layers=2, schedule="1f1b", steps=1)
-    assert [s.mesh_shape for s in plan.stages] == [(2, 2), (1, 4)]
+                      mesh_shape=((2, 2), (2, 2)), num_microbatches=2, num_layers=2, schedule="1f1b", steps=1)
+    assert [s.mesh_shape for s in plan.stages] == [(2, 2), (2, 2)]
     assert len({name.split("/")[1] for name in forced}) == 2  # both blocks' attention was forced

@@ -13,6 +13,9 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from hetpar.runtime.remote import is_remote, placeholder
 
 
 def already_there(x: Any, sharding: Any) -> bool:
@@ -32,7 +35,32 @@ class DevicePath:
             return x
         if isinstance(x, jax.Array) and _platform(x.devices()) != _platform(sharding.device_set):
             return jax.device_put(np.asarray(jax.device_get(x)), sharding)
+        if isinstance(x, jax.Array) and not (x.is_fully_addressable and sharding.is_fully_addressable):
+            x = _laid_out_at_source(x, sharding)
         return jax.device_put(x, sharding)
+
+
+def _laid_out_at_source(x: jax.Array, sharding: Any) -> jax.Array:
+    """`x` laid out as `sharding` wants, still on its own devices. Between the device
+    sets of different processes JAX moves an array only shard for shard (both sides
+    cut alike: the same layout over meshes of one shape), so a value whose layout
+    changes on the way (a gradient laid out over `data` on one stage that the other
+    keeps replicated) is first re-laid where it is: a reshard among its own devices,
+    run by the processes that hold it (the others make a placeholder of the result).
+    Meshes of different sizes are refused before a step runs
+    (`hetpar.runtime.distributed.check_cross_process`)."""
+    source = x.sharding
+    if not (isinstance(source, NamedSharding) and isinstance(sharding, NamedSharding)):
+        return x
+    if source.device_set == sharding.device_set or source.mesh.devices.size != sharding.mesh.devices.size:
+        return x
+    mesh = Mesh(source.mesh.devices.reshape(sharding.mesh.devices.shape), sharding.mesh.axis_names)
+    staged = NamedSharding(mesh, sharding.spec)
+    if source.is_equivalent_to(staged, x.ndim):
+        return x
+    if is_remote(x):
+        return placeholder(jax.ShapeDtypeStruct(x.shape, x.dtype), staged)
+    return jax.device_put(x, staged)
 
 
 class HostPath:

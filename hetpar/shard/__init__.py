@@ -68,7 +68,7 @@ def _zero(traced: TracedStep, layers: Layers, plan: Plan, stage: StagePlan, spec
     else:
         if not stage.memory_capacity:
             return specs, 0, {}
-        budget = stage.memory_capacity - kept_bytes(stage, layers, plan)
+        budget = memory_share(stage, plan) - kept_bytes(stage, layers, plan)
         levels = choose_zero(zero_items(traced, params, specs, mesh), dp, Topology(1, dp, link, link),
                              plan.num_microbatches, budget)
     specs, zero, gathered = apply_zero(traced, params, levels, specs, dp)
@@ -76,6 +76,21 @@ def _zero(traced: TracedStep, layers: Layers, plan: Plan, stage: StagePlan, spec
         log.info("stage %d: ZeRO-%d over its %d-way data axis (%d of %d parameters sharded)", stage.index, zero, dp,
                  sum(1 for z in levels if z), len(params))
     return specs, zero, gathered
+
+
+def memory_share(stage: StagePlan, plan: Plan) -> float:
+    """The memory per device this stage may fill: all its devices have, unless other
+    chunks of an interleaved plan share them, when each gets a share in proportion to
+    the memory the planner predicted for it (equal shares without a prediction).
+    Budgeting each chunk against the whole device let two chunks that each fit
+    overflow it together."""
+    sharing = [s for s in plan.stages if s.device_ids == stage.device_ids]
+    if len(sharing) == 1:
+        return float(stage.memory_capacity)
+    planned = [s.memory_bytes for s in sharing]
+    if all(planned):
+        return stage.memory_capacity * stage.memory_bytes / sum(planned)
+    return stage.memory_capacity / len(sharing)
 
 
 def state_factor(zero: int, dp: int) -> float:
@@ -177,7 +192,7 @@ class _StageSolver:
         # The ILP holds the matmuls' weights (`factor` bytes of state per weight byte
         # under the stage's ZeRO stage); the parameters no matmul reads (an embedding
         # table) stay whole on the model axis beside them.
-        budget = int(stage.memory_capacity - kept_bytes(stage, self.layers, self.plan) - factor * unsplit)
+        budget = int(memory_share(stage, self.plan) - kept_bytes(stage, self.layers, self.plan) - factor * unsplit)
         bounded = build(max(budget, 0))
         if bounded is None or peak_bytes(bounded.problem, solution.choice) <= budget:
             return problem, solution

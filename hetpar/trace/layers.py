@@ -66,7 +66,7 @@ def build_layers(graph: OpGraph, analysis: MicrobatchAnalysis, op_flops: list[fl
         candidates = [i for i in range(1, len(forward)) if keys[i] != keys[i - 1]]
     else:
         candidates = list(range(1, len(forward)))
-    candidates = _cheap(candidates, crossing, num_layers)
+    candidates = _cheap(candidates, crossing, costs, num_layers)
     cuts = min_max_cuts(costs, candidates, num_layers, cut_costs=crossing)
     starts = [0] + cuts
     fwd_layer = np.searchsorted(np.array(cuts), np.arange(len(forward)), side="right")
@@ -289,13 +289,22 @@ def _crossing_bytes(graph: OpGraph, forward: list[int], position: dict[int, int]
     return np.cumsum(delta)[: len(forward)]
 
 
-def _cheap(candidates: list[int], crossing: np.ndarray, num_layers: int) -> list[int]:
+def _cheap(candidates: list[int], crossing: np.ndarray, costs: np.ndarray, num_layers: int) -> list[int]:
+    """The cut candidates that send little: at most a few times what the cheapest
+    useful cut sends. A cut with almost no work on one side (before a scan over
+    layers whose first input is the batch itself: nothing crosses it) is no baseline:
+    measured against it, every boundary between blocks would look dear and the
+    model could not be cut between its blocks at all."""
     if len(candidates) < num_layers - 1:
         raise PlanError(f"the model has only {len(candidates) + 1} places to cut it into layers; ask for fewer layers")
     if num_layers == 1:
         return candidates
+    before = np.concatenate([[0.0], np.cumsum(costs)])
+    margin = before[-1] / (4 * num_layers)
+    useful = [c for c in candidates if margin <= before[c] <= before[-1] - margin] or candidates
+    cheapest = min(crossing[c] for c in useful)
     ordered = sorted(crossing[c] for c in candidates)
-    limit = max(_MAX_CUT_BYTES_FACTOR * max(ordered[0], 1.0), ordered[num_layers - 2])
+    limit = max(_MAX_CUT_BYTES_FACTOR * max(cheapest, 1.0), ordered[num_layers - 2])
     return [c for c in candidates if crossing[c] <= limit]
 
 
