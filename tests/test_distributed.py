@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CHECKS = ROOT / "tests" / "distributed_checks.py"
 TWO = ROOT / "tests" / "clusters" / "mp_two.yaml"
 FOUR = ROOT / "tests" / "clusters" / "mp_four.yaml"
+UNEVEN = ROOT / "tests" / "clusters" / "mp_uneven.yaml"
 
 
 def launch(cluster: Path, *checks: str, timeout_s: float = 400, ray: bool = False) -> tuple[subprocess.CompletedProcess, float]:
@@ -52,7 +53,7 @@ def test_the_launcher_stops_the_others_when_one_exits():
     assert time.time() - start < 30
 
 
-def test_stages_in_different_processes_need_meshes_of_one_shape():
+def test_stages_in_different_processes_need_meshes_of_one_size_where_one_spans_processes():
     from types import SimpleNamespace
 
     from hetpar import PlanError
@@ -62,9 +63,12 @@ def test_stages_in_different_processes_need_meshes_of_one_shape():
     stage = lambda i, ids, shape=(): SimpleNamespace(index=i, device_ids=ids, mesh_shape=shape)  # noqa: E731
     check_cross_process(SimpleNamespace(stages=[stage(0, (0,)), stage(1, (2,))]), devices)
     check_cross_process(SimpleNamespace(stages=[stage(0, (0, 1), (1, 2)), stage(1, (0, 1), (2, 1))]), devices)  # one process
-    with pytest.raises(PlanError, match=r"stages 0 and 1 run in different processes with meshes of different shapes "
-                       r"\(2 and 1 devices\)"):
-        check_cross_process(SimpleNamespace(stages=[stage(0, (0, 1)), stage(1, (2,))]), devices)
+    # Meshes of different sizes, each within one process: a value crosses through one device.
+    check_cross_process(SimpleNamespace(stages=[stage(0, (0, 1)), stage(1, (2,))]), devices)
+    four = [SimpleNamespace(process_index=p) for p in (0, 0, 1, 1, 2)]
+    with pytest.raises(PlanError, match=r"stages 0 and 1 run in different processes with meshes of different sizes "
+                       r"\(4 and 1 devices\) and one of them spans processes"):
+        check_cross_process(SimpleNamespace(stages=[stage(0, (0, 1, 2, 3)), stage(1, (4,))]), four)
     # Without cross-process collectives (CPU, HETPAR_CPU_COLLECTIVES=local) no stage may span processes.
     check_cross_process(SimpleNamespace(stages=[stage(0, (0,)), stage(1, (2,))]), devices, collectives=False)
     with pytest.raises(PlanError, match=r"stage 0 spans processes \[0, 1\].*HETPAR_CPU_COLLECTIVES=gloo"):
@@ -86,12 +90,16 @@ def test_launch_keeps_in_process_collectives_unless_a_group_has_several_nodes():
 
 
 def test_two_processes_pipeline_schedules_and_uneven_replicas():
-    """One stage per process (A100 process, V100 process) under GPipe and 1F1B, 3
-    steps with the state resident (no device-to-host transfer in steps 2-3); then two
-    replicas of different kinds with uneven batch shares."""
-    result, _ = launch(TWO, "gpipe", "1f1b", "replicas")
+    """One stage per process (A100 process, V100 process), 3 steps with the state
+    resident (no device-to-host transfer in steps 2-3): GPipe on meshes of 2 and 2
+    devices; 1F1B on meshes of 4 and 2 (values cross through one device); then two
+    replicas of different kinds and sizes with uneven batch shares."""
+    result, _ = launch(TWO, "gpipe")
     assert result.returncode == 0, result.stderr[-3000:]
-    for name in ("pipeline-gpipe", "pipeline-1f1b", "replicas", "replicas-uneven"):
+    assert "CHECK pipeline-gpipe ok" in result.stdout, result.stdout[-2000:]
+    result, _ = launch(UNEVEN, "1f1b", "replicas")
+    assert result.returncode == 0, result.stderr[-3000:]
+    for name in ("pipeline-1f1b", "replicas", "replicas-uneven"):
         assert f"CHECK {name} ok" in result.stdout, result.stdout[-2000:]
 
 

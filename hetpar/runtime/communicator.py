@@ -1,10 +1,13 @@
 """Moving values between stage meshes, one interface for both runtimes.
 
-A device path when both meshes live in this process: `device_put` copies shard by
-shard between devices (and not at all when the value is already laid out as the
-destination wants). A host path between processes or kinds of device that cannot
-talk directly: the value leaves as a host array (through Ray's object store in the
-multi-process runtime) and lands on the destination mesh with its sharding.
+A device path: `device_put` copies shard by shard between devices (and not at all
+when the value is already laid out as the destination wants), also between processes
+under `jax.distributed`, where JAX pairs devices one to one: a value changing layout
+on the way is re-laid on its own devices first, and one crossing between meshes of
+different sizes goes through one device of each. A host path for the Ray runtime
+and kinds of device that cannot talk directly: the value leaves as a host array
+(through Ray's object store there) and lands on the destination mesh with its
+sharding.
 """
 
 from __future__ import annotations
@@ -13,9 +16,9 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from hetpar.runtime.remote import is_remote, placeholder
+from hetpar.runtime.remote import has_local_devices, is_remote, placeholder
 
 
 def already_there(x: Any, sharding: Any) -> bool:
@@ -35,9 +38,46 @@ class DevicePath:
             return x
         if isinstance(x, jax.Array) and _platform(x.devices()) != _platform(sharding.device_set):
             return jax.device_put(np.asarray(jax.device_get(x)), sharding)
-        if isinstance(x, jax.Array) and not (x.is_fully_addressable and sharding.is_fully_addressable):
+        # A committed array that is not all here (or going elsewhere) is one global value
+        # crossing processes; an uncommitted one is each process's own copy (the state
+        # a script made before its first step), which `device_put` lays out as it is.
+        if isinstance(x, jax.Array) and x.committed and not (x.is_fully_addressable and sharding.is_fully_addressable):
+            if len(x.sharding.device_set) != len(sharding.device_set):
+                return _through_one_device(x, sharding)
             x = _laid_out_at_source(x, sharding)
         return jax.device_put(x, sharding)
+
+
+def _processes(devices: Any) -> set[int]:
+    return {d.process_index for d in devices}
+
+
+def _through_one_device(x: jax.Array, sharding: Any) -> jax.Array:
+    """`x` moved between processes whose meshes have different numbers of devices (a
+    node of 8 A100s feeding a node of 4 V100s), which JAX's cross-process copy does not
+    do (it pairs devices one to one): made whole on its mesh, sent from one device of
+    it to one device of the destination, and cut into the destination's shards there.
+    Each hop runs on the devices of the processes that hold them (the others make
+    placeholders), device to device: no hop passes through the host. Both meshes lie
+    within one process each (`check_cross_process`)."""
+    struct = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    first = lambda devices: min(devices, key=lambda d: d.id)  # noqa: E731  (the same on every process)
+    start, end = first(x.sharding.device_set), first(sharding.device_set)
+    if is_remote(x):
+        sent = placeholder(struct, SingleDeviceSharding(start))
+    else:
+        whole = x if x.sharding.is_fully_replicated else jax.jit(lambda a: a, out_shardings=_replicated(x.sharding))(x)
+        sent = next(s.data for s in whole.addressable_shards if s.device == start)
+    landed = jax.device_put(sent, SingleDeviceSharding(end))
+    if not has_local_devices(sharding.device_set):
+        return placeholder(struct, sharding)
+    pieces = [jax.device_put(landed[index], device) for device, index in sharding.addressable_devices_indices_map(x.shape).items()]
+    return jax.make_array_from_single_device_arrays(x.shape, sharding, pieces)
+
+
+def _replicated(sharding: Any) -> NamedSharding:
+    """The whole value on every device of `sharding`."""
+    return NamedSharding(Mesh(np.array(sorted(sharding.device_set, key=lambda d: d.id)), ("all",)), PartitionSpec())
 
 
 def _laid_out_at_source(x: jax.Array, sharding: Any) -> jax.Array:
@@ -47,8 +87,7 @@ def _laid_out_at_source(x: jax.Array, sharding: Any) -> jax.Array:
     changes on the way (a gradient laid out over `data` on one stage that the other
     keeps replicated) is first re-laid where it is: a reshard among its own devices,
     run by the processes that hold it (the others make a placeholder of the result).
-    Meshes of different sizes are refused before a step runs
-    (`hetpar.runtime.distributed.check_cross_process`)."""
+    Meshes of different sizes take `_through_one_device` instead."""
     source = x.sharding
     if not (isinstance(source, NamedSharding) and isinstance(sharding, NamedSharding)):
         return x

@@ -257,15 +257,11 @@ def stages_of_process(plan: Plan, device_order: Sequence[Any], process: int) -> 
 
 
 def check_cross_process(plan: Plan, device_order: Sequence[Any], collectives: bool = True) -> None:
-    """Refuses a plan whose stages on different processes have meshes of different
-    shapes: JAX moves a value between processes shard for shard, so both sides must
-    cut it alike (a 2-device stage cannot send to a 1-device stage in another process;
-    JAX raises, and reshaping on the way is not built yet). Without cross-process
+    """Refuses a plan whose values could not cross between its stages: JAX moves a
+    value between processes shard for shard, so stages in different processes need
+    meshes of one size, unless each lies within one process (then a value crosses
+    through one device: hetpar.runtime.communicator). Without cross-process
     collectives (`collectives` False), also one whose stage mesh spans processes."""
-    def shape(s: Any) -> tuple[int, ...]:
-        dims = tuple(s.mesh_shape) if s.mesh_shape else (len(s.device_ids),)
-        return tuple(d for d in dims if d > 1) or (1,)
-
     owners = {s.index: {device_order[p].process_index for p in s.device_ids} for s in plan.stages}
     spanning = [s.index for s in plan.stages if len(owners[s.index]) > 1]
     if spanning and not collectives:
@@ -275,12 +271,13 @@ def check_cross_process(plan: Plan, device_order: Sequence[Any], collectives: bo
             "(hetpar launch picks gloo when a group has several nodes), or give each stage the devices of one process")
     for a in plan.stages:
         for b in plan.stages:
-            if a.index < b.index and owners[a.index] != owners[b.index] and shape(a) != shape(b):
+            if (a.index < b.index and owners[a.index] != owners[b.index] and len(a.device_ids) != len(b.device_ids)
+                    and (a.index in spanning or b.index in spanning)):
                 raise PlanError(
-                    f"stages {a.index} and {b.index} run in different processes with meshes of different shapes "
-                    f"({'x'.join(map(str, shape(a)))} and {'x'.join(map(str, shape(b)))} devices): values cross between "
-                    "processes shard for shard, so give every stage the same mesh (equal devices_per_node in the cluster "
-                    "file, or mesh_shape=), or run this plan with runtime='ray'")
+                    f"stages {a.index} and {b.index} run in different processes with meshes of different sizes "
+                    f"({len(a.device_ids)} and {len(b.device_ids)} devices) and one of them spans processes: values cross between "
+                    "such meshes shard for shard, so give them the same number of devices (equal devices_per_node in "
+                    "the cluster file), or keep each stage within one process")
 
 
 class Status:
