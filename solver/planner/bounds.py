@@ -9,7 +9,7 @@ more than the bottleneck time allows at its least time per layer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -17,9 +17,12 @@ from solver.planner.problem import Problem
 from solver.planner.stage_costs import INF, StageConfig, StageCosts, in_flight
 
 
-@dataclass(frozen=True)
-class KindLayout:
-    """How one kind's devices form stages."""
+_BLOCK = 16  # candidate step times order_bound prices at once
+
+
+class KindLayout(NamedTuple):
+    """How one kind's devices form stages. (A tuple: the search hashes millions of
+    them as cache keys, and a tuple hashes in C.)"""
 
     kind: str
     stages: int
@@ -50,6 +53,8 @@ class LowerBounds:
         self.costs = costs
         self._fitting: dict[tuple[KindLayout, int, int], tuple[int, int]] = {}
         self._capacity: dict[tuple[KindLayout, int], tuple[float, int, float, int]] = {}
+        self._step_times: dict[tuple, np.ndarray] = {}
+        self._held: dict[tuple[str, int, int], tuple[int, ...]] = {}
 
     def stage_capacity(self, layout: KindLayout, b: int) -> tuple[float, int, float, int]:
         """(least seconds per layer, most layers that fit) of one of these stages,
@@ -94,48 +99,65 @@ class LowerBounds:
         bound that reaches it is as good as exact for pruning."""
         stages = [lay for lay in order for _ in range(lay.stages)]
         caps = {lay: self.stage_capacity(lay, b) for lay in order}
-        c = np.array([caps[lay][0] for lay in stages])
-        cr = np.array([caps[lay][2] for lay in stages])
-        fitting = np.array([self._layers_fitting(lay, b, in_flight(schedule, m, p, len(stages)) if p < len(stages) - 1 else 1)
-                            for p, lay in enumerate(stages)])  # the last stage holds one microbatch (solver.memory)
+        counts = [lay.stages for lay in order]
+        c = np.repeat([caps[lay][0] for lay in order], counts)
+        cr = np.repeat([caps[lay][2] for lay in order], counts)
+        held = self._in_flight(schedule, m, len(stages))
+        fitting = np.array([self._layers_fitting(lay, b, k) for lay, k in zip(stages, held)])
         n, nr = fitting[:, 0], fitting[:, 1]
         layers = self.costs.n
         if np.maximum(n, nr).sum() < layers:
             return INF
 
-        def room(t: float) -> np.ndarray:
-            if t == INF:
-                return np.maximum(n, nr)
-            return np.maximum(np.minimum(np.floor(t / c * (1 + 1e-12)), n), np.minimum(np.floor(t / cr * (1 + 1e-12)), nr))
-
         rates = np.where(n >= 1, c, cr)
         by_rate = np.argsort(rates, kind="stable")
         sorted_rates = rates[by_rate]
 
-        def least_sum(t: float) -> float:
-            extra = (room(t) - 1)[by_rate]
-            if extra.min() < 0 or extra.sum() < layers - len(stages):
-                return INF
-            before = np.cumsum(extra) - extra
-            take = np.clip(layers - len(stages) - before, 0, extra)
-            return float(rates.sum() + (take * sorted_rates).sum())
+        budget = layers - len(stages)  # layers beyond one per stage
 
+        def least_sums(rooms: np.ndarray) -> np.ndarray:
+            """Per row of `rooms` (the most layers each stage may hold): the least
+            summed stage time when each stage holds at least one layer, the extra
+            layers going to the fastest rates (inf where the layers do not fit)."""
+            extra = (rooms - 1)[:, by_rate]
+            before = np.cumsum(extra, axis=1) - extra
+            take = np.clip(budget - before, 0, extra)
+            sums = rates.sum() + (take * sorted_rates).sum(axis=1)
+            return np.where((extra.min(axis=1) < 0) | (extra.sum(axis=1) < budget), INF, sums)
+
+        # Per candidate bottleneck time t: the most layers each stage may hold.
         steps = self._steps(tuple(caps.values()))
-        lo, hi = 0, len(steps) - 1
-        while lo < hi:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if room(steps[mid]).sum() >= layers else (mid + 1, hi)
-        floor_sum, best = least_sum(INF), beat
-        for t in steps[lo:]:
-            if (m - 1) * t + floor_sum >= best:
-                break
-            best = min(best, (m - 1) * t + least_sum(t))
+        rooms = np.maximum(np.minimum(np.floor(steps[:, None] / c * (1 + 1e-12)), n),
+                           np.minimum(np.floor(steps[:, None] / cr * (1 + 1e-12)), nr))
+        lo = int(np.argmax(rooms.sum(axis=1) >= layers))  # the least time at which every layer has room
+        floor_sum, best = float(least_sums(np.maximum(n, nr)[None, :])[0]), beat
+        # From there on, a block of times at a time: a time's bound is (m - 1) t plus
+        # its least sum, and once (m - 1) t plus the least sum of all loses to the best
+        # so far, no later time can win.
+        for start in range(lo, len(steps), _BLOCK):
+            ts = steps[start : start + _BLOCK]
+            values = (m - 1) * ts + least_sums(rooms[start : start + _BLOCK])
+            before = np.minimum.accumulate(np.concatenate(([best], values)))[:-1]  # the best so far, before each t
+            losing = np.nonzero((m - 1) * ts + floor_sum >= before)[0]
+            if losing.size:
+                return float(before[losing[0]])
+            best = min(float(before[-1]), float(values[-1]))
         return best
+
+    def _in_flight(self, schedule: str, m: int, num_stages: int) -> tuple[int, ...]:
+        """Microbatches each position of a pipeline holds; the last holds one
+        (solver.memory)."""
+        key = (schedule, m, num_stages)
+        if key not in self._held:
+            self._held[key] = tuple(in_flight(schedule, m, p, num_stages) for p in range(num_stages - 1)) + (1,)
+        return self._held[key]
 
     def _steps(self, caps: tuple[tuple[float, int, float, int], ...]) -> np.ndarray:
         """Every time a stage of these kinds can take for a whole number of layers."""
-        layers = np.arange(1, self.costs.n + 1)
-        return np.unique(np.concatenate([layers * c for c, _, cr, _ in caps] + [layers * cr for c, _, cr, _ in caps]))
+        if caps not in self._step_times:
+            layers = np.arange(1, self.costs.n + 1)
+            self._step_times[caps] = np.unique(np.concatenate([layers * c for c, _, cr, _ in caps] + [layers * cr for c, _, cr, _ in caps]))
+        return self._step_times[caps]
 
     def _layers_fitting(self, layout: KindLayout, b: int, in_flight_count: int) -> tuple[int, int]:
         """The most layers a stage holds with this many microbatches in flight,
