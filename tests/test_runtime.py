@@ -47,7 +47,7 @@ def test_memory_stays_flat_over_100_steps():
 
 @pytest.mark.parametrize("stages, microbatches", [(4, 8)])
 def test_one_f_one_b_holds_fewer_activations(stages, microbatches):
-    w = gpt.setup(batch_size=16)
+    w = mlp.setup(batch_size=16, hidden=64, depth=4)
     cluster = hetpar.Cluster.virtual(TWO_TYPES)
     peaks = {}
     for schedule in ("gpipe", "1f1b"):
