@@ -14,17 +14,28 @@ Measured, from `memory_analysis()` of its compiled programs: the state the step 
 program returns for the backward times the microbatches in flight but one, and the
 backward program's arguments, outputs and temporaries (less what it aliases) while
 it runs the last of them. Predicted: the plan's `memory_bytes`, by solver.memory from
-the traced layers. Goal: predicted/measured within 0.9-1.1.
+the traced layers. Goal: predicted/measured within 0.9-1.1. `--seq-len` and
+`--remat-d-model` size that GPT (default 256 and 32).
+
+The stage programs are measured as XLA compiles them with its YNNPACK fusions off
+(`MEASURE_OPTIONS`): XLA:CPU's experimental YNNPACK fusions, a CPU kernel library's,
+choose by tensor size whether a fused reduction reads a broadcast operand in place or
+as a full-size buffer; from sequence length 256 on, every attention block's softmax
+denominator is then held broadcast to the scores' shape while the backward runs
+(three score-sized buffers per block, not two). No accelerator backend the planner
+plans for has these fusions, and no model from shapes could tell where the library
+switches.
 
 Each section is one function returning its RESULT figure; main prints them on one line:
 RESULT zero3_over_replicated=<ratio> remat_over_saved=<ratio> predicted_over_measured_mem=<ratio>
-Run: PYTHONPATH=$PWD .venv/bin/python benchmarks/memory.py
+Run: PYTHONPATH=$PWD .venv/bin/python benchmarks/memory.py [--seq-len 128] [--sections remat,predicted]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import replace
 from functools import lru_cache
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
@@ -38,6 +49,7 @@ from models import gpt  # noqa: E402
 
 CONFIG = gpt.GPTConfig(vocab_size=64, seq_len=256, d_model=32, n_heads=4, n_layers=4)
 BATCH, MICROBATCHES = 16, 4
+MEASURE_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}  # no YNNPACK fusions (module docstring)
 
 DEVICES = 4  # the zero section's data axis
 
@@ -93,7 +105,8 @@ def measured_peak(compiled, plan: hetpar.Plan, stage: int) -> int:  # noqa: ANN0
     roles = input_roles(graph, compiled.analysis, sorted(compiled.batch_invars))
     programs = {p.task.kind: p for p in compiled.programs if p.task.stage == stage}
     fwd, bwd = programs["fwd"], programs["bwd"]
-    analysis = {kind: p.lower().compile().memory_analysis() for kind, p in (("fwd", fwd), ("bwd", bwd))}
+    analysis = {kind: p.lower().compile(compiler_options=MEASURE_OPTIONS).memory_analysis()
+                for kind, p in (("fwd", fwd), ("bwd", bwd))}
     kept = sum(graph.nbytes(v) for v in fwd.task.outputs if v in set(bwd.task.inputs))
     optimizer = sum(graph.nbytes(v) for p in compiled.programs if p.task.stage == stage for v in p.task.inputs
                     if roles.get(v) == "optimizer_state")
@@ -104,25 +117,31 @@ def measured_peak(compiled, plan: hetpar.Plan, stage: int) -> int:  # noqa: ANN0
 
 
 @lru_cache(maxsize=None)
-def _measured(remat: str) -> tuple[int, int]:
-    return stage_memory(remat)
+def _measured(remat: str, config: gpt.GPTConfig = CONFIG) -> tuple[int, int]:
+    return stage_memory(remat, config=config)
 
 
-def remat_section() -> str:
+def _stage_config(args: argparse.Namespace) -> gpt.GPTConfig:
+    return replace(CONFIG, seq_len=args.seq_len, d_model=args.remat_d_model)
+
+
+def remat_section(args: argparse.Namespace) -> str:
     """Peak bytes of the first stage with and without full recomputation (measured)."""
-    none, full = _measured("")[1], _measured("full")[1]
+    config = _stage_config(args)
+    none, full = _measured("", config)[1], _measured("full", config)[1]
     print(f"stage 0 peak, measured: no recomputation {none / 2**20:.2f} MiB, full {full / 2**20:.2f} MiB")
     return f"remat_over_saved={full / none:.3f}"
 
 
-def predicted_vs_measured_section() -> str:
+def predicted_vs_measured_section(args: argparse.Namespace) -> str:
     """solver.memory's figure (the plan's memory_bytes) against the measured peak,
     per policy; the RESULT figure is the recomputing ("full") stage's."""
+    config = _stage_config(args)
     for remat in ("", "full", "dots"):
-        predicted, measured = _measured(remat)
+        predicted, measured = _measured(remat, config)
         print(f"remat={remat or 'none':5s} stage 0 peak: measured {measured / 2**20:8.2f} MiB, "
               f"predicted {predicted / 2**20:8.2f} MiB ({predicted / measured:.3f})")
-    predicted, measured = _measured("full")
+    predicted, measured = _measured("full", config)
     return f"predicted_over_measured_mem={predicted / measured:.3f}"
 
 
@@ -131,11 +150,23 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="zero section: the GPT stage's batch")
     parser.add_argument("--layers", type=int, default=4, help="zero section: GPT blocks")
     parser.add_argument("--d-model", type=int, default=128, help="zero section: GPT width")
+    parser.add_argument("--seq-len", type=int, default=CONFIG.seq_len, help="remat and predicted sections: GPT sequence length")
+    parser.add_argument("--remat-d-model", type=int, default=CONFIG.d_model, help="remat and predicted sections: GPT width")
+    parser.add_argument("--sections", default="zero,remat,predicted",
+                        help="comma-separated sections to run (zero, remat, predicted); RESULT has their figures")
     args = parser.parse_args()
+    sections = {"zero": zero_section, "remat": remat_section, "predicted": predicted_vs_measured_section}
+    chosen = args.sections.split(",")
+    unknown = [name for name in chosen if name not in sections]
+    if unknown:
+        parser.error(f"unknown section(s) {', '.join(unknown)}: choose from {', '.join(sections)}")
     print(f"jax {jax.__version__}")
-    zero = zero_section(args)
-    print(f"GPT {CONFIG}, batch {BATCH}, {MICROBATCHES} microbatches, GPipe, 2 stages of 1 device")
-    print("RESULT " + " ".join([zero, remat_section(), predicted_vs_measured_section()]))
+    figures = []
+    for name in chosen:
+        if name != "zero" and all(n == "zero" for n in chosen[:chosen.index(name)]):
+            print(f"GPT {_stage_config(args)}, batch {BATCH}, {MICROBATCHES} microbatches, GPipe, 2 stages of 1 device")
+        figures.append(sections[name](args))
+    print("RESULT " + " ".join(figures))
 
 
 if __name__ == "__main__":

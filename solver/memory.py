@@ -10,7 +10,10 @@ schedule keeps in flight at the stage's position in its own pipeline
 (`solver.schedules`). Recomputation trades them for time: "full" keeps only the
 stage's input per microbatch and reruns the whole stage forward for one microbatch
 in its backward program; "dots" keeps the matmul results without batch dimensions
-as well and reruns the rest. While a backward runs, two buffers the size of the
+as well and reruns the rest. A rerun forward holds less than the forward program
+hands its backward: there every value the backward reads is a buffer of its own,
+while inside the one backward program XLA fuses cheap elementwise work into what
+reads it (`StageActivations.recomputed`). While a backward runs, two buffers the size of the
 stage's largest activation are live besides (an operator's incoming and outgoing
 cotangents): measured against XLA's memory analysis, that is most of what a backward
 program needs beyond the activations it reads. The last stage of a pipeline runs each microbatch's
@@ -62,6 +65,10 @@ class StageActivations:
     inputs: float  # the stage's input: all that "full" recomputation keeps
     dots: float = 0.0  # matmul results without batch dims, part of `saved`: what "dots" keeps besides
     largest: float = 0.0  # the largest single activation: two such buffers are live while the backward runs
+    # what a backward rerunning the forward in its own program holds of it (`saved` less what XLA fuses
+    # into its readers: a softmax's output besides its exponentials is kept, its masked scores are not);
+    # None: as much as `saved`
+    recomputed: float | np.ndarray | None = None
 
 
 def in_flight(schedule: str, num_microbatches: int, position: int, num_stages: int, chunks: int = 1) -> int:
@@ -95,8 +102,9 @@ def activation_bytes(per_microbatch: StageActivations, held: int, remat: str = "
     working = 2 * a.largest  # the cotangent an operator's backward receives and the one it passes on
     if fused or not remat:
         return a.saved * (1 if fused else held) + working
-    kept = a.inputs + (a.dots if remat == "dots" else 0.0)
-    return kept * held + np.maximum(a.saved - (a.dots if remat == "dots" else 0.0), 0.0) + working
+    dots = a.dots if remat == "dots" else 0.0
+    rerun = a.saved if a.recomputed is None else a.recomputed
+    return (a.inputs + dots) * held + np.maximum(rerun - dots, 0.0) + working
 
 
 def stage_memory(state: DeviceMemory, per_microbatch: StageActivations, held: int, remat: str = "",

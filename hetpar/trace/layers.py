@@ -21,6 +21,17 @@ from solver.partition import min_max_cuts
 
 _MAX_CUT_BYTES_FACTOR = 2.0  # cut candidates carry at most this times the cheapest cut
 
+# Operators XLA fuses into the fusion that reads their result, recomputing them there
+# element by element instead of keeping a buffer: cheap elementwise arithmetic and
+# layout changes. Everything else (matmuls, reductions, transcendentals and division,
+# gathers, ...) leaves its result in a buffer of its own.
+_FUSED_INTO_READERS = frozenset({
+    "add", "add_any", "sub", "mul", "neg", "max", "min", "abs", "sign", "square", "integer_pow",
+    "one_minus_square", "select_n", "clamp", "convert_element_type", "stop_gradient",
+    "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not",
+    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "split", "slice", "copy", "copy_p",
+})
+
 
 @dataclass
 class Layers:
@@ -38,6 +49,9 @@ class Layers:
     # per layer: the part of `param_bytes` no matmul reads (an embedding table, a norm's scale), which the
     # sharding pass leaves whole on the model axis, so tensor parallelism does not split it
     unsplit_param_bytes: list[int] = field(default_factory=list)
+    # per layer, full batch: what of `saved_bytes` a backward that reruns the forward in its own program
+    # holds (the rest XLA fuses into the operators that read it)
+    recomputed_bytes: list[int] = field(default_factory=list)
 
 
 def build_layers(graph: OpGraph, analysis: MicrobatchAnalysis, op_flops: list[float], num_layers: int) -> Layers:
@@ -94,6 +108,7 @@ def build_layers(graph: OpGraph, analysis: MicrobatchAnalysis, op_flops: list[fl
         _param_bytes(graph, analysis, op_layer, num_layers), _saved_bytes(graph, analysis, op_layer, num_layers),
         *_tp_bytes(graph, analysis, op_layer, num_layers), _largest_bytes(graph, analysis, op_layer, num_layers),
         _param_bytes(graph, analysis, op_layer, num_layers, unsplit=True),
+        _recomputed_bytes(graph, analysis, op_layer, num_layers),
     )
 
 
@@ -166,6 +181,33 @@ def _saved_bytes(graph: OpGraph, analysis: MicrobatchAnalysis, op_layer: dict[in
         for v in graph.ops[op].outputs:
             if any(analysis.backward[c] for c in graph.consumers.get(v, ()) if c in op_layer):
                 out[layer] += graph.nbytes(v)
+    return out
+
+
+def _recomputed_bytes(graph: OpGraph, analysis: MicrobatchAnalysis, op_layer: dict[int, int], num_layers: int) -> list[int]:
+    """What a backward holds of the forward it reruns in its own program, charged to
+    the layer that made it. A forward program hands its backward every value the
+    backward reads (`_saved_bytes`), each a buffer of its own; but a program that
+    recomputes them is one XLA fuses: a value a cheap elementwise or layout operator
+    makes (a mask's select, a bias add, softmax's subtract, GELU's polynomial) is
+    recomputed inside each fusion that reads it, from its own operands, so what stays
+    live is the nearest values that need a buffer (matmul results, reductions,
+    transcendentals). Walking back from what the backward reads through fused
+    operators finds them; the walk stops at the step's inputs and at batch-free work."""
+    out = [0] * num_layers
+    todo = [v for op, layer in op_layer.items() if not analysis.backward[op] for v in graph.ops[op].outputs
+            if any(analysis.backward[c] for c in graph.consumers.get(v, ()) if c in op_layer)]
+    seen: set[int] = set()
+    while todo:
+        v = todo.pop()
+        p = graph.producer.get(v)
+        if v in seen or p is None or p not in op_layer or analysis.backward[p]:
+            continue
+        seen.add(v)
+        if graph.ops[p].name in _FUSED_INTO_READERS:
+            todo += graph.ops[p].inputs
+        else:
+            out[op_layer[p]] += graph.nbytes(v)
     return out
 
 
