@@ -183,7 +183,7 @@ MESHES = [(1, 4), (2, 2), (2, 4)]  # model axis only; both axes, square and wide
 @pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_sharded_stage_parity(shape):
     devices = shape[0] * shape[1]
-    for workload in (mlp.setup(batch_size=16, depth=2, hidden=64), gpt.setup(batch_size=8)):
+    for workload in (mlp.setup(batch_size=16, depth=2, hidden=64), gpt.setup(batch_size=8, config=gpt.GPTConfig(n_layers=2))):
         plan = run_parity(workload, hetpar.Cluster.virtual({"cpu": devices}), num_stages=1, mesh_shape=shape, num_microbatches=2)
         assert plan.stages[0].mesh_shape == shape
 
