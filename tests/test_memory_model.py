@@ -86,7 +86,8 @@ def test_plan_and_predictor_count_positions_within_each_replica():
 def test_predicted_memory_of_a_recomputing_stage_matches_xla(seq_len, policies):
     """A GPT stage whose activations dominate, recomputing its forward: the plan's
     predicted peak (solver.memory from the traced layers) is within 10% of what XLA's
-    memory analysis of its compiled programs adds up to (benchmarks/memory.py), at two
+    memory analysis of its compiled programs adds up to (compiled without XLA:CPU's
+    YNNPACK fusions, which no accelerator has: benchmarks/memory.py), at two
     sequence lengths: a rerun forward holds what XLA cannot fuse into its readers, not
     every value the backward reads (at 128 counting those was a third too much)."""
     from dataclasses import replace
