@@ -60,7 +60,7 @@ def main() -> None:
                   f"{plan.schedule}, {len(plan.stages)} stages, {plan.num_replicas} replica(s)")
             for s in plan.stages:
                 print(f"  stage {s.index} r{s.replica} {s.device_type} x{s.num_devices} dp{s.data_parallel}xtp{s.tensor_parallel} "
-                      f"layers {s.layer_start}-{s.layer_end - 1} sync {s.sync_s * 1e3:.0f} ms optimizer {s.optimizer_s * 1e3:.0f} ms "
+                      f"layers {s.layer_start}-{s.layer_end - 1} zero{s.zero}{' remat' if s.remat else ''} sync {s.sync_s * 1e3:.0f} ms optimizer {s.optimizer_s * 1e3:.0f} ms "
                       f"memory {s.memory_bytes / 2**30:.1f}/{s.memory_capacity / 2**30:.0f} GiB")
             print(f"  predicted step {plan.predicted_step_time_s:.2f} s, {plan.tokens_per_s:,.0f} tokens/s, MFU {plan.mfu:.1%}")
             results.append(f"RESULT model={model} cluster={name} solve_s={total_s:.1f} layers={plan.num_layers} "

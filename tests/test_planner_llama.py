@@ -1,7 +1,9 @@
 """Llama-2-7B (f32 parameters, bf16 compute, AdamW), traced abstractly and planned
-(planner only: no sharding pass, nothing compiled) on clusters where memory decides
-the plan: 32 V100s alone, and 32 A100 + 32 V100."""
+(nothing compiled; the planner alone, and once through the sharding pass and
+placement) on clusters where memory decides the plan: 32 V100s alone, and 32 A100 +
+32 V100."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -10,8 +12,8 @@ from solver.planner.stage_costs import StageCosts
 
 from hetpar.cluster.cluster import Cluster
 from hetpar.plan.auto import SearchOptions, problem_for, search
-from hetpar.plan.make import layers_pass
-from hetpar.options import StageOption
+from hetpar.plan.make import _operator_stages, layers_pass, link_cost, placement_pass, search_options, sharding_pass
+from hetpar.options import ShardingOption, StageOption
 from hetpar.trace.traced_step import trace_step
 from models import llama
 
@@ -44,8 +46,34 @@ def test_7b_plans_onto_32_v100s_only(llama_7b):
     state = 16 * llama.LLAMA2_7B.param_count()
     assert state > 3 * max(s.memory_capacity for s in plan.stages)
     # Allowing ZeRO only widens the search: the plan is at least as fast as the best replicated one.
-    replicated, _ = _plan(llama_7b, "v100_32.yaml", zero_stages=(0,))
-    assert _fits(replicated) and plan.predicted_step_time_s <= replicated.predicted_step_time_s * (1 + 1e-9)
+    replicated, replicated_result = _plan(llama_7b, "v100_32.yaml", zero_stages=(0,))
+    assert _fits(replicated) and result.best.step_s <= replicated_result.best.step_s * (1 + 1e-9)
+
+
+def test_7b_zero_where_memory_asks_and_laid_out_to_fit(llama_7b):
+    """With tensor parallelism capped at 4, replicated state leaves V100 stages so
+    little room that two must recompute; the default search (as `hetpar solve` runs
+    it) shards Adam's state over the data axis instead, and is faster for it. A plan
+    counting on ZeRO (here ZeRO-1 on every stage, as `hetpar solve --zero 1` asks)
+    is laid out by the sharding pass as priced and fits every device. Before, the
+    sharding ILP charged a weight it split over the data axis as if ZeRO split its
+    state again, while ZeRO has no axis left for it: stage 1's Adam state stayed whole
+    and came to 34.6 GiB per 32 GB V100."""
+    cluster = Cluster.from_file(str(CLUSTERS / "v100_32.yaml")).numbered()
+    layers = layers_pass(llama_7b, cluster, StageOption(), True)
+    seq = llama.LLAMA2_7B.seq_len
+    options = search_options(llama_7b, StageOption(), search_microbatches=True)
+    assert options.zero_stages == (0, 1, 2, 3)  # ZeRO is in the default search
+    plan, result = search(layers, cluster, BATCH, seq, replace(options, max_tp=4))
+    _, replicated = search(layers, cluster, BATCH, seq, replace(options, max_tp=4, zero_stages=(0,)))
+    assert any(s.zero for s in plan.stages) and any(s.remat for s in replicated.best.stages)
+    assert result.best.step_s < replicated.best.step_s
+    plan, _ = search(layers, cluster, BATCH, seq, search_options(llama_7b, StageOption(), search_microbatches=True, zero=1))
+    plan = replace(plan, operator_stages=_operator_stages(llama_7b, layers, plan))
+    links = {g.label: link_cost(g.intra_link) for g in cluster.groups}
+    laid = sharding_pass(llama_7b, layers, plan, ShardingOption(zero=1), None, links)  # the planner's meshes stand
+    assert [s.zero for s in laid.stages] == [1] * len(plan.stages)
+    assert _fits(placement_pass(llama_7b, layers, laid))  # placement raises PlanError where a device overflows
 
 
 def test_7b_on_a100s_and_v100s_uses_the_v100s_and_beats_a100s_alone(llama_7b):

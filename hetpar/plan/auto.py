@@ -34,11 +34,9 @@ class SearchOptions:
     max_tp: int = 8  # within a node
     allow_remat: bool = True  # recompute a stage's forward in its backward where memory needs it (hetpar.compile.remat)
     force_remat: bool = False  # full recomputation on every stage (what large runs do)
-    # ZeRO stages a data-parallel stage may use. Only 0 by default: until the sharding
-    # pass lays weights out as the planner assumes (tensor parallel over the model
-    # axis, ZeRO over the data axis), a plan counting on ZeRO can fail placement's
-    # fit check; the search itself prices all four (solver.planner.Problem).
-    zero_stages: tuple[int, ...] = (0,)
+    # ZeRO stages a data-parallel stage may use (solver.planner.Problem prices each): a
+    # stage takes the fastest that fits, and the sharding pass lays out the one it took.
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     allow_replicas: bool = True
     dtype: str = "float32"
     top_k: int = 5

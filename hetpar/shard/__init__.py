@@ -160,12 +160,13 @@ class _StageSolver:
         factor = state_factor(zero, mesh.get("data", 1))
         build = lambda budget: stage_problem(traced.full, ops, batch_free, mesh, spec.matmul_flops(), link,  # noqa: E731
                                              budget, factor, batch_axis=traced.analysis.batch_axis,
-                                             op_layer=self.layers.op_layer)
+                                             op_layer=self.layers.op_layer,
+                                             data_state_factor=state_factor(0, mesh.get("data", 1)))
         problem = build(None)
         if problem is None:
             return {}, 0.0, {}
         solution = _solve_once(problem.problem, self.option.time_limit_s)
-        problem, solution = self._within_memory(stage, build, problem, solution, factor)
+        problem, solution = self._within_memory(stage, build, problem, solution, factor, self._gathered(stage, zero, mesh))
         log.info("stage %d sharded on %s: %.3g s predicted (%s)", stage.index, mesh, solution.cost_s,
                  "optimal" if solution.optimal else f"gap {solution.gap:.1%}")
         out: dict[int, Spec] = {}
@@ -180,19 +181,32 @@ class _StageSolver:
         return _follow_state(traced, out), solution.cost_s, operands
 
 
-    def _within_memory(self, stage: StagePlan, build, problem, solution, factor: float = 4.0):  # noqa: ANN001
+    def _gathered(self, stage: StagePlan, zero: int, mesh: dict[str, int]) -> float:
+        """Under ZeRO-3, the largest layer's parameters gathered while in use, per
+        device (matmul weights split over the model axis, the rest whole): the
+        workspace placement adds to a ZeRO-3 stage's state, as the planner does."""
+        if zero < 3 or mesh.get("data", 1) == 1 or not self.layers.param_bytes:
+            return 0.0
+        span = slice(stage.layer_start, stage.layer_end)
+        unsplit = self.layers.unsplit_param_bytes[span] if self.layers.unsplit_param_bytes else [0] * len(self.layers.param_bytes[span])
+        model = mesh.get("model", 1)
+        return max(((p - u) / model + u for p, u in zip(self.layers.param_bytes[span], unsplit)), default=0.0)
+
+    def _within_memory(self, stage: StagePlan, build, problem, solution, factor: float = 4.0,  # noqa: ANN001
+                       gathered: float = 0.0):
         """The fastest sharding is kept unless its weights' state overflows what the
-        stage's devices have left after their activations (the planner priced the
-        stage assuming its weights split over the model axis): then the ILP solves
-        again under that budget. Where no sharding fits the budget, the fastest one
-        stays and placement's fit check names the shortfall."""
+        stage's devices have left after their activations and (ZeRO-3) `gathered`
+        parameters (the planner priced the stage assuming its weights split over the
+        model axis): then the ILP solves again under that budget. Where no sharding
+        fits the budget, the fastest one stays and placement's fit check names the
+        shortfall."""
         if not stage.memory_capacity:
             return problem, solution
         unsplit = sum(self.layers.unsplit_param_bytes[stage.layer_start : stage.layer_end]) if self.layers.unsplit_param_bytes else 0
         # The ILP holds the matmuls' weights (`factor` bytes of state per weight byte
         # under the stage's ZeRO stage); the parameters no matmul reads (an embedding
         # table) stay whole on the model axis beside them.
-        budget = int(memory_share(stage, self.plan) - kept_bytes(stage, self.layers, self.plan) - factor * unsplit)
+        budget = int(memory_share(stage, self.plan) - kept_bytes(stage, self.layers, self.plan) - factor * unsplit - gathered)
         bounded = build(max(budget, 0))
         if bounded is None or peak_bytes(bounded.problem, solution.choice) <= budget:
             return problem, solution

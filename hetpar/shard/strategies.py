@@ -153,11 +153,21 @@ def stage_problem(
     graph: OpGraph, op_indices: list[int], batch_free_inputs: set[int], mesh: dict[str, int],
     flops_per_s: float, link: LinkCost, memory_budget: int | None = None, state_factor: float = 4.0,
     batch_axis: dict[int, int] | None = None, op_layer: dict[int, int] | None = None,
+    data_state_factor: float | None = None,
 ) -> StageProblem | None:
     """The sharding problem of one stage's operators on a `data` x `model` mesh
     (None when the stage has no matmul to shard). With `op_layer` (operator -> layer),
     the matmuls of identical layers are tied: one layer's choices are solved and
-    every copy of it takes them."""
+    every copy of it takes them.
+
+    Each weight byte a device holds is charged `state_factor` bytes of state
+    (parameter, gradient, optimizer state, as the stage's ZeRO stage shards them over
+    the data axis), except under a layout that already splits the weight over the
+    data axis: ZeRO has no axis left to shard it over (`hetpar.shard.zero`), so such a
+    weight is charged `data_state_factor` (the replicated state's, default
+    `state_factor`). Charging it the ZeRO figure let the ILP pick layouts whose
+    optimizer state placement then found whole, over the stage's memory."""
+    data_state_factor = state_factor if data_state_factor is None else data_state_factor
     dots = [i for i in op_indices if graph.ops[i].name == "dot_general"]
     if not dots:
         return None
@@ -194,7 +204,8 @@ def stage_problem(
                 devices = _shards(c.lhs, mesh) * _shards(tuple(a for a in c.rhs if a not in c.lhs), mesh)
                 partial = out_bytes / _shards(c.out, mesh)
                 comm = sum(best("all_reduce", Topology(1, mesh[a], link, link), partial)[1] for a in c.summed_over)
-                held = sum(state_factor * nbytes / _shards((c.lhs, c.rhs)[pos], mesh) for pos, nbytes in held_here)
+                held = sum((data_state_factor if AXES[0] in (c.lhs, c.rhs)[pos] else state_factor) * nbytes
+                           / _shards((c.lhs, c.rhs)[pos], mesh) for pos, nbytes in held_here)
                 strategies.append(Strategy(_describe(c), flops / devices / flops_per_s, comm, int(held)))
             strategies_of[key] = tuple(strategies)
         nodes.append(Node(f"{op.scope}/dot_general#{i}", strategies_of[key]))
