@@ -12,6 +12,7 @@ sharding.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 import jax
@@ -30,8 +31,9 @@ def _platform(devices: Any) -> str:
 
 
 class DevicePath:
-    """Within one process: device to device, or through the host between kinds of
-    device that share no link (a GPU stage and a CPU stage)."""
+    """Device to device, within a process or across the processes of a
+    `jax.distributed` job; through the host between kinds of device that share no
+    link (a GPU stage and a CPU stage)."""
 
     def to_mesh(self, x: Any, sharding: Any) -> Any:
         if already_there(x, sharding):
@@ -48,10 +50,6 @@ class DevicePath:
         return jax.device_put(x, sharding)
 
 
-def _processes(devices: Any) -> set[int]:
-    return {d.process_index for d in devices}
-
-
 def _through_one_device(x: jax.Array, sharding: Any) -> jax.Array:
     """`x` moved between processes whose meshes have different numbers of devices (a
     node of 8 A100s feeding a node of 4 V100s), which JAX's cross-process copy does not
@@ -66,7 +64,7 @@ def _through_one_device(x: jax.Array, sharding: Any) -> jax.Array:
     if is_remote(x):
         sent = placeholder(struct, SingleDeviceSharding(start))
     else:
-        whole = x if x.sharding.is_fully_replicated else jax.jit(lambda a: a, out_shardings=_replicated(x.sharding))(x)
+        whole = x if x.sharding.is_fully_replicated else _relayout(_replicated(x.sharding))(x)
         sent = next(s.data for s in whole.addressable_shards if s.device == start)
     landed = jax.device_put(sent, SingleDeviceSharding(end))
     if not has_local_devices(sharding.device_set):
@@ -99,7 +97,14 @@ def _laid_out_at_source(x: jax.Array, sharding: Any) -> jax.Array:
         return x
     if is_remote(x):
         return placeholder(jax.ShapeDtypeStruct(x.shape, x.dtype), staged)
-    return jax.device_put(x, staged)
+    return _relayout(staged)(x)
+
+
+@lru_cache(maxsize=256)
+def _relayout(sharding: Any) -> Any:
+    """A program that lays its input out as `sharding` among the same devices (a
+    collective on device, never a trip through the host), compiled once per layout."""
+    return jax.jit(lambda a: a, out_shardings=sharding)
 
 
 class HostPath:
