@@ -38,6 +38,7 @@ import jax
 
 WARMUP = 2
 ROUNDS = 3
+MIN_ROUND_S = 0.02  # per run and round: short programs run more often
 
 
 def busy_clock(platform: str | None = None) -> Callable[[], float]:
@@ -55,9 +56,12 @@ def steady_time(run: Callable[[], Any], repeats: int = 7, rounds: int = ROUNDS, 
 
 
 def steady_times(runs: Sequence[Callable[[], Any]], repeats: int = 3, rounds: int = ROUNDS, warmup: int = WARMUP,
-                 clocks: Sequence[Callable[[], float] | None] | None = None) -> list[float]:
+                 clocks: Sequence[Callable[[], float] | None] | None = None, min_round_s: float = MIN_ROUND_S) -> list[float]:
     """`steady_time` of each of `runs`, timed interleaved: round after round, each run
-    `repeats` times in turn; per run the least. `clocks`: one per run (None: `busy_clock()`)."""
+    `repeats` times in turn, and more while its runs in the round add up to less than
+    `min_round_s` (a sub-millisecond program gets as many chances at an undisturbed
+    run as a long one, at no great cost); per run the least. `clocks`: one per run
+    (None: `busy_clock()`)."""
     clocks = [c or busy_clock() for c in (clocks or [None] * len(runs))]
     for run in runs:
         for _ in range(max(1, warmup)):
@@ -65,8 +69,10 @@ def steady_times(runs: Sequence[Callable[[], Any]], repeats: int = 3, rounds: in
     least = [float("inf")] * len(runs)
     for _ in range(max(1, rounds)):
         for i, (run, clock) in enumerate(zip(runs, clocks)):
-            for _ in range(max(1, repeats)):
+            spent, count = 0.0, 0
+            while count < max(1, repeats) or spent < min_round_s:
                 start = clock()
                 jax.block_until_ready(run())
-                least[i] = min(least[i], clock() - start)
+                took = clock() - start
+                least[i], spent, count = min(least[i], took), spent + took, count + 1
     return least
