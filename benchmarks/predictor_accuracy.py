@@ -36,9 +36,8 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import hetpar  # noqa: E402
 from hetpar.cluster.cluster import jax_devices  # noqa: E402
-from hetpar.predict.calibrate import program_inputs, program_run  # noqa: E402
+from hetpar.predict.calibrate import layer_samples, program_inputs, program_run  # noqa: E402
 from hetpar.predict.profile import LayerWorkload, Profile, calibration_programs, measure, with_layers  # noqa: E402
-from hetpar.predict.calibrate import layer_samples  # noqa: E402
 from hetpar.predict.step import predict_step  # noqa: E402
 from hetpar.predict.timing import busy_clock, steady_times  # noqa: E402
 from models import gpt  # noqa: E402
