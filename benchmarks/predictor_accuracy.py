@@ -2,17 +2,20 @@
 GPT model's layers, whole stage programs, and full steps for several plans, and
 predicted against compiled memory.
 
-Calibrates first with the same measurement as `hetpar profile --model gpt` (matmul
+Calibrates with the same measurements as `hetpar profile --model gpt` (matmul
 throughput over sizes, memory bandwidth, launch overhead, all-reduce, and the GPT
-model's layers timed one by one at a different batch size than the one predicted),
-then predicts every figure from the profile and the traced program alone. Every
-measurement, the profile's included, is `hetpar.predict.timing.steady_time`: warm-up
-runs, then the least of a few rounds of runs, so that other work on the machine
-(a busy shared host) moves the figures less. On CPU virtual devices time is the
-process's CPU time (the core-seconds the devices' work takes, which other processes
-on a shared host do not inflate; see timing.py); on accelerators it is wall time.
-Full steps also show their wall time on CPU, for reference only: on a loaded host it
-measures the neighbours (the `uptime` load average is printed). Layers are the stage programs
+model's layers timed one by one at other batch sizes than the one predicted), then
+predicts every figure from the profile and the traced program alone. The
+calibration's layer programs and every row are timed in one pool by
+`hetpar.predict.timing.steady_times`: warm-up runs, then rounds in which every
+program and step runs a few times in turn, the least per item. Interleaved, the
+calibration and every row see the same moments of a busy shared host (timed one
+after the other, the very same program measured up to 40% apart a minute later).
+On CPU virtual devices time is the process's CPU time (the core-seconds the
+devices' work takes, which other processes on a shared host inflate far less than
+wall time; see timing.py); on accelerators it is wall time. Full steps also show
+their wall time on CPU, for reference only: on a loaded host it measures the
+neighbours (the `uptime` load average is printed). Layers are the stage programs
 of a plan with one layer per stage. Memory is compared with XLA's
 `compiled.memory_analysis()` (arguments + outputs + temporaries - aliased).
 Ends with: RESULT median_time_err=<f> max_time_err=<f> median_mem_err=<f> median_step_wall_err=<f> load=<f>
@@ -32,75 +35,99 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 
 import hetpar  # noqa: E402
-from hetpar.predict.calibrate import program_inputs, time_program  # noqa: E402
-from hetpar.predict.profile import LayerWorkload, profile_local  # noqa: E402
+from hetpar.cluster.cluster import jax_devices  # noqa: E402
+from hetpar.predict.calibrate import layer_samples, program_inputs, program_run  # noqa: E402
+from hetpar.predict.profile import LayerWorkload, Profile, calibration_programs, measure, with_layers  # noqa: E402
 from hetpar.predict.step import predict_step  # noqa: E402
-from hetpar.predict.timing import busy_clock, steady_time  # noqa: E402
+from hetpar.predict.timing import busy_clock, steady_times  # noqa: E402
 from models import gpt  # noqa: E402
 
 
-def timed_training(step, state, batch, repeats: int, clock=None) -> float:  # noqa: ANN001
-    """Seconds per step of a training loop (`steady_time`: warm-up, then the least
-    of a few rounds of runs): each step takes the state the last one returned, so it
-    already lives where the plan keeps it."""
+def training_run(step, state, batch):  # noqa: ANN001, ANN201
+    """One step of a training loop, to time: each step takes the state the last one
+    returned, so it already lives where the plan keeps it."""
     carried = [step(state, batch)[0]]
 
     def run():
         carried[0], loss = step(carried[0], batch)
         return carried[0], loss
 
-    return steady_time(run, repeats, clock=clock)
+    return run
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each item per round")
+    parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--calibration-batch-sizes", default="12,24", help="batches the layers are profiled at")
     args = parser.parse_args()
 
-    kind = hetpar.Cluster.local().groups[0].type_name
+    group = hetpar.Cluster.local().groups[0]
+    kind = group.type_name
     n = len(jax.devices())
     config = gpt.GPTConfig(n_layers=4, d_model=128, n_heads=4, seq_len=64, vocab_size=256)
     calibration = []
     for size in map(int, args.calibration_batch_sizes.split(",")):
         c = gpt.setup(batch_size=size, config=config)
         calibration.append(LayerWorkload(f"gpt batch {size}", c.step, (c.state, c.batch), num_layers=4))
-    profile = profile_local(mesh_size=min(4, n), layers=calibration)
-    model = next(iter(profile.devices.values())).compute
-    print(
-        f"calibration: launch x{model.launch_scale:.2f} matmul x{model.matmul_scale:.2f} "
-        f"vector x{model.vector_scale:.2f}, {model.op_overhead_s * 1e6:.1f} us per kernel"
-    )
+    ids = group.device_ids[: min(4, n)]
+    entry = measure(jax_devices(ids), kind)  # the micro-benchmarks, as `hetpar profile` takes them
+    layer_programs = calibration_programs(entry, calibration, ids)
     cluster = hetpar.Cluster.virtual({kind: n}) if kind == "cpu" else hetpar.Cluster.local()
     concurrent = kind != "cpu"  # CPU virtual devices share the host's cores
 
     w = gpt.setup(batch_size=args.batch_size, config=config)
     plans = [(4, 1), (1, 1), (1, 4), (2, 2), (2, 4)]  # (stages, microbatches); 4 stages = one layer each
 
-    loads = [os.getloadavg()[0]]
-    rows, time_errors, mem_errors, wall_errors = [], [], [], []
+    # Everything to time, in one pool: the calibration's layer programs, then per plan
+    # its programs and its training step (busy clock; on CPU also wall time, for reference).
+    runs, clocks = [p.run for p in layer_programs], [None] * len(layer_programs)
+    built = []
     for stages, microbatches in plans:
         step = hetpar.parallelize(w.step, cluster=cluster, num_stages=stages, num_microbatches=microbatches, num_layers=4)
         step(w.state, w.batch)
         compiled, plan = step.compiled(), step.plan
-        prediction = predict_step(compiled, plan, cluster, profile, concurrent=concurrent, tokens=w.batch["tokens"].size)
-        for program, estimate in zip(compiled.programs, prediction.programs):
-            inputs = program_inputs(program, compiled.graph)
-            measured = time_program(program, compiled.graph, args.repeats)
-            lowered = program.fn.lower(program.init_acc() if program.init_acc else (), *inputs)
+        first = len(runs)
+        memory = []
+        for program in compiled.programs:
+            runs.append(program_run(program, compiled.graph))
+            clocks.append(None)
+            lowered = program.fn.lower(program.init_acc() if program.init_acc else (), *program_inputs(program, compiled.graph))
             mem = lowered.compile().memory_analysis()
-            actual_mem = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
+            memory.append(mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes)
+        runs.append(training_run(step, w.state, w.batch))
+        clocks.append(None)
+        if busy_clock() is not time.perf_counter:
+            runs.append(training_run(step, w.state, w.batch))
+            clocks.append(time.perf_counter)
+        built.append((stages, microbatches, compiled, plan, first, memory))
+
+    loads = [os.getloadavg()[0]]
+    measured = steady_times(runs, args.repeats, args.rounds, clocks=clocks)
+    loads.append(os.getloadavg()[0])
+
+    samples = layer_samples(layer_programs, measured[: len(layer_programs)])
+    profile = Profile({kind: with_layers(entry, calibration, samples)})
+    model = entry.compute
+    print(
+        f"calibration: launch x{model.launch_scale:.2f} matmul x{model.matmul_scale:.2f} "
+        f"vector x{model.vector_scale:.2f}, {model.op_overhead_s * 1e6:.1f} us per kernel"
+    )
+
+    rows, time_errors, mem_errors, wall_errors = [], [], [], []
+    for stages, microbatches, compiled, plan, first, memory in built:
+        prediction = predict_step(compiled, plan, cluster, profile, concurrent=concurrent, tokens=w.batch["tokens"].size)
+        for k, (program, estimate) in enumerate(zip(compiled.programs, prediction.programs)):
             level = "layer" if stages == 4 and program.task.per_microbatch else "stage program"
             label = f"{level} {program.task.name} ({stages} stg, {microbatches} mb)"
-            rows.append((label, estimate.time_s, measured, estimate.memory_bytes, actual_mem, estimate.communication_s))
-        measured_step = timed_training(step, w.state, w.batch, args.repeats)
-        rows.append((f"full step ({stages} stg, {microbatches} mb)", prediction.step_s, measured_step, None, None, prediction.communication_s))
+            rows.append((label, estimate.time_s, measured[first + k], estimate.memory_bytes, memory[k], estimate.communication_s))
+        at = first + len(compiled.programs)
+        rows.append((f"full step ({stages} stg, {microbatches} mb)", prediction.step_s, measured[at], None, None, prediction.communication_s))
         if busy_clock() is not time.perf_counter:
-            wall = timed_training(step, w.state, w.batch, args.repeats, clock=time.perf_counter)
+            wall = measured[at + 1]
             wall_errors.append(abs(prediction.step_s - wall) / wall)
-            rows.append((f"  (wall clock, load {os.getloadavg()[0]:.1f})", prediction.step_s, wall, None, None, prediction.communication_s))
-        loads.append(os.getloadavg()[0])
+            rows.append(("  (wall clock)", prediction.step_s, wall, None, None, prediction.communication_s))
     print(f"{'what':<44} {'pred ms':>9} {'(comm)':>8} {'meas ms':>9} {'err':>7} {'pred MB':>8} {'XLA MB':>8} {'err':>7}")
     for label, pred, meas, pmem, amem, comm in rows:
         err = abs(pred - meas) / meas

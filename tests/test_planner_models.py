@@ -13,7 +13,9 @@ from hetpar.plan.auto import SearchOptions, problem_for
 from hetpar.plan.make import layers_of
 from hetpar.trace.traced_step import trace_step
 from models import llama
+from hetpar.trace.flops import op_costs
 from solver.collectives import Topology, best
+from solver.efficiency import matmul_time
 from solver.planner.search import Planner
 from solver.planner.stage_costs import StageConfig
 
@@ -83,10 +85,50 @@ def test_tensor_parallel_traffic_is_megatrons_two_sums_each_way(llama_layers, cl
     kind = problem.kind("a100")
     per = costs.per_layer(StageConfig("a100", 1, 2), BATCH)
     one_sum = best("all_reduce", Topology(1, 2, kind.intra, kind.intra), hidden)[1]
-    compute_fwd = costs.fwd_flops * BATCH / (2 * kind.flops) + kind.layer_overhead_s / 3
-    compute_bwd = (costs.flops - costs.fwd_flops) * BATCH / (2 * kind.flops) + 2 * kind.layer_overhead_s / 3
-    np.testing.assert_allclose(per.forward - compute_fwd, 2 * one_sum, rtol=1e-9)
-    np.testing.assert_allclose(per.backward - compute_bwd, 2 * one_sum, rtol=1e-9)
+    for layer in range(CONFIG.n_layers):
+        fwd, bwd = _by_hand(traced, layers, layer, BATCH, 2, kind)
+        np.testing.assert_allclose(per.forward[layer] - fwd, 2 * one_sum, rtol=1e-9)
+        np.testing.assert_allclose(per.backward[layer] - bwd, 2 * one_sum, rtol=1e-9)
+
+
+def _by_hand(traced, layers, layer, examples, tp, kind):  # noqa: ANN001, ANN202
+    """A layer's forward and backward compute seconds on one device of a `tp`-wide
+    stage running `examples` examples, from its traced operators: each matmul at the
+    efficiency curve's rate for its own size, the other FLOPs at the sustained rate,
+    plus the kind's fixed cost per layer (a third forward, two thirds backward)."""
+    flops = [c.flops for c in op_costs(traced.full)]
+    share = examples / BATCH / tp  # the traced graph is the whole batch
+    seconds = [kind.layer_overhead_s / 3, 2 * kind.layer_overhead_s / 3]
+    for op, owner in layers.op_layer.items():
+        if owner != layer or flops[op] <= 0:
+            continue
+        work = flops[op] * share
+        if traced.full.ops[op].name == "dot_general":
+            seconds[traced.analysis.backward[op]] += matmul_time(work, work, kind.flops, kind.matmul_half_flops)
+        else:
+            seconds[traced.analysis.backward[op]] += work / kind.flops
+    return seconds
+
+
+def test_traced_layers_price_each_matmul_by_its_size(llama_layers, cluster):
+    """A traced block's small matmuls run below the sustained rate in the planner, as
+    `solver.efficiency` says of each of them (and as the predictor prices them), not at
+    the flat rate; with one example per device the curve costs them dearly."""
+    _, traced, _ = llama_layers
+    layers = layers_of(traced, CONFIG.n_layers)
+    assert all(f >= 7 and b >= 2 * f - 1 for f, b in zip(layers.matmuls, layers.backward_matmuls))  # q k v o, scores, context, mlp
+    problem = problem_for(layers, cluster, BATCH)
+    kind = problem.kind("a100")
+    assert kind.matmul_half_flops > 0
+    costs = Planner(problem).costs
+    for examples in (1, BATCH):
+        per = costs.per_layer(StageConfig("a100", 1, 1), examples)
+        for layer in range(CONFIG.n_layers):
+            fwd, bwd = _by_hand(traced, layers, layer, examples, 1, kind)
+            np.testing.assert_allclose([per.forward[layer], per.backward[layer]], [fwd, bwd], rtol=1e-9)
+    one = costs.per_layer(StageConfig("a100", 1, 1), 1)
+    flat = costs.fwd_flops / kind.flops + kind.layer_overhead_s / 3
+    assert (one.forward > 1.5 * flat).all()  # far from the flat rate: the test can tell
 
 
 def test_recomputation_can_be_forced(llama_layers, cluster):

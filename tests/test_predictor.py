@@ -8,6 +8,7 @@ from hetpar.predict.calibrate import LayerSample, fit_scales
 from hetpar.predict.compute import ComputeModel
 from hetpar.predict.memory import in_flight, stage_memory
 from hetpar.predict.profile import LayerWorkload, Profile, fit_affine, measure, profile_local
+from hetpar.predict.timing import steady_times
 from hetpar.predict.step import predict_step
 from models import gpt
 
@@ -111,3 +112,26 @@ def test_activation_memory_follows_the_schedule(two_stage):
     assert gpipe[0].parameters > 0 and gpipe[0].optimizer_state >= 2 * gpipe[0].parameters  # Adam's two moments
     assert all(m.fits for m in gpipe)
     assert in_flight("1f1b", 8, 3, 4) == 1 and in_flight("gpipe", 8, 3, 4) == 8
+
+
+def test_steady_times_interleave_rounds_and_keep_the_least():
+    """Every run takes its turn in every round (so all see the same moments of a busy
+    host); per run the least; a short run repeats until the round's minimum time."""
+    now, order = [0.0], []
+
+    def scripted(name, durations):  # noqa: ANN001, ANN202
+        it = iter(durations)
+
+        def run():  # noqa: ANN202
+            order.append(name)
+            now[0] += next(it)
+            return 0
+
+        return run
+
+    clock = lambda: now[0]  # noqa: E731
+    runs = [scripted("a", [5, 3, 4]), scripted("b", [2, 7, 1])]
+    assert steady_times(runs, repeats=1, rounds=2, warmup=1, clocks=[clock, clock], min_round_s=0) == [3, 1]
+    assert order == ["a", "b", "a", "b", "a", "b"]
+    short = scripted("c", [9, 1, 1, 0.5, 6])
+    assert steady_times([short], repeats=1, rounds=1, warmup=1, clocks=[clock], min_round_s=2.5) == [0.5]  # 1 + 1 + 0.5

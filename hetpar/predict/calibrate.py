@@ -24,8 +24,8 @@ import numpy as np
 from hetpar.compile.programs import Program, stage_mesh
 from hetpar.compile.step import compile_layer_stages
 from hetpar.predict.compute import ComputeModel
+from hetpar.predict.programs import TimeTerms, time_terms
 from hetpar.predict.timing import steady_time
-from hetpar.predict.programs import time_terms
 from hetpar.trace.flops import op_costs
 from hetpar.trace.layers import build_layers
 from hetpar.trace.traced_step import trace_step
@@ -51,33 +51,56 @@ def program_inputs(program: Program, graph: Any) -> list[Any]:
     ]
 
 
+def program_run(program: Program, graph: Any) -> Callable[[], Any]:
+    """One run of `program` on zero-filled arguments, accumulators included: what
+    `timing.steady_time(s)` times."""
+    inputs = program_inputs(program, graph)
+    return lambda: program.fn(program.init_acc() if program.init_acc else (), *inputs)
+
+
 def time_program(program: Program, graph: Any, repeats: int = 7) -> float:
     """Seconds of one run, accumulators included (`timing.steady_time`)."""
-    inputs = program_inputs(program, graph)
-    return steady_time(lambda: program.fn(program.init_acc() if program.init_acc else (), *inputs), repeats)
+    return steady_time(program_run(program, graph), repeats)
 
 
-def profile_layers(
+@dataclass(frozen=True)
+class LayerProgram:
+    """One layer program of a calibration workload, ready to time: its run and its
+    uncorrected predicted time by kind of work."""
+
+    name: str
+    run: Callable[[], Any]
+    terms: TimeTerms
+
+
+def layer_programs(
     fn: Callable,
     args: tuple,
     num_layers: int,
     device_ids: Sequence[int],
     model: ComputeModel,
     batch_argnum: int = 1,
-    repeats: int = 7,
-) -> list[LayerSample]:
-    """Each layer's programs, compiled alone on one mesh of `device_ids` and timed."""
+) -> list[LayerProgram]:
+    """Each layer's programs, compiled alone on one mesh of `device_ids`."""
     traced = trace_step(fn, args, batch_argnum, 1)
     layers = build_layers(traced.full, traced.analysis, [c.flops for c in op_costs(traced.full)], num_layers)
     mesh = stage_mesh(tuple(device_ids))
     compiled = compile_layer_stages(traced, layers, list(range(layers.num_layers)), {i: mesh for i in range(layers.num_layers)})
+    return [
+        LayerProgram(program.task.name, program_run(program, compiled.graph),
+                     time_terms(program.task, compiled.graph, compiled.analysis, len(device_ids), model))
+        for program in compiled.programs
+    ]
+
+
+def layer_samples(programs: Sequence[LayerProgram], measured: Sequence[float]) -> list[LayerSample]:
+    """The fit's samples: each program's measured seconds beside its terms."""
     samples = []
-    for program in compiled.programs:
-        terms = time_terms(program.task, compiled.graph, compiled.analysis, len(device_ids), model)
-        measured = time_program(program, compiled.graph, repeats)
-        samples.append(LayerSample(program.task.name, measured, terms.launch_s, terms.matmul_s, terms.vector_s, terms.kernels))
-        log.info("layer program %s: %.3g s (uncorrected prediction %.3g s)", program.task.name, measured,
-                 terms.launch_s + terms.matmul_s + terms.vector_s)
+    for program, seconds in zip(programs, measured):
+        t = program.terms
+        samples.append(LayerSample(program.name, seconds, t.launch_s, t.matmul_s, t.vector_s, t.kernels))
+        log.info("layer program %s: %.3g s (uncorrected prediction %.3g s)", program.name, seconds,
+                 t.launch_s + t.matmul_s + t.vector_s)
     return samples
 
 

@@ -13,9 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetpar.cluster.catalog import DeviceType
+from hetpar.trace.flops import MATMUL_OPS
 from solver.efficiency import matmul_rate
-
-MATMUL_OPS = frozenset({"dot_general", "conv_general_dilated"})
 
 
 @dataclass(frozen=True)

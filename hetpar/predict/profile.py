@@ -22,8 +22,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from hetpar.errors import HetparError
-from hetpar.predict.calibrate import LayerSample, calibrated, profile_layers
-from hetpar.predict.timing import steady_time
+from hetpar.predict.calibrate import LayerProgram, LayerSample, calibrated, layer_programs, layer_samples
+from hetpar.predict.timing import steady_time, steady_times
 from hetpar.predict.compute import ComputeModel
 
 log = logging.getLogger("hetpar.profile")
@@ -195,11 +195,21 @@ def profile_local(
         name = device_type or group.type_name
         entry = measure(jax_devices(ids), name)
         if layers:
-            samples = [
-                s for w in layers for s in profile_layers(w.step, w.args, w.num_layers, ids, entry.compute, w.batch_argnum)
-            ]
-            entry.compute = calibrated(entry.compute, samples)
-            entry.layer_samples = samples
-            entry.layer_model = ", ".join(w.name for w in layers)
+            programs = calibration_programs(entry, layers, ids)
+            with_layers(entry, layers, layer_samples(programs, steady_times([p.run for p in programs])))
         profiles[name] = entry
     return Profile(profiles)
+
+
+def calibration_programs(entry: DeviceProfile, layers: Sequence[LayerWorkload], device_ids: Sequence[int]) -> list[LayerProgram]:
+    """The layer programs of every workload on `device_ids`, to be timed together
+    (interleaved: `timing.steady_times`) so that every sample sees the same moments."""
+    return [p for w in layers for p in layer_programs(w.step, w.args, w.num_layers, device_ids, entry.compute, w.batch_argnum)]
+
+
+def with_layers(entry: DeviceProfile, layers: Sequence[LayerWorkload], samples: Sequence[LayerSample]) -> DeviceProfile:
+    """`entry` with its compute model corrected by the timed layer programs (calibrate.py)."""
+    entry.compute = calibrated(entry.compute, samples)
+    entry.layer_samples = list(samples)
+    entry.layer_model = ", ".join(w.name for w in layers)
+    return entry

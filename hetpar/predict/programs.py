@@ -12,8 +12,8 @@ import bisect
 from dataclasses import dataclass
 
 from hetpar.compile.tasks import Task
-from hetpar.predict.compute import MATMUL_OPS, ComputeModel
-from hetpar.trace.flops import op_costs
+from hetpar.predict.compute import ComputeModel
+from hetpar.trace.flops import MATMUL_OPS, op_costs
 from hetpar.trace.microbatch import MicrobatchAnalysis
 from hetpar.trace.opgraph import OpGraph
 from solver.collectives import LinkCost, Topology, best

@@ -14,7 +14,14 @@ program's predicted time is the core time its devices' work adds up to, and a st
 is the sum of its programs' (`predict_step(concurrent=False)`).
 
 A few warm-up runs (compilation, caches, allocator), then `rounds` x `repeats` timed
-runs, of which the least is the figure. Other work on the machine only ever adds to a
+runs, of which the least is the figure. Several programs are timed interleaved
+(`steady_times`): each round runs every program `repeats` times in turn, so every
+program's rounds are spread over the whole measurement and all of them see the same
+mix of quiet and busy moments. Timed one after the other instead, a program measured
+while a neighbour's test suite ran came out up to 40% slower than the very same
+program measured a minute later (CPU time too: a shared core's caches and memory
+bandwidth slow every instruction), and the calibration fitted on one set of moments
+predicted programs measured at others. Other work on the machine only ever adds to a
 run (it takes the cores, evicts the caches, or leaves a device thread spinning while
 its partner waits to be scheduled), so the fastest run is the one disturbed least:
 the program's own time, which is what a prediction is of (timeit's reasoning). A
@@ -25,12 +32,13 @@ step's CPU time had medians of 315 and 499 ms in consecutive rounds.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 
 WARMUP = 2
 ROUNDS = 3
+MIN_ROUND_S = 0.02  # per run and round: short programs run more often
 
 
 def busy_clock(platform: str | None = None) -> Callable[[], float]:
@@ -44,12 +52,27 @@ def steady_time(run: Callable[[], Any], repeats: int = 7, rounds: int = ROUNDS, 
                 clock: Callable[[], float] | None = None) -> float:
     """Seconds of one `run()` (its result blocked on) on `clock` (`busy_clock()` by
     default): the least of `rounds` x `repeats` runs."""
-    clock = clock or busy_clock()
-    for _ in range(max(1, warmup)):
-        jax.block_until_ready(run())
-    least = float("inf")
-    for _ in range(max(1, rounds) * max(1, repeats)):
-        start = clock()
-        jax.block_until_ready(run())
-        least = min(least, clock() - start)
+    return steady_times([run], repeats, rounds, warmup, [clock])[0]
+
+
+def steady_times(runs: Sequence[Callable[[], Any]], repeats: int = 3, rounds: int = ROUNDS, warmup: int = WARMUP,
+                 clocks: Sequence[Callable[[], float] | None] | None = None, min_round_s: float = MIN_ROUND_S) -> list[float]:
+    """`steady_time` of each of `runs`, timed interleaved: round after round, each run
+    `repeats` times in turn, and more while its runs in the round add up to less than
+    `min_round_s` (a sub-millisecond program gets as many chances at an undisturbed
+    run as a long one, at no great cost); per run the least. `clocks`: one per run
+    (None: `busy_clock()`)."""
+    clocks = [c or busy_clock() for c in (clocks or [None] * len(runs))]
+    for run in runs:
+        for _ in range(max(1, warmup)):
+            jax.block_until_ready(run())
+    least = [float("inf")] * len(runs)
+    for _ in range(max(1, rounds)):
+        for i, (run, clock) in enumerate(zip(runs, clocks)):
+            spent, count = 0.0, 0
+            while count < max(1, repeats) or spent < min_round_s:
+                start = clock()
+                jax.block_until_ready(run())
+                took = clock() - start
+                least[i], spent, count = min(least[i], took), spent + took, count + 1
     return least

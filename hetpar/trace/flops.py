@@ -122,6 +122,9 @@ _SPLAT_PRESERVING = frozenset(
     }
 )
 
+# Operators XLA runs as matmul kernels: what the efficiency curve (solver.efficiency) prices.
+MATMUL_OPS = frozenset({"dot_general", "conv_general_dilated"})
+
 
 @dataclass(frozen=True)
 class OpCost:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hetpar.errors import PlanError
+from hetpar.trace.flops import MATMUL_OPS
 from hetpar.trace.microbatch import MicrobatchAnalysis, Phase
 from hetpar.trace.opgraph import OpGraph
 from solver.partition import min_max_cuts
@@ -52,6 +53,12 @@ class Layers:
     # per layer, full batch: what of `saved_bytes` a backward that reruns the forward in its own program
     # holds (the rest XLA fuses into the operators that read it)
     recomputed_bytes: list[int] = field(default_factory=list)
+    # per layer: matmul kernels (dot_general, convolution) in its forward and in its backward. With the
+    # FLOPs they carry, a count is all the efficiency curve needs (solver.efficiency: a matmul of F FLOPs
+    # takes (F + F_half) / sustained seconds, so a layer's matmuls take (their FLOPs + count x F_half) /
+    # sustained whatever their sizes): the planner prices them as the predictor prices each traced matmul.
+    matmuls: list[int] = field(default_factory=list)
+    backward_matmuls: list[int] = field(default_factory=list)
 
 
 def build_layers(graph: OpGraph, analysis: MicrobatchAnalysis, op_flops: list[float], num_layers: int) -> Layers:
@@ -109,6 +116,7 @@ def build_layers(graph: OpGraph, analysis: MicrobatchAnalysis, op_flops: list[fl
         *_tp_bytes(graph, analysis, op_layer, num_layers), _largest_bytes(graph, analysis, op_layer, num_layers),
         _param_bytes(graph, analysis, op_layer, num_layers, unsplit=True),
         _recomputed_bytes(graph, analysis, op_layer, num_layers),
+        *_matmul_counts(graph, analysis, op_layer, op_flops, num_layers),
     )
 
 
@@ -138,7 +146,7 @@ def compute_dtype(graph: OpGraph, op_flops: list[float]) -> str:
     with is bf16's."""
     by_dtype: dict[str, float] = {}
     for op in graph.ops:
-        if op.name in ("dot_general", "conv_general_dilated") and op.outputs:
+        if op.name in MATMUL_OPS and op.outputs:
             name = str(graph.avals[op.outputs[0]].dtype)
             by_dtype[name] = by_dtype.get(name, 0.0) + op_flops[op.index]
     return max(by_dtype, key=by_dtype.__getitem__) if by_dtype else "float32"
@@ -169,6 +177,18 @@ def _tp_bytes(graph: OpGraph, analysis: MicrobatchAnalysis, op_layer: dict[int, 
         for v in node.outputs:
             depth[v] = level
     return nbytes, count
+
+
+def _matmul_counts(graph: OpGraph, analysis: MicrobatchAnalysis, op_layer: dict[int, int], op_flops: list[float],
+                   num_layers: int) -> tuple[list[int], list[int]]:
+    """Each layer's matmul kernels that do work, forward and backward: what the
+    planner's efficiency curve charges a fixed `F_half` of work for, as the predictor
+    does per traced matmul (hetpar/predict/compute.py)."""
+    forward, backward = [0] * num_layers, [0] * num_layers
+    for op, layer in op_layer.items():
+        if graph.ops[op].name in MATMUL_OPS and op_flops[op] > 0:
+            (backward if analysis.backward[op] else forward)[layer] += 1
+    return forward, backward
 
 
 def _saved_bytes(graph: OpGraph, analysis: MicrobatchAnalysis, op_layer: dict[int, int], num_layers: int) -> list[int]:

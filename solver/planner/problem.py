@@ -30,6 +30,7 @@ class LayerCost:
     tp_bytes: float = 0.0  # all-reduced per forward under tensor parallelism (Megatron: two hidden-sized sums)
     tp_collectives: float = 2.0  # how many all-reduces carry `tp_bytes` per forward; the backward does as many
     matmuls: float = 0.0  # matmul kernels per forward (their FLOPs set their speed, `solver.efficiency`); 0: unknown, flat rate
+    backward_matmuls: float = 0.0  # matmul kernels per backward; 0: as many per FLOP as the forward's
     largest_bytes: float = 0.0  # the layer's largest single activation (solver.memory's backward working set)
     unsplit_param_bytes: float = 0.0  # the part of param_bytes tensor parallelism leaves whole (an embedding table)
 

@@ -95,6 +95,9 @@ class StageCosts:
         self.tp_bytes = np.array([layer.tp_bytes for layer in layers])
         self.tp_count = np.array([layer.tp_collectives for layer in layers], dtype=float)
         self.matmuls = np.array([layer.matmuls for layer in layers], dtype=float)
+        stated = np.array([layer.backward_matmuls for layer in layers], dtype=float)
+        per_flop = self.matmuls / np.where(self.fwd_flops > 0, self.fwd_flops, 1.0)
+        self.bwd_matmuls = np.where(stated > 0, stated, per_flop * (self.flops - self.fwd_flops))
         self.largest_max = _range_max(np.array([layer.largest_bytes for layer in layers], dtype=float))
         self.kinds = {k.name: k for k in problem.kinds}
         self._tables = lru_cache(maxsize=None)(self._table)
@@ -128,23 +131,28 @@ class StageCosts:
         stage that shards the most, so a bound never says too few layers fit)."""
         kind = self.kinds[cfg.kind]
         per_device = b / cfg.dp  # examples each data-parallel slice runs
-        speed = cfg.tp * self.matmul_rates(kind, cfg, per_device)
+        speed = cfg.tp * self.matmul_rates(kind, cfg, per_device, self.fwd_flops, self.matmuls)
+        bwd_speed = cfg.tp * self.matmul_rates(kind, cfg, per_device, self.flops - self.fwd_flops, self.bwd_matmuls)
         tp_comm = self.tp_allreduce(kind, cfg.tp, self.tp_bytes * per_device, self.tp_count)  # forward; backward as much
         shard = per_device / cfg.tp  # activations split over tensor-parallel devices too (sequence parallel)
         params = self.tp_params(cfg.tp)
         state = sharded_state(params, params, params * (self.problem.state_factor - 2), cfg.dp, max(self.zero_stages(cfg)))
         return PerLayer(
             forward=self.fwd_flops * per_device / speed + tp_comm + kind.layer_overhead_s / 3,
-            backward=(self.flops - self.fwd_flops) * per_device / speed + tp_comm + 2 * kind.layer_overhead_s / 3,
+            backward=(self.flops - self.fwd_flops) * per_device / bwd_speed + tp_comm + 2 * kind.layer_overhead_s / 3,
             state=state.state,
             saved=self.saved * shard,
             inputs=self.inputs * shard,
         )
 
-    def matmul_rates(self, kind: DeviceKind, cfg: StageConfig, per_device: float) -> np.ndarray:
-        """FLOP/s of each layer's matmuls on one device of this stage: the size of one
-        matmul (a forward's FLOPs on this device over its matmul count) sets the rate."""
-        each = np.where(self.matmuls > 0, self.fwd_flops * per_device / cfg.tp / np.maximum(self.matmuls, 1.0), 0.0)
+    def matmul_rates(self, kind: DeviceKind, cfg: StageConfig, per_device: float, flops: np.ndarray,
+                     matmuls: np.ndarray) -> np.ndarray:
+        """FLOP/s of each layer's pass (`flops` per example, in `matmuls` kernels) on one
+        device of this stage: the mean size of one matmul (the pass's FLOPs on this device
+        over its matmul count) sets the rate. The mean is exact, not an approximation:
+        on `solver.efficiency`'s curve a matmul of F FLOPs takes (F + F_half) / sustained
+        seconds, so n matmuls take (their FLOPs + n F_half) / sustained whatever their sizes."""
+        each = np.where(matmuls > 0, flops * per_device / cfg.tp / np.maximum(matmuls, 1.0), 0.0)
         return np.asarray(matmul_rate(kind.flops, each, kind.matmul_half_flops), dtype=float).reshape(self.n)
 
     def _table(self, cfg: StageConfig, b: int, held: int, last: bool, m: int) -> StageTable:
