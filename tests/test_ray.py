@@ -31,13 +31,13 @@ def ray_cluster():
 
 @pytest.fixture(scope="module")
 def workload():
-    return gpt.setup(batch_size=16)
+    return gpt.setup(batch_size=16, config=gpt.GPTConfig(n_layers=2))  # two blocks: a fraction of the compile time
 
 
 @pytest.mark.parametrize(
     "options",
     [
-        dict(cluster=TWO_TYPES, num_stages=2, num_microbatches=4, num_layers=4, schedule="1f1b"),
+        dict(cluster=TWO_TYPES, num_stages=2, num_microbatches=4, num_layers=2, schedule="1f1b"),
         dict(cluster=FAST_SLOW, num_replicas=2, num_microbatches=2, num_layers=2),  # 12:4 batch split
     ],
     ids=["1f1b", "uneven-replicas"],
@@ -63,7 +63,7 @@ def test_a_worker_that_dies_mid_step_is_reported_quickly(ray_cluster, workload):
     import ray
 
     step = hetpar.parallelize(
-        workload.step, cluster=hetpar.Cluster.virtual(TWO_TYPES), num_stages=2, num_microbatches=4, num_layers=4, runtime="ray"
+        workload.step, cluster=hetpar.Cluster.virtual(TWO_TYPES), num_stages=2, num_microbatches=4, num_layers=2, runtime="ray"
     )
     state, _ = step(workload.state, workload.batch)
     compiled = step.compiled()
@@ -109,7 +109,7 @@ def test_an_error_in_a_worker_reaches_the_driver_with_its_message(ray_cluster):
 
 def test_shutdown_leaves_no_worker_process(ray_cluster, workload):
     step = hetpar.parallelize(
-        workload.step, cluster=hetpar.Cluster.virtual(TWO_TYPES), num_stages=2, num_microbatches=2, num_layers=4, runtime="ray"
+        workload.step, cluster=hetpar.Cluster.virtual(TWO_TYPES), num_stages=2, num_microbatches=2, num_layers=2, runtime="ray"
     )
     step(workload.state, workload.batch)
     pids = list(step.compiled().pids().values())
@@ -123,7 +123,7 @@ def test_shutdown_leaves_no_worker_process(ray_cluster, workload):
 
 def test_ray_runtime_returns_host_arrays_the_caller_can_use(ray_cluster, workload):
     step = hetpar.parallelize(
-        workload.step, cluster=hetpar.Cluster.virtual(TWO_TYPES), num_stages=2, num_microbatches=2, num_layers=4, runtime="ray"
+        workload.step, cluster=hetpar.Cluster.virtual(TWO_TYPES), num_stages=2, num_microbatches=2, num_layers=2, runtime="ray"
     )
     state, loss = step(workload.state, workload.batch)
     assert isinstance(loss, jax.Array) and np.isfinite(float(loss))
@@ -137,7 +137,7 @@ def test_a_retry_after_a_worker_error_equals_jit(ray_cluster, workload):
 
     step = with_grads(workload.loss_fn)
     parallel = hetpar.parallelize(
-        step, cluster=hetpar.Cluster.virtual(TWO_TYPES), num_stages=2, num_microbatches=4, num_layers=4,
+        step, cluster=hetpar.Cluster.virtual(TWO_TYPES), num_stages=2, num_microbatches=4, num_layers=2,
         schedule="1f1b", runtime="ray",
     )
     later, _, _ = parallel(workload.state, workload.batch)
