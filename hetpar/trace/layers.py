@@ -195,13 +195,15 @@ def _saved_bytes(graph: OpGraph, analysis: MicrobatchAnalysis, op_layer: dict[in
     """Activations kept for the backward: forward results a backward operator reads,
     charged to the layer that made them."""
     out = [0] * num_layers
-    for op, layer in op_layer.items():
-        if analysis.backward[op]:
-            continue
-        for v in graph.ops[op].outputs:
-            if any(analysis.backward[c] for c in graph.consumers.get(v, ()) if c in op_layer):
-                out[layer] += graph.nbytes(v)
+    for v, layer in _read_by_backward(graph, analysis, op_layer):
+        out[layer] += graph.nbytes(v)
     return out
+
+
+def _read_by_backward(graph: OpGraph, analysis: MicrobatchAnalysis, op_layer: dict[int, int]) -> list[tuple[int, int]]:
+    """(value, its layer) of each forward result a backward operator reads."""
+    return [(v, layer) for op, layer in op_layer.items() if not analysis.backward[op] for v in graph.ops[op].outputs
+            if any(analysis.backward[c] for c in graph.consumers.get(v, ()) if c in op_layer)]
 
 
 def _recomputed_bytes(graph: OpGraph, analysis: MicrobatchAnalysis, op_layer: dict[int, int], num_layers: int) -> list[int]:
@@ -215,8 +217,7 @@ def _recomputed_bytes(graph: OpGraph, analysis: MicrobatchAnalysis, op_layer: di
     transcendentals). Walking back from what the backward reads through fused
     operators finds them; the walk stops at the step's inputs and at batch-free work."""
     out = [0] * num_layers
-    todo = [v for op, layer in op_layer.items() if not analysis.backward[op] for v in graph.ops[op].outputs
-            if any(analysis.backward[c] for c in graph.consumers.get(v, ()) if c in op_layer)]
+    todo = [v for v, _ in _read_by_backward(graph, analysis, op_layer)]
     seen: set[int] = set()
     while todo:
         v = todo.pop()
