@@ -5,7 +5,13 @@ predicted against compiled memory.
 Calibrates with the same measurements as `hetpar profile --model gpt` (matmul
 throughput over sizes, memory bandwidth, launch overhead, all-reduce, and the GPT
 model's layers timed one by one at other batch sizes than the one predicted), then
-predicts every figure from the profile and the traced program alone. The
+predicts every figure from the profile and the traced program alone. On CPU virtual
+devices the calibration is taken on meshes of 2, 4 and 8 devices (`--mesh-sizes`, as
+`hetpar profile --mesh-sizes` does): devices of one host share its cores, and how
+well they share them is measured per mesh size, not assumed proportional. The
+calibration fits four figures per mesh size (launch, matmul and vector scales, a
+cost per kernel) on single layers at two batch sizes; the rows are whole stage
+programs and steps of other plans at a third batch size. The
 calibration's layer programs and every row are timed in one pool by
 `hetpar.predict.timing.steady_times`: warm-up runs, then rounds in which every
 program and step runs a few times in turn, the least per item. Interleaved, the
@@ -37,7 +43,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import hetpar  # noqa: E402
 from hetpar.cluster.cluster import jax_devices  # noqa: E402
 from hetpar.predict.calibrate import layer_samples, program_inputs, program_run  # noqa: E402
-from hetpar.predict.profile import LayerWorkload, Profile, calibration_programs, measure, with_layers  # noqa: E402
+from hetpar.predict.profile import LayerWorkload, Profile, calibration_programs, measure, with_layers, with_meshes  # noqa: E402
 from hetpar.predict.step import predict_step  # noqa: E402
 from hetpar.predict.timing import busy_clock, steady_times  # noqa: E402
 from models import gpt  # noqa: E402
@@ -61,6 +67,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--calibration-batch-sizes", default="12,24", help="batches the layers are profiled at")
+    parser.add_argument("--mesh-sizes", default="2,4,8",
+                        help="CPU: mesh sizes the layers are profiled on (the first is the profile's own; "
+                        "a plan's mesh is predicted from the nearest)")
     args = parser.parse_args()
 
     group = hetpar.Cluster.local().groups[0]
@@ -71,9 +80,11 @@ def main() -> None:
     for size in map(int, args.calibration_batch_sizes.split(",")):
         c = gpt.setup(batch_size=size, config=config)
         calibration.append(LayerWorkload(f"gpt batch {size}", c.step, (c.state, c.batch), num_layers=4))
-    ids = group.device_ids[: min(4, n)]
-    entry = measure(jax_devices(ids), kind)  # the micro-benchmarks, as `hetpar profile` takes them
-    layer_programs = calibration_programs(entry, calibration, ids)
+    sizes = [s for s in map(int, args.mesh_sizes.split(",")) if s <= n] if kind == "cpu" else [min(4, n)]
+    # The micro-benchmarks, as `hetpar profile` takes them, on each mesh size.
+    entries = {size: measure(jax_devices(group.device_ids[:size]), kind) for size in sizes}
+    programs = {size: calibration_programs(entry, calibration, group.device_ids[:size]) for size, entry in entries.items()}
+    layer_programs = [p for size in sizes for p in programs[size]]
     cluster = hetpar.Cluster.virtual({kind: n}) if kind == "cpu" else hetpar.Cluster.local()
     concurrent = kind != "cpu"  # CPU virtual devices share the host's cores
 
@@ -107,13 +118,16 @@ def main() -> None:
     measured = steady_times(runs, args.repeats, args.rounds, clocks=clocks)
     loads.append(os.getloadavg()[0])
 
-    samples = layer_samples(layer_programs, measured[: len(layer_programs)])
-    profile = Profile({kind: with_layers(entry, calibration, samples)})
-    model = entry.compute
-    print(
-        f"calibration: launch x{model.launch_scale:.2f} matmul x{model.matmul_scale:.2f} "
-        f"vector x{model.vector_scale:.2f}, {model.op_overhead_s * 1e6:.1f} us per kernel"
-    )
+    at = 0
+    for size in sizes:
+        with_layers(entries[size], calibration, layer_samples(programs[size], measured[at : at + len(programs[size])]))
+        at += len(programs[size])
+        model = entries[size].compute
+        print(
+            f"calibration on {size} devices: launch x{model.launch_scale:.2f} matmul x{model.matmul_scale:.2f} "
+            f"vector x{model.vector_scale:.2f}, {model.op_overhead_s * 1e6:.1f} us per kernel"
+        )
+    profile = Profile({kind: with_meshes(entries[sizes[0]], [entries[s] for s in sizes[1:]])})
 
     rows, time_errors, mem_errors, wall_errors = [], [], [], []
     for stages, microbatches, compiled, plan, first, memory in built:

@@ -5,6 +5,8 @@ import subprocess
 import sys
 
 from hetpar.plan.file import PLAN_VERSION
+from hetpar.predict.compute import ComputeModel
+from hetpar.predict.profile import Profile
 
 
 def _hetpar(*args, check=True):
@@ -27,9 +29,14 @@ def test_profile_writes_a_profile_the_predictor_reads(tmp_path):
 
 def test_profile_calibrates_on_a_models_layers(tmp_path):
     path = tmp_path / "profile.json"
-    result = _hetpar("profile", "-o", str(path), "--cpu-devices", "2", "--model", "mlp", "--batch-sizes", "8", "--layers", "2")
-    assert "calibrated on" in result.stdout
-    assert json.loads(path.read_text())["devices"]["cpu"]["layer_samples"]
+    result = _hetpar("profile", "-o", str(path), "--cpu-devices", "2", "--model", "mlp", "--batch-sizes", "8", "--layers", "2",
+                     "--mesh-sizes", "1")
+    assert "calibrated on" in result.stdout and "on 1 devices" in result.stdout
+    cpu = json.loads(path.read_text())["devices"]["cpu"]
+    assert cpu["layer_samples"]
+    (size, one), = cpu["meshes"]  # the 1-device mesh, calibrated on the layers too
+    assert size == 1 and one["calibrated"] and one["matmul_flops"] > 0
+    assert Profile.load(path).devices["cpu"].model_for(1) == ComputeModel(**one)
 
 
 def test_profile_of_an_unknown_model_is_one_clear_line(tmp_path):

@@ -1,5 +1,7 @@
 """The predictor: profiles round-trip, estimates follow the schedule and the hardware."""
 
+from dataclasses import replace
+
 import jax
 import pytest
 
@@ -7,7 +9,7 @@ import hetpar
 from hetpar.predict.calibrate import LayerSample, fit_scales
 from hetpar.predict.compute import ComputeModel
 from hetpar.predict.memory import in_flight, stage_memory
-from hetpar.predict.profile import LayerWorkload, Profile, fit_affine, measure, profile_local
+from hetpar.predict.profile import DeviceProfile, LayerWorkload, Profile, fit_affine, measure, profile_local
 from hetpar.predict.timing import steady_times
 from hetpar.predict.step import predict_step
 from models import gpt
@@ -57,6 +59,20 @@ def test_profile_times_a_models_layers_and_round_trips(tmp_path):
     assert all(s.measured_s > 0 and s.matmul_s + s.vector_s > 0 for s in entry.layer_samples if "fwd" in s.program)
     profile.save(tmp_path / "p.json")
     assert Profile.load(tmp_path / "p.json") == profile
+
+
+def test_shared_host_meshes_are_predicted_from_the_nearest_calibration(tmp_path):
+    def model(rate):
+        return ComputeModel("cpu", rate, 1e6, rate / 10, 1e10, 2e-5, 1e-4, calibrated=True, matmul_scale=rate / 1e10)
+
+    two, eight = model(4e10), model(1e10)
+    entry = DeviceProfile("cpu", 2, two, 1e-5, 1e9, shared_host=True, meshes=[(8, eight)])
+    assert entry.model_for(2) == two and entry.model_for(8) == eight  # as calibrated, not scaled
+    assert entry.model_for(1).matmul_flops == 2 * two.matmul_flops  # nearest: the 2-device calibration
+    assert entry.model_for(16).matmul_flops == eight.matmul_flops / 2 and entry.model_for(16).matmul_scale == eight.matmul_scale
+    assert replace(entry, shared_host=False).model_for(8) == two  # a GPU's devices do not share: one model
+    Profile({"cpu": entry}).save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json").devices["cpu"] == entry
 
 
 def test_broken_profile_is_refused(tmp_path):

@@ -273,6 +273,8 @@ BAD_OPTIONS = {
     "function spec not callable": (["solve", "solver.pipeline_sim:MAX_SIMULATED_MICROBATCHES"], "not a function"),
     "negative mesh size": (["profile", "--mesh-size", "-1"], "--mesh-size"),
     "unknown device type": (["profile", "--device-type", "NoSuchGPU"], "--device-type"),
+    "mesh sizes beyond the devices": (["profile", "--mesh-sizes", "2,64"], "mesh of 64 devices"),
+    "mesh sizes not numbers": (["profile", "--mesh-sizes", "2,four"], "--mesh-sizes"),
     "trace into a missing directory": (["simulate", "PLAN", "--trace", "/no/such/dir/t.json"], "--trace"),
     "trace with a wrong extension": (["simulate", "PLAN", "--trace", "TMP/t.png"], "--trace: must end in .json"),
     "plot with a wrong extension": (["simulate", "PLAN", "--plot", "TMP/t.json"], "--plot: must end in .png"),

@@ -43,6 +43,9 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-o", "--output", default="profile.json", help="where to write the profile (JSON)")
     p.add_argument("--mesh-size", type=int, help="devices per measured mesh (default: all of a kind)")
+    p.add_argument("--mesh-sizes", default="",
+                   help="CPU virtual devices: also calibrate meshes of these sizes, e.g. 2,4 (the host's cores are "
+                   "split among a mesh's devices, and a plan's mesh is predicted from the calibration nearest its size)")
     p.add_argument("--device-type", help="catalog name to file the measurement under (default: detected)")
     p.add_argument("--cpu-devices", type=int, help="on CPU, split the host into this many virtual devices")
     p.add_argument(

@@ -65,7 +65,8 @@ def profile(args: argparse.Namespace) -> int:
         for size in ints(args.batch_sizes, "--batch-sizes"):
             w = load_workload(args.model, batch_size=size)
             layers.append(LayerWorkload(f"{args.model} batch {size}", w.step, w.args, args.layers))
-    result = profile_local(mesh_size=args.mesh_size, device_type=args.device_type, layers=layers)
+    sizes = ints(args.mesh_sizes, "--mesh-sizes") if args.mesh_sizes else []
+    result = profile_local(mesh_size=args.mesh_size, device_type=args.device_type, layers=layers, mesh_sizes=sizes)
     result.save(args.output)
     for name, d in result.devices.items():
         c = d.compute
@@ -80,6 +81,9 @@ def profile(args: argparse.Namespace) -> int:
                 f"  calibrated on {len(d.layer_samples)} layer programs of {d.layer_model}: launch x{c.launch_scale:.2f}, "
                 f"matmul x{c.matmul_scale:.2f}, vector x{c.vector_scale:.2f}, {c.op_overhead_s * 1e6:.1f} us per kernel"
             )
+        for size, m in d.meshes:
+            print(f"  on {size} devices: matmul {m.matmul_flops / 1e9:.1f} GFLOP/s per device, launch x{m.launch_scale:.2f}, "
+                  f"matmul x{m.matmul_scale:.2f}, vector x{m.vector_scale:.2f}, {m.op_overhead_s * 1e6:.1f} us per kernel")
     print(f"wrote {args.output}")
     return 0
 

@@ -5,7 +5,11 @@ device type, a `ComputeModel` fitted to measured matmul throughput over a range 
 sizes, memory bandwidth and launch overhead, plus the latency and bandwidth of
 all-reduce on the local mesh. It is plain JSON, so it can be taken on the cluster and
 used offline. CPU virtual devices share the host's cores, so a profile records the
-mesh size it was measured on: per-device figures are the mesh's share.
+mesh size it was measured on: per-device figures are the mesh's share. How well a
+mesh's devices share the cores is not proportional (one device's programs use every
+core's threads; eight devices each run on their share and pay their kernels' fixed
+costs over again), so a CPU profile may also be calibrated at other mesh sizes
+(`DeviceProfile.meshes`), and a mesh is predicted from the calibration nearest its size.
 """
 
 from __future__ import annotations
@@ -41,15 +45,21 @@ class DeviceProfile:
     shared_host: bool = False  # CPU virtual devices: one host's cores shared by the mesh
     layer_samples: list[LayerSample] = field(default_factory=list)  # the model's layers, timed (calibrate.py)
     layer_model: str = ""  # which model and batch the layers came from
+    # Shared hosts: the same calibration taken on meshes of other sizes (size, model).
+    meshes: list[tuple[int, ComputeModel]] = field(default_factory=list)
 
     def model_for(self, mesh_size: int) -> ComputeModel:
         """The compute model of one device of a mesh of `mesh_size` devices. Virtual CPU
-        devices split one host: a mesh k times larger gets 1/k of the throughput per
-        device, and its per-kernel cost is paid k times over on the same cores."""
+        devices split one host: from the calibration taken on the mesh nearest in size
+        (by ratio), a mesh k times larger gets 1/k of the throughput per device, and its
+        per-kernel cost is paid k times over on the same cores. That proportion is
+        only roughly true (how well XLA's threads share the cores changes with the
+        mesh), so a calibrated size is used as measured and scaling bridges the rest."""
         if not self.shared_host:
             return self.compute
-        scale = self.mesh_size / mesh_size
-        c = self.compute
+        calibrated = [(self.mesh_size, self.compute), *self.meshes]
+        size, c = min(calibrated, key=lambda m: (abs(np.log(m[0] / mesh_size)), -m[0]))
+        scale = size / mesh_size
         return replace(
             c,
             matmul_flops=c.matmul_flops * scale,
@@ -81,6 +91,7 @@ class Profile:
             d["compute"] = ComputeModel(**d["compute"])
             d["matmul_samples"] = [tuple(s) for s in d["matmul_samples"]]
             d["layer_samples"] = [LayerSample(**s) for s in d.get("layer_samples", ())]
+            d["meshes"] = [(int(size), ComputeModel(**c)) for size, c in d.get("meshes", ())]
             devices[name] = DeviceProfile(**d)
         return Profile(devices)
 
@@ -182,23 +193,49 @@ class LayerWorkload:
 
 
 def profile_local(
-    mesh_size: int | None = None, device_type: str | None = None, layers: Sequence[LayerWorkload] = ()
+    mesh_size: int | None = None, device_type: str | None = None, layers: Sequence[LayerWorkload] = (),
+    mesh_sizes: Sequence[int] = (),
 ) -> Profile:
     """Profiles the devices of this process, grouped by kind; with `layers`, also times
     those models' layers and fits the predictor's corrections to them. Two batch sizes
-    of one model let the fit tell fixed costs from costs that grow with the work."""
+    of one model let the fit tell fixed costs from costs that grow with the work.
+    `mesh_sizes`: on CPU virtual devices, meshes of these sizes are calibrated too
+    (`DeviceProfile.meshes`); every mesh's layer programs are timed in one pool."""
     from hetpar.cluster.cluster import Cluster, jax_devices
 
     profiles = {}
     for group in Cluster.local().groups:
-        ids = group.device_ids[: mesh_size or len(group.device_ids)]
+        main = mesh_size or len(group.device_ids)
         name = device_type or group.type_name
-        entry = measure(jax_devices(ids), name)
+        for size in mesh_sizes:
+            if not 0 < size <= len(group.device_ids):
+                raise HetparError(f"cannot calibrate a mesh of {size} devices: this process has "
+                                  f"{len(group.device_ids)} {name} devices; pass mesh sizes up to that")
+        entries = {main: measure(jax_devices(group.device_ids[:main]), name)}
+        if entries[main].shared_host:
+            for size in dict.fromkeys(mesh_sizes):
+                entries.setdefault(size, measure(jax_devices(group.device_ids[:size]), name))
         if layers:
-            programs = calibration_programs(entry, layers, ids)
-            with_layers(entry, layers, layer_samples(programs, steady_times([p.run for p in programs])))
-        profiles[name] = entry
+            calibrate_layers(entries, layers, {size: group.device_ids[:size] for size in entries})
+        profiles[name] = with_meshes(entries[main], [e for size, e in entries.items() if size != main])
     return Profile(profiles)
+
+
+def calibrate_layers(entries: dict[int, DeviceProfile], layers: Sequence[LayerWorkload],
+                     device_ids: dict[int, Sequence[int]]) -> None:
+    """Every entry's compute model corrected by `layers`' programs on its mesh, all of
+    them timed in one interleaved pool."""
+    programs = {size: calibration_programs(entry, layers, device_ids[size]) for size, entry in entries.items()}
+    measured = iter(steady_times([p.run for size in entries for p in programs[size]]))
+    for size, entry in entries.items():
+        with_layers(entry, layers, layer_samples(programs[size], [next(measured) for _ in programs[size]]))
+
+
+def with_meshes(entry: DeviceProfile, others: Sequence[DeviceProfile]) -> DeviceProfile:
+    """`entry` holding the compute models of `others`, calibrations of meshes of other
+    sizes of the same shared host (`DeviceProfile.model_for` picks among them)."""
+    entry.meshes = sorted(((other.mesh_size, other.compute) for other in others), key=lambda m: m[0])
+    return entry
 
 
 def calibration_programs(entry: DeviceProfile, layers: Sequence[LayerWorkload], device_ids: Sequence[int]) -> list[LayerProgram]:
