@@ -9,8 +9,8 @@ predicts every figure from the profile and the traced program alone. On CPU virt
 devices the calibration is taken on meshes of 2, 4 and 8 devices (`--mesh-sizes`, as
 `hetpar profile --mesh-sizes` does): devices of one host share its cores, and how
 well they share them is measured per mesh size, not assumed proportional. The
-calibration fits four figures per mesh size (launch, matmul and vector scales, a
-cost per kernel) on single layers at two batch sizes; the rows are whole stage
+calibration fits five figures per mesh size (launch, matmul, vector and transpose
+scales, a cost per kernel) on single layers at two batch sizes; the rows are whole stage
 programs and steps of other plans at a third batch size. The
 calibration's layer programs and every row are timed in one pool by
 `hetpar.predict.timing.steady_times`: warm-up runs, then rounds in which every
@@ -125,7 +125,7 @@ def main() -> None:
         model = entries[size].compute
         print(
             f"calibration on {size} devices: launch x{model.launch_scale:.2f} matmul x{model.matmul_scale:.2f} "
-            f"vector x{model.vector_scale:.2f}, {model.op_overhead_s * 1e6:.1f} us per kernel"
+            f"vector x{model.vector_scale:.2f} transposes x{model.transpose_scale:.2f}, {model.op_overhead_s * 1e6:.1f} us per kernel"
         )
     profile = Profile({kind: with_meshes(entries[sizes[0]], [entries[s] for s in sizes[1:]])})
 

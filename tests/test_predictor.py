@@ -29,22 +29,23 @@ def test_profile_measures_and_round_trips(tmp_path):
     assert Profile.load(tmp_path / "p.json") == profile
 
 
-def _samples(launch, matmul, vector, kernel):
-    rows = [(3e-4, 2e-3, 1e-3, 40), (3e-4, 8e-3, 3e-3, 90), (4e-4, 0.0, 2e-3, 30), (3e-4, 1e-2, 1e-3, 20), (5e-4, 0.0, 1e-4, 8)]
+def _samples(launch, matmul, vector, kernel, transpose):
+    rows = [(3e-4, 2e-3, 1e-3, 40, 1e-4), (3e-4, 8e-3, 3e-3, 90, 4e-4), (4e-4, 0.0, 2e-3, 30, 0.0), (3e-4, 1e-2, 1e-3, 20, 2e-4),
+            (5e-4, 0.0, 1e-4, 8, 0.0), (2e-4, 0.0, 2e-3, 40, 5e-4)]
     return [
-        LayerSample(f"p{i}", launch * a + matmul * b + vector * c + kernel * k, a, b, c, k)
-        for i, (a, b, c, k) in enumerate(rows)
+        LayerSample(f"p{i}", launch * a + matmul * b + vector * c + kernel * k + transpose * t, a, b, c, k, t)
+        for i, (a, b, c, k, t) in enumerate(rows)
     ]
 
 
 def test_calibration_recovers_known_corrections():
-    fitted = fit_scales(_samples(0.8, 1.3, 0.5, 2e-5))
-    assert fitted == pytest.approx((0.8, 1.3, 0.5, 2e-5), rel=1e-6)
+    fitted = fit_scales(_samples(0.8, 1.3, 0.5, 2e-5, 4.5))
+    assert fitted == pytest.approx((0.8, 1.3, 0.5, 2e-5, 4.5), rel=1e-6)
 
 
 def test_calibration_never_goes_negative():
-    samples = _samples(1.0, 1.0, 1.0, 0.0)
-    samples[1] = LayerSample("odd", 1e-4, 3e-4, 8e-3, 3e-3, 90)  # faster than its own launch: noise
+    samples = _samples(1.0, 1.0, 1.0, 0.0, 1.0)
+    samples[1] = LayerSample("odd", 1e-4, 3e-4, 8e-3, 3e-3, 90, 4e-4)  # faster than its own launch: noise
     assert all(v >= 0 for v in fit_scales(samples))
 
 

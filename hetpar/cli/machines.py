@@ -79,11 +79,11 @@ def profile(args: argparse.Namespace) -> int:
         if d.layer_samples:
             print(
                 f"  calibrated on {len(d.layer_samples)} layer programs of {d.layer_model}: launch x{c.launch_scale:.2f}, "
-                f"matmul x{c.matmul_scale:.2f}, vector x{c.vector_scale:.2f}, {c.op_overhead_s * 1e6:.1f} us per kernel"
+                f"matmul x{c.matmul_scale:.2f}, vector x{c.vector_scale:.2f}, transposes x{c.transpose_scale:.2f}, {c.op_overhead_s * 1e6:.1f} us per kernel"
             )
         for size, m in d.meshes:
             print(f"  on {size} devices: matmul {m.matmul_flops / 1e9:.1f} GFLOP/s per device, launch x{m.launch_scale:.2f}, "
-                  f"matmul x{m.matmul_scale:.2f}, vector x{m.vector_scale:.2f}, {m.op_overhead_s * 1e6:.1f} us per kernel")
+                  f"matmul x{m.matmul_scale:.2f}, vector x{m.vector_scale:.2f}, transposes x{m.transpose_scale:.2f}, {m.op_overhead_s * 1e6:.1f} us per kernel")
     print(f"wrote {args.output}")
     return 0
 

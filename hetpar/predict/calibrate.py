@@ -4,8 +4,11 @@ Micro-benchmarks (a matmul, a copy) miss what real programs do: how well XLA fus
 a layer's elementwise tails, how much a layer reuses cache, what dispatch costs with
 many arguments. So `hetpar profile --model ...` also runs the model's layers one by
 one (each layer's forward, backward and update as its own program, on the profiled
-mesh) and fits one correction per kind of work (launch, matmul, vector) and a fixed
-cost per kernel to their measured times. The fit is a non-negative least squares on relative error: every
+mesh) and fits one correction per kind of work (launch, matmul, vector, transposes)
+and a fixed cost per kernel to their measured times. Transposes are their own kind:
+XLA:CPU runs them as strided copies, about five times slower per byte than the
+fused elementwise work they were priced with (the Adam update's program, which
+transposes gradients back to their weights' layout, came out 20-30% under). The fit is a non-negative least squares on relative error: every
 layer counts alike, large or small. Stage programs and whole steps of any plan are
 then predicted from the corrected model; they are never measured here.
 """
@@ -41,6 +44,7 @@ class LayerSample:
     matmul_s: float
     vector_s: float
     kernels: int = 0
+    transpose_s: float = 0.0
 
 
 def program_inputs(program: Program, graph: Any) -> list[Any]:
@@ -98,21 +102,21 @@ def layer_samples(programs: Sequence[LayerProgram], measured: Sequence[float]) -
     samples = []
     for program, seconds in zip(programs, measured):
         t = program.terms
-        samples.append(LayerSample(program.name, seconds, t.launch_s, t.matmul_s, t.vector_s, t.kernels))
+        samples.append(LayerSample(program.name, seconds, t.launch_s, t.matmul_s, t.vector_s, t.kernels, t.transpose_s))
         log.info("layer program %s: %.3g s (uncorrected prediction %.3g s)", program.name, seconds,
                  t.launch_s + t.matmul_s + t.vector_s)
     return samples
 
 
-def fit_scales(samples: Sequence[LayerSample]) -> tuple[float, float, float, float]:
-    """(launch, matmul, vector) scales and seconds per kernel minimising the squared
-    relative error, each ≥ 0.
+def fit_scales(samples: Sequence[LayerSample]) -> tuple[float, float, float, float, float]:
+    """(launch, matmul, vector) scales, seconds per kernel and the transposes' scale
+    minimising the squared relative error, each ≥ 0.
 
-    Exact non-negative least squares for four unknowns: solve every subset of free
+    Exact non-negative least squares for five unknowns: solve every subset of free
     coefficients and keep the best solution whose coefficients are all non-negative."""
     if not samples:
-        return 1.0, 1.0, 1.0, 0.0
-    X = np.array([[s.launch_s, s.matmul_s, s.vector_s, s.kernels] for s in samples], dtype=float)
+        return 1.0, 1.0, 1.0, 0.0, 1.0
+    X = np.array([[s.launch_s, s.matmul_s, s.vector_s, s.kernels, s.transpose_s] for s in samples], dtype=float)
     y = np.array([s.measured_s for s in samples])
     X, y = X / y[:, None], np.ones_like(y)  # relative error
     used = [c for c in range(X.shape[1]) if X[:, c].any()]
@@ -128,10 +132,12 @@ def fit_scales(samples: Sequence[LayerSample]) -> tuple[float, float, float, flo
             if residual < best_residual - 1e-12:
                 best, best_residual = candidate, residual
     # A kind of work the samples never exercise keeps its uncorrected time.
-    launch, matmul, vector, kernel = (float(b) if X[:, i].any() else default for i, (b, default) in enumerate(zip(best, (1.0, 1.0, 1.0, 0.0))))
-    return launch, matmul, vector, kernel
+    defaults = (1.0, 1.0, 1.0, 0.0, 1.0)
+    launch, matmul, vector, kernel, transpose = (float(b) if X[:, i].any() else d for i, (b, d) in enumerate(zip(best, defaults)))
+    return launch, matmul, vector, kernel, transpose
 
 
 def calibrated(model: ComputeModel, samples: Sequence[LayerSample]) -> ComputeModel:
-    launch, matmul, vector, kernel = fit_scales(samples)
-    return replace(model, launch_scale=launch, matmul_scale=matmul, vector_scale=vector, op_overhead_s=kernel)
+    launch, matmul, vector, kernel, transpose = fit_scales(samples)
+    return replace(model, launch_scale=launch, matmul_scale=matmul, vector_scale=vector, op_overhead_s=kernel,
+                   transpose_scale=transpose)

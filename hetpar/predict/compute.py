@@ -33,6 +33,9 @@ class ComputeModel:
     matmul_scale: float = 1.0
     vector_scale: float = 1.0
     launch_scale: float = 1.0
+    # Transposes are strided copies: on CPU they run several times below the streaming
+    # bandwidth the roofline charges them, so they get a correction of their own.
+    transpose_scale: float = 1.0
 
     @staticmethod
     def from_catalog(spec: DeviceType, dtype: str = "float32") -> "ComputeModel":
@@ -53,6 +56,8 @@ class ComputeModel:
         into its neighbours, only the buffers the fusion reads or writes."""
         if name in MATMUL_OPS:
             return self.matmul_scale * self.raw_op_time(name, flops, bytes_in, bytes_out)
+        if name == "transpose":
+            return self.transpose_scale * self.raw_op_time(name, flops, bytes_in, bytes_out)
         return self.vector_scale * self.raw_op_time(name, flops, bytes_in, bytes_out)
 
     def raw_op_time(self, name: str, flops: float, bytes_in: float, bytes_out: float) -> float:

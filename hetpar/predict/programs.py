@@ -54,12 +54,14 @@ class TimeTerms:
     matmul_s: float
     vector_s: float
     kernels: int  # matmuls, reductions and fusions: each costs the device a fixed overhead
+    transpose_s: float = 0.0  # transposes (strided copies), apart from the rest of the vector work
 
     def scaled(self, compute: ComputeModel) -> float:
         return (
             compute.launch_scale * self.launch_s
             + compute.matmul_scale * self.matmul_s
             + compute.vector_scale * self.vector_s
+            + compute.transpose_scale * self.transpose_s
             + self.kernels * compute.op_overhead_s
         )
 
@@ -68,7 +70,7 @@ def time_terms(task: Task, graph: OpGraph, analysis: MicrobatchAnalysis, mesh_si
     costs = op_costs(graph)
     members = set(task.ops)
     boundary = set(task.inputs) | set(task.outputs) | set(task.reductions)
-    matmul = vector = 0.0
+    matmul = vector = transpose = 0.0
     kernels = 0
     for i in task.ops:
         op, cost = graph.ops[i], costs[i]
@@ -86,10 +88,12 @@ def time_terms(task: Task, graph: OpGraph, analysis: MicrobatchAnalysis, mesh_si
         )
         if op.name in MATMUL_OPS:
             matmul += seconds
+        elif op.name == "transpose":
+            transpose += seconds
         else:
             vector += seconds
     launch = compute.raw_launch_time(len(task.inputs) + len(task.outputs) + 2 * len(task.reductions))
-    return TimeTerms(launch, matmul, vector, kernels)
+    return TimeTerms(launch, matmul, vector, kernels, transpose)
 
 
 def estimate_task(
