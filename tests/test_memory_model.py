@@ -30,6 +30,10 @@ def test_activations_by_schedule_position_and_recomputation():
     assert activation_bytes(b, 4, "full") == 4 * 10 + 60 + 2 * 5
     assert activation_bytes(b, 4, "dots") == 4 * (10 + 30) + 30 + 2 * 5
     assert activation_bytes(b, 4) == 4 * 100 + 2 * 5  # no recomputation: the forward program hands over every value
+    # What a rerunning backward holds besides, by a liveness walk (`rerun_working`), replaces the two largest buffers.
+    c = StageActivations(saved=100.0, inputs=10.0, dots=30.0, largest=5.0, recomputed=60.0, rerun_working=3.0)
+    assert activation_bytes(c, 4, "full") == 4 * 10 + 60 + 3
+    assert activation_bytes(c, 4) == 4 * 100 + 2 * 5 and activation_bytes(c, 4, "full", fused=True) == 100 + 2 * 5
     total = stage_memory(sharded_state(8, 8, 16, 2, 1), a, 4, "full", workspace=3)
     assert total.total == 8 + 8 + 8 + (4 * 10 + 100 + 10) + 3
     # Positions count within the stage's own pipeline: the first of 4 under 1F1B holds 4, the last 1.
@@ -60,6 +64,22 @@ def test_a_rerun_forward_holds_what_xla_cannot_fuse_into_its_readers():
     h = 4 * 16 * 4  # bytes of x @ w
     assert layers.saved_bytes == [2 * h]
     assert layers.recomputed_bytes == [h]
+    # Its backward makes one buffer besides: the gradient of h, which dw's matmul reads (the rest fuses into it).
+    assert layers.rerun_working_bytes == [h]
+
+    # A product of two matmul results that a third matmul reads is written out for it (no matmul fuses
+    # its operands), and the backward reads all three: the rerun holds them all.
+    def loss2(ws, x):
+        w, v, u = ws
+        return jnp.sum(((x @ w) * (x @ v)) @ u)
+
+    def step2(ws, x):
+        value, grad = jax.value_and_grad(loss2)(ws, x)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, ws, grad), value
+
+    ws = (w, 2 * w, jnp.ones((16, 8)))
+    layers = layers_of(trace_step(step2, (ws, x), 1, 1), 1)
+    assert layers.saved_bytes == layers.recomputed_bytes == [3 * h]
 
 
 def test_plan_and_predictor_count_positions_within_each_replica():

@@ -36,6 +36,9 @@ class LayerCost:
     # of saved_bytes, what a backward rerunning the layer's forward in its own program holds (XLA fuses the
     # rest into its readers: solver.memory's `StageActivations.recomputed`); None: as much as saved_bytes
     recomputed_bytes: float | None = None
+    # what a rerunning backward holds at once besides, while this layer's backward runs (solver.memory's
+    # `StageActivations.rerun_working`); None: two of largest_bytes
+    rerun_working_bytes: float | None = None
 
 
 @dataclass(frozen=True)

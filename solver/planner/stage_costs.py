@@ -96,6 +96,8 @@ class StageCosts:
         self.recomputed = np.array([layer.saved_bytes if layer.recomputed_bytes is None else layer.recomputed_bytes
                                     for layer in layers], dtype=float)
         self._recomputed_span = _span(_cumsum(self.recomputed))
+        self.rerun_working_max = _range_max(np.array([2 * layer.largest_bytes if layer.rerun_working_bytes is None
+                                                      else layer.rerun_working_bytes for layer in layers], dtype=float))
         self.tp_bytes = np.array([layer.tp_bytes for layer in layers])
         self.tp_count = np.array([layer.tp_collectives for layer in layers], dtype=float)
         self.matmuls = np.array([layer.matmuls for layer in layers], dtype=float)
@@ -169,7 +171,8 @@ class StageCosts:
         inputs = np.broadcast_to((self.inputs * (b / cfg.dp / cfg.tp)).tolist() + [0.0], f.shape).T  # a stage keeps its own input
         shard = b / cfg.dp / cfg.tp  # activations split over all the stage's devices
         activations = StageActivations(saved, inputs, largest=self.largest_max * shard,
-                                       recomputed=self._recomputed_span * shard)
+                                       recomputed=self._recomputed_span * shard,
+                                       rerun_working=self.rerun_working_max * shard)
         gathered = self._params_max(cfg.tp)  # ZeRO-3: one layer's parameters gathered at a time
         optimizer = grads * p.optimizer_traffic / kind.memory_bandwidth
         topology = self.dp_topology(kind, cfg)
