@@ -102,21 +102,25 @@ def test_plan_and_predictor_count_positions_within_each_replica():
     assert memory[first].activations > memory[first + 1].activations  # position 0 of its pipeline, not 2 of 4
 
 
-@pytest.mark.parametrize("seq_len, policies", [(256, ("full", "")), (128, ("full",))])
-def test_predicted_memory_of_a_recomputing_stage_matches_xla(seq_len, policies):
+@pytest.mark.parametrize("seq_len, d_model, policies", [(256, 32, ("full", "")), (128, 128, ("full",))])
+def test_predicted_memory_of_a_recomputing_stage_matches_xla(seq_len, d_model, policies):
     """A GPT stage whose activations dominate, recomputing its forward: the plan's
-    predicted peak (solver.memory from the traced layers) is within 10% of what XLA's
+    predicted peak (solver.memory from the traced layers) is within 5% of what XLA's
     memory analysis of its compiled programs adds up to (compiled without XLA:CPU's
-    YNNPACK fusions, which no accelerator has: benchmarks/memory.py), at two
-    sequence lengths: a rerun forward holds what XLA cannot fuse into its readers, not
-    every value the backward reads (at 128 counting those was a third too much)."""
+    YNNPACK fusions, which no accelerator has: benchmarks/memory.py), narrow with long
+    sequences and wide with short ones: a rerun forward holds what XLA cannot fuse into
+    its readers (and what a matmul reads), not every value the backward reads (at
+    sequence length 128 counting those was a third too much); and while a layer's
+    backward runs, what the liveness of its traced backward says, not two buffers of the
+    largest activation (at d_model 32 and sequence length 256 that was 9% too much, at
+    d_model 128 too little)."""
     from dataclasses import replace
 
     from benchmarks.memory import CONFIG, stage_memory as measure
 
-    config = replace(CONFIG, seq_len=seq_len)
+    config = replace(CONFIG, seq_len=seq_len, d_model=d_model)
     figures = {remat: measure(remat, config=config) for remat in policies}
     for remat, (predicted, measured) in figures.items():
-        assert predicted == pytest.approx(measured, rel=0.10), remat or "no recomputation"
+        assert predicted == pytest.approx(measured, rel=0.05), remat or "no recomputation"
     if "" in figures:
         assert figures["full"][1] < 0.6 * figures[""][1]  # recomputation really frees the activations
