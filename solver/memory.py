@@ -18,8 +18,8 @@ stage's largest activation are live besides (an operator's incoming and outgoing
 cotangents): measured against XLA's memory analysis, that is most of what a backward
 program needs beyond the activations it reads. A backward that reruns the forward holds, besides what the
 rerun leaves, what the liveness of one layer's traced backward says it needs at most
-(`StageActivations.rerun_working`): at a wide model less than two of the largest (score-sized)
-buffers, at a narrow one about as much. The last stage of a pipeline runs each microbatch's
+(`StageActivations.rerun_working`): less than two of the largest buffers, as by the time the
+backward makes its attention's score-sized gradients it has freed what its MLP kept. The last stage of a pipeline runs each microbatch's
 forward and backward as one program, so it holds one microbatch's activations and
 recomputation changes nothing there.
 

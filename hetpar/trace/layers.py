@@ -264,9 +264,10 @@ def _rerun_working_bytes(graph: OpGraph, analysis: MicrobatchAnalysis, op_layer:
     layers pass in; each operator adds the buffers it makes (`_is_buffer`) and frees a
     buffer once nothing reads it any more, directly or through fused operators. A
     stage that recomputes holds its layers' values and, while one layer's backward
-    runs, this much besides (solver.memory): the cotangents, transposed copies and
-    score-sized gradients of an attention block, which at a narrow width are larger
-    than anything the block kept and at a wide one smaller than its MLP's."""
+    runs, this much besides (solver.memory): cotangents, transposed copies, an
+    attention block's score-sized gradients, less what the backward has already freed
+    of the layer's values (a GPT block's MLP values are gone before its attention's
+    gradients are made; XLA's buffer assignment shows the same)."""
     held = _rerun_held(graph, analysis, op_layer)
     end = _last_reads(graph, op_layer)
     out = [0] * num_layers
