@@ -16,7 +16,10 @@ while inside the one backward program XLA fuses cheap elementwise work into what
 reads it (`StageActivations.recomputed`). While a backward runs, two buffers the size of the
 stage's largest activation are live besides (an operator's incoming and outgoing
 cotangents): measured against XLA's memory analysis, that is most of what a backward
-program needs beyond the activations it reads. The last stage of a pipeline runs each microbatch's
+program needs beyond the activations it reads. A backward that reruns the forward holds, besides what the
+rerun leaves, what the liveness of one layer's traced backward says it needs at most
+(`StageActivations.rerun_working`): less than two of the largest buffers, as by the time the
+backward makes its attention's score-sized gradients it has freed what its MLP kept. The last stage of a pipeline runs each microbatch's
 forward and backward as one program, so it holds one microbatch's activations and
 recomputation changes nothing there.
 
@@ -69,6 +72,9 @@ class StageActivations:
     # into its readers: a softmax's output besides its exponentials is kept, its masked scores are not);
     # None: as much as `saved`
     recomputed: float | np.ndarray | None = None
+    # what a backward rerunning the forward holds at once beyond `recomputed` while one layer's backward runs
+    # (cotangents, the backward's temporaries: a liveness walk over the traced backward); None: 2 x `largest`
+    rerun_working: float | np.ndarray | None = None
 
 
 def in_flight(schedule: str, num_microbatches: int, position: int, num_stages: int, chunks: int = 1) -> int:
@@ -104,6 +110,8 @@ def activation_bytes(per_microbatch: StageActivations, held: int, remat: str = "
         return a.saved * (1 if fused else held) + working
     dots = a.dots if remat == "dots" else 0.0
     rerun = a.saved if a.recomputed is None else a.recomputed
+    if a.rerun_working is not None:
+        working = a.rerun_working
     return (a.inputs + dots) * held + np.maximum(rerun - dots, 0.0) + working
 
 

@@ -132,10 +132,18 @@ def test_traced_layers_price_each_matmul_by_its_size(llama_layers, cluster):
 
 
 def test_recomputation_can_be_forced(llama_layers, cluster):
-    """Forced, every stage recomputes its forward in the backward though memory does not ask."""
-    _, _, layers = llama_layers
-    free = Planner(problem_for(layers, cluster, BATCH))
-    forced = Planner(problem_for(layers, cluster, BATCH, options=SearchOptions(force_remat=True)))
+    """Forced, every stage recomputes its forward in the backward though memory does not ask.
+    The planner prices a recomputing stage with what its rerun really holds (the traced
+    layers' `recomputed_bytes`, less than every value the backward reads): its memory is
+    the placement pass's figure for the same plan."""
+    from dataclasses import replace
+
+    from hetpar.plan.auto import to_plan
+    from hetpar.plan.make import _operator_stages, placement_pass
+
+    _, traced, layers = llama_layers
+    free = Planner(problem_for(layers, cluster, BATCH, options=SearchOptions(zero_stages=(0,))))
+    forced = Planner(problem_for(layers, cluster, BATCH, options=SearchOptions(force_remat=True, zero_stages=(0,))))
     configs, cuts = [StageConfig("a100", 2, 1), StageConfig("v100", 2, 1)], (2,)
     a = free.fixed_split(configs, 2, BATCH // 2, "1f1b", cuts)
     b = forced.fixed_split(configs, 2, BATCH // 2, "1f1b", cuts)
@@ -145,6 +153,11 @@ def test_recomputation_can_be_forced(llama_layers, cluster):
     first, last = zip(a.stages, b.stages)
     assert first[1].memory_bytes < first[0].memory_bytes
     assert last[1].memory_bytes == last[0].memory_bytes  # forward and backward are one program there: nothing to drop
+    assert sum(layers.recomputed_bytes[:2]) < 0.9 * sum(layers.saved_bytes[:2])  # the two figures differ
+    plan = to_plan(b, layers, cluster)
+    plan = placement_pass(traced, layers, replace(plan, operator_stages=_operator_stages(traced, layers, plan)))
+    for s, placed in zip(b.stages, plan.stages):
+        assert placed.remat == "full" and placed.memory_bytes == pytest.approx(s.memory_bytes, rel=1e-6, abs=64)
     chosen = forced.solve().best
     assert all(s.remat for s in chosen.stages)
 

@@ -24,7 +24,9 @@ def stage_activations(stage: StagePlan, layers: Layers, plan: Plan, dots: int = 
     inputs = layers.boundary_bytes[stage.layer_start] if layers.boundary_bytes else 0
     largest = max(layers.largest_bytes[span], default=0) if layers.largest_bytes else 0
     recomputed = sum(layers.recomputed_bytes[span]) * per_device if layers.recomputed_bytes else None
-    acts = StageActivations(saved * per_device, inputs * per_device, dots * per_device, largest * per_device, recomputed)
+    working = max(layers.rerun_working_bytes[span], default=0) * per_device if layers.rerun_working_bytes else None
+    acts = StageActivations(saved * per_device, inputs * per_device, dots * per_device, largest * per_device, recomputed,
+                            working)
     return acts, held, position == len(stages) - 1
 
 

@@ -72,11 +72,14 @@ def layer_costs(layers: Layers, batch_size: int) -> tuple[LayerCost, ...]:
     per = lambda values: [v / batch_size for v in values] if values else [0.0] * n  # noqa: E731
     forward = per(layers.forward_flops) if layers.forward_flops else [f / 3 / batch_size for f in layers.flops]
     return tuple(
-        LayerCost(f, fw, int(p), s, i, t, c, largest_bytes=g, unsplit_param_bytes=u, matmuls=mf, backward_matmuls=mb)
-        for f, fw, p, s, i, t, c, g, u, mf, mb in zip(
+        LayerCost(f, fw, int(p), s, i, t, c, largest_bytes=g, unsplit_param_bytes=u, matmuls=mf, backward_matmuls=mb,
+                  recomputed_bytes=r, rerun_working_bytes=rw)
+        for f, fw, p, s, i, t, c, g, u, mf, mb, r, rw in zip(
             per(layers.flops), forward, layers.param_bytes or [0] * n, per(layers.saved_bytes), per(layers.boundary_bytes),
             per(layers.tp_bytes), layers.tp_count or [2] * n, per(layers.largest_bytes), layers.unsplit_param_bytes or [0] * n,
-            layers.matmuls or [0] * n, layers.backward_matmuls or [0] * n)
+            layers.matmuls or [0] * n, layers.backward_matmuls or [0] * n,
+            per(layers.recomputed_bytes) if layers.recomputed_bytes else [None] * n,
+            per(layers.rerun_working_bytes) if layers.rerun_working_bytes else [None] * n)
     )
 
 

@@ -59,6 +59,9 @@ class Layers:
     # sustained whatever their sizes): the planner prices them as the predictor prices each traced matmul.
     matmuls: list[int] = field(default_factory=list)
     backward_matmuls: list[int] = field(default_factory=list)
+    # per layer, full batch: what its backward holds at once beyond `recomputed_bytes` when it reruns the forward
+    # (cotangents and the backward's own temporaries, from a liveness walk over its operators)
+    rerun_working_bytes: list[int] = field(default_factory=list)
 
 
 def build_layers(graph: OpGraph, analysis: MicrobatchAnalysis, op_flops: list[float], num_layers: int) -> Layers:
@@ -117,6 +120,7 @@ def build_layers(graph: OpGraph, analysis: MicrobatchAnalysis, op_flops: list[fl
         _param_bytes(graph, analysis, op_layer, num_layers, unsplit=True),
         _recomputed_bytes(graph, analysis, op_layer, num_layers),
         *_matmul_counts(graph, analysis, op_layer, op_flops, num_layers),
+        _rerun_working_bytes(graph, analysis, op_layer, num_layers),
     )
 
 
@@ -208,15 +212,35 @@ def _read_by_backward(graph: OpGraph, analysis: MicrobatchAnalysis, op_layer: di
 
 def _recomputed_bytes(graph: OpGraph, analysis: MicrobatchAnalysis, op_layer: dict[int, int], num_layers: int) -> list[int]:
     """What a backward holds of the forward it reruns in its own program, charged to
-    the layer that made it. A forward program hands its backward every value the
+    the layer that made it (`_rerun_held`)."""
+    out = [0] * num_layers
+    for v, layer in _rerun_held(graph, analysis, op_layer).items():
+        out[layer] += graph.nbytes(v)
+    return out
+
+
+def _is_buffer(graph: OpGraph, v: int) -> bool:
+    """Whether XLA gives value `v` a buffer of its own: what an operator outside
+    `_FUSED_INTO_READERS` makes, and what a matmul reads (a matmul kernel reads its
+    operands from memory: XLA fuses no elementwise work into it, so a GELU's output or
+    a layer norm's scaled output that feeds one is written out)."""
+    p = graph.producer.get(v)
+    if p is None or graph.ops[p].name not in _FUSED_INTO_READERS:
+        return True
+    return any(graph.ops[c].name in MATMUL_OPS for c in graph.consumers.get(v, ()))
+
+
+def _rerun_held(graph: OpGraph, analysis: MicrobatchAnalysis, op_layer: dict[int, int]) -> dict[int, int]:
+    """Forward value -> its layer, for each value a backward rerunning the forward in
+    its own program holds. A forward program hands its backward every value the
     backward reads (`_saved_bytes`), each a buffer of its own; but a program that
     recomputes them is one XLA fuses: a value a cheap elementwise or layout operator
-    makes (a mask's select, a bias add, softmax's subtract, GELU's polynomial) is
-    recomputed inside each fusion that reads it, from its own operands, so what stays
-    live is the nearest values that need a buffer (matmul results, reductions,
-    transcendentals). Walking back from what the backward reads through fused
-    operators finds them; the walk stops at the step's inputs and at batch-free work."""
-    out = [0] * num_layers
+    makes (a mask's select, a bias add, softmax's subtract) is recomputed inside each
+    fusion that reads it, from its own operands, so what stays live is the nearest
+    values that need a buffer (`_is_buffer`). Walking back from what the backward
+    reads through fused operators finds them; the walk stops at the step's inputs and
+    at batch-free work."""
+    held: dict[int, int] = {}
     todo = [v for v, _ in _read_by_backward(graph, analysis, op_layer)]
     seen: set[int] = set()
     while todo:
@@ -225,11 +249,70 @@ def _recomputed_bytes(graph: OpGraph, analysis: MicrobatchAnalysis, op_layer: di
         if v in seen or p is None or p not in op_layer or analysis.backward[p]:
             continue
         seen.add(v)
-        if graph.ops[p].name in _FUSED_INTO_READERS:
-            todo += graph.ops[p].inputs
+        if _is_buffer(graph, v):
+            held[v] = op_layer[p]
         else:
-            out[op_layer[p]] += graph.nbytes(v)
+            todo += graph.ops[p].inputs
+    return held
+
+
+def _rerun_working_bytes(graph: OpGraph, analysis: MicrobatchAnalysis, op_layer: dict[int, int],
+                         num_layers: int) -> list[int]:
+    """Per layer, the most bytes its backward holds at once beyond what its rerun
+    forward leaves (`_rerun_held`): a liveness walk over the layer's backward operators
+    in program order. It starts with the layer's held values and the cotangents later
+    layers pass in; each operator adds the buffers it makes (`_is_buffer`) and frees a
+    buffer once nothing reads it any more, directly or through fused operators. A
+    stage that recomputes holds its layers' values and, while one layer's backward
+    runs, this much besides (solver.memory): cotangents, transposed copies, an
+    attention block's score-sized gradients, less what the backward has already freed
+    of the layer's values (a GPT block's MLP values are gone before its attention's
+    gradients are made; XLA's buffer assignment shows the same)."""
+    held = _rerun_held(graph, analysis, op_layer)
+    end = _last_reads(graph, op_layer)
+    out = [0] * num_layers
+    by_layer: dict[int, list[int]] = {}
+    for op, layer in op_layer.items():
+        if analysis.backward[op]:
+            by_layer.setdefault(layer, []).append(op)
+    for layer, ops in by_layer.items():
+        ops.sort()
+        live = {v: end.get(v, -1) for v, owner in held.items() if owner == layer}
+        start = sum(graph.nbytes(v) for v in live)
+        mine = set(ops)
+        for op in ops:  # cotangents and other values from later layers' backward that this backward reads
+            for v in graph.ops[op].inputs:
+                p = graph.producer.get(v)
+                if p is not None and p in op_layer and analysis.backward[p] and p not in mine and _is_buffer(graph, v):
+                    live.setdefault(v, end.get(v, -1))
+        peak = used = sum(graph.nbytes(v) for v in live)
+        for op in ops:
+            for v in graph.ops[op].outputs:
+                if analysis.batch_axis.get(v) is not None and _is_buffer(graph, v):
+                    live[v] = end.get(v, op)
+                    used += graph.nbytes(v)
+            peak = max(peak, used)
+            for v in [v for v, last in live.items() if last <= op]:
+                used -= graph.nbytes(v)
+                del live[v]
+        out[layer] = max(peak - start, 0)
     return out
+
+
+def _last_reads(graph: OpGraph, op_layer: dict[int, int]) -> dict[int, int]:
+    """Value -> the last operator (in program order) that reads it, directly or through
+    operators XLA fuses into their readers (a value read by one of those stays live
+    until that operator's own result is read)."""
+    end: dict[int, int] = {}
+    for op in sorted(op_layer, reverse=True):
+        node = graph.ops[op]
+        reach = op
+        for u in node.outputs:
+            if not _is_buffer(graph, u):
+                reach = max(reach, end.get(u, op))
+        for v in node.inputs:
+            end[v] = max(end.get(v, -1), reach)
+    return end
 
 
 def _largest_bytes(graph: OpGraph, analysis: MicrobatchAnalysis, op_layer: dict[int, int], num_layers: int) -> list[int]:

@@ -174,6 +174,6 @@ class LowerBounds:
 
             p = self.problem
             self._fitting[key] = (0 if p.force_remat else most(capacity, layer.state + layer.saved * in_flight_count),
-                                  most(capacity - float(layer.inputs.min()) * in_flight_count, layer.state + layer.saved)
+                                  most(capacity - float(layer.inputs.min()) * in_flight_count, layer.state + layer.recomputed)
                                   if p.allow_remat or p.force_remat else 0)
         return self._fitting[key]

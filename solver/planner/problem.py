@@ -33,6 +33,12 @@ class LayerCost:
     backward_matmuls: float = 0.0  # matmul kernels per backward; 0: as many per FLOP as the forward's
     largest_bytes: float = 0.0  # the layer's largest single activation (solver.memory's backward working set)
     unsplit_param_bytes: float = 0.0  # the part of param_bytes tensor parallelism leaves whole (an embedding table)
+    # of saved_bytes, what a backward rerunning the layer's forward in its own program holds (XLA fuses the
+    # rest into its readers: solver.memory's `StageActivations.recomputed`); None: as much as saved_bytes
+    recomputed_bytes: float | None = None
+    # what a rerunning backward holds at once besides, while this layer's backward runs (solver.memory's
+    # `StageActivations.rerun_working`); None: two of largest_bytes
+    rerun_working_bytes: float | None = None
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ class PerLayer:
     state: np.ndarray  # bytes of parameters, gradients and optimizer state
     saved: np.ndarray  # bytes of activations kept for the backward
     inputs: np.ndarray  # bytes of the layer's input (all that remat keeps)
+    recomputed: np.ndarray  # bytes of `saved` a backward rerunning the forward holds (solver.memory)
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,11 @@ class StageCosts:
         self.unsplit = np.minimum(np.array([layer.unsplit_param_bytes for layer in layers], dtype=float), self.params)
         self.saved = np.array([layer.saved_bytes for layer in layers])
         self.inputs = np.array([layer.input_bytes for layer in layers])
+        self.recomputed = np.array([layer.saved_bytes if layer.recomputed_bytes is None else layer.recomputed_bytes
+                                    for layer in layers], dtype=float)
+        self._recomputed_span = _span(_cumsum(self.recomputed))
+        self.rerun_working_max = _range_max(np.array([2 * layer.largest_bytes if layer.rerun_working_bytes is None
+                                                      else layer.rerun_working_bytes for layer in layers], dtype=float))
         self.tp_bytes = np.array([layer.tp_bytes for layer in layers])
         self.tp_count = np.array([layer.tp_collectives for layer in layers], dtype=float)
         self.matmuls = np.array([layer.matmuls for layer in layers], dtype=float)
@@ -143,6 +149,7 @@ class StageCosts:
             state=state.state,
             saved=self.saved * shard,
             inputs=self.inputs * shard,
+            recomputed=self.recomputed * shard,
         )
 
     def matmul_rates(self, kind: DeviceKind, cfg: StageConfig, per_device: float, flops: np.ndarray,
@@ -162,7 +169,10 @@ class StageCosts:
         f, bw, saved, sync, grads = self._ranges(cfg, b)
         capacity = self.capacity(cfg.kind)
         inputs = np.broadcast_to((self.inputs * (b / cfg.dp / cfg.tp)).tolist() + [0.0], f.shape).T  # a stage keeps its own input
-        activations = StageActivations(saved, inputs, largest=self.largest_max * (b / cfg.dp / cfg.tp))
+        shard = b / cfg.dp / cfg.tp  # activations split over all the stage's devices
+        activations = StageActivations(saved, inputs, largest=self.largest_max * shard,
+                                       recomputed=self._recomputed_span * shard,
+                                       rerun_working=self.rerun_working_max * shard)
         gathered = self._params_max(cfg.tp)  # ZeRO-3: one layer's parameters gathered at a time
         optimizer = grads * p.optimizer_traffic / kind.memory_bandwidth
         topology = self.dp_topology(kind, cfg)
