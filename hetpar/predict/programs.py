@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from hetpar.compile.tasks import Task
 from hetpar.predict.compute import ComputeModel
 from hetpar.trace.flops import MATMUL_OPS, op_costs
+from hetpar.trace.fusion import materialized, own_kernel
 from hetpar.trace.microbatch import MicrobatchAnalysis
 from hetpar.trace.opgraph import OpGraph
 from solver.collectives import LinkCost, Topology, best
@@ -76,14 +77,14 @@ def time_terms(task: Task, graph: OpGraph, analysis: MicrobatchAnalysis, mesh_si
         op, cost = graph.ops[i], costs[i]
         # An op touching any batch-split value is split: its other operands are replicated.
         split = min((share(graph, analysis, v, mesh_size) for v in op.inputs + op.outputs), default=1.0)
-        if _own_kernel(op.name):
+        if own_kernel(op.name):
             bytes_in, bytes_out = cost.bytes_in, cost.bytes_out
         else:  # fused: only buffers shared with unfused work or the program's boundary move
             bytes_in = sum(graph.nbytes(v) for v in op.inputs if v in boundary or not _fused_value(graph, v, members))
             bytes_out = sum(graph.nbytes(v) for v in op.outputs if v in boundary or not _fused_value(graph, v, members))
         seconds = compute.raw_op_time(op.name, cost.flops * split, bytes_in * split, bytes_out * split)
         # A fusion is a kernel per buffer it writes; a materialized operator is one kernel.
-        kernels += 1 if _own_kernel(op.name) else sum(
+        kernels += 1 if own_kernel(op.name) else sum(
             1 for v in op.outputs if v in boundary or not _fused_value(graph, v, members)
         )
         if op.name in MATMUL_OPS:
@@ -135,7 +136,7 @@ def _temp_bytes(task: Task, graph: OpGraph, analysis: MicrobatchAnalysis, mesh_s
     for i in task.ops:
         for v in graph.ops[i].inputs:
             last_use[v] = i
-    heavy = [i for i in task.ops if _materialized(graph.ops[i].name)]
+    heavy = [i for i in task.ops if materialized(graph.ops[i].name)]
     live, peak = 0.0, 0.0
     alive: dict[int, float] = {}
     for i in task.ops:
@@ -143,7 +144,7 @@ def _temp_bytes(task: Task, graph: OpGraph, analysis: MicrobatchAnalysis, mesh_s
         for v in op.outputs:
             if v in boundary or v not in last_use:
                 continue
-            if not _materialized(op.name) and not _crosses(heavy, i, last_use[v]):
+            if not materialized(op.name) and not _crosses(heavy, i, last_use[v]):
                 continue
             alive[v] = graph.nbytes(v) * share(graph, analysis, v, mesh_size)
             live += alive[v]
@@ -164,21 +165,6 @@ def _crosses(heavy: list[int], start: int, end: int) -> bool:
 def _fused_value(graph: OpGraph, value: int, members: set[int]) -> bool:
     """A value that lives only inside a fusion: made and read by fusible operators."""
     producer = graph.producer.get(value)
-    if producer is None or producer not in members or _own_kernel(graph.ops[producer].name):
+    if producer is None or producer not in members or own_kernel(graph.ops[producer].name):
         return False
-    return all(c in members and not _own_kernel(graph.ops[c].name) for c in graph.consumers.get(value, ()))
-
-
-# Operators XLA runs as kernels of their own, with their results in memory.
-_UNFUSED = frozenset({"gather", "scatter-add", "scatter_add", "argmax", "cumsum"})
-# Transposes run as strided copies of their own but rarely keep a buffer alive: they
-# cost time as a kernel, not memory.
-_OWN_KERNEL = frozenset({"transpose"})
-
-
-def _own_kernel(name: str) -> bool:
-    return _materialized(name) or name in _OWN_KERNEL
-
-
-def _materialized(name: str) -> bool:
-    return name in MATMUL_OPS or name.startswith("reduce") or name in _UNFUSED
+    return all(c in members and not own_kernel(graph.ops[c].name) for c in graph.consumers.get(value, ()))

@@ -16,22 +16,12 @@ import numpy as np
 
 from hetpar.errors import PlanError
 from hetpar.trace.flops import MATMUL_OPS
+from hetpar.trace.fusion import FUSED_INTO_READERS
 from hetpar.trace.microbatch import MicrobatchAnalysis, Phase
 from hetpar.trace.opgraph import OpGraph
 from solver.partition import min_max_cuts
 
 _MAX_CUT_BYTES_FACTOR = 2.0  # cut candidates carry at most this times the cheapest cut
-
-# Operators XLA fuses into the fusion that reads their result, recomputing them there
-# element by element instead of keeping a buffer: cheap elementwise arithmetic and
-# layout changes. Everything else (matmuls, reductions, transcendentals and division,
-# gathers, ...) leaves its result in a buffer of its own.
-_FUSED_INTO_READERS = frozenset({
-    "add", "add_any", "sub", "mul", "neg", "max", "min", "abs", "sign", "square", "integer_pow",
-    "one_minus_square", "select_n", "clamp", "convert_element_type", "stop_gradient",
-    "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not",
-    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "split", "slice", "copy", "copy_p",
-})
 
 
 @dataclass
@@ -221,11 +211,11 @@ def _recomputed_bytes(graph: OpGraph, analysis: MicrobatchAnalysis, op_layer: di
 
 def _is_buffer(graph: OpGraph, v: int) -> bool:
     """Whether XLA gives value `v` a buffer of its own: what an operator outside
-    `_FUSED_INTO_READERS` makes, and what a matmul reads (a matmul kernel reads its
+    `FUSED_INTO_READERS` makes, and what a matmul reads (a matmul kernel reads its
     operands from memory: XLA fuses no elementwise work into it, so a GELU's output or
     a layer norm's scaled output that feeds one is written out)."""
     p = graph.producer.get(v)
-    if p is None or graph.ops[p].name not in _FUSED_INTO_READERS:
+    if p is None or graph.ops[p].name not in FUSED_INTO_READERS:
         return True
     return any(graph.ops[c].name in MATMUL_OPS for c in graph.consumers.get(v, ()))
 
