@@ -77,6 +77,13 @@ class StageActivations:
     rerun_working: float | np.ndarray | None = None
 
 
+def model_split_bytes(param_bytes: float | np.ndarray, unsplit_bytes: float | np.ndarray, tp: int) -> float | np.ndarray:
+    """A layer's parameter bytes on one device of a `tp`-wide model axis, as the
+    sharding pass lays them out: the matmuls' weights split, what no matmul reads (an
+    embedding table) whole. Under ZeRO-3 this is what a layer gathers while in use."""
+    return (param_bytes - unsplit_bytes) / tp + unsplit_bytes
+
+
 def in_flight(schedule: str, num_microbatches: int, position: int, num_stages: int, chunks: int = 1) -> int:
     """Microbatches whose activations stage `position` of its pipeline (`num_stages`
     stages, virtual ones under an interleaved schedule) holds at once: the schedule's

@@ -19,7 +19,7 @@ from hetpar.trace.layers import Layers
 from hetpar.trace.traced_step import TracedStep
 from solver.collectives import LinkCost, Topology
 from solver.intra_op import IntraOpError, IntraOpProblem, IntraOpSolution, peak_bytes, solve_intra_op
-from solver.memory import sharded_state
+from solver.memory import model_split_bytes, sharded_state
 from solver.zero import choose_zero
 
 log = logging.getLogger(__name__)
@@ -189,8 +189,7 @@ class _StageSolver:
             return 0.0
         span = slice(stage.layer_start, stage.layer_end)
         unsplit = self.layers.unsplit_param_bytes[span] if self.layers.unsplit_param_bytes else [0] * len(self.layers.param_bytes[span])
-        model = mesh.get("model", 1)
-        return max(((p - u) / model + u for p, u in zip(self.layers.param_bytes[span], unsplit)), default=0.0)
+        return max((model_split_bytes(p, u, mesh.get("model", 1)) for p, u in zip(self.layers.param_bytes[span], unsplit)), default=0.0)
 
     def _within_memory(self, stage: StagePlan, build, problem, solution, factor: float = 4.0,  # noqa: ANN001
                        gathered: float = 0.0):

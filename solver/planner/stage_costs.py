@@ -18,7 +18,7 @@ import numpy as np
 
 from solver.collectives import Topology, fastest_times
 from solver.efficiency import matmul_rate
-from solver.memory import StageActivations, in_flight, sharded_state, stage_memory
+from solver.memory import StageActivations, in_flight, model_split_bytes, sharded_state, stage_memory
 from solver.planner.problem import DeviceKind, Problem
 from solver.zero import zero_time
 
@@ -114,7 +114,7 @@ class StageCosts:
         """Each layer's parameter bytes on one device of a `tp`-wide model axis: the
         matmuls' weights split, what no matmul reads (an embedding table) whole, as
         the sharding pass lays them out."""
-        return (self.params - self.unsplit) / tp + self.unsplit
+        return model_split_bytes(self.params, self.unsplit, tp)
 
     def table(self, cfg: StageConfig, b: int, in_flight: int, last: bool = False, m: int = 1) -> StageTable:
         """Stage `cfg` on microbatches of `b` examples holding `in_flight` of them; `last`:
