@@ -163,19 +163,16 @@ class Planner:
             if batch % m:
                 continue
             b = batch // m
+            usable = {name: [lay for lay in per_kind[name] if not b % lay.dp and b // lay.dp >= p.min_examples] for name in kinds}
             for r in range(1, len(kinds) + 1):
                 for subset in itertools.combinations(kinds, r):
-                    for layouts in itertools.product(*(per_kind[name] for name in subset)):
-                        if sum(lay.stages for lay in layouts) > len(p.layers):
-                            continue
-                        if any(b % lay.dp or b // lay.dp < p.min_examples for lay in layouts):
-                            continue
-                        lower = self.bounds.bound(layouts, m, b)
-                        if lower < INF:
+                    for lower, layouts in self.bounds.product_bounds([usable[name] for name in subset], m, b, bound_schedule):
+                        if lower < beat:
                             candidates.append((lower, m, layouts))
         # Branch and bound with lazily tightened bounds: a layout's first bound ignores
-        # where its stages sit; when it reaches the front it is re-bounded per order of
-        # its kinds (activations in flight depend on the position) and goes back in line.
+        # where its stages sit and how the layers' times add up; when it reaches the
+        # front it is re-bounded per order of its kinds (activations in flight depend on
+        # the position) and goes back in line.
         queue = [(lower, i, m, layouts, None) for i, (lower, m, layouts) in enumerate(candidates)]
         heapq.heapify(queue)
         heap: list[tuple[float, int, PlanChoice]] = []  # the top_k best, worst on top (negated)
@@ -189,7 +186,12 @@ class Planner:
                 self.unexplored = min(self.unexplored, lower)
                 break
             b = batch // m
-            if orders is None:
+            if orders is None:  # the product's first bound: tighten to the layout's own
+                tighter = self.bounds.bound(layouts, m, b, bound_schedule)
+                if tighter < INF:
+                    heapq.heappush(queue, (max(tighter, lower), next(counter), m, layouts, ()))
+                continue
+            if not orders:
                 ranked = [(self.bounds.order_bound(order, m, b, bound_schedule, worst), i, order)
                           for i, order in enumerate(self._orders(layouts))]
                 orders = [(bound, order) for bound, _, order in sorted(ranked)]
