@@ -202,10 +202,11 @@ class Planner:
                 competitive = False  # a plain schedule's pipeline on this order made the top k
                 for schedule, chunks in schedules:
                     worst = -heap[0][0] if len(heap) >= top_k else beat
-                    if order_lower >= worst:
-                        break
+                    if chunks == 1 and order_lower >= worst:
+                        continue
                     if chunks > 1 and not competitive:
                         continue  # interleaving refines competitive pipelines only: it costs v x the split's work
+                    # (and is not held to the plain schedules' bound, which its shorter fill can beat)
                     plan = self.pipeline(order, m, b, schedule, beat=worst, chunks=chunks)
                     if plan is not None:
                         competitive = competitive or chunks == 1
