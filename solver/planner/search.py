@@ -9,10 +9,11 @@ are split over that row exactly (`layer_split`). A replica plan runs one such
 single-kind pipeline per kind, each on its share of every microbatch, and sums the
 gradients across them.
 
-Search is branch and bound: every layout gets a lower bound (`bounds.py`), layouts
-are scored exactly in the order of their bounds (re-bounded per order of kinds when
-they reach the front), and the search stops when the next bound cannot beat the k-th
-best plan found. Pipelines are therefore the model's optimum; replica batch shares
+Search is branch and bound: every layout gets a lower bound (`bounds.py`: first one
+computed for a whole product of layouts at once, tightened to the layout's own and
+then per order of kinds as it reaches the front of the line), layouts are scored
+exactly in the order of their bounds, and the search stops when the next bound
+cannot beat the k-th best plan found. Pipelines are therefore the model's optimum; replica batch shares
 are too on grids of up to 16 steps, and found by proportional split and local
 descent beyond. With a time limit, the best plan so far comes back with its gap.
 
