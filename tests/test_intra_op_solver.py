@@ -250,3 +250,24 @@ def test_dead_ends_go_and_an_optimum_stays():
         everything = min(cost(c) for c in itertools.product(*(range(k) for k in sizes)))
         assert min(cost(c) for c in itertools.product(*alive)) == pytest.approx(everything, abs=1e-12)
     assert pruned > 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_elimination_finds_the_optimum_of_a_graph_with_cycles(seed):
+    """Without a memory budget the solver eliminates variables (solver.elimination)
+    instead of calling CP-SAT: on a denser graph than a chain (every node joined to the
+    next two) it must still find brute force's optimum, and report it as its cost."""
+    from solver.elimination import min_sum
+
+    rng = np.random.default_rng(seed)
+    n, k = 8, 3
+    nodes = tuple(Node(f"op{i}", tuple(Strategy(f"s{j}", float(rng.uniform()), 0.0, 1) for j in range(k))) for i in range(n))
+    edges = tuple(Edge(i, j, tuple(tuple(float(x) for x in row) for row in rng.uniform(0, 1, (k, k))))
+                  for i in range(n) for j in (i + 1, i + 2) if j < n)
+    problem = IntraOpProblem(nodes, edges)
+    solution = solve_intra_op(problem)
+    assert solution.optimal and solution.cost_s == pytest.approx(brute(problem), rel=1e-12)
+    unary = [np.array([s.compute_s for s in node.strategies]) for node in nodes]
+    choice, least = min_sum(unary, {(e.src, e.dst): np.array(e.cost_s) for e in edges})
+    assert least == pytest.approx(evaluate(problem, choice), rel=1e-12) and least == pytest.approx(brute(problem), rel=1e-12)
+    assert min_sum(unary, {(e.src, e.dst): np.array(e.cost_s) for e in edges}, max_work=10) is None  # past its budget: CP-SAT's turn

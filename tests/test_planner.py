@@ -127,6 +127,33 @@ def test_no_plan_beats_the_planner(seed):
     assert sorted({(s.layer_start, s.layer_end) for s in result.best.stages if s.replica == 0})[0][0] == 0
 
 
+@pytest.mark.parametrize("seed", range(30))
+def test_every_bound_is_below_every_split_it_covers(seed):
+    """The search's three bounds, loosest first (a product of layouts at once, one
+    layout, one order of it), never exceed the 1F1B step of any split of any order
+    they cover; were one to, the search could prune the best plan."""
+    rng = np.random.default_rng(100 + seed)
+    problem = random_problem(rng, kinds=int(rng.integers(1, 4)))
+    costs, planner = StageCosts(problem), Planner(problem)
+    bounds, n = planner.bounds, costs.n
+    per_kind = [kind_layouts(problem, k.name) for k in problem.kinds]
+    for m in problem.microbatch_counts():
+        b = problem.batch_size // m
+        usable = [[lay for lay in lays if b % lay.dp == 0] for lays in per_kind]
+        for lower, layouts in bounds.product_bounds(usable, m, b, "1f1b"):
+            layout_bound = bounds.bound(layouts, m, b, "1f1b")
+            assert lower <= layout_bound * (1 + 1e-12)
+            for order in itertools.permutations(layouts):
+                order_bound = bounds.order_bound(order, m, b, "1f1b")
+                assert layout_bound <= order_bound * (1 + 1e-12)
+                configs = [lay.config for lay in order for _ in range(lay.stages)]
+                tables = [costs.table(c, b, in_flight("1f1b", m, p, len(configs)), p == len(configs) - 1, m)
+                          for p, c in enumerate(configs)]
+                sends = [costs.sends(a, c, b) for a, c in zip(configs, configs[1:])]
+                exact = min((score(tables, sends, m, cuts, "1f1b") for cuts in compositions(n, len(configs))), default=INF)
+                assert order_bound <= exact * (1 + 1e-12), (order, m, order_bound, exact)
+
+
 def test_alternatives_are_ordered_and_distinct():
     from dataclasses import replace
 

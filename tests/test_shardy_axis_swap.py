@@ -94,6 +94,7 @@ def test_two_stage_axis_swap_parity(monkeypatch):
         return type(solution)(tuple(choice), solution.cost_s, solution.bound_s, solution.optimal, solution.gap, solution.solve_s)
 
     monkeypatch.setattr(shard, "solve_intra_op", swapped)
+    monkeypatch.setattr(shard, "_SOLVED", type(shard._SOLVED)())  # an earlier test's solve of these blocks would skip `swapped`
     wide = gpt.GPTConfig(d_model=256, n_heads=4, n_layers=2)
     plan = run_parity(gpt.setup(batch_size=4, config=wide), hetpar.Cluster.virtual({"cpu": 8}), num_stages=2,
                       mesh_shape=((2, 2), (2, 2)), num_microbatches=2, num_layers=2, schedule="1f1b", steps=1)

@@ -2,9 +2,20 @@
 
 The planner scores layouts in the order of these bounds and stops when the next
 bound cannot beat the plans it has, so the tighter they are, the fewer exact splits
-it computes. Each is valid for every split and every order it covers: no stage
-holds more whole layers than fit its memory beside the activations in flight, or
-more than the bottleneck time allows at its least time per layer.
+it computes. Each is valid for every split and every order it covers (1F1B's step:
+summed stage times and sends, plus m - 1 times the slowest, plus the slowest tail):
+
+- the slowest stage: no stage holds more consecutive layers than fit its memory
+  beside the activations in flight, or whose least time (over every run of that
+  many consecutive layers) exceeds the bottleneck;
+- the summed stage times: each stage holds at least one layer, at no less than the
+  least time of one layer, and every further layer costs at least the least
+  increment per layer over runs of consecutive layers;
+- the tail: some stage holds a run of layers whose gradient sync and optimizer,
+  plus any per-microbatch ZeRO collectives the tail saves, cost at least as much as
+  the least such run that lets all the stages hold every layer;
+- the sends (per order): each cut between two stages sends at least the least
+  activation across that pair.
 """
 
 from __future__ import annotations
@@ -13,11 +24,13 @@ from typing import NamedTuple
 
 import numpy as np
 
+from solver import schedules as registry
 from solver.planner.problem import Problem
 from solver.planner.stage_costs import INF, StageConfig, StageCosts, in_flight
-
+from solver.zero import zero_time
 
 _BLOCK = 16  # candidate step times order_bound prices at once
+_TOL = 1 + 1e-12  # a run whose time equals a candidate step time fits it despite rounding
 
 
 class KindLayout(NamedTuple):
@@ -47,90 +60,166 @@ def kind_layouts(problem: Problem, kind_name: str) -> list[KindLayout]:
     return out
 
 
+class _Runs(NamedTuple):
+    """One stage's least times over runs of consecutive layers, per microbatch."""
+
+    time: np.ndarray  # [n - 1]: the least forward + backward of any n consecutive layers
+    remat: np.ndarray  # the same, the backward rerunning the forward
+    step: float  # the least increment per layer beyond the first, without recomputation
+    step_remat: float
+
+
+class _Group(NamedTuple):
+    """What a set of layouts' bounds share, whatever their order."""
+
+    steps: np.ndarray  # every time a stage of these layouts can take for a run of layers
+    rooms: dict[KindLayout, tuple[np.ndarray, np.ndarray]]  # per layout and step: the longest run within it (plain, remat)
+    tail: float  # the least slowest tail
+
+
+def _least_runs(values: np.ndarray) -> np.ndarray:
+    """[n - 1]: the least sum of any n consecutive entries of `values` (a span matrix)."""
+    n = values.shape[0] - 1
+    return np.array([np.diagonal(values, offset=k).min() for k in range(1, n + 1)])
+
+
+def _longest(runs: np.ndarray, limits: np.ndarray) -> np.ndarray:
+    """Per limit, the most layers n whose least run `runs[n - 1]` stays within it."""
+    floor = np.minimum.accumulate(runs[::-1])[::-1]  # nondecreasing; the same answer as `runs`
+    return np.searchsorted(floor, limits * _TOL, side="right")
+
+
+def _least_step(runs: np.ndarray) -> float:
+    """The most d with runs[n - 1] >= runs[0] + (n - 1) d for every n."""
+    if len(runs) < 2:
+        return 0.0
+    return float(max(((runs[1:] - runs[0]) / np.arange(1, len(runs))).min(), 0.0))
+
+
 class LowerBounds:
     def __init__(self, problem: Problem, costs: StageCosts):
         self.problem = problem
         self.costs = costs
         self._fitting: dict[tuple[KindLayout, int, int], tuple[int, int]] = {}
-        self._capacity: dict[tuple[KindLayout, int], tuple[float, int, float, int]] = {}
-        self._step_times: dict[tuple, np.ndarray] = {}
+        self._runs: dict[tuple[StageConfig, int], _Runs] = {}
+        self._tails: dict[StageConfig, np.ndarray] = {}
+        self._groups: dict[tuple, _Group] = {}
         self._held: dict[tuple[str, int, int], tuple[int, ...]] = {}
+        self._sends: dict[tuple[StageConfig, StageConfig, int], float] = {}
 
-    def stage_capacity(self, layout: KindLayout, b: int) -> tuple[float, int, float, int]:
-        """(least seconds per layer, most layers that fit) of one of these stages,
-        without and with rematerialization, over the best case of every layer and
-        position (one microbatch in flight): no split can do better than a stage
-        holding n layers in n times the least layer time."""
-        if (layout, b) not in self._capacity:
-            self._capacity[(layout, b)] = self._stage_capacity(layout, b)
-        return self._capacity[(layout, b)]
+    def bound(self, layouts: tuple[KindLayout, ...], m: int, b: int, schedule: str) -> float:
+        """No split of any order of these stages is faster than this under `schedule`
+        (inf: none fits): the bounds of `order_bound` at the best case of every
+        position (one microbatch in flight), without the sends."""
+        stages = [lay for lay in layouts for _ in range(lay.stages)]
+        fitting = [self._layers_fitting(lay, b, 1) for lay in layouts]
+        return self._bound(layouts, stages, np.repeat(np.array(fitting, dtype=float), [lay.stages for lay in layouts], axis=0),
+                           m, b, schedule, 0.0, INF)
 
-    def _stage_capacity(self, layout: KindLayout, b: int) -> tuple[float, int, float, int]:
-        layer = self.costs.per_layer(layout.config, b)
-        time = layer.forward + layer.backward
-        most, most_remat = self._layers_fitting(layout, b, 1)
-        return float(time.min()), most, float((time + layer.forward).min()), most_remat
-
-    def bound(self, layouts: tuple[KindLayout, ...], m: int, b: int) -> float:
-        """No split of any order of these stages is faster than this (inf: none fits):
-        the slowest stage takes at least the least T at which the stages, each holding
-        min(T // its least layer time, what fits) layers, hold every layer."""
-        caps = [(lay.stages, *self.stage_capacity(lay, b)) for lay in layouts]
-
-        def held(t: float) -> int:
-            return sum(k * max(min(int(t / c * (1 + 1e-12)), n), min(int(t / cr * (1 + 1e-12)), nr)) for k, c, n, cr, nr in caps)
-
-        if sum(k * max(n, nr) for k, _, n, _, nr in caps) < self.costs.n:
-            return INF
-        steps = sorted({i * c for _, c, n, cr, nr in caps for i in range(1, n + 1)} |
-                       {i * cr for _, c, n, cr, nr in caps for i in range(1, nr + 1)})
-        lo, hi = 0, len(steps) - 1
-        while lo < hi:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if held(steps[mid]) >= self.costs.n else (mid + 1, hi)
-        return (m - 1) * steps[lo] + self.costs.n * min(c for _, c, _, _, _ in caps)
+    def product_bounds(self, per_kind: list[list[KindLayout]], m: int, b: int, schedule: str) -> list[tuple[float, tuple[KindLayout, ...]]]:
+        """A first bound, looser than `bound`, for every combination of one layout per
+        kind at once (numpy over the product; the search has tens of thousands): the
+        least bottleneck at which the stages have room for every layer, times m - 1,
+        plus the summed stage times' floor where memory alone limits each stage, plus
+        the tail's bound. Combinations with more stages than layers, or where the
+        layers cannot fit, are left out."""
+        layers = self.costs.n
+        if not per_kind or not all(per_kind):
+            return []
+        index = np.indices([len(lays) for lays in per_kind]).reshape(len(per_kind), -1)
+        counts = [np.array([lay.stages for lay in lays], dtype=float) for lays in per_kind]
+        total = sum(c[i] for c, i in zip(counts, index))
+        index = index[:, total <= layers]
+        if not index.shape[1]:
+            return []
+        runs = [[self._stage_runs(lay.config, b) for lay in lays] for lays in per_kind]
+        fitting = [np.array([self._layers_fitting(lay, b, 1) for lay in lays], dtype=float) for lays in per_kind]
+        grid = np.unique(np.concatenate([np.concatenate([r.time, r.remat]) for rs in runs for r in rs]))
+        rooms = [c[:, None] * np.maximum(np.minimum(np.array([_longest(r.time, grid) for r in rs]), f[:, :1]),
+                                         np.minimum(np.array([_longest(r.remat, grid) for r in rs]), f[:, 1:]))
+                 for c, rs, f in zip(counts, runs, fitting)]
+        at = _first_enough(rooms, index, len(grid), layers)
+        bottleneck = np.where(at < len(grid), (m - 1) * grid[np.minimum(at, len(grid) - 1)], INF)
+        # The summed stage times with memory alone limiting each stage.
+        plain = [f[:, 0] >= 1 for f in fitting]
+        firsts = [np.where(ok, [r.time[0] for r in rs], [r.remat[0] for r in rs]) for ok, rs in zip(plain, runs)]
+        rates = np.stack([np.where(ok, [r.step for r in rs], [r.step_remat for r in rs])[i]
+                          for ok, rs, i in zip(plain, runs, index)], axis=1)
+        extra = np.stack([(c * (np.maximum(f[:, 0], f[:, 1]) - 1))[i] for c, f, i in zip(counts, fitting, index)], axis=1)
+        budget = layers - sum(c[i] for c, i in zip(counts, index))
+        order = np.argsort(rates, axis=1, kind="stable")
+        extra, rates = np.take_along_axis(extra, order, 1), np.take_along_axis(rates, order, 1)
+        before = np.cumsum(extra, axis=1) - extra
+        take = np.clip(budget[:, None] - before, 0, extra)
+        sums = sum(c[i] * fs[i] for c, fs, i in zip(counts, firsts, index)) + (take * rates).sum(axis=1)
+        sums = np.where((extra.min(axis=1) < 0) | (extra.sum(axis=1) < budget), INF, sums)
+        tail = np.zeros(index.shape[1])
+        if not registry.get(schedule).interleaved:
+            tails = [[self._stage_tails(lay.config) for lay in lays] for lays in per_kind]
+            tail_grid = np.unique(np.concatenate([t for ts in tails for t in ts]))
+            held = [c[:, None] * np.array([_longest(t, tail_grid) for t in ts]) for c, ts in zip(counts, tails)]
+            tail = tail_grid[np.minimum(_first_enough(held, index, len(tail_grid), layers), len(tail_grid) - 1)]
+        lower = bottleneck + sums + tail
+        keep = np.nonzero(lower < INF)[0]
+        return [(float(lower[j]), tuple(lays[i] for lays, i in zip(per_kind, index[:, j]))) for j in keep]
 
     def order_bound(self, order: tuple[KindLayout, ...], m: int, b: int, schedule: str, beat: float = INF) -> float:
         """`bound` for one order of the kinds, and tighter: each stage holds only as many
         layers as fit beside the activations its position keeps in flight, a stage
-        that cannot hold one layer without recomputing pays the recompute, and the
-        summed stage times (the pipeline's fill and drain) are at least those of the
-        cheapest placement of the layers within the bottleneck. Stops at `beat`: a
-        bound that reaches it is as good as exact for pruning."""
+        that cannot hold one layer without recomputing pays the recompute, and every
+        cut pays its least send both ways. Stops at `beat`: a bound that reaches it is
+        as good as exact for pruning."""
         stages = [lay for lay in order for _ in range(lay.stages)]
-        caps = {lay: self.stage_capacity(lay, b) for lay in order}
-        counts = [lay.stages for lay in order]
-        c = np.repeat([caps[lay][0] for lay in order], counts)
-        cr = np.repeat([caps[lay][2] for lay in order], counts)
         held = self._in_flight(schedule, m, len(stages))
-        fitting = np.array([self._layers_fitting(lay, b, k) for lay, k in zip(stages, held)])
-        n, nr = fitting[:, 0], fitting[:, 1]
+        fitting = np.array([self._layers_fitting(lay, b, k) for lay, k in zip(stages, held)], dtype=float)
+        configs = [lay.config for lay in stages]
+        sends = 2 * sum(self._least_send(a, c, b) for a, c in zip(configs, configs[1:]))
+        return self._bound(order, stages, fitting, m, b, schedule, sends, beat)
+
+    def _bound(self, layouts: tuple[KindLayout, ...], stages: list[KindLayout], fitting: np.ndarray, m: int, b: int,
+               schedule: str, offset: float, beat: float) -> float:
+        """The least (m - 1) t + summed stage times over candidate bottlenecks t, plus
+        the tail's bound and `offset`; `fitting` (stages x 2): the most layers each
+        stage holds without and with recomputation. (An interleaved schedule's tail is
+        its device groups' chunks' tails summed, not one run's: it gets no tail bound.)"""
         layers = self.costs.n
+        n, nr = fitting[:, 0], fitting[:, 1]
         if np.maximum(n, nr).sum() < layers:
             return INF
-
-        rates = np.where(n >= 1, c, cr)
+        group = self._group(layouts, b)
+        offset += 0.0 if registry.get(schedule).interleaved else group.tail
+        if offset >= beat:
+            return beat
+        runs = [self._stage_runs(lay.config, b) for lay in layouts]
+        counts = [lay.stages for lay in layouts]
+        plain = n >= 1  # a stage that cannot hold one layer without recomputing recomputes
+        firsts = np.where(plain, np.repeat([r.time[0] for r in runs], counts), np.repeat([r.remat[0] for r in runs], counts))
+        rates = np.where(plain, np.repeat([r.step for r in runs], counts), np.repeat([r.step_remat for r in runs], counts))
         by_rate = np.argsort(rates, kind="stable")
         sorted_rates = rates[by_rate]
-
         budget = layers - len(stages)  # layers beyond one per stage
+        base = float(firsts.sum())
 
         def least_sums(rooms: np.ndarray) -> np.ndarray:
             """Per row of `rooms` (the most layers each stage may hold): the least
             summed stage time when each stage holds at least one layer, the extra
-            layers going to the fastest rates (inf where the layers do not fit)."""
+            layers going to the least increments (inf where the layers do not fit)."""
             extra = (rooms - 1)[:, by_rate]
             before = np.cumsum(extra, axis=1) - extra
             take = np.clip(budget - before, 0, extra)
-            sums = rates.sum() + (take * sorted_rates).sum(axis=1)
+            sums = base + (take * sorted_rates).sum(axis=1)
             return np.where((extra.min(axis=1) < 0) | (extra.sum(axis=1) < budget), INF, sums)
 
         # Per candidate bottleneck time t: the most layers each stage may hold.
-        steps = self._steps(tuple(caps.values()))
-        rooms = np.maximum(np.minimum(np.floor(steps[:, None] / c * (1 + 1e-12)), n),
-                           np.minimum(np.floor(steps[:, None] / cr * (1 + 1e-12)), nr))
-        lo = int(np.argmax(rooms.sum(axis=1) >= layers))  # the least time at which every layer has room
-        floor_sum, best = float(least_sums(np.maximum(n, nr)[None, :])[0]), beat
+        plain_rooms = np.concatenate([np.repeat(group.rooms[lay][0][None, :], lay.stages, axis=0) for lay in layouts])
+        remat_rooms = np.concatenate([np.repeat(group.rooms[lay][1][None, :], lay.stages, axis=0) for lay in layouts])
+        rooms = np.maximum(np.minimum(plain_rooms, n[:, None]), np.minimum(remat_rooms, nr[:, None])).T
+        steps = group.steps
+        enough = rooms.sum(axis=1) >= layers
+        if not enough.any():
+            return INF
+        lo = int(np.argmax(enough))  # the least time at which every layer has room
+        floor_sum, best = float(least_sums(np.maximum(n, nr)[None, :])[0]), beat - offset
         # From there on, a block of times at a time: a time's bound is (m - 1) t plus
         # its least sum, and once (m - 1) t plus the least sum of all loses to the best
         # so far, no later time can win.
@@ -140,9 +229,73 @@ class LowerBounds:
             before = np.minimum.accumulate(np.concatenate(([best], values)))[:-1]  # the best so far, before each t
             losing = np.nonzero((m - 1) * ts + floor_sum >= before)[0]
             if losing.size:
-                return float(before[losing[0]])
+                return float(before[losing[0]]) + offset
             best = min(float(before[-1]), float(values[-1]))
-        return best
+        return best + offset
+
+    def _group(self, layouts: tuple[KindLayout, ...], b: int) -> _Group:
+        """Candidate step times, each layout's rooms at them, and the tail's bound:
+        the same for every order of `layouts`."""
+        key = (tuple(sorted(layouts)), b)
+        if key not in self._groups:
+            runs = {lay: self._stage_runs(lay.config, b) for lay in key[0]}
+            steps = np.unique(np.concatenate([np.concatenate([r.time, r.remat]) for r in runs.values()]))
+            rooms = {lay: (_longest(r.time, steps), _longest(r.remat, steps)) for lay, r in runs.items()}
+            self._groups[key] = _Group(steps, rooms, self._least_tail(key[0]))
+        return self._groups[key]
+
+    def _least_tail(self, layouts: tuple[KindLayout, ...]) -> float:
+        """The least u such that stages whose every run costs at most u in tail (and
+        per-microbatch ZeRO collectives, which a stage pays at least once) can hold
+        all the layers: the slowest tail is at least that."""
+        tails = {lay: self._stage_tails(lay.config) for lay in layouts}
+        candidates = np.unique(np.concatenate(list(tails.values())))
+        held = sum(lay.stages * _longest(t, candidates) for lay, t in tails.items())
+        enough = np.nonzero(held >= self.costs.n)[0]
+        return float(candidates[enough[0]]) if enough.size else 0.0
+
+    def _stage_tails(self, cfg: StageConfig) -> np.ndarray:
+        """[n - 1]: over runs of n consecutive layers and ZeRO stages, the least tail
+        (gradient sync and optimizer) plus per-microbatch ZeRO collectives, as the
+        stage table prices them."""
+        if cfg not in self._tails:
+            costs, p = self.costs, self.problem
+            kind = p.kind(cfg.kind)
+            params = np.concatenate([[0.0], np.cumsum(costs.tp_params(cfg.tp))])
+            grads = params[None, :] - params[:, None]
+            optimizer = grads * p.optimizer_traffic / kind.memory_bandwidth
+            topology = costs.dp_topology(kind, cfg)
+            least = np.full(grads.shape, INF)
+            for zero in costs.zero_stages(cfg):
+                if cfg.dp == 1:
+                    total = optimizer
+                else:
+                    comm = zero_time(grads, grads, zero, topology)
+                    total = comm.forward + comm.backward + comm.step + (optimizer / cfg.dp if zero >= 1 else optimizer)
+                least = np.minimum(least, total)
+            self._tails[cfg] = _least_runs(least)
+        return self._tails[cfg]
+
+    def _stage_runs(self, cfg: StageConfig, b: int) -> _Runs:
+        """The least times of runs of consecutive layers on one of these stages, the
+        forward and backward summed as the stage table sums them (ZeRO's collectives
+        and the choice of ZeRO stage only add to them)."""
+        key = (cfg, b)
+        if key not in self._runs:
+            layer = self.costs.per_layer(cfg, b)
+            f = _span(layer.forward)
+            bw = _span(layer.backward)
+            plain, remat = _least_runs(f + bw), _least_runs(f + (bw + f))
+            self._runs[key] = _Runs(plain, remat, _least_step(plain), _least_step(remat))
+        return self._runs[key]
+
+    def _least_send(self, a: StageConfig, c: StageConfig, b: int) -> float:
+        """The least time any cut from stage `a` to `c` sends one microbatch's activation."""
+        key = (a, c, b)
+        if key not in self._sends:
+            sends = self.costs.sends(a, c, b)
+            self._sends[key] = float(sends[1 : self.costs.n].min()) if self.costs.n > 1 else 0.0
+        return self._sends[key]
 
     def _in_flight(self, schedule: str, m: int, num_stages: int) -> tuple[int, ...]:
         """Microbatches each position of a pipeline holds; the last holds one
@@ -151,13 +304,6 @@ class LowerBounds:
         if key not in self._held:
             self._held[key] = tuple(in_flight(schedule, m, p, num_stages) for p in range(num_stages - 1)) + (1,)
         return self._held[key]
-
-    def _steps(self, caps: tuple[tuple[float, int, float, int], ...]) -> np.ndarray:
-        """Every time a stage of these kinds can take for a whole number of layers."""
-        if caps not in self._step_times:
-            layers = np.arange(1, self.costs.n + 1)
-            self._step_times[caps] = np.unique(np.concatenate([layers * c for c, _, cr, _ in caps] + [layers * cr for c, _, cr, _ in caps]))
-        return self._step_times[caps]
 
     def _layers_fitting(self, layout: KindLayout, b: int, in_flight_count: int) -> tuple[int, int]:
         """The most layers a stage holds with this many microbatches in flight,
@@ -177,3 +323,23 @@ class LowerBounds:
                                   most(capacity - float(layer.inputs.min()) * in_flight_count, layer.state + layer.recomputed)
                                   if p.allow_remat or p.force_remat else 0)
         return self._fitting[key]
+
+
+def _first_enough(rooms: list[np.ndarray], index: np.ndarray, size: int, layers: int) -> np.ndarray:
+    """Per combination (a column of `index`, one row of each kind's `rooms`, which
+    are nondecreasing along the grid): the first grid position where their sum
+    reaches `layers` (`size` where none does), by a binary search run on all at once."""
+    lo, hi = np.zeros(index.shape[1], dtype=int), np.full(index.shape[1], size)
+    while (lo < hi).any():
+        mid = (lo + hi) // 2
+        probe = np.minimum(mid, size - 1)
+        enough = sum(r[i, probe] for r, i in zip(rooms, index)) >= layers
+        enough &= mid < size
+        lo, hi = np.where(enough | (lo >= hi), lo, mid + 1), np.where(enough & (lo < hi), mid, hi)
+    return lo
+
+
+def _span(values: np.ndarray) -> np.ndarray:
+    """[i, j] = the sum of values[i:j] (the lower triangle is never read)."""
+    prefix = np.concatenate([[0.0], np.cumsum(values)])
+    return prefix[None, :] - prefix[:, None]

@@ -9,10 +9,11 @@ are split over that row exactly (`layer_split`). A replica plan runs one such
 single-kind pipeline per kind, each on its share of every microbatch, and sums the
 gradients across them.
 
-Search is branch and bound: every layout gets a lower bound (`bounds.py`), layouts
-are scored exactly in the order of their bounds (re-bounded per order of kinds when
-they reach the front), and the search stops when the next bound cannot beat the k-th
-best plan found. Pipelines are therefore the model's optimum; replica batch shares
+Search is branch and bound: every layout gets a lower bound (`bounds.py`: first one
+computed for a whole product of layouts at once, tightened to the layout's own and
+then per order of kinds as it reaches the front of the line), layouts are scored
+exactly in the order of their bounds, and the search stops when the next bound
+cannot beat the k-th best plan found. Pipelines are therefore the model's optimum; replica batch shares
 are too on grids of up to 16 steps, and found by proportional split and local
 descent beyond. With a time limit, the best plan so far comes back with its gap.
 
@@ -163,19 +164,16 @@ class Planner:
             if batch % m:
                 continue
             b = batch // m
+            usable = {name: [lay for lay in per_kind[name] if not b % lay.dp and b // lay.dp >= p.min_examples] for name in kinds}
             for r in range(1, len(kinds) + 1):
                 for subset in itertools.combinations(kinds, r):
-                    for layouts in itertools.product(*(per_kind[name] for name in subset)):
-                        if sum(lay.stages for lay in layouts) > len(p.layers):
-                            continue
-                        if any(b % lay.dp or b // lay.dp < p.min_examples for lay in layouts):
-                            continue
-                        lower = self.bounds.bound(layouts, m, b)
-                        if lower < INF:
+                    for lower, layouts in self.bounds.product_bounds([usable[name] for name in subset], m, b, bound_schedule):
+                        if lower < beat:
                             candidates.append((lower, m, layouts))
         # Branch and bound with lazily tightened bounds: a layout's first bound ignores
-        # where its stages sit; when it reaches the front it is re-bounded per order of
-        # its kinds (activations in flight depend on the position) and goes back in line.
+        # where its stages sit and how the layers' times add up; when it reaches the
+        # front it is re-bounded per order of its kinds (activations in flight depend on
+        # the position) and goes back in line.
         queue = [(lower, i, m, layouts, None) for i, (lower, m, layouts) in enumerate(candidates)]
         heapq.heapify(queue)
         heap: list[tuple[float, int, PlanChoice]] = []  # the top_k best, worst on top (negated)
@@ -189,7 +187,12 @@ class Planner:
                 self.unexplored = min(self.unexplored, lower)
                 break
             b = batch // m
-            if orders is None:
+            if orders is None:  # the product's first bound: tighten to the layout's own
+                tighter = self.bounds.bound(layouts, m, b, bound_schedule)
+                if tighter < INF:
+                    heapq.heappush(queue, (max(tighter, lower), next(counter), m, layouts, ()))
+                continue
+            if not orders:
                 ranked = [(self.bounds.order_bound(order, m, b, bound_schedule, worst), i, order)
                           for i, order in enumerate(self._orders(layouts))]
                 orders = [(bound, order) for bound, _, order in sorted(ranked)]
@@ -200,10 +203,11 @@ class Planner:
                 competitive = False  # a plain schedule's pipeline on this order made the top k
                 for schedule, chunks in schedules:
                     worst = -heap[0][0] if len(heap) >= top_k else beat
-                    if order_lower >= worst:
-                        break
+                    if chunks == 1 and order_lower >= worst:
+                        continue
                     if chunks > 1 and not competitive:
                         continue  # interleaving refines competitive pipelines only: it costs v x the split's work
+                    # (and is not held to the plain schedules' bound, which its shorter fill can beat)
                     plan = self.pipeline(order, m, b, schedule, beat=worst, chunks=chunks)
                     if plan is not None:
                         competitive = competitive or chunks == 1

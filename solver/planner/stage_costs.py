@@ -20,7 +20,7 @@ from solver.collectives import Topology, fastest_times
 from solver.efficiency import matmul_rate
 from solver.memory import StageActivations, in_flight, model_split_bytes, sharded_state, stage_memory
 from solver.planner.problem import DeviceKind, Problem
-from solver.zero import zero_time
+from solver.zero import ZeroTime, zero_time
 
 INF = float("inf")
 
@@ -109,6 +109,9 @@ class StageCosts:
         self._tables = lru_cache(maxsize=None)(self._table)
         self._ranges = lru_cache(maxsize=None)(self._ranges_uncached)
         self._params_max = lru_cache(maxsize=None)(lambda tp: _range_max(self.tp_params(tp)))
+        # ZeRO's collectives per layer range depend on the stage alone, not on its
+        # microbatch or place: priced once per stage and ZeRO stage, not once per table.
+        self._zero_comm = lru_cache(maxsize=None)(self._zero_comm_uncached)
 
     def tp_params(self, tp: int) -> np.ndarray:
         """Each layer's parameter bytes on one device of a `tp`-wide model axis: the
@@ -182,7 +185,7 @@ class StageCosts:
         out = {name: np.zeros(f.shape) for name in ("forward", "backward", "memory", "tail", "sync", "zero", "remat")}
         for zero in self.zero_stages(cfg):
             state = sharded_state(grads, grads, grads * (p.state_factor - 2), cfg.dp, zero)
-            comm = zero_time(grads, grads, zero, topology) if zero else None  # solver.zero: the one price of ZeRO
+            comm = self._zero_comm(cfg, zero) if zero else None  # solver.zero: the one price of ZeRO
             extra_f, extra_b = (comm.forward, comm.backward) if comm else (0.0, 0.0)
             step_sync = comm.step if comm else sync
             tail = step_sync + (optimizer / cfg.dp if zero >= 1 else optimizer)  # ZeRO-1+: each device updates its shard
@@ -198,6 +201,11 @@ class StageCosts:
         ok = np.triu(best < INF, k=1)
         return StageTable(np.where(ok, out["forward"], INF), np.where(ok, out["backward"], INF), (out["remat"] > 0) & ok,
                           out["memory"], out["tail"], out["sync"], capacity, out["zero"].astype(int))
+
+    def _zero_comm_uncached(self, cfg: StageConfig, zero: int) -> ZeroTime:
+        """ZeRO stage `zero`'s collectives for every layer range of stage `cfg`."""
+        grads = _span(_cumsum(self.tp_params(cfg.tp)))
+        return zero_time(grads, grads, zero, self.dp_topology(self.kinds[cfg.kind], cfg))
 
     def _ranges_uncached(self, cfg: StageConfig, b: int) -> tuple[np.ndarray, ...]:
         """What does not depend on the stage's place in the pipeline: times and
