@@ -8,8 +8,9 @@ mesh) and fits one correction per kind of work (launch, matmul, vector, transpos
 and a fixed cost per kernel to their measured times. Transposes are their own kind:
 XLA:CPU runs them as strided copies, about five times slower per byte than the
 fused elementwise work they were priced with (the Adam update's program, which
-transposes gradients back to their weights' layout, came out 20-30% under). The fit is a non-negative least squares on relative error: every
-layer counts alike, large or small. Stage programs and whole steps of any plan are
+transposes gradients back to their weights' layout, came out 20-30% under). The
+fit is a non-negative least squares on relative error: every layer counts alike,
+large or small. Stage programs and whole steps of any plan are
 then predicted from the corrected model; they are never measured here.
 """
 
@@ -104,7 +105,7 @@ def layer_samples(programs: Sequence[LayerProgram], measured: Sequence[float]) -
         t = program.terms
         samples.append(LayerSample(program.name, seconds, t.launch_s, t.matmul_s, t.vector_s, t.kernels, t.transpose_s))
         log.info("layer program %s: %.3g s (uncorrected prediction %.3g s)", program.name, seconds,
-                 t.launch_s + t.matmul_s + t.vector_s)
+                 t.launch_s + t.matmul_s + t.vector_s + t.transpose_s)
     return samples
 
 

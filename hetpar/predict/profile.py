@@ -215,6 +215,9 @@ def profile_local(
         if entries[main].shared_host:
             for size in dict.fromkeys(mesh_sizes):
                 entries.setdefault(size, measure(jax_devices(group.device_ids[:size]), name))
+        elif mesh_sizes:
+            log.info("%s: mesh sizes %s not calibrated: its devices do not share a host, so one size describes all",
+                     name, list(mesh_sizes))
         if layers:
             calibrate_layers(entries, layers, {size: group.device_ids[:size] for size in entries})
         profiles[name] = with_meshes(entries[main], [e for size, e in entries.items() if size != main])
