@@ -27,7 +27,6 @@ import numpy as np
 from solver import schedules as registry
 from solver.planner.problem import Problem
 from solver.planner.stage_costs import INF, StageConfig, StageCosts, in_flight
-from solver.zero import zero_time
 
 _BLOCK = 16  # candidate step times order_bound prices at once
 _TOL = 1 + 1e-12  # a run whose time equals a candidate step time fits it despite rounding
@@ -259,20 +258,10 @@ class LowerBounds:
         (gradient sync and optimizer) plus per-microbatch ZeRO collectives, as the
         stage table prices them."""
         if cfg not in self._tails:
-            costs, p = self.costs, self.problem
-            kind = p.kind(cfg.kind)
-            params = np.concatenate([[0.0], np.cumsum(costs.tp_params(cfg.tp))])
-            grads = params[None, :] - params[:, None]
-            optimizer = grads * p.optimizer_traffic / kind.memory_bandwidth
-            topology = costs.dp_topology(kind, cfg)
-            least = np.full(grads.shape, INF)
-            for zero in costs.zero_stages(cfg):
-                if cfg.dp == 1:
-                    total = optimizer
-                else:
-                    comm = zero_time(grads, grads, zero, topology)
-                    total = comm.forward + comm.backward + comm.step + (optimizer / cfg.dp if zero >= 1 else optimizer)
-                least = np.minimum(least, total)
+            least = np.full((self.costs.n + 1, self.costs.n + 1), INF)
+            for zero in self.costs.zero_stages(cfg):
+                extra_f, extra_b, _, tail = self.costs.step_costs(cfg, zero)
+                least = np.minimum(least, extra_f + extra_b + tail)
             self._tails[cfg] = _least_runs(least)
         return self._tails[cfg]
 

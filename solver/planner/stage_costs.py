@@ -20,7 +20,7 @@ from solver.collectives import Topology, fastest_times
 from solver.efficiency import matmul_rate
 from solver.memory import StageActivations, in_flight, model_split_bytes, sharded_state, stage_memory
 from solver.planner.problem import DeviceKind, Problem
-from solver.zero import ZeroTime, zero_time
+from solver.zero import zero_time
 
 INF = float("inf")
 
@@ -109,9 +109,10 @@ class StageCosts:
         self._tables = lru_cache(maxsize=None)(self._table)
         self._ranges = lru_cache(maxsize=None)(self._ranges_uncached)
         self._params_max = lru_cache(maxsize=None)(lambda tp: _range_max(self.tp_params(tp)))
-        # ZeRO's collectives per layer range depend on the stage alone, not on its
+        self._grads = lru_cache(maxsize=None)(lambda tp: _span(_cumsum(self.tp_params(tp))))
+        # ZeRO's collectives and the tail depend on the stage alone, not on its
         # microbatch or place: priced once per stage and ZeRO stage, not once per table.
-        self._zero_comm = lru_cache(maxsize=None)(self._zero_comm_uncached)
+        self.step_costs = lru_cache(maxsize=None)(self._step_costs)
 
     def tp_params(self, tp: int) -> np.ndarray:
         """Each layer's parameter bytes on one device of a `tp`-wide model axis: the
@@ -168,8 +169,8 @@ class StageCosts:
     def _table(self, cfg: StageConfig, b: int, held: int, last: bool, m: int) -> StageTable:
         """Every (ZeRO stage, recomputation) the problem allows, priced by solver.memory
         and the collectives; per range the fastest that fits."""
-        p, kind = self.problem, self.kinds[cfg.kind]
-        f, bw, saved, sync, grads = self._ranges(cfg, b)
+        p = self.problem
+        f, bw, saved, grads = self._ranges(cfg, b)
         capacity = self.capacity(cfg.kind)
         inputs = np.broadcast_to((self.inputs * (b / cfg.dp / cfg.tp)).tolist() + [0.0], f.shape).T  # a stage keeps its own input
         shard = b / cfg.dp / cfg.tp  # activations split over all the stage's devices
@@ -177,18 +178,13 @@ class StageCosts:
                                        recomputed=self._recomputed_span * shard,
                                        rerun_working=self.rerun_working_max * shard)
         gathered = self._params_max(cfg.tp)  # ZeRO-3: one layer's parameters gathered at a time
-        optimizer = grads * p.optimizer_traffic / kind.memory_bandwidth
-        topology = self.dp_topology(kind, cfg)
         force = p.force_remat  # large runs recompute whether or not memory asks
         remats = ["full"] if force else [""] + (["full"] if p.allow_remat else [])
         best = np.full(f.shape, INF)
         out = {name: np.zeros(f.shape) for name in ("forward", "backward", "memory", "tail", "sync", "zero", "remat")}
         for zero in self.zero_stages(cfg):
             state = sharded_state(grads, grads, grads * (p.state_factor - 2), cfg.dp, zero)
-            comm = self._zero_comm(cfg, zero) if zero else None  # solver.zero: the one price of ZeRO
-            extra_f, extra_b = (comm.forward, comm.backward) if comm else (0.0, 0.0)
-            step_sync = comm.step if comm else sync
-            tail = step_sync + (optimizer / cfg.dp if zero >= 1 else optimizer)  # ZeRO-1+: each device updates its shard
+            extra_f, extra_b, step_sync, tail = self.step_costs(cfg, zero)
             for remat in remats:
                 need = stage_memory(state, activations, held, remat, fused=last, workspace=gathered if zero >= 3 else 0.0).total
                 forward, backward = f + extra_f, bw + extra_b + (f + extra_f if remat else 0.0)
@@ -202,19 +198,25 @@ class StageCosts:
         return StageTable(np.where(ok, out["forward"], INF), np.where(ok, out["backward"], INF), (out["remat"] > 0) & ok,
                           out["memory"], out["tail"], out["sync"], capacity, out["zero"].astype(int))
 
-    def _zero_comm_uncached(self, cfg: StageConfig, zero: int) -> ZeroTime:
-        """ZeRO stage `zero`'s collectives for every layer range of stage `cfg`."""
-        grads = _span(_cumsum(self.tp_params(cfg.tp)))
-        return zero_time(grads, grads, zero, self.dp_topology(self.kinds[cfg.kind], cfg))
+    def _step_costs(self, cfg: StageConfig, zero: int) -> tuple[np.ndarray | float, np.ndarray | float, np.ndarray, np.ndarray]:
+        """Per layer range of stage `cfg` under ZeRO stage `zero` (solver.zero, the one
+        price of ZeRO): the collectives each microbatch's forward and backward add, the
+        once-per-step gradient sync, and the tail (that sync plus the optimizer on each
+        device's share: ZeRO-1+ updates a shard). The stage table and the planner's tail
+        bound both read it."""
+        kind, grads = self.kinds[cfg.kind], self._grads(cfg.tp)
+        optimizer = grads * self.problem.optimizer_traffic / kind.memory_bandwidth
+        if zero:
+            comm = zero_time(grads, grads, zero, self.dp_topology(kind, cfg))
+            return comm.forward, comm.backward, comm.step, comm.step + optimizer / cfg.dp
+        sync = self._sync(kind, cfg, grads)
+        return 0.0, 0.0, sync, sync + optimizer
 
     def _ranges_uncached(self, cfg: StageConfig, b: int) -> tuple[np.ndarray, ...]:
         """What does not depend on the stage's place in the pipeline: times and
-        activations of one microbatch, the gradient all-reduce, the gradient bytes."""
-        kind = self.kinds[cfg.kind]
+        activations of one microbatch, the gradient bytes."""
         layer = self.per_layer(cfg, b)
-        grads = _span(_cumsum(self.tp_params(cfg.tp)))
-        sync = self._sync(kind, cfg, grads)
-        return (_span(_cumsum(layer.forward)), _span(_cumsum(layer.backward)), _span(_cumsum(layer.saved)), sync, grads)
+        return _span(_cumsum(layer.forward)), _span(_cumsum(layer.backward)), _span(_cumsum(layer.saved)), self._grads(cfg.tp)
 
     def tp_allreduce(self, kind: DeviceKind, tp: int, nbytes: np.ndarray, count: np.ndarray) -> np.ndarray:
         """Seconds of one pass's tensor-parallel all-reduces per layer: `count` sums
