@@ -10,7 +10,10 @@ from hetpar.predict.profile import Profile
 
 
 def _hetpar(*args, check=True):
-    return subprocess.run([sys.executable, "-m", "hetpar.cli", *args], capture_output=True, text=True, check=check, timeout=300)
+    result = subprocess.run([sys.executable, "-m", "hetpar.cli", *args], capture_output=True, text=True, timeout=300)
+    if check:
+        assert result.returncode == 0, f"hetpar {' '.join(args)} exited {result.returncode}:\n{result.stderr[-3000:]}"
+    return result
 
 
 def test_devices_lists_the_catalog():
