@@ -23,7 +23,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 from hetpar.cluster.catalog import device_type  # noqa: E402
 from hetpar.shard.strategies import stage_problem  # noqa: E402
-from hetpar.plan.make import layers_of  # noqa: E402
+from hetpar.pipeline import layers_of  # noqa: E402
 from hetpar.trace.traced_step import trace_step  # noqa: E402
 from models import gpt  # noqa: E402
 from solver.collectives import LinkCost  # noqa: E402

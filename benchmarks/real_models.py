@@ -20,7 +20,7 @@ from pathlib import Path
 
 from hetpar.cluster.cluster import Cluster
 from hetpar.errors import HetparError
-from hetpar.plan.make import solve
+from hetpar.pipeline import solve
 from hetpar.trace.traced_step import trace_step
 from models import llama
 

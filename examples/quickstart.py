@@ -19,7 +19,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import hetpar  # noqa: E402
 from hetpar.plan.auto import SearchOptions, problem_for  # noqa: E402
 from hetpar.plan import fmt_time  # noqa: E402
-from hetpar.plan.make import layers_of  # noqa: E402
+from hetpar.pipeline import layers_of  # noqa: E402
 from hetpar.trace.traced_step import trace_step  # noqa: E402
 from models import gpt  # noqa: E402
 from solver.baselines import fastest_only, uniform  # noqa: E402

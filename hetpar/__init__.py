@@ -12,8 +12,8 @@ from hetpar.plan.file import load_plan, save_plan
 from hetpar.runtime.distributed import initialize as initialize_distributed
 from hetpar.runtime.distributed import to_host
 from hetpar.runtime.ray_runtime import init, shutdown
-from hetpar.plan.make import make_plan
-from hetpar.plan.compare import compare_plans
+from hetpar.pipeline import make_plan
+from hetpar.compare import compare_plans
 
 __all__ = [
     "Cluster",

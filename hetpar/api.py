@@ -28,7 +28,7 @@ from hetpar.outputs import like_options, place_metrics
 from hetpar.plan import Plan
 from hetpar.plan.file import load_plan
 from hetpar.plan.like import placed_like
-from hetpar.plan.make import check_fits, cluster_for, solve
+from hetpar.pipeline import check_fits, cluster_for, solve
 from hetpar.runtime.distributed import (DistributedStep, check_cross_process, cross_process_collectives, is_multiprocess,
                                         share_plan, stages_of_process)
 from hetpar.runtime.executor import RunStats, run

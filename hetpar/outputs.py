@@ -61,7 +61,7 @@ def like_options(options: Any, batch_argnum: int, static_argnums: Any, donate_ar
     from dataclasses import replace
 
     from hetpar.signature import normalize_argnums
-    from hetpar.plan.make import cluster_for
+    from hetpar.pipeline import cluster_for
 
     cluster = options.cluster if options.cluster is not None else cluster_for(options.plan)
     stage = options.stage

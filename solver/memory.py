@@ -1,5 +1,5 @@
 """Memory per device of a pipeline stage: the one formula the planner, hand-made
-plans (`hetpar.plan.make`) and the predictor (`hetpar.predict.memory`) all use.
+plans (`hetpar.pipeline`) and the predictor (`hetpar.predict.memory`) all use.
 
 A device of a stage holds, for the whole step, its share of the stage's state:
 parameters, gradient accumulators and optimizer state, each split over the model

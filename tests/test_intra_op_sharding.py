@@ -16,7 +16,7 @@ from flax.training import train_state
 
 import hetpar
 from hetpar.shard.strategies import stage_problem
-from hetpar.plan.make import layers_of
+from hetpar.pipeline import layers_of
 from hetpar.trace.traced_step import trace_step
 from models import gpt, mlp
 from parity import assert_close, run_parity, with_grads

@@ -120,7 +120,7 @@ def test_passes_import_forward_only():
     """Trace knows no plans; compile and the runtime read the Plan but never plan,
     shard or solve."""
     graph = _graph()
-    planning = ("hetpar.plan.make", "hetpar.plan.auto", "hetpar.plan.manual", "hetpar.shard", "solver.planner", "solver.intra_op")
+    planning = ("hetpar.pipeline", "hetpar.plan.auto", "hetpar.plan.manual", "hetpar.shard", "solver.planner", "solver.intra_op")
     for name, deps in graph.items():
         if name.startswith("hetpar.trace"):
             assert not {d for d in deps if d.startswith(("hetpar.plan", "hetpar.shard", "hetpar.compile", "hetpar.runtime"))}, name

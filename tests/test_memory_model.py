@@ -48,7 +48,7 @@ def test_a_rerun_forward_holds_what_xla_cannot_fuse_into_its_readers():
     import jax
     import jax.numpy as jnp
 
-    from hetpar.plan.make import layers_of
+    from hetpar.pipeline import layers_of
     from hetpar.trace.traced_step import trace_step
 
     def loss(w, x):

@@ -28,14 +28,14 @@ _LOAD_AND_COMPILE = textwrap.dedent("""
     import jax
     jax.config.update("jax_num_cpu_devices", 8)
     sys.path.insert(0, "tests")
-    import hetpar, hetpar.api, hetpar.shard, hetpar.plan.make, solver.intra_op, solver.planner.search
+    import hetpar, hetpar.api, hetpar.shard, hetpar.pipeline, solver.intra_op, solver.planner.search
     from models import gpt
     from parity import with_grads
 
     def refuse(*args, **kwargs):
         raise AssertionError("compile called a solver")
 
-    for module, name in [(hetpar.api, "solve"), (hetpar.plan.make, "build_layers"), (hetpar.shard, "solve_intra_op"),
+    for module, name in [(hetpar.api, "solve"), (hetpar.pipeline, "build_layers"), (hetpar.shard, "solve_intra_op"),
                          (solver.intra_op, "solve_intra_op")]:
         setattr(module, name, refuse)
     solver.planner.search.Planner.solve = refuse
@@ -100,9 +100,9 @@ def test_compiling_a_plan_asks_no_solver_in_process(solved, monkeypatch):
 
     import hetpar.api
     import hetpar.shard
-    import hetpar.plan.make
+    import hetpar.pipeline
 
-    for module, name in [(hetpar.api, "solve"), (hetpar.plan.make, "build_layers"), (hetpar.shard, "solve_intra_op")]:
+    for module, name in [(hetpar.api, "solve"), (hetpar.pipeline, "build_layers"), (hetpar.shard, "solve_intra_op")]:
         monkeypatch.setattr(module, name, refuse)
     loaded = hetpar.parallelize(with_grads(w.loss_fn), plan=str(path))
     new, loss, grads = loaded(w.state, w.batch)

@@ -12,7 +12,7 @@ from solver.planner.stage_costs import StageCosts
 
 from hetpar.cluster.cluster import Cluster
 from hetpar.plan.auto import SearchOptions, problem_for, search
-from hetpar.plan.make import _operator_stages, layers_pass, link_cost, placement_pass, search_options, sharding_pass
+from hetpar.pipeline import _operator_stages, layers_pass, link_cost, placement_pass, search_options, sharding_pass
 from hetpar.options import ShardingOption, StageOption
 from hetpar.trace.traced_step import trace_step
 from models import llama

@@ -10,7 +10,7 @@ import pytest
 
 from hetpar.cluster.cluster import Cluster
 from hetpar.plan.auto import SearchOptions, problem_for
-from hetpar.plan.make import layers_of
+from hetpar.pipeline import layers_of
 from hetpar.trace.traced_step import trace_step
 from models import llama
 from hetpar.trace.flops import op_costs
@@ -139,7 +139,7 @@ def test_recomputation_can_be_forced(llama_layers, cluster):
     from dataclasses import replace
 
     from hetpar.plan.auto import to_plan
-    from hetpar.plan.make import _operator_stages, placement_pass
+    from hetpar.pipeline import _operator_stages, placement_pass
 
     _, traced, layers = llama_layers
     free = Planner(problem_for(layers, cluster, BATCH, options=SearchOptions(zero_stages=(0,))))
@@ -164,7 +164,7 @@ def test_recomputation_can_be_forced(llama_layers, cluster):
 
 def test_solve_lets_the_planner_choose_the_microbatch_count(cluster):
     from hetpar.cli import parser
-    from hetpar.plan.make import make_plan
+    from hetpar.pipeline import make_plan
     from models import mlp
 
     args = parser().parse_args(["solve", "mlp", "--cluster", "c.yaml"])

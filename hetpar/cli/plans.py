@@ -14,7 +14,7 @@ def solve(args: argparse.Namespace) -> int:
     from hetpar.cluster.cluster import Cluster
     from hetpar.plan.file import save_plan
     from hetpar.options import ShardingOption
-    from hetpar.plan.make import make_plan
+    from hetpar.pipeline import make_plan
     from hetpar.workloads import load_workload
 
     cluster = Cluster.from_file(args.cluster)
@@ -30,7 +30,7 @@ def solve(args: argparse.Namespace) -> int:
     _print_plan(plan)
     print(f"wrote {args.output}")
     if args.compare or args.manual:
-        from hetpar.plan.compare import compare_plans
+        from hetpar.compare import compare_plans
 
         rows = compare_plans(workload.step, workload.args, cluster, tuple(args.manual), num_microbatches=args.microbatches,
                              batch_argnum=args.batch_argnum, schedule=args.schedule, chunks=args.chunks,

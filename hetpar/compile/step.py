@@ -17,7 +17,8 @@ from jax.sharding import Mesh
 from hetpar.compile.compiled import CompiledStep
 from hetpar.compile.programs import FusedProgram, Program, compile_fused, compile_task
 from hetpar.compile.remat import recompute
-from hetpar.compile.tasks import Task, build_tasks, op_stages
+from hetpar.compile.tasks import Task, build_tasks
+from hetpar.trace.stages import op_stages
 from hetpar.errors import PlanError
 from hetpar.plan import Plan
 from hetpar.trace.layers import Layers

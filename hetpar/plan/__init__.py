@@ -1,7 +1,7 @@
-"""Plans: where every part of the step runs, and the passes that make them.
+"""Plans: where every part of the step runs, as data, and the stage assignments the
+planning passes (`hetpar.pipeline`) call.
 
 - `model`: the Plan dataclasses (plain data, the contract between planning and compile)
-- `make`: the planning passes (layers, stage assignment, sharding, placement)
 - `auto`: the planner's stage assignment (an adapter to `solver.planner`)
 - `manual`: stage assignment for a fixed stage or replica count
 - `runnable`: what the runtime needs of a plan, checked before it runs

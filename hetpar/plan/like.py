@@ -18,7 +18,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from hetpar.cluster.cluster import Cluster, jax_devices
-from hetpar.compile.tasks import place_once_ops
+from hetpar.trace.stages import place_once_ops
 from hetpar.plan.model import Plan, Spec, runs
 from hetpar.trace.fingerprint import signature
 from hetpar.trace.layers import parameter_origins

@@ -1,5 +1,6 @@
-"""The planning passes, from a traced step and a cluster to a Plan (layers → stage
-assignment → operator stages → sharding → placement, each timed), and the checks
+"""The pass list: from a traced step and a cluster to a Plan, one named, timed pass
+after another (layers → stage assignment → operator stages → sharding → placement),
+and the checks
 that a saved plan fits the step and cluster it is about to run on. Shared by
 `parallelize` and `hetpar solve` (which runs offline: it needs the step's shapes,
 not the cluster's devices). The Plan it returns holds everything compile needs."""
@@ -12,7 +13,7 @@ from typing import Any, Callable
 
 from hetpar.cluster.cluster import Cluster, DeviceGroup
 from hetpar.compile.remat import rerun, saveable
-from hetpar.compile.tasks import op_stages
+from hetpar.trace.stages import op_stages
 from hetpar.errors import PlanError
 from hetpar.options import ShardingOption, StageOption, build_options
 from hetpar.passes import timed_pass

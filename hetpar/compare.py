@@ -16,7 +16,7 @@ from hetpar.cluster.cluster import Cluster
 from hetpar.errors import PlanError
 from hetpar.options import StageOption
 from hetpar.plan.auto import problem_for
-from hetpar.plan.make import layers_pass, search_options, tokens_per_example
+from hetpar.pipeline import layers_pass, search_options, tokens_per_example
 from hetpar.trace.traced_step import TracedStep, trace_step
 from solver.planner import PlanChoice, PlanningError, Problem, plan
 from solver.planner.manual import ManualConfig, price
