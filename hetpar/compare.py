@@ -3,8 +3,10 @@ each device kind alone, all priced by one cost model on one problem (`hetpar sol
 --compare`, `hetpar.compare_plans`): "what would Megatron's configuration give here?"
 
 Every row is a `solver.planner.PlanChoice` of the same `Problem` (the traced step's
-layers on the cluster), its step time the simulated one the planner ranks by, so the
-rows differ only in their configuration.
+layers on the cluster) priced by the one estimator, so the rows differ only in their
+configuration. Given the solved Plan, its row is that plan as it will run (its
+meshes and ZeRO stages after the sharding pass), priced the way `hetpar show`
+prices it.
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ from typing import Any, Callable
 from hetpar.cluster.cluster import Cluster
 from hetpar.errors import PlanError
 from hetpar.options import StageOption
+from hetpar.plan import Plan
 from hetpar.plan.auto import problem_for
+from hetpar.plan.costs import estimate_plan
 from hetpar.pipeline import layers_pass, search_options, tokens_per_example
 from hetpar.trace.traced_step import TracedStep, trace_step
 from solver.planner import PlanChoice, PlanningError, Problem, plan
-from solver.planner.manual import ManualConfig, price
+from solver.planner.manual import ManualConfig, choice_of, price
 
 __all__ = ["ComparisonRow", "ManualConfig", "compare", "compare_plans"]
 
@@ -40,10 +44,15 @@ class ComparisonRow:
         return max((s.memory_capacity for s in self.choice.stages), default=0) if self.choice else 0
 
 
-def compare(problem: Problem, manual: tuple[ManualConfig, ...] = (), single_kinds: bool = True) -> list[ComparisonRow]:
-    """The planner's best, each manual configuration, and (with `single_kinds`, on a
-    cluster of several kinds) the planner's best on each kind alone."""
-    rows = [_row("planner", lambda: plan(problem, top_k=1).best)]
+def compare(problem: Problem, manual: tuple[ManualConfig, ...] = (), single_kinds: bool = True,
+            solved: Plan | None = None) -> list[ComparisonRow]:
+    """The planner's best (or `solved`, the plan as it will run, when given), each
+    manual configuration, and (with `single_kinds`, on a cluster of several kinds)
+    the planner's best on each kind alone."""
+    if solved is not None:
+        rows = [_row("planner", lambda: choice_of(problem, estimate_plan(replace(solved, cost_inputs=problem))))]
+    else:
+        rows = [_row("planner", lambda: plan(problem, top_k=1).best)]
     for config in manual:
         rows.append(_row(f"manual {config.describe()}" + (f" on {config.kind}" if config.kind else ""),
                          lambda config=config: price(problem, config)))
@@ -62,26 +71,32 @@ def _row(label: str, make: Callable[[], PlanChoice]) -> ComparisonRow:
 
 
 def compare_traced(traced: TracedStep, cluster: Cluster, manual: tuple[ManualConfig, ...] = (),
-                   stage_option: StageOption = StageOption(), search_microbatches: bool = True) -> list[ComparisonRow]:
-    """`compare` on the problem the planner solves for this traced step."""
+                   stage_option: StageOption = StageOption(), search_microbatches: bool = True,
+                   solved: Plan | None = None) -> list[ComparisonRow]:
+    """`compare` on the problem the planner solves for this traced step (`solved`'s
+    own cost inputs, when it is given and has them)."""
+    if solved is not None and solved.cost_inputs is not None:
+        return compare(solved.cost_inputs, manual, solved=solved)
     if not all(g.device_ids for g in cluster.groups):
         cluster = cluster.numbered()
     layers = layers_pass(traced, cluster, stage_option, True)
     options = search_options(traced, stage_option, search_microbatches)
     problem = problem_for(layers, cluster, traced.batch_size, tokens_per_example(traced), options)
-    return compare(problem, manual)
+    return compare(problem, manual, solved=solved)
 
 
 def compare_plans(fn: Callable, args: tuple, cluster: Cluster, manual: tuple[ManualConfig | str, ...] = (), *,
-                  num_microbatches: int | None = None, batch_argnum: int = 1, **stage: Any) -> list[ComparisonRow]:
+                  num_microbatches: int | None = None, batch_argnum: int = 1, solved: Plan | None = None,
+                  **stage: Any) -> list[ComparisonRow]:
     """Price hand-fixed configurations (`ManualConfig`, or text such as
     "tp=2,pp=2,dp=2,mb=1,schedule=1f1b,remat=full") beside the planner's choice and
     the best plan on each kind alone, for `fn(*args)` on `cluster`, without running
     anything (`args` may be `jax.eval_shape` trees). `num_microbatches=None`: the
-    planner's row searches the count (a manual row's follows from its microbatch size)."""
+    planner's row searches the count (a manual row's follows from its microbatch size).
+    `solved`: the plan already made for this step, listed as it will run."""
     try:
         configs = tuple(ManualConfig.parse(c) if isinstance(c, str) else c for c in manual)
     except PlanningError as e:
         raise PlanError(str(e)) from None
     traced = trace_step(fn, args, batch_argnum, num_microbatches or 1)
-    return compare_traced(traced, cluster, configs, StageOption(**stage), num_microbatches is None)
+    return compare_traced(traced, cluster, configs, StageOption(**stage), num_microbatches is None, solved)

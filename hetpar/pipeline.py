@@ -17,21 +17,20 @@ from hetpar.trace.stages import op_stages
 from hetpar.errors import PlanError
 from hetpar.options import ShardingOption, StageOption, build_options
 from hetpar.passes import timed_pass
-from hetpar.plan.activations import stage_activations
-from hetpar.plan.auto import SearchOptions, search
+from hetpar.plan.auto import SearchOptions, problem_for, search_problem
+from hetpar.plan.costs import estimate_plan, fit_problems, priced
 from hetpar.plan.manual import assign_replicas, assign_stages, link_cost
 from hetpar.plan.model import Plan, Spec, StagePlan, runs
 from hetpar.plan.runnable import check_runnable
-from hetpar.predict.plan_time import priced
-from hetpar.shard import AXES, mesh_axes, shard_stages
+from hetpar.shard import mesh_axes, shard_stages
 from hetpar.trace.fingerprint import differences, signature
 from hetpar.trace.flops import op_costs
-from hetpar.trace.layers import Layers, block_count, build_layers, compute_dtype, param_layers
+from hetpar.trace.layers import Layers, block_count, build_layers, compute_dtype
 from hetpar.trace.microbatch import Phase, input_roles
 from hetpar.trace.traced_step import TracedStep, trace_step
 from solver import schedules
 from solver.collectives import LinkCost
-from solver.memory import DeviceMemory, stage_memory
+from solver.planner import Problem
 
 
 def make_plan(
@@ -66,21 +65,24 @@ def solve(traced: TracedStep, cluster: Cluster, stage_option: StageOption = Stag
     """The planning passes, from a traced step to a Plan that holds everything compile
     needs: layers, stage assignment, operator stages, sharding, placement. With
     `search_microbatches` the planner chooses the microbatch count instead of taking
-    the traced step's.
+    the traced step's. Every plan, the planner's or one fixed by hand, is priced by
+    the one estimator (`hetpar.plan.costs`) on the same cost inputs.
 
     `cluster` needs device ids or positions (`Cluster.numbered()` offline)."""
     stage_option = _whole_batch(traced, stage_option)
     auto = stage_option.mode == "auto" and sharding_option.mesh_shape is None
     layers = layers_pass(traced, cluster, stage_option, auto)
-    plan = stage_pass(traced, layers, cluster, stage_option, sharding_option, auto, search_microbatches)
-    plan = replace(plan, operator_stages=_operator_stages(traced, layers, plan))
+    options = search_options(traced, stage_option, search_microbatches, zero=sharding_option.zero)
+    inputs = problem_for(layers, cluster, traced.batch_size, tokens_per_example(traced), options)
+    plan = stage_pass(traced, layers, cluster, stage_option, sharding_option, auto, options, inputs)
+    plan = replace(plan, operator_stages=_operator_stages(traced, layers, plan), cost_inputs=inputs)
     per_node = {g.label: g.devices_per_node or g.size for g in cluster.groups} if auto else None
     links = {g.label: link_cost(g.intra_link) for g in cluster.groups}  # the cluster file's, not the catalog's
     plan = sharding_pass(traced, layers, plan, sharding_option, per_node, links)
     if auto:
         check_runnable(plan, traced.batch_size)
     plan = placement_pass(traced, layers, plan)
-    return priced(replace(plan, program=signature(traced.full), tokens_per_step=_tokens(traced)))
+    return replace(plan, program=signature(traced.full))
 
 
 def _whole_batch(traced: TracedStep, option: StageOption) -> StageOption:
@@ -118,22 +120,23 @@ def layers_pass(traced: TracedStep, cluster: Cluster, option: StageOption, auto:
 
 @timed_pass("stage assignment")
 def stage_pass(traced: TracedStep, layers: Layers, cluster: Cluster, option: StageOption, sharding: ShardingOption,
-               auto: bool, search_microbatches: bool = False) -> Plan:
-    """Which layers form which stage on which devices: the planner's search, or the
-    user's stage count with layers split by speed ("manual") or evenly ("uniform")."""
+               auto: bool, search: SearchOptions, inputs: Problem) -> Plan:
+    """Which layers form which stage on which devices: the planner's search over
+    `inputs` (the cost inputs every plan is priced with), or the user's stage count
+    with layers split by speed ("manual") or evenly ("uniform")."""
     num_microbatches = traced.batch_size // traced.microbatch_size
     if auto:
-        options = search_options(traced, option, search_microbatches, zero=sharding.zero)
-        return search(layers, cluster, traced.batch_size, _tokens(traced) // traced.batch_size, options)[0]
+        return search_problem(layers, cluster, inputs, search)[0]
     uniform = option.mode == "uniform"
     stages = _stages_per_pipeline(option, cluster)
     schedule = option.schedule or schedules.DEFAULT
+    speeds = {k.name: k.flops for k in inputs.kinds}  # sustained per device at the step's dtype
     if (option.num_replicas or 1) > 1:
         plan = assign_replicas(layers, cluster, option.num_replicas, stages, num_microbatches, traced.batch_size,
-                               schedule, uniform=uniform, chunks=_chunks(option))
+                               schedule, uniform=uniform, chunks=_chunks(option), speeds=speeds)
     else:
         plan = assign_stages(layers, cluster, stages, num_microbatches, schedule, sharding.mesh_shape, uniform=uniform,
-                             chunks=_chunks(option))
+                             chunks=_chunks(option), speeds=speeds)
         _check_schedule(plan)
     if option.remat:
         plan = replace(plan, stages=tuple(replace(s, remat=option.remat) for s in plan.stages))
@@ -193,33 +196,19 @@ def sharding_pass(traced: TracedStep, layers: Layers, plan: Plan, option: Shardi
 
 @timed_pass("placement")
 def placement_pass(traced: TracedStep, layers: Layers, plan: Plan) -> Plan:
-    """Where each parameter and optimizer state lives, and each stage's memory per
-    device; refuses a plan that does not fit."""
+    """Where each parameter and optimizer state lives, and the plan priced by the
+    estimator (`hetpar.plan.costs`): its memory per device is the one memory model's
+    answer, the same the planner searched with; refuses a plan that does not fit."""
     placed = _placed_params(traced, plan)
-    stages = tuple(
-        replace(s, param_specs=tuple((name, spec) for name, spec, _, _ in specs),
-                memory_bytes=_memory(s, specs, layers, plan, _dots_kept(traced, plan, s) if s.remat == "dots" else 0,
-                                     _gathered_bytes(traced, layers, s)))
-        for s, specs in zip(plan.stages, placed)
-    )
-    stages = _device_memory(stages)
-    too_big = [s for s in stages if s.memory_capacity and s.memory_bytes > s.memory_capacity]
+    plan = replace(plan, stages=tuple(replace(s, param_specs=tuple((name, spec) for name, spec, _, _ in specs))
+                                      for s, specs in zip(plan.stages, placed)))
+    dots = {s.index: _dots_kept(traced, plan, s) / traced.batch_size for s in plan.stages if s.remat == "dots"}
+    too_big = fit_problems(plan, estimate_plan(plan, dots))
     if too_big:
-        raise PlanError("the plan does not fit in memory: " + "; ".join(
-            f"stage {s.index} needs {s.memory_bytes / 2**30:.1f} GiB per {s.device_type}, which has {s.memory_capacity / 2**30:.0f} GiB"
-            for s in too_big
-        ) + ". To fit: more microbatches with a schedule that keeps fewer activations in flight "
-            f"(the planner's memory model: {', '.join(schedules.names())}), more stages, more devices, or a smaller batch")
-    return replace(plan, stages=stages)
-
-
-def _device_memory(stages: tuple[StagePlan, ...]) -> tuple[StagePlan, ...]:
-    """Chunks of one device group (an interleaved plan) share its memory: each
-    reports the group's total, what must fit."""
-    total: dict[tuple[int, ...], int] = {}
-    for s in stages:
-        total[s.device_ids] = total.get(s.device_ids, 0) + s.memory_bytes
-    return tuple(replace(s, memory_bytes=total[s.device_ids]) for s in stages)
+        raise PlanError("the plan does not fit in memory: " + "; ".join(too_big) + ". To fit: more microbatches with a "
+                        f"schedule that keeps fewer activations in flight (the planner's memory model: {', '.join(schedules.names())}), "
+                        "recomputation, ZeRO, more stages, more devices, or a smaller batch")
+    return priced(plan, dots)
 
 
 def _operator_stages(traced: TracedStep, layers: Layers, plan: Plan) -> tuple[tuple[tuple[int, int], ...], ...]:
@@ -242,46 +231,6 @@ def _dots_kept(traced: TracedStep, plan: Plan, stage: StagePlan) -> int:
     wanted = [v for i in here if analysis.backward[i] for v in graph.ops[i].inputs]
     _, kept = rerun(graph, forward, wanted, saveable("dots"))
     return sum(graph.nbytes(v) for v in kept)
-
-
-def _gathered_bytes(traced: TracedStep, layers: Layers, stage: StagePlan) -> float:
-    """Per device, the largest layer's ZeRO-3 parameters gathered to their layout in
-    use (`StagePlan.gathered`): what the stage holds besides its shards while that
-    layer's forward or backward runs, one layer at a time (as the planner assumes)."""
-    if not stage.gathered:
-        return 0.0
-    mesh = mesh_axes(stage)
-    owner = param_layers(traced.full, traced.analysis, layers.op_layer)
-    per_layer: dict[int, float] = {}
-    for v, spec in stage.gathered:
-        shards = math.prod(mesh[a] for a in spec if a is not None)
-        per_layer[owner.get(v, -1)] = per_layer.get(owner.get(v, -1), 0.0) + traced.full.nbytes(v) / shards
-    return max(per_layer.values())
-
-
-def _memory(stage: StagePlan, placed: tuple, layers: Layers, plan: Plan, dots: int = 0, gathered: float = 0.0) -> int:
-    """Per device, by solver.memory (the planner's own model): the stage's parameters
-    and optimizer state as placed (`placed`: the sharding pass already laid ZeRO's
-    data-axis splits into them), a gradient per parameter laid out like it, or
-    reduce-scattered over the data axis under ZeRO-2; and the activations its
-    microbatches in flight keep for the backward at its position in its own
-    pipeline, under its recomputation ("dots": `dots`, the full batch's kept matmul
-    results; `hetpar.plan.activations`); and, under ZeRO-3, the largest layer's
-    parameters `gathered` while in use."""
-    dp = mesh_axes(stage).get(AXES[0], 1)
-
-    def total(role: str, on_data: bool) -> float:
-        return sum(nbytes for _, spec, nbytes, r in placed if r == role and (AXES[0] in spec) == on_data)
-
-    whole, split = total("parameter", False), total("parameter", True)
-    state = DeviceMemory(
-        parameters=whole + split,
-        gradients=split + (whole / dp if stage.zero >= 2 else whole),
-        optimizer_state=total("optimizer_state", False) + total("optimizer_state", True),
-        activations=0.0,
-    )
-    acts, held, last = stage_activations(stage, layers, plan, dots)
-    return int(stage_memory(state, acts, held, stage.remat, fused=last, workspace=gathered).total)
 
 
 def _placed_params(traced: TracedStep, plan: Plan) -> list[tuple[tuple[str, Spec, int, str], ...]]:

@@ -67,6 +67,18 @@ def breakdown(plan: Plan, sim: Simulation) -> StepBreakdown:
     return StepBreakdown(sim.step_s, compute, communication, max(sim.step_s - compute - communication, 0.0))
 
 
+def step_lines(plan: Plan, sim: Simulation) -> list[str]:
+    """The step as `hetpar show` and `hetpar simulate` both print it: its time, where
+    the busiest device group's time goes, and how idle the device groups are."""
+    from hetpar.plan import fmt_time
+
+    parts = breakdown(plan, sim)
+    return [fmt_time(sim.step_s),
+            f"busiest stage: compute {fmt_time(parts.compute_s)}, communication {fmt_time(parts.communication_s)}, "
+            f"waiting on other stages {fmt_time(parts.bubble_s)}",
+            f"stages idle {sim.bubble_fraction:.1%} of the step"]
+
+
 def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     out: list[tuple[float, float]] = []
     for start, end in sorted(intervals):

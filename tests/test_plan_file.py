@@ -11,7 +11,7 @@ import pytest
 import hetpar
 from hetpar.errors import PlanError
 from hetpar.plan.file import PLAN_VERSION, load_plan, plan_from_dict, plan_to_dict, save_plan
-from hetpar.predict.plan_time import plan_step_time, priced
+from hetpar.plan.costs import estimate_plan, priced
 from models import gpt, mlp
 from parity import run_parity, with_grads
 from solver.pipeline_sim import StageTimes, pipeline_time, simulate
@@ -100,12 +100,42 @@ def test_plan_files_are_plain_json(saved):
 
 def test_the_step_time_of_a_plan_is_its_simulated_schedule(saved):
     _, plan, _ = saved
-    # The planning pass priced the plan; the figure is plain data, saved with it.
-    assert plan.predicted_step_time_s == plan_step_time(plan) > 0
+    # The planning pass priced the plan with the estimator; loading prices it again.
+    assert plan.predicted_step_time_s == estimate_plan(plan).step_s > 0
     assert plan_from_dict(plan_to_dict(plan)).predicted_step_time_s == plan.predicted_step_time_s
     for schedule in ("gpipe", "1f1b"):
         p = priced(replace(plan, schedule=schedule))
         assert p.predicted_step_time_s == simulate([s.times for s in p.stages], p.num_microbatches, schedule).step_s
+
+
+def test_an_edited_figure_in_a_plan_file_changes_nothing(saved, tmp_path):
+    """Predicted figures in a file are a cache of the estimator's: a view prices the
+    plan again from its cost inputs and decisions."""
+    _, plan, _ = saved
+    raw = plan_to_dict(plan)
+    assert raw["estimator_version"] >= 1 and raw["cost_inputs"]["layers"]
+    raw["predicted_step_time_s"] = 123.0
+    raw["stages"][0]["forward_s"] = 7.0
+    raw["stages"][0]["memory_bytes"] = 1
+    loaded = plan_from_dict(raw)
+    assert loaded.predicted_step_time_s == plan.predicted_step_time_s
+    assert loaded.stages[0].forward_s == plan.stages[0].forward_s and loaded.stages[0].memory_bytes == plan.stages[0].memory_bytes
+
+
+def test_a_plan_without_cost_inputs_is_shown_unpriced(saved):
+    _, plan, _ = saved
+    raw = plan_to_dict(plan)
+    del raw["cost_inputs"]
+    loaded = plan_from_dict(raw)
+    assert loaded.predicted_step_time_s == 0 and all(s.forward_s == 0 and s.memory_bytes == 0 for s in loaded.stages)
+
+
+def test_a_broken_cost_input_is_named(saved):
+    _, plan, _ = saved
+    raw = plan_to_dict(plan)
+    raw["cost_inputs"]["layers"][1]["flops"] = "many"
+    with pytest.raises(PlanError, match=r"cost_inputs\.layers\.1\.flops"):
+        plan_from_dict(raw)
 
 
 def test_gpipe_closed_form_matches_the_simulation():

@@ -155,7 +155,8 @@ def test_recomputation_can_be_forced(llama_layers, cluster):
     assert last[1].memory_bytes == last[0].memory_bytes  # forward and backward are one program there: nothing to drop
     assert sum(layers.recomputed_bytes[:2]) < 0.9 * sum(layers.saved_bytes[:2])  # the two figures differ
     plan = to_plan(b, layers, cluster)
-    plan = placement_pass(traced, layers, replace(plan, operator_stages=_operator_stages(traced, layers, plan)))
+    plan = placement_pass(traced, layers, replace(plan, operator_stages=_operator_stages(traced, layers, plan),
+                                                  cost_inputs=forced.problem))
     for s, placed in zip(b.stages, plan.stages):
         assert placed.remat == "full" and placed.memory_bytes == pytest.approx(s.memory_bytes, rel=1e-6, abs=64)
     chosen = forced.solve().best

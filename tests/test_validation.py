@@ -17,7 +17,10 @@ from hetpar.plan import schema as plan_schema
 from hetpar.trace.fingerprint import ProgramSignature
 from hetpar.cli import main
 from hetpar.plan import ClusterGroup, Plan, StagePlan
+from hetpar.plan.costs import priced
 from hetpar.plan.file import load_plan, plan_to_dict, save_plan
+from solver.collectives import LinkCost
+from solver.planner import DeviceKind, LayerCost, Problem
 
 
 def _stage(i: int, devices: tuple[int, ...], layers: tuple[int, int], device_type: str) -> StagePlan:
@@ -29,12 +32,21 @@ def _stage(i: int, devices: tuple[int, ...], layers: tuple[int, int], device_typ
     )
 
 
-GOOD = Plan(
+def _cost_inputs() -> Problem:
+    """Four layers on A100s and V100s, as a traced step's would be (per example)."""
+    link = LinkCost(2e11, 1e-6)
+    kinds = tuple(DeviceKind(name, 4, 4, flops, 2**34, 1.5e12, link, link, peak_flops=flops / 0.7)
+                  for name, flops in (("A100", 1e14), ("V100", 1e13)))
+    return Problem(tuple(LayerCost(1e9, 3e8, 2**20, 2**16, 2**12) for _ in range(4)), kinds, 16,
+                   (("A100", "V100", LinkCost(1e10, 1e-5)),), tokens_per_example=16)
+
+
+GOOD = priced(Plan(
     stages=(_stage(0, (0, 1, 2, 3), (0, 2), "A100"), _stage(1, (4, 5, 6, 7), (2, 4), "V100")),
     num_microbatches=4, num_layers=4, cluster="4xA100 + 4xV100", schedule="1f1b",
     cluster_groups=(ClusterGroup("A100", "A100", 4), ClusterGroup("V100", "V100", 4)),
-    tokens_per_step=256, model_flops=2e9, peak_flops=2e13,
-)
+    tokens_per_step=256, model_flops=2e9, peak_flops=2e13, cost_inputs=_cost_inputs(),
+))
 
 
 def _edit(change) -> str:
@@ -119,12 +131,13 @@ def test_the_plan_schema_mirrors_the_plan_dataclasses():
              (ClusterGroup, plan_schema.ClusterGroupSchema), (ProgramSignature, plan_schema.ProgramSchema)]
     for cls, schema in pairs:
         fields = {f.name for f in dataclasses.fields(cls)}
-        assert fields == set(schema.model_fields) - {"version"}, (cls.__name__, fields ^ set(schema.model_fields))
+        assert fields == set(schema.model_fields) - {"version", "estimator_version"}, (cls.__name__, fields ^ set(schema.model_fields))
 
 
 def test_show_and_simulate_of_ten_million_microbatches_answer_in_seconds(tmp_path, capsys):
     path = tmp_path / "huge.json"
-    save_plan(dataclasses.replace(GOOD, num_microbatches=10**7), path)
+    inputs = dataclasses.replace(GOOD.cost_inputs, batch_size=4 * 10**7)
+    save_plan(dataclasses.replace(GOOD, num_microbatches=10**7, cost_inputs=inputs), path)
     start = time.perf_counter()
     assert main(["show", str(path)]) == 0
     assert "predicted step time" in capsys.readouterr().out

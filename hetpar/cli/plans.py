@@ -34,7 +34,7 @@ def solve(args: argparse.Namespace) -> int:
 
         rows = compare_plans(workload.step, workload.args, cluster, tuple(args.manual), num_microbatches=args.microbatches,
                              batch_argnum=args.batch_argnum, schedule=args.schedule, chunks=args.chunks,
-                             num_layers=args.layers)
+                             num_layers=args.layers, solved=plan)
         _print_comparison(rows)
     return 0
 
@@ -72,33 +72,22 @@ def show(args: argparse.Namespace) -> int:
 def simulate(args: argparse.Namespace) -> int:
     from hetpar.plan import fmt_time
     from hetpar.plan.file import load_plan
-    from hetpar.timeline import (
-        breakdown,
-        closed_form_s,
-        plot_timeline,
-        simulate_plan,
-        write_chrome_trace,
-    )
+    from hetpar.timeline import closed_form_s, plot_timeline, simulate_plan, step_lines, write_chrome_trace
 
     plan = load_plan(args.plan)
     if args.schedule:
         from dataclasses import replace
 
-        from hetpar.predict.plan_time import priced
+        from hetpar.plan.costs import priced
 
         plan = priced(replace(plan, schedule=args.schedule))  # the price depends on the schedule
     try:
         sim = simulate_plan(plan)
     except ValueError as e:
         raise HetparError(str(e)) from None
-    parts = breakdown(plan, sim)
     closed = closed_form_s(plan)
-    print(
-        f"simulated step ({plan.schedule}, {plan.num_microbatches} microbatches): {fmt_time(sim.step_s)}; "
-        f"compute {fmt_time(parts.compute_s)}, communication {fmt_time(parts.communication_s)}, bubble {fmt_time(parts.bubble_s)}"
-    )
+    print(f"simulated step ({plan.schedule}, {plan.num_microbatches} microbatches): " + "; ".join(step_lines(plan, sim)))
     print(f"planner's closed form: {fmt_time(closed)} ({(closed - sim.step_s) / sim.step_s:+.1%} from the simulation)")
-    print(f"stages idle {sim.bubble_fraction:.1%} of the step")
     if args.trace:
         write_chrome_trace(sim, args.trace)
         print(f"wrote {args.trace} (open in ui.perfetto.dev or chrome://tracing)")
@@ -112,8 +101,7 @@ def _print_plan(plan, shardings: bool = False) -> None:  # noqa: ANN001
     from rich.table import Table
 
     from hetpar.plan import fmt_time, spec_text
-    from hetpar.predict.plan_time import priced
-    from hetpar.timeline import breakdown, simulate_plan
+    from hetpar.timeline import simulate_plan, step_lines
     from solver.pipeline_sim import MAX_SIMULATED_MICROBATCHES
 
     out = console()
@@ -141,18 +129,18 @@ def _print_plan(plan, shardings: bool = False) -> None:  # noqa: ANN001
         for index, path, spec in specs:
             sharding.add_row(str(index), path, spec)
         out.print(sharding)
-    if not plan.predicted_step_time_s:  # a plan written without its price (by hand, or an older hetpar)
-        plan = priced(plan)
-    lines = [f"predicted step time {fmt_time(plan.predicted_step_time_s)}"]
-    if plan.has_timings and plan.num_microbatches <= MAX_SIMULATED_MICROBATCHES:
-        parts = breakdown(plan, simulate_plan(plan))
-        lines.append(f"compute {fmt_time(parts.compute_s)}, communication {fmt_time(parts.communication_s)}, bubble {fmt_time(parts.bubble_s)}")
-    if plan.tokens_per_step:
-        lines.append(f"{plan.tokens_per_s:,.0f} tokens/s")
-    if plan.peak_flops:
-        lines.append(f"MFU {plan.mfu:.1%}")
-    if plan.bound_ratio is not None:
-        lines.append(f"{plan.bound_ratio:.1%} of the cluster's upper bound")
-    out.print("; ".join(lines))
+    if not plan.predicted_step_time_s:
+        out.print("not priced: the plan has no cost inputs (written by hand, or by an older hetpar); solve it again to price it")
+    else:
+        lines = [f"predicted step time {fmt_time(plan.predicted_step_time_s)}"]
+        if plan.num_microbatches <= MAX_SIMULATED_MICROBATCHES:
+            lines += step_lines(plan, simulate_plan(plan))[1:]
+        if plan.tokens_per_step:
+            lines.append(f"{plan.tokens_per_s:,.0f} tokens/s")
+        if plan.peak_flops:
+            lines.append(f"MFU {plan.mfu:.1%}")
+        if plan.bound_ratio is not None:
+            lines.append(f"{plan.bound_ratio:.1%} of the cluster's upper bound")
+        out.print("; ".join(lines))
     for note in plan.notes:
         out.print(f"note: {note}")

@@ -98,9 +98,13 @@ def problem_for(layers: Layers, cluster: Cluster, batch_size: int, tokens_per_ex
 def search(layers: Layers, cluster: Cluster, batch_size: int, tokens_per_example: int = 1,
            options: SearchOptions = SearchOptions()) -> tuple[Plan, SearchResult]:
     """The planner's best plan for these layers on this cluster, as a Plan."""
+    return search_problem(layers, cluster, problem_for(layers, cluster, batch_size, tokens_per_example, options), options)
+
+
+def search_problem(layers: Layers, cluster: Cluster, problem: Problem, options: SearchOptions) -> tuple[Plan, SearchResult]:
+    """The planner's best plan for `problem` (these layers' costs on this cluster)."""
     try:
-        result = plan(problem_for(layers, cluster, batch_size, tokens_per_example, options), top_k=options.top_k,
-                      time_limit_s=options.time_limit_s)
+        result = plan(problem, top_k=options.top_k, time_limit_s=options.time_limit_s)
     except PlanningError as e:
         raise PlanError(str(e)) from None
     return to_plan(result.best, layers, cluster, result.bound_ratio), result

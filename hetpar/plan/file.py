@@ -11,15 +11,23 @@ from typing import Any
 
 from hetpar.cluster.catalog import device_type
 from hetpar.errors import ClusterError, PlanError
-from hetpar.plan.model import ClusterGroup, Plan, ProgramSignature, StagePlan
-from solver import schedules
-from hetpar.plan.schema import PLAN_VERSION, check_plan_json
+from pydantic import TypeAdapter, ValidationError
 
+from hetpar.plan.costs import priced
+from hetpar.plan.model import ClusterGroup, Plan, ProgramSignature, StagePlan
+from hetpar.plan.schema import PLAN_VERSION, check_plan_json
+from solver import schedules
+from solver.planner import Problem
+from solver.planner.estimate import ESTIMATOR_VERSION
+
+_PROBLEM = TypeAdapter(Problem)
 
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
-    """The plan as JSON-ready data (lists, not tuples)."""
-    return json.loads(json.dumps({"version": PLAN_VERSION, **asdict(plan)}))
+    """The plan as JSON-ready data (lists, not tuples). Its predicted figures go along
+    as a cache, marked with the estimator that made them; loading prices the plan
+    again from its cost inputs."""
+    return json.loads(json.dumps({"version": PLAN_VERSION, "estimator_version": ESTIMATOR_VERSION, **asdict(plan)}))
 
 
 def save_plan(plan: Plan, path: str | Path) -> None:
@@ -49,13 +57,26 @@ def plan_from_dict(raw: Any, where: str = "plan") -> Plan:
     stages = tuple(_build(StagePlan, s, f"{where}: stage {i}") for i, s in enumerate(_list(raw, "stages", where)))
     groups = tuple(_build(ClusterGroup, g, f"{where}: cluster group {i}") for i, g in enumerate(raw.get("cluster_groups", [])))
     program = _build(ProgramSignature, raw["program"], f"{where}: program") if raw.get("program") else None
-    top = {k: v for k, v in raw.items() if k not in ("version", "stages", "cluster_groups", "program")}
-    plan = _build(Plan, {**top, "stages": stages, "cluster_groups": groups, "program": program}, where)
+    inputs = _cost_inputs(raw["cost_inputs"], f"{where}: cost_inputs") if raw.get("cost_inputs") is not None else None
+    top = {k: v for k, v in raw.items() if k not in ("version", "estimator_version", "stages", "cluster_groups", "program",
+                                                     "cost_inputs")}
+    plan = _build(Plan, {**top, "stages": stages, "cluster_groups": groups, "program": program, "cost_inputs": inputs}, where)
     try:
         check_plan(plan, where)
     except TypeError:
         raise PlanError(f"{where}: a field has the wrong type (numbers must be numbers, lists lists)") from None
-    return plan
+    return priced(plan)  # the file's figures are a cache: every view reads the estimator's
+
+
+def _cost_inputs(raw: Any, where: str) -> Problem:
+    """The estimator's inputs from JSON, each field checked against the dataclasses
+    (`solver.planner.Problem`, its layers and device kinds)."""
+    try:
+        return _PROBLEM.validate_python(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        path = ".".join(str(part) for part in first["loc"])
+        raise PlanError(f"{where}.{path}: {first['msg']}; solve the plan again") from None
 
 
 def check_plan(plan: Plan, where: str = "plan") -> None:

@@ -11,7 +11,7 @@ from hetpar.cluster.cluster import Cluster, DeviceGroup
 from hetpar.errors import PlanError
 from hetpar.plan.model import ClusterGroup, Plan, StagePlan
 from hetpar.trace.layers import Layers
-from solver.collectives import LinkCost, Topology, best
+from solver.collectives import LinkCost
 from solver.partition import min_max_cuts
 from solver.schedules import DEFAULT
 
@@ -50,49 +50,39 @@ def _stages_per_group(sizes: list[int], num_stages: int) -> list[int]:
 
 def assign_stages(
     layers: Layers, cluster: Cluster, num_stages: int, num_microbatches: int, schedule: str = DEFAULT,
-    mesh_shape: tuple | None = None, uniform: bool = False, chunks: int = 1,
+    mesh_shape: tuple | None = None, uniform: bool = False, chunks: int = 1, speeds: dict[str, float] | None = None,
 ) -> Plan:
-    """Layers over `num_stages` stages in proportion to each stage's speed, or
-    (`uniform`) the same number of layers each, as Megatron splits. With `chunks` > 1
-    (an interleaved schedule) `num_stages` device groups hold `chunks` stages each:
-    stage i runs on group i mod num_stages, as chunk i // num_stages."""
+    """Layers over `num_stages` stages in proportion to each stage's speed (`speeds`:
+    sustained FLOP/s per device by cluster group, the estimator's; else the catalog's
+    peak), or (`uniform`) the same number of layers each, as Megatron splits. With
+    `chunks` > 1 (an interleaved schedule) `num_stages` device groups hold `chunks`
+    stages each: stage i runs on group i mod num_stages, as chunk i // num_stages.
+    Decisions only: the planning pass prices the plan with the estimator."""
     groups = stage_groups(cluster, num_stages)
     num_stages, groups = num_stages * chunks, groups * chunks
     if num_stages > layers.num_layers:
         raise PlanError(f"{num_stages} stages need at least {num_stages} layers; the model was cut into {layers.num_layers}")
-    speeds = [g.size * g.spec.matmul_flops() for g in groups]
+    peaks = [g.size * g.spec.matmul_flops() for g in groups]
+    rates = [g.size * (speeds or {}).get(_group_of(cluster, g).label, g.spec.matmul_flops()) for g in groups]
     if uniform:
         cuts = [round(i * layers.num_layers / num_stages) for i in range(1, num_stages)]
     else:
-        cuts = min_max_cuts(layers.flops, range(1, layers.num_layers), num_stages, part_speeds=speeds)
+        cuts = min_max_cuts(layers.flops, range(1, layers.num_layers), num_stages, part_speeds=rates)
     bounds = list(zip([0] + cuts, cuts + [layers.num_layers]))
     positions = _positions(cluster)
-    m = num_microbatches
     stages = []
-    for i, (group, (start, end), speed) in enumerate(zip(groups, bounds, speeds)):
+    for i, (group, (start, end), peak) in enumerate(zip(groups, bounds, peaks)):
         shape = _mesh_shape(mesh_shape, group.size, i)
         flops = sum(layers.flops[start:end])
-        forward = sum(layers.forward_flops[start:end]) if layers.forward_flops else flops / 3
         names = layers.names[start:end]
         label = names[0] if len(names) == 1 else f"{names[0].split('..')[0]}..{names[-1].split('..')[-1]}"
-        send = 0.0
-        if i + 1 < num_stages and groups[i + 1] is not group:
-            link = cluster.link_between(group, groups[i + 1])
-            send = link.latency + layers.boundary_bytes[end] / m / link.bandwidth
-        params = sum(layers.param_bytes[start:end]) if layers.param_bytes else 0
         stages.append(StagePlan(
             i, group.type_name, tuple(positions[d] for d in group.device_ids) if positions else group.device_ids,
-            start, end, label, flops, speed, flops / speed,
+            start, end, label, flops, peak, 0.0,
             group=_group_of(cluster, group).label,
             mesh_shape=shape,
             data_parallel=shape[0],
             tensor_parallel=shape[1] if len(shape) == 2 else 1,
-            forward_s=forward / speed / m,
-            backward_s=(flops - forward) / speed / m,
-            send_s=send,
-            sync_s=_allreduce_s(params, group),
-            # Adam-style update: read parameter, gradient and two moments, write three.
-            optimizer_s=7 * params / group.spec.memory_bandwidth,
             memory_capacity=group.spec.memory_bytes,
             chunk=i * chunks // num_stages,
         ))
@@ -100,7 +90,7 @@ def assign_stages(
         tuple(stages), num_microbatches, layers.num_layers, cluster.describe(), schedule,
         cluster_groups=tuple(ClusterGroup(g.label, g.type_name, g.size) for g in cluster.groups),
         model_flops=sum(layers.flops),
-        peak_flops=sum(speeds) / chunks,
+        peak_flops=sum(peaks) / chunks,
     )
 
 
@@ -120,17 +110,18 @@ def _mesh_shape(wanted: tuple | None, devices: int, stage: int) -> tuple[int, ..
 
 def assign_replicas(
     layers: Layers, cluster: Cluster, num_replicas: int, stages_per_replica: int, num_microbatches: int,
-    batch_size: int, schedule: str = DEFAULT, uniform: bool = False, chunks: int = 1,
+    batch_size: int, schedule: str = DEFAULT, uniform: bool = False, chunks: int = 1, speeds: dict[str, float] | None = None,
 ) -> Plan:
     """Data parallelism across device types: `num_replicas` pipelines, each on its own
     devices, each taking a share of the batch in proportion to its speed (a replica
     twice as fast takes twice the examples). Gradients are summed across replicas
     before the update, so the result is the full batch's."""
     if num_replicas == 1:
-        return assign_stages(layers, cluster, stages_per_replica, num_microbatches, schedule, uniform=uniform, chunks=chunks)
+        return assign_stages(layers, cluster, stages_per_replica, num_microbatches, schedule, uniform=uniform, chunks=chunks,
+                             speeds=speeds)
     homes = stage_groups(cluster, num_replicas)
-    speeds = [g.size * g.spec.matmul_flops() for g in homes]
-    examples = split_batch(batch_size, num_microbatches, speeds)
+    rates = [g.size * (speeds or {}).get(_group_of(cluster, g).label, g.spec.matmul_flops()) for g in homes]
+    examples = split_batch(batch_size, num_microbatches, rates)
     stages: list[StagePlan] = []
     positions = _positions(cluster)
     for r, (home, share) in enumerate(zip(homes, examples)):
@@ -142,20 +133,18 @@ def assign_replicas(
         parts = tuple(DeviceGroup(home.type_name, home.device_ids[i * size : (i + 1) * size], name=_group_of(cluster, home).label,
                                   nodes=1, devices_per_node=size) for i in range(stages_per_replica))
         sub = assign_stages(layers, replace(cluster, groups=parts), stages_per_replica, num_microbatches, schedule,
-                            uniform=uniform, chunks=chunks)
+                            uniform=uniform, chunks=chunks, speeds=speeds)
         fraction = share / batch_size
         for st in sub.stages:
             stages.append(replace(
                 st, index=len(stages), replica=r, batch_share=fraction,
                 device_ids=tuple(positions[d] for d in parts[st.index % stages_per_replica].device_ids),  # stage i on part i mod k
-                group=_group_of(cluster, home).label, predicted_time_s=st.predicted_time_s * fraction,
-                forward_s=st.forward_s * fraction, backward_s=st.backward_s * fraction, send_s=st.send_s * fraction,
-                sync_s=st.sync_s + _cross_replica_s(cluster, homes, sum(layers.param_bytes[st.layer_start:st.layer_end])),
+                group=_group_of(cluster, home).label,
             ))
     return Plan(
         tuple(stages), num_microbatches, layers.num_layers, cluster.describe(), schedule,
         cluster_groups=tuple(ClusterGroup(g.label, g.type_name, g.size) for g in cluster.groups),
-        model_flops=sum(layers.flops), peak_flops=sum(speeds), replica_batch=tuple(examples),
+        model_flops=sum(layers.flops), peak_flops=sum(g.size * g.spec.matmul_flops() for g in homes), replica_batch=tuple(examples),
     )
 
 
@@ -180,23 +169,6 @@ def split_batch(batch_size: int, num_microbatches: int, speeds: list[float]) -> 
     while sum(counts) < units:
         counts[max(range(len(counts)), key=lambda i: exact[i] - counts[i])] += 1
     return [c * num_microbatches for c in counts]
-
-
-def _cross_replica_s(cluster: Cluster, homes: list[DeviceGroup], nbytes: int) -> float:
-    """Summing a stage's gradients across replicas: the fastest all-reduce algorithm
-    (`solver.collectives`, as the planner prices it) over the slowest link between them."""
-    link = min((cluster.link_between(a, b) for i, a in enumerate(homes) for b in homes[i + 1:]), key=lambda link: link.bandwidth)
-    cost = link_cost(link)
-    return best("all_reduce", Topology(1, len(homes), cost, cost), nbytes)[1]
-
-
-def _allreduce_s(nbytes: int, group: DeviceGroup) -> float:
-    if group.size < 2 or not nbytes:
-        return 0.0
-    nodes = group.nodes if group.devices_per_node else 1
-    per_node = group.devices_per_node or group.size
-    topology = Topology(nodes, per_node, link_cost(group.intra_link), link_cost(group.inter_link))
-    return best("all_reduce", topology, nbytes)[1]
 
 
 def link_cost(link) -> LinkCost:  # noqa: ANN001

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from hetpar.trace.fingerprint import ProgramSignature
+from solver.planner.problem import Problem
 from solver.schedules import DEFAULT, StageTimes
 
 # A PartitionSpec as plain data: the mesh axis (or None) of each dimension.
@@ -103,9 +104,14 @@ class Plan:
     # (stage, number of consecutive operators). Compile reads this and nothing else
     # to cut the step, so a saved plan runs exactly as it was solved.
     operator_stages: tuple[tuple[tuple[int, int], ...], ...] = ()
-    # The schedule simulated with the stages' times, set by the planning pass
-    # (hetpar.predict.plan_time.priced); 0 for a plan nobody priced.
+    # The step as the estimator prices it (hetpar.plan.costs.priced, like every figure
+    # above marked predicted): a cache of `cost_inputs` and the decisions, never read
+    # from a file; 0 for a plan without cost inputs.
     predicted_step_time_s: float = 0.0
+    # What the estimator prices the plan with: the traced step's layers per example and
+    # the cluster's device kinds and links, as the planner's Problem. Inputs, not
+    # predictions: a loaded plan is priced again from them.
+    cost_inputs: Problem | None = None
 
     def stage_of_operators(self, replica: int) -> list[int]:
         """The stage of every operator of replica `replica`'s pipeline."""

@@ -16,7 +16,7 @@ that need the device catalog or the layer cover stay in file.check_plan.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -25,7 +25,8 @@ from hetpar.validation import one_line
 from solver import schedules
 
 # 2: operator stages and structured shardings, so compile needs nothing but the plan.
-PLAN_VERSION = 2
+# 3: cost inputs (the estimator's Problem); predicted figures are a cache, priced again on load.
+PLAN_VERSION = 3
 
 # Far beyond any real plan, small enough that nothing downstream runs out of memory.
 MAX_DEVICES = 1 << 20
@@ -122,7 +123,11 @@ class PlanSchema(_Strict):
     bound_ratio: Annotated[float, Field(ge=0)] | None = None
     replica_batch: tuple[Positive, ...] = ()
     operator_stages: tuple[tuple[tuple[Count, Positive], ...], ...] = ()  # per replica: (stage, operators) runs
-    predicted_step_time_s: Figure = 0.0  # set by the planning pass; 0: not priced
+    predicted_step_time_s: Figure = 0.0  # a cache of the estimator's price; never read back
+    # The estimator's inputs (solver.planner.Problem as JSON): checked field by field
+    # against the dataclasses by hetpar.plan.file when the plan is built.
+    cost_inputs: dict[str, Any] | None = None
+    estimator_version: Count = 0  # the estimator that made the cached figures
 
     @model_validator(mode="after")
     def _stages(self) -> "PlanSchema":

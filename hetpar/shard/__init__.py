@@ -13,6 +13,7 @@ from hetpar.cluster.catalog import device_type
 from hetpar.options import ShardingOption
 from hetpar.plan import Plan, StagePlan
 from hetpar.plan.activations import kept_bytes
+from hetpar.plan.costs import estimate_plan
 from hetpar.shard.strategies import AXES, Spec, to_source, stage_problem
 from hetpar.shard.zero import apply_zero, stage_params, zero_items
 from hetpar.trace.layers import Layers
@@ -113,6 +114,12 @@ def _best_mesh(solver: "_StageSolver", plan: Plan, stage: StagePlan, batch_size:
     micro = (plan.replica_batch[stage.replica] if plan.replica_batch else batch_size) // plan.num_microbatches
     shapes = [(n // m, m) for m in range(2, min(n, per_node) + 1) if n % m == 0 and per_node % m == 0 and micro % (n // m) == 0]
     all_data = micro % n == 0
+    # Only meshes the one memory model says fit, where any does (the planner's own does).
+    fitting = [shape for shape in shapes if _fits(plan, stage, shape)]
+    any_fits = bool(fitting) or _fits(plan, stage, tuple(stage.mesh_shape or (n,)))
+    if any_fits:
+        shapes = fitting
+        all_data = all_data and _fits(plan, stage, (n,))
     best: tuple[int, ...] = (n,) if all_data else tuple(stage.mesh_shape)
     least = float("inf")
     if shapes:
@@ -125,6 +132,16 @@ def _best_mesh(solver: "_StageSolver", plan: Plan, stage: StagePlan, batch_size:
     if len(best) == 2:
         log.info("stage %d: a %dx%d (data x model) mesh, its matmuls predicted at %.3g s", stage.index, *best, least)
     return replace(stage, mesh_shape=best, data_parallel=best[0], tensor_parallel=best[1] if len(best) == 2 else 1)
+
+
+def _fits(plan: Plan, stage: StagePlan, shape: tuple[int, ...]) -> bool:
+    """Whether `stage` on a mesh of `shape` fits its devices, as the estimator (the
+    placement's fit check) says; True for a plan without cost inputs."""
+    if plan.cost_inputs is None:
+        return True
+    trial = replace(stage, mesh_shape=shape, data_parallel=shape[0], tensor_parallel=shape[1] if len(shape) == 2 else 1)
+    stages = tuple(trial if s.index == stage.index else s for s in plan.stages)
+    return estimate_plan(replace(plan, stages=stages)).stages[stage.index].fits
 
 
 class _StageSolver:

@@ -5,20 +5,18 @@ A manual configuration is one pipeline of `pp` device groups of one kind, each
 `dp x tp` devices, running microbatches of `microbatch` examples per data-parallel
 replica (Megatron's micro-batch size) under a schedule, optionally with every
 layer's forward recomputed in the backward. Layers are split evenly over the
-`pp x chunks` virtual stages, as Megatron splits them (`even_cuts`). Its step time is the
-simulated one (`solver.planner.step`), the figure the planner ranks by.
+`pp x chunks` virtual stages, as Megatron splits them (`even_cuts`). It is priced by
+the estimator (`solver.planner.estimate`), as every plan is.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from solver import schedules
+from solver.planner.estimate import Decisions, PlanCost, StageDecision, estimate
+from solver.planner.problem import PlanChoice, PlanningError, Problem, StageChoice
 from solver.schedules.one_f_one_b import OneFOneB
-from solver.planner.problem import PlanChoice, PlanningError, Problem
-from solver.planner.search import Planner
-from solver.planner.stage_costs import INF, StageConfig, in_flight
-from solver.planner.step import with_simulated_step
 
 
 @dataclass(frozen=True)
@@ -95,28 +93,33 @@ def price(problem: Problem, config: ManualConfig) -> PlanChoice:
     n = len(problem.layers)
     if stages > n:
         raise PlanningError(f"manual configuration {config.describe()}: {stages} stages need at least {stages} layers; the model has {n}")
-    problem = replace(problem, force_remat=config.remat, allow_remat=config.remat, microbatches=(m,))
-    planner = Planner(problem, top_k=1)
-    cfg = StageConfig(kind_name, config.dp, config.tp)
-    configs = [cfg] * stages
-    tables = [planner.costs.table(c, b, in_flight(config.schedule, m, p, stages, config.chunks), p == stages - 1, m)
-              for p, c in enumerate(configs)]
-    sends = [planner.costs.sends(a, c, b) for a, c in zip(configs, configs[1:])]
     cuts = even_cuts(n, stages)
     bounds = list(zip([0, *cuts], [*cuts, n]))
-    used = [0.0] * config.pp
-    for p, (t, (i, j)) in enumerate(zip(tables, bounds)):
-        if t.forward[i, j] == INF:
-            need = _need(planner, cfg, b, m, config, p, i, j)
-            raise PlanningError(f"manual configuration {config.describe()} does not fit: stage {p} (layers {i}-{j - 1}) needs "
-                                f"{need / 2**30:.1f} GiB per device, a {kind_name} has {t.capacity / 2**30:.1f} GiB to use"
-                                + ("" if config.remat else "; try remat=full") + ", more pipeline stages or tensor parallelism")
-        used[p % config.pp] += float(t.memory[i, j])
-    if max(used) > tables[0].capacity:
-        raise PlanningError(f"manual configuration {config.describe()} does not fit: a device group's chunks need "
-                            f"{max(used) / 2**30:.1f} GiB per device, a {kind_name} has {tables[0].capacity / 2**30:.1f} GiB to use")
-    choice = planner._pipeline_choice(configs, tables, sends, m, b, config.schedule, cuts, INF, config.chunks)
-    return with_simulated_step(choice)
+    remat = "full" if config.remat else ""
+    chosen = Decisions(tuple(StageDecision(kind_name, config.dp, config.tp, i, j, remat) for i, j in bounds), m,
+                       config.schedule, (problem.batch_size,), config.chunks)
+    cost = estimate(problem, chosen)
+    if not cost.fits:
+        worst = max(cost.overflows(), key=lambda p: cost.stages[p].group_memory_bytes)
+        i, j = bounds[worst]
+        need, capacity = cost.stages[worst].group_memory_bytes, cost.stages[worst].capacity
+        where = f"stage {worst} (layers {i}-{j - 1})" if config.chunks == 1 else f"the device group of stage {worst}"
+        raise PlanningError(f"manual configuration {config.describe()} does not fit: {where} needs "
+                            f"{need / 2**30:.1f} GiB per device, a {kind_name} has {capacity / 2**30:.1f} GiB to use"
+                            + ("" if config.remat else "; try remat=full") + ", more pipeline stages or tensor parallelism")
+    return choice_of(problem, cost)
+
+
+def choice_of(problem: Problem, cost: PlanCost) -> PlanChoice:
+    """A priced plan as the planner's choices are written (what `compare` lists)."""
+    d = cost.decisions
+    stages = tuple(
+        StageChoice(s.kind, s.dp, s.tp, s.layer_start, s.layer_end, bool(s.remat), c.forward_s, c.backward_s, c.send_s,
+                    c.sync_s - cost.cross_sync_s, c.optimizer_s, int(c.memory.total), c.capacity, s.replica, s.zero)
+        for s, c in zip(d.stages, cost.stages)
+    )
+    return PlanChoice(stages, d.num_microbatches, d.schedule, cost.step_s, d.replica_batch, cost.cross_sync_s,
+                      cost.tokens_per_step, cost.model_flops, cost.peak_flops, d.chunks)
 
 
 def even_cuts(layers: int, stages: int) -> tuple[int, ...]:
@@ -125,12 +128,3 @@ def even_cuts(layers: int, stages: int) -> tuple[int, ...]:
     output layer and loss, the heaviest)."""
     sizes = [layers // stages + (1 if s < layers % stages else 0) for s in range(stages)]
     return tuple(sum(sizes[:s]) for s in range(1, stages))
-
-
-def _need(planner: Planner, cfg: StageConfig, b: int, m: int, config: ManualConfig, p: int, i: int, j: int) -> float:
-    """Bytes per device stage `p` would need for layers [i, j), fitting or not."""
-    stages = config.pp * config.chunks
-    layer = planner.costs.per_layer(cfg, b)
-    held = in_flight(config.schedule, m, p, stages, config.chunks)
-    kept = layer.inputs if config.remat else layer.saved
-    return float(layer.state[i:j].sum() + kept[i:j].sum() * held + (layer.saved[i:j].max() if config.remat else 0.0))

@@ -35,7 +35,6 @@ import time
 import numpy as np
 
 from solver import schedules as registry
-from solver.collectives import Topology, best
 from solver.planner.bounds import KindLayout, LowerBounds, kind_layouts
 from solver.planner.layer_split import best_split, score
 from solver.planner.problem import PlanChoice, PlanningError, Problem, SearchResult, StageChoice
@@ -129,9 +128,9 @@ class Planner:
             if self.unexplored < INF:
                 raise PlanningError(f"no plan found within the time limit of {self.time_limit_s} s; allow more time")
             raise PlanningError(self._why_nothing_fits())
-        found = rank(found[: self.top_k])  # the finalists by the figure show/simulate report, not the search's closed form
+        found = rank(self.problem, found[: self.top_k], self.costs)  # the finalists by the figure show/simulate report, not the search's closed form
         self.deadline = INF  # the bound's own searches run to the end
-        per_kind = tuple((k.name, (rank(self._search((k.name,), 1)) or [None])[0]) for k in self.problem.kinds)
+        per_kind = tuple((k.name, (rank(self.problem, self._search((k.name,), 1), self.costs) or [None])[0]) for k in self.problem.kinds)
         bound = sum(c.throughput for _, c in per_kind if c is not None)
         gap = max(0.0, 1 - self.unexplored / found[0].step_s) if self.unexplored < INF else 0.0
         result = SearchResult(found[0], tuple(found[1 : self.top_k]), bound, time.perf_counter() - started,
@@ -321,13 +320,9 @@ class Planner:
         return tuple(shares)
 
     def _cross_sync(self, kinds: tuple[str, ...]) -> float:
-        """Summing every gradient across the replicas: a ring over the slowest link
-        between their kinds, one stream per device of the smallest replica."""
-        p = self.problem
-        link = min((p.link(a, b) for a, b in itertools.combinations(kinds, 2)), key=lambda c: c.bandwidth)
-        streams = min(p.kind(k).count for k in kinds)
-        nbytes = float(self.costs.params.sum()) / streams
-        return best("all_reduce", Topology(1, len(kinds), link, link), nbytes)[1]
+        """Summing every gradient across replicas of these kinds, each using all its
+        kind's devices (`StageCosts.replica_sync`, what the estimator charges)."""
+        return self.costs.replica_sync(kinds, min(self.problem.kind(k).count for k in kinds))
 
     # --- when nothing fits ------------------------------------------------------------
 

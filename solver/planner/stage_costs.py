@@ -11,14 +11,15 @@ of stage layouts in seconds.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
 import numpy as np
 
-from solver.collectives import Topology, fastest_times
+from solver.collectives import Topology, best, fastest_times
 from solver.efficiency import matmul_rate
-from solver.memory import StageActivations, in_flight, model_split_bytes, sharded_state, stage_memory
+from solver.memory import DeviceMemory, StageActivations, in_flight, model_split_bytes, sharded_state, stage_memory
 from solver.planner.problem import DeviceKind, Problem
 from solver.zero import zero_time
 
@@ -46,6 +47,20 @@ class PerLayer:
     saved: np.ndarray  # bytes of activations kept for the backward
     inputs: np.ndarray  # bytes of the layer's input (all that remat keeps)
     recomputed: np.ndarray  # bytes of `saved` a backward rerunning the forward holds (solver.memory)
+
+
+@dataclass(frozen=True)
+class StageVariant:
+    """One stage under one ZeRO stage and recomputation policy, for all layer ranges
+    [i, j): per microbatch forward and backward seconds, memory per device by what
+    holds it (`solver.memory.DeviceMemory` of arrays), the once-per-step tail and its
+    gradient sync."""
+
+    forward: np.ndarray
+    backward: np.ndarray
+    memory: DeviceMemory
+    tail: np.ndarray
+    sync: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -167,36 +182,50 @@ class StageCosts:
         return np.asarray(matmul_rate(kind.flops, each, kind.matmul_half_flops), dtype=float).reshape(self.n)
 
     def _table(self, cfg: StageConfig, b: int, held: int, last: bool, m: int) -> StageTable:
-        """Every (ZeRO stage, recomputation) the problem allows, priced by solver.memory
-        and the collectives; per range the fastest that fits."""
+        """Every (ZeRO stage, recomputation) the problem allows, priced by `variant`;
+        per range the fastest that fits."""
         p = self.problem
-        f, bw, saved, grads = self._ranges(cfg, b)
         capacity = self.capacity(cfg.kind)
-        inputs = np.broadcast_to((self.inputs * (b / cfg.dp / cfg.tp)).tolist() + [0.0], f.shape).T  # a stage keeps its own input
-        shard = b / cfg.dp / cfg.tp  # activations split over all the stage's devices
-        activations = StageActivations(saved, inputs, largest=self.largest_max * shard,
-                                       recomputed=self._recomputed_span * shard,
-                                       rerun_working=self.rerun_working_max * shard)
-        gathered = self._params_max(cfg.tp)  # ZeRO-3: one layer's parameters gathered at a time
-        force = p.force_remat  # large runs recompute whether or not memory asks
-        remats = ["full"] if force else [""] + (["full"] if p.allow_remat else [])
-        best = np.full(f.shape, INF)
-        out = {name: np.zeros(f.shape) for name in ("forward", "backward", "memory", "tail", "sync", "zero", "remat")}
+        remats = ["full"] if p.force_remat else [""] + (["full"] if p.allow_remat else [])  # large runs recompute always
+        shape = (self.n + 1, self.n + 1)
+        best = np.full(shape, INF)
+        out = {name: np.zeros(shape) for name in ("forward", "backward", "memory", "tail", "sync", "zero", "remat")}
         for zero in self.zero_stages(cfg):
-            state = sharded_state(grads, grads, grads * (p.state_factor - 2), cfg.dp, zero)
-            extra_f, extra_b, step_sync, tail = self.step_costs(cfg, zero)
             for remat in remats:
-                need = stage_memory(state, activations, held, remat, fused=last, workspace=gathered if zero >= 3 else 0.0).total
-                forward, backward = f + extra_f, bw + extra_b + (f + extra_f if remat else 0.0)
-                cost = np.where(need <= capacity, m * (forward + backward) + tail, INF)
+                v = self.variant(cfg, b, held, last, zero, remat)
+                cost = np.where(v.memory.total <= capacity, m * (v.forward + v.backward) + v.tail, INF)
                 better = cost < best
                 best = np.where(better, cost, best)
-                for name, value in (("forward", forward), ("backward", backward), ("memory", need), ("tail", tail),
-                                    ("sync", step_sync), ("zero", zero), ("remat", bool(remat))):
+                for name, value in (("forward", v.forward), ("backward", v.backward), ("memory", v.memory.total),
+                                    ("tail", v.tail), ("sync", v.sync), ("zero", zero), ("remat", bool(remat))):
                     out[name] = np.where(better, value, out[name])
         ok = np.triu(best < INF, k=1)
         return StageTable(np.where(ok, out["forward"], INF), np.where(ok, out["backward"], INF), (out["remat"] > 0) & ok,
                           out["memory"], out["tail"], out["sync"], capacity, out["zero"].astype(int))
+
+    def variant(self, cfg: StageConfig, b: int, held: int, last: bool, zero: int, remat: str,
+                dots: float = 0.0) -> StageVariant:
+        """Stage `cfg` on microbatches of `b` examples holding `held` of them, under one
+        ZeRO stage and recomputation policy, for every layer range: what the planner's
+        tables choose among and what the estimator (`solver.planner.estimate`) reads for a
+        plan whose choices are made. One function, so the two cannot disagree.
+        `dots`: per example, the matmul results a "dots" policy keeps besides the
+        stage's input (the planner never chooses it; a user may)."""
+        p = self.problem
+        f, bw, saved, grads = self._ranges(cfg, b)
+        inputs = np.broadcast_to((self.inputs * (b / cfg.dp / cfg.tp)).tolist() + [0.0], f.shape).T  # a stage keeps its own input
+        shard = b / cfg.dp / cfg.tp  # activations split over all the stage's devices
+        activations = StageActivations(saved, inputs, dots=dots * b / cfg.dp / cfg.tp, largest=self.largest_max * shard,
+                                       recomputed=self._recomputed_span * shard,
+                                       rerun_working=self.rerun_working_max * shard)
+        gathered = self._params_max(cfg.tp)  # ZeRO-3: one layer's parameters gathered at a time
+        state = sharded_state(grads, grads, grads * (p.state_factor - 2), cfg.dp, zero)
+        extra_f, extra_b, step_sync, tail = self.step_costs(cfg, zero)
+        memory = stage_memory(state, activations, held, remat, fused=last, workspace=gathered if zero >= 3 else 0.0)
+        forward = f + extra_f
+        backward = bw + extra_b + (forward if remat else 0.0)
+        return StageVariant(np.broadcast_to(forward, f.shape), np.broadcast_to(backward, f.shape), memory,
+                            np.broadcast_to(tail, f.shape), np.broadcast_to(step_sync, f.shape))
 
     def _step_costs(self, cfg: StageConfig, zero: int) -> tuple[np.ndarray | float, np.ndarray | float, np.ndarray, np.ndarray]:
         """Per layer range of stage `cfg` under ZeRO stage `zero` (solver.zero, the one
@@ -239,6 +268,15 @@ class StageCosts:
             return np.zeros_like(grads)
         return zero_time(grads, grads, 0, self.dp_topology(kind, cfg)).step
 
+    def replica_sync(self, kinds: list[str] | tuple[str, ...], streams: int) -> float:
+        """Summing every gradient across pipelines of `kinds` (one per replica),
+        `streams` devices wide each: the fastest all-reduce over the slowest link
+        between their kinds. What the planner bounds replica plans by and the
+        estimator charges them."""
+        pairs = list(itertools.combinations(kinds, 2)) or [(kinds[0], kinds[0])]
+        link = min((self.problem.link(a, b) for a, b in pairs), key=lambda c: c.bandwidth)
+        return best("all_reduce", Topology(1, len(kinds), link, link), float(self.params.sum()) / max(streams, 1))[1]
+
     def sends(self, a: StageConfig, c: StageConfig, b: int) -> np.ndarray:
         """Seconds to move one microbatch's activation across a cut before layer j,
         from stage `a` to the next stage `c`: each data-parallel slice sends its part."""
@@ -257,4 +295,4 @@ def _cumsum(values: np.ndarray) -> np.ndarray:
     return np.concatenate([[0.0], np.cumsum(values)])
 
 
-__all__ = ["INF", "StageConfig", "StageCosts", "StageTable", "in_flight"]  # in_flight: solver.memory's, re-exported
+__all__ = ["INF", "StageConfig", "StageCosts", "StageTable", "StageVariant", "in_flight"]  # in_flight: solver.memory's, re-exported

@@ -1,32 +1,56 @@
-"""The one step-time figure of a plan: what the planner ranks by and what `hetpar
-show` and `hetpar simulate` report.
+"""How the planner's choices meet the estimator (`solver.planner.estimate`).
 
 The search scores thousands of splits with each schedule's closed form
 (`Schedule.step_time`), which is exact for some shapes and close for others (an
 interleaved pipeline, or GPipe's two flow shops). Its finalists are then priced by
-`solver.pipeline_sim.step_time` (the event-by-event simulation, the closed form only
-past `MAX_SIMULATED_MICROBATCHES`), so a plan is never chosen over one its own
-simulation rates faster.
+the estimator, the one price every plan gets (the schedule simulated event by
+event), so the plan it returns is the best under the same model that prices
+everything else and a plan is never chosen over one its own price rates faster.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from solver.planner.estimate import Decisions, PlanCost, StageDecision, estimate
 from solver.pipeline_sim import pipeline_time, step_time
-from solver.planner.problem import PlanChoice
+from solver.planner.problem import PlanChoice, Problem
+from solver.planner.stage_costs import StageCosts
 from solver.schedules import StageTimes
 
 
+def decisions(choice: PlanChoice) -> Decisions:
+    """What a planner's choice decides, as the estimator reads it."""
+    return Decisions(
+        tuple(StageDecision(s.kind, s.dp, s.tp, s.layer_start, s.layer_end, "full" if s.remat else "", s.zero, s.replica)
+              for s in choice.stages),
+        choice.num_microbatches, choice.schedule, choice.replica_batch, choice.chunks,
+    )
+
+
+def priced(problem: Problem, choice: PlanChoice, costs: StageCosts | None = None) -> PlanCost:
+    return estimate(problem, decisions(choice), costs)
+
+
+def with_estimate(problem: Problem, choice: PlanChoice, costs: StageCosts | None = None) -> PlanChoice:
+    """`choice` with its step time the estimator's."""
+    return replace(choice, step_s=priced(problem, choice, costs).step_s)
+
+
+def rank(problem: Problem, choices: list[PlanChoice], costs: StageCosts | None = None) -> list[PlanChoice]:
+    """Finalists priced by the estimator, fastest first."""
+    return sorted((with_estimate(problem, c, costs) for c in choices), key=lambda c: c.step_s)
+
+
 def stage_times(choice: PlanChoice, replica: int) -> list[StageTimes]:
-    """One replica's virtual stages, in pipeline order, as the simulator takes them
-    (the gradient sum across replicas joins each stage's sync, as in a Plan)."""
+    """One replica's virtual stages as the choice itself records them (the gradient
+    sum across replicas joined to each stage's sync, as the estimator charges it)."""
     return [StageTimes(s.forward_s, s.backward_s, s.send_s, s.sync_s + choice.cross_sync_s, s.optimizer_s)
             for s in choice.stages if s.replica == replica]
 
 
 def simulated_step_s(choice: PlanChoice) -> float:
-    """The slowest replica pipeline's simulated step."""
+    """The slowest replica pipeline of the choice's own stage times, simulated."""
     return max(step_time(stage_times(choice, r), choice.num_microbatches, choice.schedule, choice.chunks)
                for r in range(len(choice.replica_batch)))
 
@@ -35,13 +59,3 @@ def closed_form_step_s(choice: PlanChoice) -> float:
     """The slowest replica pipeline's closed-form step: what the search scored."""
     return max(pipeline_time(stage_times(choice, r), choice.num_microbatches, choice.schedule, choice.chunks)
                for r in range(len(choice.replica_batch)))
-
-
-def with_simulated_step(choice: PlanChoice) -> PlanChoice:
-    """`choice` with its step time replaced by the simulated one."""
-    return replace(choice, step_s=simulated_step_s(choice))
-
-
-def rank(choices: list[PlanChoice]) -> list[PlanChoice]:
-    """Finalists re-priced by simulation, fastest first."""
-    return sorted((with_simulated_step(c) for c in choices), key=lambda c: c.step_s)

@@ -1,0 +1,221 @@
+"""The one price of a plan: given a model's costs and a cluster (a planner `Problem`)
+and every choice a plan makes (`Decisions`), its per-stage times, memory by what
+holds it, the fit of every device group, the simulated step, bubble and MFU.
+
+Every plan goes through here, however it was made: the planner ranks its finalists
+with it, hand-fixed configurations and hand-made plans are priced by it, and every
+view (`hetpar solve`, `show`, `simulate`, `compare`, the Python API, the
+benchmarks) prints its numbers. The stage figures come from the planner's own
+`StageCosts.variant`, so a plan the planner chose is priced here exactly as the
+search scored it, and any plan that makes the same choices gets the same figures.
+
+Nothing here chooses: a stage's ZeRO stage and recomputation are decisions, and a
+plan that does not fit is priced all the same and says where it overflows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from solver.memory import DeviceMemory, in_flight
+from solver.pipeline_sim import MAX_SIMULATED_MICROBATCHES, Simulation, pipeline_time, simulate, step_time
+from solver.planner.problem import PlanningError, Problem
+from solver.planner.stage_costs import StageConfig, StageCosts
+from solver.schedules import StageTimes
+
+# Bumped whenever a change to the cost model changes a price: a plan file that keeps
+# figures as a cache records the version they were made with.
+ESTIMATOR_VERSION = 1
+
+
+@dataclass(frozen=True)
+class StageDecision:
+    """One (virtual) stage: `dp x tp` devices of the problem's kind `kind` running
+    layers [layer_start, layer_end) of pipeline `replica`."""
+
+    kind: str
+    dp: int
+    tp: int
+    layer_start: int
+    layer_end: int
+    remat: str = ""  # "", "full" or "dots" (solver.memory.REMAT_POLICIES)
+    zero: int = 0
+    replica: int = 0
+    dots_bytes: float = 0.0  # per example: the matmul results a "dots" stage keeps besides its input
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.tp
+
+
+@dataclass(frozen=True)
+class Decisions:
+    """What a plan decides, as numbers: its stages (each replica's in pipeline order),
+    microbatches, schedule, chunks per device group and examples per replica."""
+
+    stages: tuple[StageDecision, ...]
+    num_microbatches: int
+    schedule: str
+    replica_batch: tuple[int, ...]
+    chunks: int = 1
+
+    def replica_stages(self, replica: int) -> list[StageDecision]:
+        return [s for s in self.stages if s.replica == replica]
+
+
+@dataclass(frozen=True)
+class StageCost:
+    forward_s: float  # one microbatch
+    backward_s: float
+    send_s: float  # one microbatch's activation to the next stage
+    sync_s: float  # gradient synchronisation once per step (across replicas included)
+    optimizer_s: float
+    memory: DeviceMemory  # per device, this stage alone
+    capacity: int  # bytes a device may use (its memory less the problem's reserve)
+    group_memory_bytes: float  # per device of the stage's device group: all its chunks together
+
+    @property
+    def times(self) -> StageTimes:
+        return StageTimes(self.forward_s, self.backward_s, self.send_s, self.sync_s, self.optimizer_s)
+
+    @property
+    def fits(self) -> bool:
+        return self.group_memory_bytes <= self.capacity
+
+
+@dataclass(frozen=True)
+class PlanCost:
+    """A plan's price. `step_s` is the schedule simulated event by event (past
+    `MAX_SIMULATED_MICROBATCHES` microbatches, its closed form), slowest replica."""
+
+    stages: tuple[StageCost, ...]
+    decisions: Decisions
+    step_s: float
+    closed_form_s: float
+    cross_sync_s: float
+    model_flops: float  # per step, without recomputation
+    peak_flops: float  # of the devices the plan uses
+    tokens_per_step: int
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops / self.step_s / self.peak_flops if self.peak_flops and self.step_s else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_s if self.step_s else 0.0
+
+    @property
+    def fits(self) -> bool:
+        return all(s.fits for s in self.stages)
+
+    @property
+    def peak_memory_bytes(self) -> float:
+        return max(s.group_memory_bytes for s in self.stages)
+
+    def overflows(self) -> list[int]:
+        """Positions of the stages whose device group does not fit."""
+        return [i for i, s in enumerate(self.stages) if not s.fits]
+
+    @cached_property
+    def simulations(self) -> tuple[Simulation, ...]:
+        """Each replica's pipeline simulated event by event (the timeline views draw)."""
+        d = self.decisions
+        if d.num_microbatches > MAX_SIMULATED_MICROBATCHES:
+            raise ValueError(f"the plan has {d.num_microbatches} microbatches, more than the {MAX_SIMULATED_MICROBATCHES} "
+                             f"simulated event by event; its closed-form step time is {self.closed_form_s:.6g} s")
+        return tuple(simulate(self.replica_times(r), d.num_microbatches, d.schedule, d.chunks)
+                     for r in range(len(d.replica_batch)))
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Share of the device groups' time idle inside the step: the simulation's, or
+        (past the simulated size) the closed form's busy time against its step."""
+        if self.decisions.num_microbatches <= MAX_SIMULATED_MICROBATCHES:
+            busy = [b for sim in self.simulations for b in sim.busy_s]
+        else:
+            busy = self._closed_form_busy()
+        return 1 - sum(busy) / (self.step_s * len(busy)) if busy and self.step_s else 0.0
+
+    def replica_times(self, replica: int) -> list[StageTimes]:
+        return [c.times for c, s in zip(self.stages, self.decisions.stages) if s.replica == replica]
+
+    def _closed_form_busy(self) -> list[float]:
+        d = self.decisions
+        busy = []
+        for r in range(len(d.replica_batch)):
+            times = self.replica_times(r)
+            groups = len(times) // d.chunks
+            for g in range(groups):
+                mine = times[g::groups]
+                busy.append(sum(d.num_microbatches * (t.forward_s + t.backward_s) + t.optimizer_s for t in mine))
+        return busy
+
+
+def estimate(problem: Problem, decisions: Decisions, costs: StageCosts | None = None) -> PlanCost:
+    """The price of `decisions` under `problem`'s cost model. `costs`: the problem's
+    stage tables, when the caller has them (the planner) so they are built once."""
+    costs = costs or StageCosts(problem)
+    _check(problem, decisions)
+    m, d = decisions.num_microbatches, decisions
+    cross = cross_replica_sync_s(costs, d) if len(d.replica_batch) > 1 else 0.0
+    priced: list[StageCost | None] = [None] * len(d.stages)
+    index = {id(s): i for i, s in enumerate(d.stages)}
+    for r, examples in enumerate(d.replica_batch):
+        stages = d.replica_stages(r)
+        b = examples // m
+        configs = [StageConfig(s.kind, s.dp, s.tp) for s in stages]
+        n, groups = len(stages), len(stages) // d.chunks
+        raw = []
+        for p, (s, cfg) in enumerate(zip(stages, configs)):
+            held = in_flight(d.schedule, m, p, n, d.chunks)
+            v = costs.variant(cfg, b, held, p == n - 1, s.zero, s.remat, s.dots_bytes)
+            i, j = s.layer_start, s.layer_end
+            at = lambda x: float(np.broadcast_to(x, v.forward.shape)[i, j])  # noqa: E731
+            send = float(costs.sends(cfg, configs[p + 1], b)[j]) if p + 1 < n else 0.0
+            memory = DeviceMemory(at(v.memory.parameters), at(v.memory.gradients), at(v.memory.optimizer_state),
+                                  at(v.memory.activations), at(v.memory.workspace))
+            raw.append((s, at(v.forward), at(v.backward), send, at(v.sync), at(v.tail) - at(v.sync), memory,
+                        costs.capacity(s.kind)))
+        group_total = [sum(raw[q][6].total for q in range(g, n, groups)) for g in range(groups)]
+        for p, (s, fwd, bwd, send, sync, opt, memory, capacity) in enumerate(raw):
+            priced[index[id(s)]] = StageCost(fwd, bwd, send, sync + cross, opt, memory, capacity, group_total[p % groups])
+    stage_costs = tuple(c for c in priced if c is not None)
+    per_replica = [[c.times for c, s in zip(stage_costs, d.stages) if s.replica == r] for r in range(len(d.replica_batch))]
+    closed = max(pipeline_time(t, m, d.schedule, d.chunks) for t in per_replica)
+    step = max(step_time(t, m, d.schedule, d.chunks) for t in per_replica)
+    examples = sum(d.replica_batch)
+    peak = sum(s.devices * (problem.kind(s.kind).peak_flops or problem.kind(s.kind).flops) for s in d.stages) / d.chunks
+    return PlanCost(stage_costs, d, step, closed, cross, float(costs.flops.sum()) * examples, peak,
+                    examples * problem.tokens_per_example)
+
+
+def cross_replica_sync_s(costs: StageCosts, decisions: Decisions) -> float:
+    """Summing every gradient across the replicas: one stream per device of the
+    smallest replica (`StageCosts.replica_sync`)."""
+    kinds, sizes = [], []
+    for r in range(len(decisions.replica_batch)):
+        stages = decisions.replica_stages(r)
+        kinds.append(stages[0].kind)
+        sizes.append(sum(s.devices for s in stages[: len(stages) // decisions.chunks]))
+    return costs.replica_sync(kinds, min(sizes))
+
+
+def _check(problem: Problem, d: Decisions) -> None:
+    """Refuses decisions the cost model cannot price, naming the stage."""
+    known = {k.name for k in problem.kinds}
+    if d.num_microbatches < 1 or not d.replica_batch or not d.stages:
+        raise PlanningError("a plan needs at least one stage, one microbatch and one replica")
+    for i, s in enumerate(d.stages):
+        if s.kind not in known:
+            raise PlanningError(f"stage {i} runs on {s.kind!r}, which the cost model does not know; known: {', '.join(sorted(known))}")
+        if not 0 <= s.layer_start < s.layer_end <= len(problem.layers):
+            raise PlanningError(f"stage {i} holds layers {s.layer_start}..{s.layer_end - 1}; the model has {len(problem.layers)}")
+    for r, examples in enumerate(d.replica_batch):
+        if examples % d.num_microbatches:
+            raise PlanningError(f"replica {r}'s {examples} examples do not split into {d.num_microbatches} microbatches")
+        if len(d.replica_stages(r)) % d.chunks:
+            raise PlanningError(f"replica {r}'s {len(d.replica_stages(r))} stages do not split into {d.chunks} chunks per device group")
