@@ -28,7 +28,7 @@ from hetpar.outputs import like_options, place_metrics
 from hetpar.plan import Plan
 from hetpar.plan.file import load_plan
 from hetpar.plan.like import placed_like
-from hetpar.pipeline import check_fits, cluster_for, solve
+from hetpar.pipeline import check_fits, cluster_for, price_like, solve
 from hetpar.runtime.distributed import (DistributedStep, check_cross_process, cross_process_collectives, is_multiprocess,
                                         share_plan, stages_of_process)
 from hetpar.runtime.executor import RunStats, run
@@ -131,7 +131,7 @@ class ParallelFunction:
             if o.like is not None and o.like._last is not None:
                 placed = placed_like(traced, o.like.plan, args, cluster)
             if placed is not None:
-                plan = placed
+                plan = price_like(traced, placed, cluster)
             elif o.plan is not None:
                 check_fits(o.plan, traced, cluster)
                 plan = o.plan

@@ -18,7 +18,7 @@ from hetpar.errors import PlanError
 from hetpar.options import ShardingOption, StageOption, build_options
 from hetpar.passes import timed_pass
 from hetpar.plan.auto import SearchOptions, problem_for, search_problem
-from hetpar.plan.costs import estimate_plan, fit_problems, priced
+from hetpar.plan.costs import estimate_plan, fit_problems, priced, unpriced
 from hetpar.plan.manual import assign_replicas, assign_stages, link_cost
 from hetpar.plan.model import Plan, Spec, StagePlan, runs
 from hetpar.plan.runnable import check_runnable
@@ -83,6 +83,37 @@ def solve(traced: TracedStep, cluster: Cluster, stage_option: StageOption = Stag
         check_runnable(plan, traced.batch_size)
     plan = placement_pass(traced, layers, plan)
     return replace(plan, program=signature(traced.full))
+
+
+def price_like(traced: TracedStep, plan: Plan, cluster: Cluster) -> Plan:
+    """A plan placed `like=` a train step (hetpar.plan.like) priced as what it runs:
+    the function's own layers (a forward-only eval has no backward, gradients or
+    update), each layer on the stage that runs its operators. Unpriced, with a note,
+    where its operators do not fall into contiguous layer ranges per stage."""
+    for n in range(plan.num_layers, 0, -1):
+        try:
+            layers = layers_of(traced, n)
+            break
+        except PlanError:
+            continue
+    else:
+        return unpriced(replace(plan, notes=(*plan.notes, "not priced: the function could not be cut into layers")))
+    stage_of_op = plan.stage_of_operators(0)
+    layer_stage = [0] * layers.num_layers
+    for op, layer in layers.op_layer.items():
+        layer_stage[layer] = max(layer_stage[layer], stage_of_op[op])
+    bounds = [(layer_stage.index(s.index), len(layer_stage) - layer_stage[::-1].index(s.index))
+              if s.index in layer_stage else None for s in plan.stages]
+    if None in bounds or [a for a, _ in bounds] != [0] + [b for _, b in bounds[:-1]] or bounds[-1][1] != layers.num_layers:
+        return unpriced(replace(plan, notes=(*plan.notes, "not priced: its stages do not hold whole runs of its layers")))
+    training = any(traced.analysis.backward)
+    options = search_options(traced, StageOption())
+    inputs = problem_for(layers, cluster, traced.batch_size, tokens_per_example(traced), options)
+    if not training:
+        inputs = replace(inputs, training=False, state_factor=1.0, optimizer_traffic=0.0)
+    stages = tuple(replace(s, layer_start=a, layer_end=b, zero=s.zero if training else 0, remat=s.remat if training else "")
+                   for s, (a, b) in zip(plan.stages, bounds))
+    return priced(replace(plan, stages=stages, num_layers=layers.num_layers, cost_inputs=inputs))
 
 
 def _whole_batch(traced: TracedStep, option: StageOption) -> StageOption:

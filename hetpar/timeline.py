@@ -75,7 +75,7 @@ def step_lines(plan: Plan, sim: Simulation) -> list[str]:
     parts = breakdown(plan, sim)
     return [fmt_time(sim.step_s),
             f"busiest stage: compute {fmt_time(parts.compute_s)}, communication {fmt_time(parts.communication_s)}, "
-            f"waiting on other stages {fmt_time(parts.bubble_s)}",
+            f"bubble (waiting on other stages) {fmt_time(parts.bubble_s)}",
             f"stages idle {sim.bubble_fraction:.1%} of the step"]
 
 

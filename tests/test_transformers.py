@@ -86,3 +86,45 @@ def test_transformers_lm_with_dropout_and_padding_matches_jit(make, cluster, mic
         assert_close(par_loss, ref_loss, f"loss, step {i}")
         assert_close(par_state, ref_state, f"state after step {i}")
     assert parallel.plan.num_stages == len(cluster)
+
+
+def test_flax_llama_7b_width_plans_that_the_placement_accepts(tmp_path):
+    """transformers' FlaxLlama at Llama-2-7B's width (bf16 compute, f32 parameters,
+    AdamW), four blocks deep, traced abstractly and planned on four V100-32GB where
+    memory decides the plan: whatever the planner returns passes the placement's fit
+    check, since both ask the one memory model (before, the planner returned plans
+    that the placement then refused)."""
+    from hetpar.cluster.cluster import Cluster
+    from hetpar.pipeline import solve
+    from hetpar.plan.costs import estimate_plan
+    from hetpar.trace.traced_step import trace_step
+
+    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=4,
+                                   num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=2048)
+    model = transformers.FlaxLlamaForCausalLM(cfg, _do_init=False, dtype=jnp.bfloat16)
+    tx = optax.adamw(1e-4)
+    batch, seq = 16, 2048
+
+    def build():
+        params = model.init_weights(jax.random.key(0), (1, seq))
+        return (params, tx.init(params)), {"input_ids": jnp.zeros((batch, seq), jnp.int32)}
+
+    def step(state, inputs):
+        params, opt_state = state
+
+        def loss_fn(p):
+            logits = model(inputs["input_ids"], params=p).logits[:, :-1].astype(jnp.float32)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, inputs["input_ids"][:, 1:]).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), loss
+
+    state, inputs = jax.eval_shape(build)
+    (tmp_path / "v100.yaml").write_text("groups:\n  - name: v100\n    device: V100\n    nodes: 1\n    devices_per_node: 4\n")
+    cluster = Cluster.from_file(str(tmp_path / "v100.yaml")).numbered()
+    plan = solve(trace_step(step, (state, inputs), 1, 1), cluster, search_microbatches=True)  # raises if placement refuses
+    cost = estimate_plan(plan)
+    assert cost.fits and all(0 < s.memory_bytes <= s.memory_capacity for s in plan.stages)
+    # Memory binds here: the state alone (16 bytes per parameter) is more than one V100 holds.
+    assert 16 * sum(layer.param_bytes for layer in plan.cost_inputs.layers) / 4 > plan.stages[0].memory_capacity

@@ -12,7 +12,7 @@ over the data axis (ZeRO 1-3) where memory or time asks, priced by solver.memory
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hetpar.cluster.cluster import Cluster, DeviceGroup
 from hetpar.errors import PlanError
@@ -107,7 +107,7 @@ def search_problem(layers: Layers, cluster: Cluster, problem: Problem, options: 
         result = plan(problem, top_k=options.top_k, time_limit_s=options.time_limit_s)
     except PlanningError as e:
         raise PlanError(str(e)) from None
-    return to_plan(result.best, layers, cluster, result.bound_ratio), result
+    return replace(to_plan(result.best, layers, cluster, result.bound_ratio), cost_inputs=problem), result
 
 
 def to_plan(choice: PlanChoice, layers: Layers, cluster: Cluster, bound_ratio: float = 0.0) -> Plan:

@@ -111,11 +111,12 @@ def price(problem: Problem, config: ManualConfig) -> PlanChoice:
 
 
 def choice_of(problem: Problem, cost: PlanCost) -> PlanChoice:
-    """A priced plan as the planner's choices are written (what `compare` lists)."""
+    """A priced plan as the planner's choices are written (what `compare` lists); a
+    stage's memory is its device group's (all its chunks), what must fit."""
     d = cost.decisions
     stages = tuple(
         StageChoice(s.kind, s.dp, s.tp, s.layer_start, s.layer_end, bool(s.remat), c.forward_s, c.backward_s, c.send_s,
-                    c.sync_s - cost.cross_sync_s, c.optimizer_s, int(c.memory.total), c.capacity, s.replica, s.zero)
+                    c.sync_s - cost.cross_sync_s, c.optimizer_s, int(c.group_memory_bytes), c.capacity, s.replica, s.zero)
         for s, c in zip(d.stages, cost.stages)
     )
     return PlanChoice(stages, d.num_microbatches, d.schedule, cost.step_s, d.replica_batch, cost.cross_sync_s,

@@ -67,6 +67,9 @@ class Problem:
     batch_size: int  # examples per step
     links: tuple[tuple[str, str, LinkCost], ...] = ()  # between kinds; either order
     tokens_per_example: int = 1
+    # False: a forward-only function (an eval planned `like=` a train step): no backward,
+    # no gradients, no optimizer state or update, no gradient sync.
+    training: bool = True
     state_factor: float = 4.0  # bytes of parameters + gradients + optimizer state per parameter byte (fp32 Adam: 4)
     optimizer_traffic: float = 7.0  # bytes the update reads and writes per parameter byte
     memory_reserve: float = 0.0  # fraction of each device's memory kept free for workspace

@@ -147,8 +147,19 @@ class StageCosts:
         return int(self.kinds[kind].memory_bytes * (1 - self.problem.memory_reserve))
 
     def zero_stages(self, cfg: StageConfig) -> list[int]:
-        """ZeRO stages worth trying: sharding over the data axis needs one."""
+        """ZeRO stages worth trying: sharding over the data axis needs one (and a
+        gradient to shard: a forward-only function keeps its parameters whole)."""
+        if not self.problem.training:
+            return [0]
         return [z for z in self.problem.zero_stages if z == 0 or cfg.dp > 1] or [0]
+
+    def _state(self, params: np.ndarray, dp: int, zero: int) -> DeviceMemory:
+        """Parameters, gradients and optimizer state per device (`params`: already
+        split over the model axis) under ZeRO stage `zero`; parameters alone for a
+        forward-only function."""
+        if not self.problem.training:
+            return sharded_state(params, 0.0 * params, 0.0 * params, dp, 0)
+        return sharded_state(params, params, params * (self.problem.state_factor - 2), dp, zero)
 
     def per_layer(self, cfg: StageConfig, b: int) -> PerLayer:
         """Each layer alone on one of these stages: the numbers every range sums, and
@@ -161,10 +172,11 @@ class StageCosts:
         tp_comm = self.tp_allreduce(kind, cfg.tp, self.tp_bytes * per_device, self.tp_count)  # forward; backward as much
         shard = per_device / cfg.tp  # activations split over tensor-parallel devices too (sequence parallel)
         params = self.tp_params(cfg.tp)
-        state = sharded_state(params, params, params * (self.problem.state_factor - 2), cfg.dp, max(self.zero_stages(cfg)))
+        state = self._state(params, cfg.dp, max(self.zero_stages(cfg)))
+        trains = float(self.problem.training)  # a forward-only function has no backward
         return PerLayer(
             forward=self.fwd_flops * per_device / speed + tp_comm + kind.layer_overhead_s / 3,
-            backward=(self.flops - self.fwd_flops) * per_device / bwd_speed + tp_comm + 2 * kind.layer_overhead_s / 3,
+            backward=trains * ((self.flops - self.fwd_flops) * per_device / bwd_speed + tp_comm + 2 * kind.layer_overhead_s / 3),
             state=state.state,
             saved=self.saved * shard,
             inputs=self.inputs * shard,
@@ -219,7 +231,7 @@ class StageCosts:
                                        recomputed=self._recomputed_span * shard,
                                        rerun_working=self.rerun_working_max * shard)
         gathered = self._params_max(cfg.tp)  # ZeRO-3: one layer's parameters gathered at a time
-        state = sharded_state(grads, grads, grads * (p.state_factor - 2), cfg.dp, zero)
+        state = self._state(grads, cfg.dp, zero)
         extra_f, extra_b, step_sync, tail = self.step_costs(cfg, zero)
         memory = stage_memory(state, activations, held, remat, fused=last, workspace=gathered if zero >= 3 else 0.0)
         forward = f + extra_f
@@ -234,6 +246,8 @@ class StageCosts:
         device's share: ZeRO-1+ updates a shard). The stage table and the planner's tail
         bound both read it."""
         kind, grads = self.kinds[cfg.kind], self._grads(cfg.tp)
+        if not self.problem.training:
+            return 0.0, 0.0, np.zeros_like(grads), np.zeros_like(grads)
         optimizer = grads * self.problem.optimizer_traffic / kind.memory_bandwidth
         if zero:
             comm = zero_time(grads, grads, zero, self.dp_topology(kind, cfg))
@@ -273,6 +287,8 @@ class StageCosts:
         `streams` devices wide each: the fastest all-reduce over the slowest link
         between their kinds. What the planner bounds replica plans by and the
         estimator charges them."""
+        if not self.problem.training:
+            return 0.0
         pairs = list(itertools.combinations(kinds, 2)) or [(kinds[0], kinds[0])]
         link = min((self.problem.link(a, b) for a, b in pairs), key=lambda c: c.bandwidth)
         return best("all_reduce", Topology(1, len(kinds), link, link), float(self.params.sum()) / max(streams, 1))[1]
