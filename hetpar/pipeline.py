@@ -310,6 +310,10 @@ def check_fits(plan: Plan, traced: TracedStep, cluster: Cluster) -> None:
         raise PlanError(f"the plan's replicas take {list(plan.replica_batch)} examples; this batch has {traced.batch_size}")
     if not plan.replica_batch and plan.num_microbatches * traced.microbatch_size != traced.batch_size:
         raise PlanError(f"the plan splits the batch into {plan.num_microbatches} microbatches; this batch of {traced.batch_size} needs another count")
+    if plan.cost_inputs is not None:  # the pre-flight memory check: the one memory model, as placement asked it
+        too_big = fit_problems(plan, estimate_plan(plan))
+        if too_big:
+            raise PlanError("the plan does not fit in memory: " + "; ".join(too_big) + ". Solve the plan again for this cluster")
     if plan.cluster_groups:
         want = [(g.device_type, g.devices) for g in plan.cluster_groups]
         have = [(g.type_name, g.size) for g in cluster.groups]

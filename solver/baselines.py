@@ -22,7 +22,7 @@ import numpy as np
 
 from solver.planner import PlanChoice, Problem
 from solver.planner.search import Planner
-from solver.planner.stage_costs import INF, StageConfig
+from solver.cost.stage_costs import INF, StageConfig
 
 
 @dataclass(frozen=True)

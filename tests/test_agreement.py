@@ -13,7 +13,7 @@ import hetpar
 import models
 from hetpar.cluster.cluster import Cluster
 from hetpar.plan.costs import estimate_plan
-from solver.planner.stage_costs import StageConfig, StageCosts
+from solver.cost.stage_costs import StageConfig, StageCosts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from agreement import max_rel_diff, view_figures  # noqa: E402

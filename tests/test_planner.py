@@ -13,7 +13,7 @@ from solver.planner import DeviceKind, LayerCost, PlanningError, Problem, plan
 from solver.planner.layer_split import score
 from solver.planner.bounds import kind_layouts
 from solver.planner.search import Planner
-from solver.planner.stage_costs import INF, StageCosts, in_flight
+from solver.cost.stage_costs import INF, StageCosts, in_flight
 from solver.planner.step import closed_form_step_s, simulated_step_s
 
 GIB = 2**30

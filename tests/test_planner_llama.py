@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from solver.planner.stage_costs import StageCosts
+from solver.cost.stage_costs import StageCosts
 
 from hetpar.cluster.cluster import Cluster
 from hetpar.plan.auto import SearchOptions, problem_for, search

@@ -6,7 +6,7 @@ from solver.collectives import LinkCost
 from solver.efficiency import matmul_rate
 from solver.planner import DeviceKind, LayerCost, PlanningError, Problem
 from solver.planner.manual import ManualConfig, even_cuts, price
-from solver.planner.stage_costs import StageConfig, StageCosts
+from solver.cost.stage_costs import StageConfig, StageCosts
 from solver.planner.step import closed_form_step_s, simulated_step_s
 
 LINK = LinkCost(1e10, 1e-5)

@@ -17,7 +17,7 @@ from hetpar.trace.flops import op_costs
 from solver.collectives import Topology, best
 from solver.efficiency import matmul_time
 from solver.planner.search import Planner
-from solver.planner.stage_costs import StageConfig
+from solver.cost.stage_costs import StageConfig
 
 CONFIG = llama.LlamaConfig(n_layers=2, dtype=jnp.bfloat16, param_dtype=jnp.float32)
 BATCH = 8

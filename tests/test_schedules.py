@@ -21,7 +21,7 @@ from solver import schedules
 from solver.collectives import LinkCost
 from solver.pipeline_sim import StageTimes, pipeline_time, simulate
 from solver.planner import DeviceKind, LayerCost, Problem, plan
-from solver.planner.stage_costs import in_flight
+from solver.cost.stage_costs import in_flight
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 2**30

@@ -98,6 +98,7 @@ def test_flax_llama_7b_width_plans_that_the_placement_accepts(tmp_path):
     from hetpar.pipeline import solve
     from hetpar.plan.costs import estimate_plan
     from hetpar.trace.traced_step import trace_step
+    from solver.cost.estimate import Decisions, StageDecision, estimate
 
     cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=4,
                                    num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=2048)
@@ -126,5 +127,7 @@ def test_flax_llama_7b_width_plans_that_the_placement_accepts(tmp_path):
     plan = solve(trace_step(step, (state, inputs), 1, 1), cluster, search_microbatches=True)  # raises if placement refuses
     cost = estimate_plan(plan)
     assert cost.fits and all(0 < s.memory_bytes <= s.memory_capacity for s in plan.stages)
-    # Memory binds here: the state alone (16 bytes per parameter) is more than one V100 holds.
-    assert 16 * sum(layer.param_bytes for layer in plan.cost_inputs.layers) / 4 > plan.stages[0].memory_capacity
+    # Memory decides here: plain data parallelism over the four (state replicated, the
+    # batch in one go) does not fit.
+    whole = Decisions((StageDecision("v100", 4, 1, 0, len(plan.cost_inputs.layers)),), 1, "1f1b", (batch,))
+    assert not estimate(plan.cost_inputs, whole).fits

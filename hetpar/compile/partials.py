@@ -5,7 +5,7 @@ that sums over the examples (a weight gradient's matmul, a bias gradient's sum, 
 embedding gradient's scatter-add, the loss sum) leaves each device a partial sum.
 Written plainly, XLA's partitioner all-reduces that partial inside the program, so a
 stage with m microbatches all-reduces its gradients m times, where the plan prices
-once (`solver.planner.stage_costs`). Here such an operator runs on each data shard's
+once (`solver.cost.stage_costs`). Here such an operator runs on each data shard's
 examples separately: its operands' example axis is split into (D, examples / D)
 with the D axis laid over `data`, the operator is vmapped over D, and its result is
 a stack of D partial sums, one per data shard, laid out over `data`: no collective.

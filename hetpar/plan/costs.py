@@ -1,4 +1,4 @@
-"""A Plan priced by the one estimator (`solver.planner.estimate`).
+"""A Plan priced by the one estimator (`solver.cost.estimate`).
 
 A plan carries its cost inputs (`Plan.cost_inputs`: the traced step's layers and the
 cluster's device kinds and links as the planner's `Problem`), never trusted
@@ -15,8 +15,8 @@ from dataclasses import replace
 
 from hetpar.errors import PlanError
 from hetpar.plan.model import Plan, StagePlan
-from solver.planner import PlanningError
-from solver.planner.estimate import Decisions, PlanCost, StageDecision, estimate
+from solver.cost.problem import PlanningError
+from solver.cost.estimate import Decisions, PlanCost, StageDecision, estimate
 
 
 def decisions(plan: Plan, dots_bytes: dict[int, float] | None = None) -> Decisions:

@@ -17,8 +17,8 @@ from hetpar.plan.costs import priced
 from hetpar.plan.model import ClusterGroup, Plan, ProgramSignature, StagePlan
 from hetpar.plan.schema import PLAN_VERSION, check_plan_json
 from solver import schedules
-from solver.planner import Problem
-from solver.planner.estimate import ESTIMATOR_VERSION
+from solver.cost.problem import Problem
+from solver.cost.estimate import ESTIMATOR_VERSION
 
 _PROBLEM = TypeAdapter(Problem)
 

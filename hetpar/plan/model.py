@@ -4,11 +4,13 @@ JSON (see file.py), and checked against the program it was made for."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from hetpar.trace.fingerprint import ProgramSignature
-from solver.planner.problem import Problem
 from solver.schedules import DEFAULT, StageTimes
+
+if TYPE_CHECKING:  # the type only: compile and the runtime read plans without importing the planner
+    from solver.cost.problem import Problem
 
 # A PartitionSpec as plain data: the mesh axis (or None) of each dimension.
 Spec = tuple[Optional[str], ...]

@@ -26,7 +26,7 @@ import numpy as np
 
 from solver import schedules as registry
 from solver.planner.problem import Problem
-from solver.planner.stage_costs import INF, StageConfig, StageCosts, in_flight
+from solver.cost.stage_costs import INF, StageConfig, StageCosts, in_flight
 
 _BLOCK = 16  # candidate step times order_bound prices at once
 _TOL = 1 + 1e-12  # a run whose time equals a candidate step time fits it despite rounding

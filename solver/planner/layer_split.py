@@ -23,7 +23,7 @@ import numpy as np
 
 from solver import schedules
 from solver.schedules import StageTimes
-from solver.planner.stage_costs import INF, StageTable
+from solver.cost.stage_costs import INF, StageTable
 
 
 @dataclass(frozen=True)

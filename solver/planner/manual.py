@@ -6,7 +6,7 @@ A manual configuration is one pipeline of `pp` device groups of one kind, each
 replica (Megatron's micro-batch size) under a schedule, optionally with every
 layer's forward recomputed in the backward. Layers are split evenly over the
 `pp x chunks` virtual stages, as Megatron splits them (`even_cuts`). It is priced by
-the estimator (`solver.planner.estimate`), as every plan is.
+the estimator (`solver.cost.estimate`), as every plan is.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from solver import schedules
-from solver.planner.estimate import Decisions, PlanCost, StageDecision, estimate
+from solver.cost.estimate import Decisions, PlanCost, StageDecision, estimate
 from solver.planner.problem import PlanChoice, PlanningError, Problem, StageChoice
 from solver.schedules.one_f_one_b import OneFOneB
 

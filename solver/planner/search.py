@@ -38,7 +38,7 @@ from solver import schedules as registry
 from solver.planner.bounds import KindLayout, LowerBounds, kind_layouts
 from solver.planner.layer_split import best_split, score
 from solver.planner.problem import PlanChoice, PlanningError, Problem, SearchResult, StageChoice
-from solver.planner.stage_costs import INF, StageConfig, StageCosts, in_flight
+from solver.cost.stage_costs import INF, StageConfig, StageCosts, in_flight
 from solver.planner.step import rank
 
 log = logging.getLogger(__name__)

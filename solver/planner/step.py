@@ -1,4 +1,4 @@
-"""How the planner's choices meet the estimator (`solver.planner.estimate`).
+"""How the planner's choices meet the estimator (`solver.cost.estimate`).
 
 The search scores thousands of splits with each schedule's closed form
 (`Schedule.step_time`), which is exact for some shapes and close for others (an
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from solver.planner.estimate import Decisions, PlanCost, StageDecision, estimate
+from solver.cost.estimate import Decisions, PlanCost, StageDecision, estimate
 from solver.pipeline_sim import pipeline_time, step_time
 from solver.planner.problem import PlanChoice, Problem
-from solver.planner.stage_costs import StageCosts
+from solver.cost.stage_costs import StageCosts
 from solver.schedules import StageTimes
 
 

@@ -20,7 +20,7 @@ import numpy as np
 from solver.collectives import Topology, best, fastest_times
 from solver.efficiency import matmul_rate
 from solver.memory import DeviceMemory, StageActivations, in_flight, model_split_bytes, sharded_state, stage_memory
-from solver.planner.problem import DeviceKind, Problem
+from solver.cost.problem import DeviceKind, Problem
 from solver.zero import zero_time
 
 INF = float("inf")
@@ -219,7 +219,7 @@ class StageCosts:
                 dots: float = 0.0) -> StageVariant:
         """Stage `cfg` on microbatches of `b` examples holding `held` of them, under one
         ZeRO stage and recomputation policy, for every layer range: what the planner's
-        tables choose among and what the estimator (`solver.planner.estimate`) reads for a
+        tables choose among and what the estimator (`solver.cost.estimate`) reads for a
         plan whose choices are made. One function, so the two cannot disagree.
         `dots`: per example, the matmul results a "dots" policy keeps besides the
         stage's input (the planner never chooses it; a user may)."""

@@ -22,8 +22,8 @@ import numpy as np
 
 from solver.memory import DeviceMemory, in_flight
 from solver.pipeline_sim import MAX_SIMULATED_MICROBATCHES, Simulation, pipeline_time, simulate, step_time
-from solver.planner.problem import PlanningError, Problem
-from solver.planner.stage_costs import StageConfig, StageCosts
+from solver.cost.problem import PlanningError, Problem
+from solver.cost.stage_costs import StageConfig, StageCosts
 from solver.schedules import StageTimes
 
 # Bumped whenever a change to the cost model changes a price: a plan file that keeps

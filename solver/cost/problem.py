@@ -1,0 +1,117 @@
+"""What the estimator is given: a model as a chain of layers with per-example costs,
+and a cluster as a few kinds of devices with counts, speeds, memories and links.
+
+Plain data, no JAX: `hetpar.plan.auto` builds a `Problem` from a traced step,
+`solver.transformer` one for a transformer that exists only on paper, and a Plan
+keeps the one it was priced with (`Plan.cost_inputs`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from solver import schedules
+from solver.collectives import LinkCost
+
+
+class PlanningError(ValueError):
+    """No plan exists under the constraints, or the problem is malformed."""
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer, per example of the batch (a sequence for a language model)."""
+
+    flops: float  # forward + backward
+    forward_flops: float
+    param_bytes: int
+    saved_bytes: float  # activations the backward reads
+    input_bytes: float  # the activation entering the layer: what a cut before it sends, what remat keeps
+    tp_bytes: float = 0.0  # all-reduced per forward under tensor parallelism (Megatron: two hidden-sized sums)
+    tp_collectives: float = 2.0  # how many all-reduces carry `tp_bytes` per forward; the backward does as many
+    matmuls: float = 0.0  # matmul kernels per forward (their FLOPs set their speed, `solver.efficiency`); 0: unknown, flat rate
+    backward_matmuls: float = 0.0  # matmul kernels per backward; 0: as many per FLOP as the forward's
+    largest_bytes: float = 0.0  # the layer's largest single activation (solver.memory's backward working set)
+    unsplit_param_bytes: float = 0.0  # the part of param_bytes tensor parallelism leaves whole (an embedding table)
+    # of saved_bytes, what a backward rerunning the layer's forward in its own program holds (XLA fuses the
+    # rest into its readers: solver.memory's `StageActivations.recomputed`); None: as much as saved_bytes
+    recomputed_bytes: float | None = None
+    # what a rerunning backward holds at once besides, while this layer's backward runs (solver.memory's
+    # `StageActivations.rerun_working`); None: two of largest_bytes
+    rerun_working_bytes: float | None = None
+
+
+@dataclass(frozen=True)
+class DeviceKind:
+    name: str
+    count: int
+    devices_per_node: int
+    flops: float  # achievable FLOP/s per device for the model's matmuls
+    memory_bytes: int
+    memory_bandwidth: float
+    intra: LinkCost  # between devices of one node
+    inter: LinkCost  # between nodes of this kind, per device
+    layer_overhead_s: float = 0.0  # fixed cost of one layer's forward and backward on one microbatch (kernel launches)
+    peak_flops: float = 0.0  # per device, for MFU; 0: same as `flops`
+    matmul_half_flops: float = 0.0  # a matmul of this many FLOPs runs at half of `flops` (`solver.efficiency`); 0: flat
+
+    def tp_degrees(self, max_tp: int) -> list[int]:
+        """Tensor parallelism stays inside a node, where the links are fastest."""
+        return [t for t in (1, 2, 4, 8, 16) if t <= min(max_tp, self.devices_per_node) and self.devices_per_node % t == 0]
+
+
+@dataclass(frozen=True)
+class Problem:
+    layers: tuple[LayerCost, ...]
+    kinds: tuple[DeviceKind, ...]
+    batch_size: int  # examples per step
+    links: tuple[tuple[str, str, LinkCost], ...] = ()  # between kinds; either order
+    tokens_per_example: int = 1
+    # False: a forward-only function (an eval planned `like=` a train step): no backward,
+    # no gradients, no optimizer state or update, no gradient sync.
+    training: bool = True
+    state_factor: float = 4.0  # bytes of parameters + gradients + optimizer state per parameter byte (fp32 Adam: 4)
+    optimizer_traffic: float = 7.0  # bytes the update reads and writes per parameter byte
+    memory_reserve: float = 0.0  # fraction of each device's memory kept free for workspace
+    microbatches: tuple[int, ...] | None = None  # allowed counts; None: every divisor of the batch
+    schedules: tuple[str, ...] = field(default_factory=schedules.names)
+    chunks: tuple[int, ...] = (2, 4)  # stages per device group an interleaved schedule may use
+    max_tp: int = 8
+    allow_remat: bool = True
+    force_remat: bool = False  # every stage recomputes its forward in the backward (Megatron's full recomputation)
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)  # ZeRO stages a data-parallel stage may use (solver.memory.ZERO_STAGES)
+    allow_replicas: bool = True  # pipelines of different kinds side by side, splitting the batch
+    min_examples: int = 1  # per microbatch on each data-parallel device
+    min_microbatch: int = 1  # examples in any pipeline's microbatch (a replica's share included)
+    replica_units: int = 64  # the replica batch split is searched in steps of batch/(m x this) at most
+
+    def link(self, a: str, b: str) -> LinkCost:
+        if a == b:
+            return self.kind(a).inter
+        for x, y, cost in self.links:
+            if {x, y} == {a, b}:
+                return cost
+        raise PlanningError(f"no link between {a} and {b}: add one to the cluster (links between groups)")
+
+    def kind(self, name: str) -> DeviceKind:
+        return next(k for k in self.kinds if k.name == name)
+
+    def microbatch_counts(self) -> list[int]:
+        counts = self.microbatches or tuple(m for m in range(1, self.batch_size + 1) if self.batch_size % m == 0)
+        return sorted(m for m in counts if self.batch_size % m == 0)
+
+    def check(self) -> None:
+        if not self.layers:
+            raise PlanningError("the model has no layers")
+        if self.batch_size < 1:
+            raise PlanningError(f"batch size must be positive, got {self.batch_size}")
+        if not self.kinds or any(k.count < 1 for k in self.kinds):
+            raise PlanningError("every device kind needs at least one device")
+        if bad := [s for s in self.schedules if s not in schedules.names()]:
+            raise PlanningError(f"unknown schedule {bad[0]!r}; known: {', '.join(schedules.names())}")
+        if any(c < 1 for c in self.chunks):
+            raise PlanningError(f"chunk counts must be positive, got {self.chunks}")
+        if bad := [z for z in self.zero_stages if z not in (0, 1, 2, 3)]:
+            raise PlanningError(f"unknown ZeRO stage {bad[0]}; use 0 (replicated), 1 (optimizer state sharded), 2 (+ gradients) or 3 (+ parameters)")
+        if not self.microbatch_counts():
+            raise PlanningError(f"none of the microbatch counts {self.microbatches} divides the batch of {self.batch_size}")
