@@ -49,6 +49,9 @@ class StageOption:
     # the forward), "dots" (matmul results without batch dims kept). None: the
     # planner ("auto") recomputes where memory needs it; hand-made plans do not.
     remat: str | None = None
+    # "auto": only plans that give every device kind work. Without it the planner may
+    # leave a kind idle, and the plan's notes say what using it would cost.
+    use_all_kinds: bool = False
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,7 @@ def build_options(
     chunks: int | None = None,
     mesh_shape: tuple | None = None,
     runtime: str | None = None,
+    use_all_kinds: bool | None = None,
 ) -> tuple[StageOption, ShardingOption, RuntimeOption]:
     """The option objects, with the keyword shortcuts `parallelize` and `make_plan`
     take folded in (a stage or replica count fixes the pipeline: mode "manual"), and
@@ -135,7 +139,8 @@ def build_options(
     if mesh_shape and isinstance(mesh_shape[0], tuple | list):
         mesh_shape = tuple(tuple(shape) for shape in mesh_shape)
     stage = _with(stage_option or StageOption(), "stage_option",
-                  num_stages=num_stages, num_replicas=num_replicas, num_layers=num_layers, schedule=schedule, chunks=chunks)
+                  num_stages=num_stages, num_replicas=num_replicas, num_layers=num_layers, schedule=schedule, chunks=chunks,
+                  use_all_kinds=use_all_kinds or None)
     if stage.mode == "auto" and (stage.num_stages or stage.num_replicas):
         stage = replace(stage, mode="manual")
     sharding = _with(sharding_option or ShardingOption(), "sharding_option", mesh_shape=tuple(mesh_shape) if mesh_shape else None)

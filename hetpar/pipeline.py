@@ -30,7 +30,7 @@ from hetpar.trace.microbatch import Phase, input_roles
 from hetpar.trace.traced_step import TracedStep, trace_step
 from solver import schedules
 from solver.collectives import LinkCost
-from solver.planner import Problem
+from solver.planner import PlanningError, Problem, plan as plan_search
 
 
 def make_plan(
@@ -157,7 +157,8 @@ def stage_pass(traced: TracedStep, layers: Layers, cluster: Cluster, option: Sta
     with layers split by speed ("manual") or evenly ("uniform")."""
     num_microbatches = traced.batch_size // traced.microbatch_size
     if auto:
-        return search_problem(layers, cluster, inputs, search)[0]
+        plan, result = search_problem(layers, cluster, inputs, search)
+        return replace(plan, notes=(*plan.notes, *idle_kinds(cluster, inputs, search, plan, result.best.step_s)))
     uniform = option.mode == "uniform"
     stages = _stages_per_pipeline(option, cluster)
     schedule = option.schedule or schedules.DEFAULT
@@ -174,6 +175,23 @@ def stage_pass(traced: TracedStep, layers: Layers, cluster: Cluster, option: Sta
     return plan
 
 
+def idle_kinds(cluster: Cluster, inputs: Problem, search: SearchOptions, plan: Plan, step_s: float) -> list[str]:
+    """One line per device kind the planner's best plan leaves idle, with the number
+    that decided it: the best plan that puts every kind to work, priced by the same
+    estimator (or why there is none)."""
+    used = {s.group for s in plan.stages}
+    idle = [g for g in cluster.groups if g.label not in used]
+    if not idle:
+        return []
+    what = ", ".join(f"{g.type_name} x{g.size}" for g in idle)
+    try:
+        every = plan_search(replace(inputs, use_all_kinds=True), top_k=1, time_limit_s=search.time_limit_s).best
+    except PlanningError as e:
+        return [f"{what} idle: no plan that uses every kind fits or runs ({e})"]
+    return [f"{what} idle: the best plan using every kind is {every.step_s / step_s:.2f}x slower ({every.describe()}: "
+            f"{every.step_s * 1e3:.4g} ms a step against {step_s * 1e3:.4g} ms); use_all_kinds=True (--use-all-kinds) plans with them"]
+
+
 def search_options(traced: TracedStep, option: StageOption, search_microbatches: bool = False,
                    zero: int | None = None) -> SearchOptions:
     """What the planner may choose for this step: the user's schedule, chunks and
@@ -185,7 +203,7 @@ def search_options(traced: TracedStep, option: StageOption, search_microbatches:
         schedules=(option.schedule,) if option.schedule else schedules.names(),
         min_microbatch=2 if traced.microbatch_size >= 4 or search_microbatches else 1,  # size 1 traces apart
         dtype=compute_dtype(traced.full, [c.flops for c in op_costs(traced.full)]),
-        time_limit_s=option.time_limit_s, layer_overhead_s=option.layer_overhead_s,
+        time_limit_s=option.time_limit_s, layer_overhead_s=option.layer_overhead_s, use_all_kinds=option.use_all_kinds,
         **({} if zero is None else {"zero_stages": (zero,)}), **chunks,
     )
 

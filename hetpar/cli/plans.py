@@ -25,6 +25,7 @@ def solve(args: argparse.Namespace) -> int:
         progress.update(task, description=f"tracing the step and solving for {cluster.describe()}")
         plan = make_plan(workload.step, workload.args, cluster, num_microbatches=args.microbatches, batch_argnum=args.batch_argnum,
                          num_stages=args.stages, num_replicas=args.replicas, num_layers=args.layers, schedule=args.schedule,
+                         use_all_kinds=args.use_all_kinds,
                          chunks=args.chunks, sharding_option=ShardingOption(zero=args.zero))
     save_plan(plan, args.output)
     _print_plan(plan)
@@ -105,12 +106,12 @@ def _print_plan(plan, shardings: bool = False) -> None:  # noqa: ANN001
     from solver.pipeline_sim import MAX_SIMULATED_MICROBATCHES
 
     out = console()
-    table = Table(title=f"hetpar plan: {plan.num_stages} stage(s) on {plan.cluster}, {plan.num_microbatches} microbatch(es), {plan.schedule}"
+    table = Table(title=f"hetpar plan: {plan.num_stages} stage(s) on {plan.describe_devices()}, {plan.num_microbatches} microbatch(es), {plan.schedule}"
                   + (f", {plan.chunks} chunks per device group" if plan.chunks > 1 else ""))
     for col in ("stage", "replica", "layers", "modules", "device", "devices", "mesh", "DP x TP", "batch", "fwd/mb", "bwd/mb", "memory / capacity"):
         table.add_column(col, justify="left" if col in ("modules", "device") else "right")
     for s in plan.stages:
-        memory = f"{s.memory_bytes / 2**30:.2f} / {s.memory_capacity / 2**30:.0f} GiB" if s.memory_bytes else (
+        memory = f"{_size(s.memory_bytes)} / {s.memory_capacity / 2**30:.1f} GiB" if s.memory_bytes else (
             f"- / {s.memory_capacity / 2**30:.0f} GiB" if s.memory_capacity else "-")
         table.add_row(
             str(s.index), str(s.replica), f"{s.layer_start}-{s.layer_end - 1}", s.layer_names, s.device_type, str(s.num_devices),

@@ -44,6 +44,7 @@ class SearchOptions:
     time_limit_s: float | None = None  # None: search until the best plan is proven
     layer_overhead_s: float = 50e-6  # kernel launches of one layer's forward and backward, catalog default
     memory_reserve: float = 0.1  # of each device's memory, for XLA's workspace beyond the arrays the model counts
+    use_all_kinds: bool = False  # only plans that give every device kind of the cluster work
 
 
 def device_kinds(cluster: Cluster, dtype: str = "float32", layer_overhead_s: float = 50e-6) -> tuple[DeviceKind, ...]:
@@ -89,7 +90,7 @@ def problem_for(layers: Layers, cluster: Cluster, batch_size: int, tokens_per_ex
         layer_costs(layers, batch_size), device_kinds(cluster, options.dtype, options.layer_overhead_s), batch_size, group_links(cluster),
         tokens_per_example=tokens_per_example, microbatches=options.microbatches, schedules=options.schedules, chunks=options.chunks,
         max_tp=options.max_tp, allow_remat=options.allow_remat, force_remat=options.force_remat, allow_replicas=options.allow_replicas,
-        zero_stages=options.zero_stages,
+        zero_stages=options.zero_stages, use_all_kinds=options.use_all_kinds,
         min_microbatch=options.min_microbatch,
         memory_reserve=options.memory_reserve,
     )

@@ -119,6 +119,16 @@ class Plan:
         """The stage of every operator of replica `replica`'s pipeline."""
         return [stage for stage, count in self.operator_stages[replica] for _ in range(count)]
 
+    def idle_groups(self) -> tuple[ClusterGroup, ...]:
+        """The cluster's device groups no stage runs on."""
+        used = {s.group for s in self.stages}
+        return tuple(g for g in self.cluster_groups if g.name not in used)
+
+    def describe_devices(self) -> str:
+        """The cluster, with the groups the plan leaves idle named as such."""
+        idle = self.idle_groups()
+        return self.cluster + (f" (idle: {' + '.join(f'{g.devices}x{g.device_type}' for g in idle)})" if idle else "")
+
     @property
     def num_stages(self) -> int:
         return len(self.stages)
@@ -152,7 +162,7 @@ class Plan:
 
     def __str__(self) -> str:
         lines = [
-            f"hetpar plan: {self.num_stages} stage(s) on {self.cluster}, {self.num_layers} layers, "
+            f"hetpar plan: {self.num_stages} stage(s) on {self.describe_devices()}, {self.num_layers} layers, "
             f"{self.num_microbatches} microbatch(es), {self.schedule}"
             + (f" ({self.chunks} chunks per device group: stage i on the devices of stage i mod {len(self.replica_stages(0)) // self.chunks})"
                if self.chunks > 1 else ""),

@@ -81,6 +81,7 @@ class Problem:
     force_remat: bool = False  # every stage recomputes its forward in the backward (Megatron's full recomputation)
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)  # ZeRO stages a data-parallel stage may use (solver.memory.ZERO_STAGES)
     allow_replicas: bool = True  # pipelines of different kinds side by side, splitting the batch
+    use_all_kinds: bool = False  # only plans that give every kind work
     min_examples: int = 1  # per microbatch on each data-parallel device
     min_microbatch: int = 1  # examples in any pipeline's microbatch (a replica's share included)
     replica_units: int = 64  # the replica batch split is searched in steps of batch/(m x this) at most

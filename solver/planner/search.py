@@ -164,7 +164,7 @@ class Planner:
                 continue
             b = batch // m
             usable = {name: [lay for lay in per_kind[name] if not b % lay.dp and b // lay.dp >= p.min_examples] for name in kinds}
-            for r in range(1, len(kinds) + 1):
+            for r in range(self._fewest_kinds(kinds), len(kinds) + 1):
                 for subset in itertools.combinations(kinds, r):
                     for lower, layouts in self.bounds.product_bounds([usable[name] for name in subset], m, b, bound_schedule):
                         if lower < beat:
@@ -215,6 +215,11 @@ class Planner:
                             heapq.heappop(heap)
         return sorted((c for _, _, c in heap), key=lambda c: c.step_s)
 
+    def _fewest_kinds(self, kinds: tuple[str, ...]) -> int:
+        """How many of `kinds` a plan must use: all of them when the problem asks that
+        every kind work and these are all its kinds, else one."""
+        return len(kinds) if self.problem.use_all_kinds and len(kinds) == len(self.problem.kinds) else 1
+
     def _orders(self, layouts: tuple[KindLayout, ...]) -> list[tuple[KindLayout, ...]]:
         """Every order, slower kinds first first: early stages hold the most
         microbatches in flight and the fastest kinds are best kept for the most layers,
@@ -237,7 +242,7 @@ class Planner:
         for m in p.microbatch_counts():
             per_mb = p.batch_size // m
             step = max(1, math.ceil(per_mb / p.replica_units))
-            for r in range(2, len(names) + 1):
+            for r in range(max(2, self._fewest_kinds(tuple(names))), len(names) + 1):
                 for subset in itertools.combinations(names, r):
                     cross = self._cross_sync(subset)
                     ideal = self.total_flops * p.batch_size / sum(p.kind(k).count * p.kind(k).flops for k in subset)
