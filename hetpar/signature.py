@@ -74,6 +74,8 @@ def bind_call(fn: Callable, args: tuple, kwargs: dict, batch_argnum: int,
             f"got {[type(v).__name__ for v in statics.values()]}"
         ) from None
     dynamic_pos = [i for i in range(len(args)) if i not in statics]
+    for i in dynamic_pos:
+        _check_traceable(fn, i, args[i])
     dynamic = tuple(args[i] for i in dynamic_pos)
     n = len(args)
 
@@ -89,6 +91,31 @@ def bind_call(fn: Callable, args: tuple, kwargs: dict, batch_argnum: int,
     donated = tuple(args[i] for i in donate_argnums if i < len(args))
     kept = tuple(args[i] for i in range(len(args)) if i not in donate_argnums) + (keyword_only,)
     return BoundCall(call, dynamic, dynamic_pos.index(batch_argnum), static_key, donated, kept)
+
+
+def _check_traceable(fn: Callable, position: int, value: Any) -> None:
+    """Refuses an argument JAX cannot trace (a string, a config object) in the
+    user's terms: which argument, what it is, and the fix, instead of JAX's error
+    from deep inside tracing."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
+        if isinstance(leaf, (bool, int, float, complex)) or (hasattr(leaf, "shape") and hasattr(leaf, "dtype")
+                                                             and getattr(leaf.dtype, "kind", "f") not in "OUSV"):
+            continue
+        try:
+            name = f" ({list(inspect.signature(fn).parameters)[position]!r})"
+        except (TypeError, ValueError, IndexError):
+            name = ""
+        where = f"argument {position}{name}" + (jax.tree_util.keystr(path) if path else "")
+        raise HetparError(
+            f"{where} is a {type(leaf).__name__} ({_short(leaf)}), not an array JAX can trace: pass "
+            f"static_argnums=({position},) to hetpar.parallelize, as with jax.jit, if it is a setting the step "
+            "is compiled for; or pass it as an array"
+        )
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def free_donated(donated: tuple, outputs: Any, kept: tuple = ()) -> None:

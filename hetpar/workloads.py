@@ -62,10 +62,15 @@ def _factory(spec: str) -> Callable[..., Any]:
 
 
 def _import(name: str) -> Any:
+    """A module by name, or a file as `python file.py` would run it: its folder first
+    on the import path, so it can import the modules beside it."""
     if name.endswith(".py"):
         path = Path(name)
         if not path.is_file():
             raise HetparError(f"no such file: {name}")
+        folder = str(path.resolve().parent)
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
         module_spec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[path.stem] = module
