@@ -52,6 +52,9 @@ class StageOption:
     # "auto": only plans that give every device kind work. Without it the planner may
     # leave a kind idle, and the plan's notes say what using it would cost.
     use_all_kinds: bool = False
+    # A `hetpar profile` file: its measured figures price the device kinds it has, in
+    # place of the catalog's (any mode: every plan is priced by the same estimator).
+    profile: str | None = None
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,7 @@ def build_options(
     mesh_shape: tuple | None = None,
     runtime: str | None = None,
     use_all_kinds: bool | None = None,
+    profile: str | None = None,
 ) -> tuple[StageOption, ShardingOption, RuntimeOption]:
     """The option objects, with the keyword shortcuts `parallelize` and `make_plan`
     take folded in (a stage or replica count fixes the pipeline: mode "manual"), and
@@ -140,7 +144,7 @@ def build_options(
         mesh_shape = tuple(tuple(shape) for shape in mesh_shape)
     stage = _with(stage_option or StageOption(), "stage_option",
                   num_stages=num_stages, num_replicas=num_replicas, num_layers=num_layers, schedule=schedule, chunks=chunks,
-                  use_all_kinds=use_all_kinds or None)
+                  use_all_kinds=use_all_kinds or None, profile=profile)
     if stage.mode == "auto" and (stage.num_stages or stage.num_replicas):
         stage = replace(stage, mode="manual")
     sharding = _with(sharding_option or ShardingOption(), "sharding_option", mesh_shape=tuple(mesh_shape) if mesh_shape else None)

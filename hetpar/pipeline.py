@@ -7,6 +7,7 @@ not the cluster's devices). The Plan it returns holds everything compile needs."
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import replace
 from typing import Any, Callable
@@ -17,11 +18,12 @@ from hetpar.trace.stages import op_stages
 from hetpar.errors import PlanError
 from hetpar.options import ShardingOption, StageOption, build_options
 from hetpar.passes import timed_pass
-from hetpar.plan.auto import SearchOptions, problem_for, search_problem
+from hetpar.plan.auto import Measured, SearchOptions, problem_for, search_problem
 from hetpar.plan.costs import estimate_plan, fit_problems, priced, unpriced
 from hetpar.plan.manual import assign_replicas, assign_stages, link_cost
 from hetpar.plan.model import Plan, Spec, StagePlan, runs
 from hetpar.plan.runnable import check_runnable
+from hetpar.predict.profile import Profile
 from hetpar.shard import mesh_axes, shard_stages
 from hetpar.trace.fingerprint import differences, signature
 from hetpar.trace.flops import op_costs
@@ -31,6 +33,8 @@ from hetpar.trace.traced_step import TracedStep, trace_step
 from solver import schedules
 from solver.collectives import LinkCost
 from solver.planner import PlanningError, Problem, plan as plan_search
+
+log = logging.getLogger(__name__)
 
 
 def make_plan(
@@ -204,8 +208,23 @@ def search_options(traced: TracedStep, option: StageOption, search_microbatches:
         min_microbatch=2 if traced.microbatch_size >= 4 or search_microbatches else 1,  # size 1 traces apart
         dtype=compute_dtype(traced.full, [c.flops for c in op_costs(traced.full)]),
         time_limit_s=option.time_limit_s, layer_overhead_s=option.layer_overhead_s, use_all_kinds=option.use_all_kinds,
+        measured=measured_devices(option.profile) if option.profile else (),
         **({} if zero is None else {"zero_stages": (zero,)}), **chunks,
     )
+
+
+def measured_devices(path: str) -> tuple[tuple[str, Measured], ...]:
+    """A `hetpar profile` file's figures per device type, as the cost inputs take them:
+    sustained matmul rate and its half-rate size, memory bandwidth and the all-reduce
+    link, per device of the mesh each was measured on."""
+    profile = Profile.load(path)
+    out = []
+    for name, entry in sorted(profile.devices.items()):
+        c = entry.compute
+        link = LinkCost(entry.allreduce_bandwidth, entry.allreduce_latency_s) if entry.allreduce_bandwidth > 0 else None
+        out.append((name, Measured(c.matmul_flops, c.half_flops, c.memory_bandwidth, link)))
+    log.info("priced with measured figures for %s (profile %s)", ", ".join(n for n, _ in out) or "no device", path)
+    return tuple(out)
 
 
 def tokens_per_example(traced: TracedStep) -> int:

@@ -78,6 +78,8 @@ def parser() -> argparse.ArgumentParser:
                    "(default: the planner's choice)")
     p.add_argument("--zero", type=int, help="ZeRO stage over every stage's data axis: 0 replicated state, 1 optimizer "
                    "state sharded, 2 + gradients, 3 + parameters (default: chosen per parameter, by memory)")
+    p.add_argument("--profile", help="a `hetpar profile` file: its measured figures price the device kinds it has, "
+                   "in place of the catalog's")
     p.add_argument("--use-all-kinds", action="store_true", help="only plans that give every device kind of the cluster "
                    "work (without it the planner may leave a kind idle; the plan's notes then say what using it costs)")
     p.add_argument("--batch-argnum", type=int, default=1, help="which argument of the step is the batch (default 1)")

@@ -41,8 +41,16 @@ class SolveOptions(_Options):
     zero: Annotated[int, Field(ge=0, le=3)] | None = None  # None: chosen per parameter
     batch_argnum: Annotated[int, Field(ge=0, le=1000)] = 1
     manual: list[str] = []
+    profile: str | None = None
 
     _output = field_validator("output")(lambda cls, v: _writable(v, ".json"))
+
+    @field_validator("profile")
+    @classmethod
+    def _readable(cls, path: str | None) -> str | None:
+        if path is not None and not Path(path).is_file():
+            raise ValueError(f"{path!r} is not a file; make one with `hetpar profile -o {path}`")
+        return path
 
     @field_validator("manual")
     @classmethod

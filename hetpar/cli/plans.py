@@ -25,7 +25,7 @@ def solve(args: argparse.Namespace) -> int:
         progress.update(task, description=f"tracing the step and solving for {cluster.describe()}")
         plan = make_plan(workload.step, workload.args, cluster, num_microbatches=args.microbatches, batch_argnum=args.batch_argnum,
                          num_stages=args.stages, num_replicas=args.replicas, num_layers=args.layers, schedule=args.schedule,
-                         use_all_kinds=args.use_all_kinds,
+                         use_all_kinds=args.use_all_kinds, profile=args.profile,
                          chunks=args.chunks, sharding_option=ShardingOption(zero=args.zero))
     save_plan(plan, args.output)
     _print_plan(plan)
@@ -143,5 +143,8 @@ def _print_plan(plan, shardings: bool = False) -> None:  # noqa: ANN001
         if plan.bound_ratio is not None:
             lines.append(f"{plan.bound_ratio:.1%} of the cluster's upper bound")
         out.print("; ".join(lines))
+    if plan.cost_inputs is not None:
+        out.print("priced from: " + ", ".join(f"{k.name} {'measured (profile)' if k.measured else 'catalog'}"
+                                             for k in plan.cost_inputs.kinds))
     for note in plan.notes:
         out.print(f"note: {note}")

@@ -45,19 +45,40 @@ class SearchOptions:
     layer_overhead_s: float = 50e-6  # kernel launches of one layer's forward and backward, catalog default
     memory_reserve: float = 0.1  # of each device's memory, for XLA's workspace beyond the arrays the model counts
     use_all_kinds: bool = False  # only plans that give every device kind of the cluster work
+    # Measured figures per device type (`hetpar profile`, read by the pipeline), used in
+    # place of the catalog's for the kinds they name.
+    measured: tuple[tuple[str, "Measured"], ...] = ()
 
 
-def device_kinds(cluster: Cluster, dtype: str = "float32", layer_overhead_s: float = 50e-6) -> tuple[DeviceKind, ...]:
-    """One kind per cluster group, named by the group's label."""
+@dataclass(frozen=True)
+class Measured:
+    """What `hetpar profile` measured of one device kind, per device: sustained matmul
+    FLOP/s and the matmul size that reaches half of it, memory bandwidth, and the
+    all-reduce link among a node's devices (None: the cluster file's)."""
+
+    matmul_flops: float
+    matmul_half_flops: float
+    memory_bandwidth: float
+    intra: LinkCost | None = None
+
+
+def device_kinds(cluster: Cluster, dtype: str = "float32", layer_overhead_s: float = 50e-6,
+                 measured: dict[str, Measured] | None = None) -> tuple[DeviceKind, ...]:
+    """One kind per cluster group, named by the group's label: the catalog's figures,
+    or the measured ones where `measured` has the group's device type."""
     kinds = []
     for g in cluster.groups:
         spec = g.spec
         intra = link_cost(g.intra_link)
         per_node = g.devices_per_node or g.size
+        flops, half, bandwidth = spec.matmul_flops(dtype) * spec.efficiency, spec.matmul_half_flops, spec.memory_bandwidth
+        seen = (measured or {}).get(g.type_name)
+        if seen is not None:
+            flops, half, bandwidth, intra = seen.matmul_flops, seen.matmul_half_flops, seen.memory_bandwidth, seen.intra or intra
         kinds.append(DeviceKind(
-            g.label, g.size, per_node, spec.matmul_flops(dtype) * spec.efficiency, spec.memory_bytes, spec.memory_bandwidth,
+            g.label, g.size, per_node, flops, spec.memory_bytes, bandwidth,
             intra, link_cost(g.inter_link) if g.size > per_node else intra, layer_overhead_s, spec.matmul_flops(dtype),
-            spec.matmul_half_flops,
+            half, measured=seen is not None,
         ))
     return tuple(kinds)
 
@@ -87,7 +108,8 @@ def layer_costs(layers: Layers, batch_size: int) -> tuple[LayerCost, ...]:
 def problem_for(layers: Layers, cluster: Cluster, batch_size: int, tokens_per_example: int = 1,
                 options: SearchOptions = SearchOptions()) -> Problem:
     return Problem(
-        layer_costs(layers, batch_size), device_kinds(cluster, options.dtype, options.layer_overhead_s), batch_size, group_links(cluster),
+        layer_costs(layers, batch_size), device_kinds(cluster, options.dtype, options.layer_overhead_s, dict(options.measured)),
+        batch_size, group_links(cluster),
         tokens_per_example=tokens_per_example, microbatches=options.microbatches, schedules=options.schedules, chunks=options.chunks,
         max_tp=options.max_tp, allow_remat=options.allow_remat, force_remat=options.force_remat, allow_replicas=options.allow_replicas,
         zero_stages=options.zero_stages, use_all_kinds=options.use_all_kinds,

@@ -54,6 +54,7 @@ class DeviceKind:
     layer_overhead_s: float = 0.0  # fixed cost of one layer's forward and backward on one microbatch (kernel launches)
     peak_flops: float = 0.0  # per device, for MFU; 0: same as `flops`
     matmul_half_flops: float = 0.0  # a matmul of this many FLOPs runs at half of `flops` (`solver.efficiency`); 0: flat
+    measured: bool = False  # `flops`, `matmul_half_flops`, `memory_bandwidth` and `intra` come from a profile
 
     def tp_degrees(self, max_tp: int) -> list[int]:
         """Tensor parallelism stays inside a node, where the links are fastest."""
