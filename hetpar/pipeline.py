@@ -22,7 +22,7 @@ from hetpar.plan.auto import Measured, SearchOptions, problem_for, search_proble
 from hetpar.plan.costs import estimate_plan, fit_problems, priced, unpriced
 from hetpar.plan.manual import assign_replicas, assign_stages, link_cost
 from hetpar.plan.model import Plan, Spec, StagePlan, runs
-from hetpar.plan.runnable import check_runnable
+from hetpar.plan.runnable import check_runnable, runnable_problems
 from hetpar.predict.profile import Profile
 from hetpar.shard import mesh_axes, shard_stages
 from hetpar.trace.fingerprint import differences, signature
@@ -141,11 +141,12 @@ def layers_pass(traced: TracedStep, cluster: Cluster, option: StageOption, auto:
     `max_planning_layers`; fewer only when the step cannot be cut that finely."""
     if option.num_layers:
         return layers_of(traced, option.num_layers)
-    if not auto:
-        return layers_of(traced, _stages_per_pipeline(option, cluster) * _chunks(option))
     flops = [c.flops for c in op_costs(traced.full)]
     wanted = max(block_count(traced.full, traced.analysis, flops), min(cluster.num_devices, option.max_planning_layers))
-    for n in range(wanted, 0, -1):
+    # Stages fixed by hand are cut as finely as the planner's, so a faster stage can
+    # take more layers (one layer per stage would split the model evenly whatever the speeds).
+    least = 1 if auto else _stages_per_pipeline(option, cluster) * _chunks(option)
+    for n in range(max(wanted, least), least - 1, -1):
         try:
             return build_layers(traced.full, traced.analysis, flops, n)
         except PlanError:
@@ -163,6 +164,14 @@ def stage_pass(traced: TracedStep, layers: Layers, cluster: Cluster, option: Sta
     if auto:
         plan, result = search_problem(layers, cluster, inputs, search)
         return replace(plan, notes=(*plan.notes, *idle_kinds(cluster, inputs, search, plan, result.best.step_s)))
+    if search.microbatches is None:  # the user fixed the stages, not the microbatches: the fastest count that fits
+        return _fastest_count(traced, layers, cluster, option, sharding, search, inputs)
+    return _fixed_stages(traced, layers, cluster, option, sharding, inputs, num_microbatches)
+
+
+def _fixed_stages(traced: TracedStep, layers: Layers, cluster: Cluster, option: StageOption, sharding: ShardingOption,
+                  inputs: Problem, num_microbatches: int) -> Plan:
+    """The user's stage (or replica) count over `num_microbatches` microbatches."""
     uniform = option.mode == "uniform"
     stages = _stages_per_pipeline(option, cluster)
     schedule = option.schedule or schedules.DEFAULT
@@ -177,6 +186,34 @@ def stage_pass(traced: TracedStep, layers: Layers, cluster: Cluster, option: Sta
     if option.remat:
         plan = replace(plan, stages=tuple(replace(s, remat=option.remat) for s in plan.stages))
     return plan
+
+
+def _fastest_count(traced: TracedStep, layers: Layers, cluster: Cluster, option: StageOption, sharding: ShardingOption,
+                   search: SearchOptions, inputs: Problem) -> Plan:
+    """The user's stages with the microbatch count the estimator rates fastest among
+    those that run and fit (every data-parallel device keeping at least
+    `search.min_microbatch` examples per microbatch where the batch allows); the
+    first that runs when none fits, for the placement to refuse with its numbers."""
+    best, best_s, first, why = None, float("inf"), None, ""
+    for m in (m for m in range(1, traced.batch_size + 1) if traced.batch_size % m == 0):
+        if m > 1 and traced.batch_size // m < search.min_microbatch:
+            break
+        try:
+            plan = replace(_fixed_stages(traced, layers, cluster, option, sharding, inputs, m), cost_inputs=inputs)
+            if check := runnable_problems(plan, traced.batch_size):
+                raise PlanError("; ".join(check))
+        except PlanError as e:
+            why = why or str(e)
+            continue
+        first = first or plan
+        cost = estimate_plan(plan)
+        if cost.fits and cost.step_s < best_s:
+            best, best_s = plan, cost.step_s
+    if best is None and first is None:
+        raise PlanError(why or "no microbatch count runs these stages")
+    chosen = best or first
+    log.info("stages fixed by hand: %d microbatches, the fastest count that fits", chosen.num_microbatches)
+    return replace(chosen, cost_inputs=None)
 
 
 def idle_kinds(cluster: Cluster, inputs: Problem, search: SearchOptions, plan: Plan, step_s: float) -> list[str]:
