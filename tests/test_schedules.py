@@ -20,7 +20,7 @@ from parity import run_parity
 from solver import schedules
 from solver.collectives import LinkCost
 from solver.pipeline_sim import StageTimes, pipeline_time, simulate
-from solver.planner import DeviceKind, LayerCost, Problem, plan
+from solver.planner import DeviceKind, LayerCost, PlanningError, Problem, plan
 from solver.planner.stage_costs import in_flight
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -275,3 +275,24 @@ def test_schedule_names_are_listed_only_in_the_registry():
                 if literal.search(line):
                     offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert not offenders, "schedule names outside the registry:\n" + "\n".join(offenders)
+
+
+def test_the_planner_plans_interleaved_alone():
+    """`--schedule interleaved` alone once found nothing ("no plan fits in memory"):
+    interleaving only refined orders whose plain pipeline had made the top k, and
+    with no plain schedule allowed none ever did."""
+    best = plan(_bubble_problem(("interleaved",))).best
+    assert best.schedule == "interleaved" and best.chunks >= 2, best.describe()
+    assert best.step_s <= plan(_bubble_problem(schedules.names())).best.step_s * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("layers, microbatches, reason", [
+    (3, (4,), r"interleaved with 2 chunks per device group: .*at least 2 device groups.*3 planning layers allow at most 1"),
+    (8, (1,), r"runs microbatches in groups of the \d device groups; 1 microbatches is not a multiple"),
+])
+def test_the_planner_names_why_no_interleaved_pipeline_can_exist(layers, microbatches, reason):
+    problem = dataclasses.replace(_bubble_problem(("interleaved",)), microbatches=microbatches)
+    problem = dataclasses.replace(problem, layers=problem.layers[:layers])
+    with pytest.raises(PlanningError, match=reason) as caught:
+        plan(problem)
+    assert "fits in memory" not in str(caught.value)
