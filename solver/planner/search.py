@@ -360,7 +360,6 @@ class Planner:
         return (f"no plan fits in memory: the state fits in the cluster's {have / gib:.1f} GiB, but no split of the layers keeps "
                 f"every device's state and activations within its memory; to fit: {', '.join(fixes)}")
 
-
     def _why_no_shape_runs(self) -> str | None:
         """Why no pipeline of any shape can run under the allowed schedules, whatever
         memory says (None: some shape can): an interleaved schedule needs at least one
@@ -386,8 +385,7 @@ class Planner:
                         "chunks, a stage holding one layer at least)")
             reasons.append(f"{name} with {chunks} chunks per device group: {why}")
         return ("no pipeline can run under the allowed schedules: " + "; ".join(reasons)
-                + "; plan with more layers (--layers, StageOption.max_planning_layers), fewer chunks (--chunks), "
-                "other microbatch counts (--microbatches), or another schedule (--schedule)")
+                + "; plan with more layers, fewer chunks per device group, another microbatch count, or another schedule")
 
 
 def _schedule_choices(problem: Problem, interleave: bool = True) -> list[tuple[str, int]]:
