@@ -247,3 +247,28 @@ def test_chunks_sharing_devices_share_their_memory_budget():
     assert (memory_share(first, plan), memory_share(second, plan)) == (54, 18)
     unplanned = SimpleNamespace(stages=(replace(first, memory_bytes=0), replace(second, memory_bytes=0)))
     assert memory_share(unplanned.stages[0], unplanned) == 36
+
+
+def test_the_ilp_prices_a_matmul_as_the_planner_does():
+    """A matmul's piece on each device runs at the rate the planner gives a matmul of
+    that size (`solver.efficiency`'s curve at the kind's sustained rate), not at the
+    flat datasheet peak: the ILP and the planner agree on a matmul's time."""
+    from hetpar.plan.auto import device_kinds
+    from hetpar.shard import matmul_speed
+    from solver.efficiency import matmul_time
+
+    kind = device_kinds(hetpar.Cluster.virtual({"A100": 4}), "float32")[0]
+    sustained, half = matmul_speed("A100", "float32")
+    assert (sustained, half) == (kind.flops, kind.matmul_half_flops) and half > 0
+    state, batch, loss_fn = two_layer(batch=64, width=256, hidden=512)
+    traced = trace_step(with_grads(loss_fn), (state, batch), 1, 1)
+    batch_free = {v for v in traced.full.invars if v not in traced.analysis.batch_axis}
+    problem = stage_problem(traced.full, list(range(len(traced.full.ops))), batch_free, {"data": 1, "model": 4}, sustained,
+                            LinkCost(1e11, 1e-6), matmul_half_flops=half)
+    first = traced.full.ops[problem.dots[0]]  # the forward's x @ up: 2 * 64 * 256 * 512 FLOPs
+    flops = 2 * 64 * 256 * 512
+    assert [traced.full.avals[v].shape for v in first.inputs] == [(64, 256), (256, 512)]
+    for strategy, choice in zip(problem.problem.nodes[0].strategies, problem.choices[0]):
+        split = 4 if "model" in choice.lhs + choice.rhs else 1
+        assert strategy.compute_s == pytest.approx(matmul_time(flops / split, flops / split, kind.flops, kind.matmul_half_flops))
+        assert strategy.compute_s == pytest.approx((flops / split + half) / sustained)  # the curve's closed form

@@ -20,7 +20,7 @@ from parity import run_parity
 from solver import schedules
 from solver.collectives import LinkCost
 from solver.pipeline_sim import StageTimes, pipeline_time, simulate
-from solver.planner import DeviceKind, LayerCost, Problem, plan
+from solver.planner import DeviceKind, LayerCost, PlanningError, Problem, plan
 from solver.cost.stage_costs import in_flight
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -212,6 +212,14 @@ def test_interleaved_parity(tiny_gpt, case):
     assert len({s.device_type for s in used.stages}) == len(counts)
 
 
+def test_the_planner_alone_with_interleaved_gives_a_plan_that_runs(tiny_gpt):
+    """`schedule="interleaved"` without a stage count: the planner's own interleaved
+    plan (it once refused: "no plan fits in memory"), run against jax.jit."""
+    used = run_parity(tiny_gpt, hetpar.Cluster.virtual(TWO_TYPES), steps=1, num_microbatches=4, num_layers=4,
+                      schedule="interleaved")
+    assert used.schedule == "interleaved" and used.chunks >= 2 and used.num_stages >= 4
+
+
 @pytest.fixture(scope="module")
 def interleaved_plan(tiny_gpt):
     return hetpar.make_plan(tiny_gpt.step, (tiny_gpt.state, tiny_gpt.batch), hetpar.Cluster.virtual(TWO_TYPES),
@@ -275,3 +283,24 @@ def test_schedule_names_are_listed_only_in_the_registry():
                 if literal.search(line):
                     offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert not offenders, "schedule names outside the registry:\n" + "\n".join(offenders)
+
+
+def test_the_planner_plans_interleaved_alone():
+    """`--schedule interleaved` alone once found nothing ("no plan fits in memory"):
+    interleaving only refined orders whose plain pipeline had made the top k, and
+    with no plain schedule allowed none ever did."""
+    best = plan(_bubble_problem(("interleaved",))).best
+    assert best.schedule == "interleaved" and best.chunks >= 2, best.describe()
+    assert best.step_s <= plan(_bubble_problem(schedules.names())).best.step_s * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("layers, microbatches, reason", [
+    (3, (4,), r"interleaved with 2 chunks per device group: .*at least 2 device groups.*3 planning layers allow at most 1"),
+    (8, (1,), r"runs microbatches in groups of the \d device groups; 1 microbatches is not a multiple"),
+])
+def test_the_planner_names_why_no_interleaved_pipeline_can_exist(layers, microbatches, reason):
+    problem = dataclasses.replace(_bubble_problem(("interleaved",)), microbatches=microbatches)
+    problem = dataclasses.replace(problem, layers=problem.layers[:layers])
+    with pytest.raises(PlanningError, match=reason) as caught:
+        plan(problem)
+    assert "fits in memory" not in str(caught.value)

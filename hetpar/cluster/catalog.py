@@ -1,11 +1,21 @@
-"""The device catalog: what each accelerator type can do on paper."""
+"""The device catalog: what each accelerator type can do on paper.
+
+A device kind is one entry: in the packaged `devices.json`, or in a JSON file of the
+same form that the HETPAR_DEVICES environment variable names (several separated by
+the path separator), for a kind hetpar does not ship or a figure a site has
+measured (an entry there replaces the packaged one of its name). The cluster
+readers, the planner, the sharding ILP, the predictor and `Cluster.local()`'s
+recognition of devices read every kind from here.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
+from pathlib import Path
 
 from hetpar.errors import ClusterError
 
@@ -43,14 +53,51 @@ class DeviceType:
         key = {"float32": "tf32", "bfloat16": "bf16", "float16": "bf16"}.get(dtype, "fp32")
         return self.flops(key)
 
+    def sustained_matmul_flops(self, dtype: str = "float32") -> float:
+        """What large matmuls in `dtype` reach: the peak times `efficiency`. The rate
+        `solver.efficiency`'s size curve approaches, for the planner and the sharding ILP."""
+        return self.matmul_flops(dtype) * self.efficiency
+
+
+ENV_DEVICES = "HETPAR_DEVICES"
+# What an entry must give (`matmul_half_flops` is optional); see devices.json's comment for units.
+FIELDS = ("vendor", "platform", "peak_flops", "memory_bytes", "memory_bandwidth", "intra_node_link", "efficiency", "source")
+
+
+def catalog() -> dict[str, DeviceType]:
+    """Every device kind: the packaged entries, then those of the HETPAR_DEVICES files."""
+    return _catalog(os.environ.get(ENV_DEVICES, ""))
+
 
 @cache
-def catalog() -> dict[str, DeviceType]:
+def _catalog(extra: str) -> dict[str, DeviceType]:
     raw = json.loads(resources.files("hetpar.cluster").joinpath("devices.json").read_text())
-    return {name: _device(name, spec) for name, spec in raw.items() if not name.startswith("_")}
+    out = {name: _device(name, spec, "devices.json") for name, spec in raw.items() if not name.startswith("_")}
+    for path in filter(None, extra.split(os.pathsep)):
+        try:
+            entries = json.loads(Path(path).read_text())
+        except OSError as e:
+            raise ClusterError(f"{ENV_DEVICES} names {path}, which cannot be read ({e.strerror}); fix or unset it") from None
+        except json.JSONDecodeError as e:
+            raise ClusterError(f"{path} (from {ENV_DEVICES}) is not JSON: {e}") from None
+        if not isinstance(entries, dict):
+            raise ClusterError(f"{path} (from {ENV_DEVICES}) must map device names to entries like devices.json's")
+        out.update({name: _device(name, spec, path) for name, spec in entries.items() if not name.startswith("_")})
+    return out
 
 
-def _device(name: str, spec: dict) -> DeviceType:
+def _device(name: str, spec: dict, where: str) -> DeviceType:
+    missing = [f for f in FIELDS if not isinstance(spec, dict) or f not in spec]
+    if missing:
+        raise ClusterError(f"{where}: device {name!r} lacks {', '.join(missing)}; an entry gives {', '.join(FIELDS)}")
+    try:
+        return _parsed(name, spec)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ClusterError(f"{where}: device {name!r} has a malformed field ({type(e).__name__}: {e}); "
+                           "see devices.json for the form of each") from None
+
+
+def _parsed(name: str, spec: dict) -> DeviceType:
     link = spec["intra_node_link"]
     return DeviceType(
         name=name,

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 import jax
 
-from hetpar.cluster.catalog import Link, device_type
+from hetpar.cluster.catalog import Link, catalog, device_type
 from hetpar.cluster.cluster_file import read_cluster_file
 from hetpar.cluster.groups import DEFAULT_NETWORK, HOST_LINK, DeviceGroup, GroupLink
 from hetpar.errors import ClusterError
@@ -120,10 +120,13 @@ class Cluster:
 
 
 def _type_of(device: Any) -> str:
+    """The catalog kind a JAX device is: the longest catalog name within its
+    `device_kind` ("NVIDIA A100-SXM4-80GB" is an A100, not an A10)."""
     kind = getattr(device, "device_kind", "") or device.platform
-    for name in ("H100", "H200", "A100", "V100", "A10", "L4", "MI300X", "MI250X"):
-        if name in kind.replace(" ", ""):
-            return name
+    if device.platform != "cpu":
+        for name in sorted((n for n, d in catalog().items() if d.platform != "cpu"), key=lambda n: (-len(n), n)):
+            if name in kind.replace(" ", ""):
+                return name
     return "cpu" if device.platform == "cpu" else kind
 
 

@@ -16,7 +16,8 @@ from hetpar.plan.activations import kept_bytes
 from hetpar.plan.costs import estimate_plan
 from hetpar.shard.strategies import AXES, Spec, to_source, stage_problem
 from hetpar.shard.zero import apply_zero, stage_params, zero_items
-from hetpar.trace.layers import Layers
+from hetpar.trace.flops import op_costs
+from hetpar.trace.layers import Layers, compute_dtype
 from hetpar.trace.traced_step import TracedStep
 from solver.collectives import LinkCost, Topology
 from solver.intra_op import IntraOpError, IntraOpProblem, IntraOpSolution, peak_bytes, solve_intra_op
@@ -94,6 +95,14 @@ def memory_share(stage: StagePlan, plan: Plan) -> float:
     return stage.memory_capacity / len(sharing)
 
 
+def matmul_speed(device_type_name: str, dtype: str) -> tuple[float, float]:
+    """(sustained FLOP/s, F_half) at which the ILP prices a stage's matmuls on
+    `solver.efficiency`'s curve: the planner's figures for the device kind
+    (`hetpar.plan.auto.device_kinds`), so the two agree on a matmul's time."""
+    spec = device_type(device_type_name)
+    return spec.sustained_matmul_flops(dtype), spec.matmul_half_flops
+
+
 def state_factor(zero: int, dp: int) -> float:
     """Bytes of parameter, gradient and Adam state per parameter byte that a device of
     a `dp`-wide data axis holds at ZeRO stage `zero` (solver.memory's split): what
@@ -150,6 +159,7 @@ class _StageSolver:
 
     def __init__(self, traced: TracedStep, layers: Layers, plan: Plan, option: ShardingOption, links: dict[str, LinkCost]):
         self.traced, self.layers, self.plan, self.option, self.links = traced, layers, plan, option, links
+        self.dtype = compute_dtype(traced.full, [c.flops for c in op_costs(traced.full)])  # as the planner's
         self._solved: dict[tuple, tuple[dict[int, Spec], float, dict[int, tuple[Spec, Spec]]]] = {}
 
     def solve(self, stage: StagePlan, mesh: dict[str, int]) -> tuple[dict[int, Spec], float, dict[int, tuple[Spec, Spec]]]:
@@ -171,14 +181,15 @@ class _StageSolver:
         of_op = self.plan.stage_of_operators(stage.replica)
         ops = [i for i, s in enumerate(of_op) if s == stage.index]
         batch_free = {v for v in traced.full.invars if v not in traced.analysis.batch_axis}
-        spec = device_type(stage.device_type)
+        sustained, half = matmul_speed(stage.device_type, self.dtype)
         link = self.link(stage)
         zero = self.option.zero if self.option.zero is not None else stage.zero
         factor = state_factor(zero, mesh.get("data", 1))
-        build = lambda budget: stage_problem(traced.full, ops, batch_free, mesh, spec.matmul_flops(), link,  # noqa: E731
+        build = lambda budget: stage_problem(traced.full, ops, batch_free, mesh, sustained, link,  # noqa: E731
                                              budget, factor, batch_axis=traced.analysis.batch_axis,
                                              op_layer=self.layers.op_layer,
-                                             data_state_factor=state_factor(0, mesh.get("data", 1)))
+                                             data_state_factor=state_factor(0, mesh.get("data", 1)),
+                                             matmul_half_flops=half)
         problem = build(None)
         if problem is None:
             return {}, 0.0, {}

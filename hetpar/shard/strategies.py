@@ -25,6 +25,7 @@ from typing import Any
 
 from hetpar.trace.opgraph import OpGraph
 from solver.collectives import LinkCost, Topology, best
+from solver.efficiency import matmul_time
 from solver.intra_op import Edge, IntraOpProblem, Node, Strategy
 
 AXES = ("data", "model")
@@ -153,12 +154,17 @@ def stage_problem(
     graph: OpGraph, op_indices: list[int], batch_free_inputs: set[int], mesh: dict[str, int],
     flops_per_s: float, link: LinkCost, memory_budget: int | None = None, state_factor: float = 4.0,
     batch_axis: dict[int, int] | None = None, op_layer: dict[int, int] | None = None,
-    data_state_factor: float | None = None,
+    data_state_factor: float | None = None, matmul_half_flops: float = 0.0,
 ) -> StageProblem | None:
     """The sharding problem of one stage's operators on a `data` x `model` mesh
     (None when the stage has no matmul to shard). With `op_layer` (operator -> layer),
     the matmuls of identical layers are tied: one layer's choices are solved and
     every copy of it takes them.
+
+    A matmul's share on each device runs at the rate `solver.efficiency` gives its
+    size, from the device's sustained `flops_per_s` and `matmul_half_flops` (0: the
+    flat `flops_per_s`), as the planner prices it: splitting a matmul makes each
+    device's piece smaller and slower per FLOP.
 
     Each weight byte a device holds is charged `state_factor` bytes of state
     (parameter, gradient, optimizer state, as the stage's ZeRO stage shards them over
@@ -206,7 +212,9 @@ def stage_problem(
                 comm = sum(best("all_reduce", Topology(1, mesh[a], link, link), partial)[1] for a in c.summed_over)
                 held = sum((data_state_factor if AXES[0] in (c.lhs, c.rhs)[pos] else state_factor) * nbytes
                            / _shards((c.lhs, c.rhs)[pos], mesh) for pos, nbytes in held_here)
-                strategies.append(Strategy(_describe(c), flops / devices / flops_per_s, comm, int(held)))
+                each = flops / devices
+                strategies.append(Strategy(_describe(c), matmul_time(each, each, flops_per_s, matmul_half_flops), comm,
+                                           int(held)))
             strategies_of[key] = tuple(strategies)
         nodes.append(Node(f"{op.scope}/dot_general#{i}", strategies_of[key]))
         choices.append(options)  # shared by identical dots: edge tables are cached by its identity

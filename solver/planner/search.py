@@ -22,7 +22,11 @@ each allowed chunk count, its device groups' chunks splitting the layers in a ro
 repeated `chunks` times, on each order whose plain (1F1B) pipeline made the top k so
 far. Its splits are close, not proven optimal (`layer_split`), and an order pruned by
 the plain schedules' bounds is not tried interleaved: the search stays exact for the
-plain schedules, and interleaving improves on the pipelines it finds.
+plain schedules, and interleaving improves on the pipelines it finds. With no plain
+schedule allowed every order is tried interleaved, pruned by bounds taken under the
+interleaved schedule. Where no pipeline shape can run at all (too few layers for the
+chunks, no microbatch count the schedule accepts), the error says so rather than
+blaming memory.
 """
 
 from __future__ import annotations
@@ -158,6 +162,10 @@ class Planner:
         per_kind = {name: kind_layouts(p, name) for name in kinds}
         schedules = _schedule_choices(p, interleave)
         bound_schedule = next((name for name, chunks in schedules if chunks == 1), schedules[0][0])
+        # Interleaving refines the orders whose plain pipeline made the top k; with no
+        # plain schedule allowed (`--schedule interleaved`) there is none to wait for,
+        # and every order is tried interleaved.
+        scouted = any(chunks == 1 for _, chunks in schedules)
         candidates = []
         for m in counts or p.microbatch_counts():
             if batch % m:
@@ -204,7 +212,7 @@ class Planner:
                     worst = -heap[0][0] if len(heap) >= top_k else beat
                     if chunks == 1 and order_lower >= worst:
                         continue
-                    if chunks > 1 and not competitive:
+                    if chunks > 1 and scouted and not competitive:
                         continue  # interleaving refines competitive pipelines only: it costs v x the split's work
                     # (and is not held to the plain schedules' bound, which its shorter fill can beat)
                     plan = self.pipeline(order, m, b, schedule, beat=worst, chunks=chunks)
@@ -333,6 +341,9 @@ class Planner:
 
     def _why_nothing_fits(self) -> str:
         p = self.problem
+        blocked = self._why_no_shape_runs()
+        if blocked:
+            return blocked
         need = float(self.costs.params.sum()) * p.state_factor
         have = sum(k.count * k.memory_bytes * (1 - p.memory_reserve) for k in p.kinds)
         gib = 2**30
@@ -348,6 +359,33 @@ class Planner:
         fixes += ["add devices", "use a smaller batch"]
         return (f"no plan fits in memory: the state fits in the cluster's {have / gib:.1f} GiB, but no split of the layers keeps "
                 f"every device's state and activations within its memory; to fit: {', '.join(fixes)}")
+
+    def _why_no_shape_runs(self) -> str | None:
+        """Why no pipeline of any shape can run under the allowed schedules, whatever
+        memory says (None: some shape can): an interleaved schedule needs at least one
+        layer per virtual stage, at least two device groups and (Megatron's order) a
+        microbatch count that is a multiple of them. Each schedule's own `check` says
+        what it refuses; this asks it of every device group count the layers allow."""
+        p = self.problem
+        devices = sum(k.count for k in p.kinds)
+        counts = [m for m in p.microbatch_counts() if p.batch_size // m >= p.min_microbatch] or p.microbatch_counts()
+        reasons = []
+        for name, chunks in _schedule_choices(p):
+            most = min(devices, self.costs.n // chunks)  # device groups: a stage holds one layer at least
+            if most < 1:
+                why = f"{chunks} chunks need at least {chunks} layers"
+            else:
+                checked = [registry.get(name).check(d, m, chunks) for d in range(most, 0, -1) for m in reversed(counts)]
+                if not all(checked):
+                    return None
+                why = checked[0]
+            if most < devices and not all(registry.get(name).check(d, m, chunks) for d in range(most + 1, devices + 1)
+                                          for m in counts):
+                why += (f" (the step's {self.costs.n} planning layers allow at most {most} device group(s) of {chunks} "
+                        "chunks, a stage holding one layer at least)")
+            reasons.append(f"{name} with {chunks} chunks per device group: {why}")
+        return ("no pipeline can run under the allowed schedules: " + "; ".join(reasons)
+                + "; plan with more layers, fewer chunks per device group, another microbatch count, or another schedule")
 
 
 def _schedule_choices(problem: Problem, interleave: bool = True) -> list[tuple[str, int]]:

@@ -1,12 +1,13 @@
 """Pipeline schedules, registered once: `get(name)` and `names()` are how the
 simulator, planner, memory model, dispatch order, timeline, CLI and plan checks learn
-about schedules. Adding one is a module defining a `Schedule` and a line below."""
+about schedules. Adding one is a module defining a `Schedule` and a line below (or
+`registered(...)` for a while)."""
 
 from solver.schedules.base import Schedule, StageTimes, Work, device_totals
 from solver.schedules.gpipe import GPipe
 from solver.schedules.interleaved import Interleaved1F1B
 from solver.schedules.one_f_one_b import OneFOneB
-from solver.schedules.registry import get, names, register
+from solver.schedules.registry import get, names, register, registered, unregister
 
 register(GPipe())
 register(OneFOneB())
@@ -16,4 +17,4 @@ register(Interleaved1F1B())
 # choices (1F1B is never slower nor larger than GPipe under the planner's model).
 DEFAULT = GPipe.name
 
-__all__ = ["DEFAULT", "Schedule", "StageTimes", "Work", "device_totals", "get", "names", "register"]
+__all__ = ["DEFAULT", "Schedule", "StageTimes", "Work", "device_totals", "get", "names", "register", "registered", "unregister"]

@@ -3,6 +3,9 @@ schedule's name, order, memory or time asks here."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 from solver.schedules.base import Schedule
 
 _SCHEDULES: dict[str, Schedule] = {}
@@ -14,6 +17,23 @@ def register(schedule: Schedule) -> Schedule:
         raise ValueError(f"a schedule needs a unique name; {schedule.name!r} is empty or taken")
     _SCHEDULES[schedule.name] = schedule
     return schedule
+
+
+def unregister(name: str) -> Schedule:
+    """Removes the schedule called `name` (what `registered` does on the way out)."""
+    schedule = get(name)
+    del _SCHEDULES[name]
+    return schedule
+
+
+@contextmanager
+def registered(schedule: Schedule) -> Iterator[Schedule]:
+    """The schedule known everywhere inside the block, and gone after it."""
+    register(schedule)
+    try:
+        yield schedule
+    finally:
+        unregister(schedule.name)
 
 
 def names() -> tuple[str, ...]:

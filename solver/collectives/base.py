@@ -1,0 +1,105 @@
+"""What a collective algorithm is, as plain data: links, topologies, and an
+`Algorithm` that prices the collectives it implements.
+
+A message of `nbytes` over a link costs `latency + nbytes / bandwidth` (the
+alpha-beta model). A `Topology` is nodes x devices per node with one link inside
+nodes and one between them; a flat group is one node. An algorithm is one module
+in this package defining an `Algorithm` and one `register` call: every pricer
+(the planner's stage tables, ZeRO, the sharding ILP, hand-made plans, the
+predictor) asks the registry, never an algorithm by name.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+# The collectives an algorithm may implement. Sizes are the full message: the
+# all-reduced buffer, the gathered (or the scattered-from) whole, the broadcast value,
+# one device's whole send buffer for an all-to-all.
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    bandwidth: float  # bytes/s
+    latency: float  # s
+
+    def time(self, nbytes: float) -> float:
+        return self.latency + nbytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class Topology:
+    nodes: int
+    devices_per_node: int
+    intra: LinkCost
+    inter: LinkCost
+
+    @property
+    def size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def flat_link(self) -> LinkCost:
+        """The link a flat algorithm over all devices is limited by: the slowest one used."""
+        return self.inter if self.nodes > 1 else self.intra
+
+    @property
+    def hierarchical(self) -> bool:
+        """Several nodes of several devices: two levels of links to exploit."""
+        return self.nodes > 1 and self.devices_per_node > 1
+
+
+Seconds = Callable[[Topology, float], float]  # (topology, full message bytes) -> seconds; inf: cannot run here
+FlatSeconds = Callable[[int, float, LinkCost], float]  # (devices, bytes, the link they share) -> seconds
+Line = tuple[float, float]  # (latency term in seconds, seconds per byte)
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """One collective algorithm: its time for each collective it implements.
+
+    `times[collective](topology, nbytes)` is the seconds it takes (math.inf where it
+    cannot run on that topology). Searches price thousands of sizes at once as the
+    least of straight lines in the size (`solver.collectives.fastest_times`): a
+    collective whose time is affine in the size (all but those in `curved`) gives its
+    line from two sizes; an algorithm that picks among sub-algorithms per size
+    (hierarchical) gives `lines(collective, topology)`, the lines its time is the
+    least of; a curved collective is priced size by size."""
+
+    name: str
+    times: Mapping[str, Seconds]
+    curved: tuple[str, ...] = ()  # collectives whose time is not a straight line in the size
+    lines: Callable[[str, Topology], tuple[Line, ...]] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        unknown = [c for c in self.times if c not in COLLECTIVES]
+        if not self.name or unknown or not self.times:
+            raise ValueError(f"an algorithm needs a name and times for some of {', '.join(COLLECTIVES)}; "
+                             f"{self.name!r} has {', '.join(self.times) or 'none'}")
+
+    @classmethod
+    def flat(cls, name: str, times: Mapping[str, FlatSeconds], curved: tuple[str, ...] = ()) -> "Algorithm":
+        """An algorithm that treats the group as one flat set of devices, each collective
+        a function of (devices, bytes, link): on several nodes it runs over the slowest
+        link, the one between nodes."""
+        return cls(name, {kind: _over_flat_link(fn) for kind, fn in times.items()}, curved)
+
+    def time(self, collective: str, topology: Topology, nbytes: float) -> float:
+        return self.times[collective](topology, nbytes)
+
+
+def _over_flat_link(fn: FlatSeconds) -> Seconds:
+    return lambda topo, nbytes: fn(topo.size, nbytes, topo.flat_link())
+
+
+def log2_steps(n: int) -> int:
+    """Rounds of a recursive (doubling, halving or tree) algorithm over n devices."""
+    return math.ceil(math.log2(n)) if n > 1 else 0
+
+
+def fold(n: int, nbytes: float, link: LinkCost) -> float:
+    """Extra cost for a non-power-of-two group in recursive algorithms: fold to a
+    power of two and back, as MPI implementations do."""
+    return 0.0 if n & (n - 1) == 0 else 2 * link.time(nbytes)
