@@ -205,8 +205,11 @@ class _Body:
         self.gather = {v: s for v, s in (gathered or {}).items() if v in task.inputs} if task.per_microbatch else {}
         self.scatter = scatter_ops(self.ops, task.reductions, graph, analysis, self.specs, mesh)
         # Reductions left as per-data-shard partial sums until finished (partials.py).
+        # With one microbatch there is one all-reduce either way, and the stacks only
+        # cost: XLA's own partitioning of the summing operator is cheaper (about 12%
+        # of the GPT step's CPU time, benchmarks/overhead.py).
         self.partial = partial_ops(self.ops, task.reductions, graph, analysis, self.specs, mesh, set(self.scatter)) \
-            if task.per_microbatch else {}
+            if task.per_microbatch and num_microbatches > 1 else {}
         self.dp = mesh.shape.get(DATA_AXIS, 1)
         self.stacked = {op.outputs[0] for op in self.ops if op.index in self.partial}
         needed = {v for op in self.ops for v in op.inputs if v in graph.constants}
