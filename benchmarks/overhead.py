@@ -11,7 +11,7 @@ ratios of CPU time (this process's, all threads) are printed beside: on a loaded
 machine wall time follows the share of the cores a contender gets, and a step whose
 programs use fewer devices at a time (a pipeline stage's) runs fewer threads.
 Ends with: RESULT overhead_1stage=<ratio> overhead_2stage=<ratio>
-Run: .venv/bin/python benchmarks/overhead.py [--rounds 15 --iters 3]
+Run: .venv/bin/python benchmarks/overhead.py [--rounds 30 --iters 2]
 """
 
 import os
@@ -32,7 +32,7 @@ def _load() -> str:
 
 
 def main() -> None:
-    args, w = gpt_benchmark(__doc__.splitlines()[0], iters=3, rounds=15)
+    args, w = gpt_benchmark(__doc__.splitlines()[0], iters=2, rounds=30)
 
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     replicated, split = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
