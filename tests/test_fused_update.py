@@ -46,6 +46,14 @@ def test_each_stage_update_is_fused_into_its_last_backward(stages, microbatches,
     fused_steps = [s for s in compiled.order if s.fused is not None]
     assert len(fused_steps) == stages and all(s.microbatch == microbatches - 1 for s in fused_steps)
     assert not [s for s in compiled.order if s.program in posts]  # no separate update dispatch
+    # With one microbatch the stage's pre work runs inside that program too: the
+    # one-stage step is one dispatch, as with jax.jit.
+    dispatched = [compiled.programs[s.program].task.kind for s in compiled.order if not s.combine]
+    pres = {i for i, p in enumerate(compiled.programs) if p.task.kind == "pre"}
+    if microbatches == 1:
+        assert dispatched == ["fwd"] * stages and compiled.folded_pres == pres
+    else:
+        assert not compiled.folded_pres
     # With one microbatch there is nothing to accumulate into: no accumulator argument.
     assert all(f.accumulates == (microbatches > 1) for f in compiled.fused.values())
     # Data-parallel stages reduce their gradients over `data` once per step: a
