@@ -24,7 +24,7 @@ from hetpar.compile.programs import stage_mesh
 from hetpar.compile.step import compile_step, microbatch_graphs
 from hetpar.errors import HetparError
 from hetpar.options import RuntimeOption, ShardingOption, StageOption, build_options
-from hetpar.outputs import like_options, place_metrics
+from hetpar.outputs import like_options, place_metrics, several_metrics
 from hetpar.plan import Plan
 from hetpar.plan.file import load_plan
 from hetpar.plan.like import placed_like
@@ -62,6 +62,7 @@ class ParallelFunction:
         self._fn = check_step(fn)
         self._options = options
         self._cache: dict[Any, tuple[Plan, CompiledStep | RayStep | DistributedStep]] = {}
+        self._metrics: dict[Any, bool] = {}  # per cache key: whether place_metrics has work to do
         self._last: Plan | None = None
         self._last_compiled: CompiledStep | RayStep | DistributedStep | None = None
         functools.update_wrapper(self, fn)
@@ -94,6 +95,8 @@ class ParallelFunction:
         key = (call.static_key, treedef, tuple(map(_shape_key, flat)))
         if key not in self._cache:
             self._cache[key] = self._build(call.args, call.fn, call.batch_argnum)
+            graph = self._cache[key][1].graph
+            self._metrics[key] = several_metrics(graph.avals[v] for v in graph.outvars)
         plan, compiled = self._cache[key]
         self._last, self._last_compiled = plan, compiled
         if isinstance(compiled, RayStep):
@@ -102,7 +105,9 @@ class ParallelFunction:
             outputs = compiled(flat, stats)
         else:
             outputs = run(compiled, flat, stats)
-        result = place_metrics(jax.tree.unflatten(compiled.graph.out_tree, outputs))
+        result = jax.tree.unflatten(compiled.graph.out_tree, outputs)
+        if self._metrics[key]:
+            result = place_metrics(result)
         free_donated(call.donated, result, call.kept)
         return result
 
@@ -112,6 +117,7 @@ class ParallelFunction:
             if isinstance(compiled, RayStep):
                 compiled.shutdown()
         self._cache.clear()
+        self._metrics.clear()
 
     def _build(self, args: tuple, fn: Callable, batch_argnum: int) -> tuple[Plan, CompiledStep | RayStep | DistributedStep]:
         """The passes, in order: trace, plan (or check a given plan), compile."""

@@ -27,6 +27,13 @@ def _is_metric(x: Any) -> bool:
     return isinstance(x, jax.Array) and x.ndim == 0 and jnp.issubdtype(x.dtype, jnp.floating)
 
 
+def several_metrics(avals: Any) -> bool:
+    """Whether outputs of these types hold two or more scalar floats: the only case in
+    which `place_metrics` moves anything. Known from the trace, so a step that returns
+    one loss skips the walk over its outputs on every call."""
+    return sum(1 for a in avals if a.ndim == 0 and jnp.issubdtype(a.dtype, jnp.floating)) >= 2
+
+
 def place_metrics(outputs: Any) -> Any:
     """The step's scalar float outputs, all on the device of the first of them."""
     scalars = [x for x in jax.tree.leaves(outputs) if _is_metric(x)]

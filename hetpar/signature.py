@@ -121,7 +121,10 @@ def _short(value: Any) -> str:
 def free_donated(donated: tuple, outputs: Any, kept: tuple = ()) -> None:
     """Frees the donated buffers that the step did not return and that no other
     argument (`kept`) shares, after a successful step."""
+    buffers = [x for x in jax.tree.leaves(donated) if isinstance(x, jax.Array)]
+    if not buffers:  # nothing donated: no walk over the outputs, every step
+        return
     keep = {id(x) for x in jax.tree.leaves((outputs, kept))}
-    for x in jax.tree.leaves(donated):
+    for x in buffers:
         if isinstance(x, jax.Array) and id(x) not in keep and not x.is_deleted():
             x.delete()

@@ -46,15 +46,27 @@ def test_each_stage_update_is_fused_into_its_last_backward(stages, microbatches,
     fused_steps = [s for s in compiled.order if s.fused is not None]
     assert len(fused_steps) == stages and all(s.microbatch == microbatches - 1 for s in fused_steps)
     assert not [s for s in compiled.order if s.program in posts]  # no separate update dispatch
+    # With one microbatch the stage's pre work runs inside that program too: the
+    # one-stage step is one dispatch, as with jax.jit.
+    dispatched = [compiled.programs[s.program].task.kind for s in compiled.order if not s.combine]
+    pres = {i for i, p in enumerate(compiled.programs) if p.task.kind == "pre"}
+    if microbatches == 1:
+        assert dispatched == ["fwd"] * stages and compiled.folded_pres == pres
+    else:
+        assert not compiled.folded_pres
     # With one microbatch there is nothing to accumulate into: no accumulator argument.
     assert all(f.accumulates == (microbatches > 1) for f in compiled.fused.values())
     # Data-parallel stages reduce their gradients over `data` once per step: a
     # microbatch's program all-reduces nothing; the last (with the update) all-reduces
-    # exactly the stage's reductions, each once.
+    # exactly the stage's reductions, each once. With several microbatches that takes
+    # per-shard partial sums kept across them; with one, XLA's own partitioning.
     for host, fused in compiled.fused.items():
         program = compiled.programs[host]
         assert dict(program.mesh.shape) == {"data": 4 if stages == 2 else 8}  # the premise: data parallel only
-        assert program.stacked == set(program.task.reductions) and program.stacked
+        if microbatches > 1:
+            assert program.stacked == set(program.task.reductions) and program.stacked
+        else:
+            assert not program.stacked
         if microbatches > 1:
             assert not _all_reduced(program.lower().compile().as_text()), "a microbatch's program all-reduces"
         reductions = Counter(_type(compiled.graph.avals[v]) for v in program.task.reductions)

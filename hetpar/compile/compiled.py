@@ -36,6 +36,9 @@ class CompiledStep:
     # microbatch with the stage's update folded in, and the post program it replaces.
     fused: dict[int, FusedProgram] = field(default_factory=dict)
     fused_posts: dict[int, int] = field(default_factory=dict)
+    # Pre programs whose work runs inside a fused program (`FusedProgram.pre`, one
+    # microbatch only): compiled, but not dispatched.
+    folded_pres: frozenset[int] = frozenset()
 
     @property
     def num_replicas(self) -> int:
@@ -48,14 +51,21 @@ class CompiledStep:
     def order(self) -> list[Step]:
         """The programs in the order the schedule dispatches them (computed once)."""
         if self.num_replicas == 1:
-            return fuse_updates(order(self.programs, self.num_microbatches, self.schedule, self.chunks), self.fused_posts)
+            steps = fuse_updates(order(self.programs, self.num_microbatches, self.schedule, self.chunks), self.fused_posts)
+            return [s for s in steps if s.program not in self.folded_pres]
         return replicated_order(self.programs, self.replica_of, self.num_microbatches, self.schedule, self.chunks)
 
     @cached_property
     def input_keys(self) -> dict[int, tuple[bool, ...]]:
         """Per program, per input: whether it is a per-microbatch value (fixed at
-        compile, so the runtime does not ask per dispatch)."""
-        return {i: tuple(self.per_microbatch(v) for v in p.task.inputs) for i, p in enumerate(self.programs)}
+        compile, so the runtime does not ask per dispatch). A program with pre work
+        folded into its fused form runs only that way (one microbatch): its inputs
+        are the fused program's."""
+        def inputs(i: int, p: Program) -> list[int]:
+            f = self.fused.get(i)
+            return f.task.inputs if f is not None and f.pre is not None else p.task.inputs
+
+        return {i: tuple(self.per_microbatch(v) for v in inputs(i, p)) for i, p in enumerate(self.programs)}
 
     def per_microbatch(self, value: int) -> bool:
         return is_per_microbatch(self.graph, self.analysis, self.batch_invars, value)

@@ -17,7 +17,9 @@ Only "sum" reductions of the ordinary split are deferred. Left on their per-micr
 path: reductions laid out over `data` (ZeRO-2/3 gradients, reduce-scattered per
 microbatch so the accumulator stays a shard: the memory ZeRO is chosen for); max/min;
 steps marked with `hetpar.value_and_grad` (their reductions are markers after the
-summing operators); and a microbatch the data axis does not divide.
+summing operators); a microbatch the data axis does not divide; and a step of one
+microbatch, which all-reduces once anyway (programs.py leaves partials out there:
+the per-shard stacks make the program slower than XLA's own partitioning).
 """
 
 from __future__ import annotations

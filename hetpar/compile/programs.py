@@ -12,7 +12,7 @@ microbatch (`compile_fused`), so it costs no dispatch of its own.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import jax
@@ -139,17 +139,20 @@ class FusedProgram:
     last accumulation, and the post work (the optimizer update) on the finished
     reductions. It replaces, for the last microbatch, the dispatch of `task` and the
     separate dispatch of `post`, so the gradients never return to the runtime
-    between them and XLA fuses the update into the backward."""
+    between them and XLA fuses the update into the backward. With one microbatch it
+    may also hold the stage's pre work (`pre`): the step's only dispatch on the
+    stage, a whole one-stage step in one program, as `jax.jit` runs it."""
 
-    task: Task  # the per-microbatch task whose last microbatch this runs
+    task: Task  # the per-microbatch task whose last microbatch this runs (inputs: those from outside the program)
     post: Task  # the post work folded in
     mesh: Mesh
     fn: Callable  # (accumulators, *task inputs, *post_inputs) -> (outputs, reductions, post outputs)
     in_shardings: tuple[NamedSharding, ...]  # of task.inputs, then post_inputs
-    post_inputs: tuple[int, ...]  # what the post work reads from outside this program
+    post_inputs: tuple[int, ...]  # what the post (and pre) work reads from outside this program
     reductions: tuple[int, ...]  # the finished reductions still needed after it (others, step outputs)
     accumulates: bool  # False with one microbatch: nothing to add to, no accumulator argument
     arg_types: tuple = ()
+    pre: Task | None = None  # the stage's pre work, folded in (its program is not dispatched)
 
     def lower(self) -> Any:
         """As `Program.lower`: what two processes compare."""
@@ -160,33 +163,58 @@ def compile_fused(
     task: Task, post: Task, graph: OpGraph, constants: dict[int, Any], analysis: MicrobatchAnalysis, mesh: Mesh,
     num_microbatches: int, keep: set[int], mean_weight: float | None = None, specs: dict[int, tuple] | None = None,
     operand_specs: dict[int, tuple[tuple, tuple]] | None = None, gathered: dict[int, tuple] | None = None,
+    pre: Task | None = None,
 ) -> FusedProgram:
-    """`task`'s last microbatch with `post` after it (see FusedProgram). `keep` names
-    the reductions someone other than `post` reads (a later post phase, a step
-    output): they are returned; the others live only inside the program. The
-    shardings are the ones the two programs would have had apart."""
+    """`task`'s last microbatch with `post` after it (see FusedProgram), and `pre`
+    before it where given (one microbatch only: its outputs must be read by `task`
+    and `post` alone, `fold_pre` checks). `keep` names the reductions someone other
+    than `post` reads (a later post phase, a step output): they are returned; the
+    others live only inside the program. The shardings are the ones the programs
+    would have had apart."""
     body = _Body(task, graph, constants, analysis, mesh, num_microbatches, mean_weight, specs, operand_specs, gathered)
     after = _Body(post, graph, constants, analysis, mesh, num_microbatches, mean_weight, specs, operand_specs, gathered)
+    before = None
+    made_before: set[int] = set()
+    if pre is not None:
+        if num_microbatches != 1:
+            raise ValueError("pre work is folded into a stage's last microbatch only when it is the only one")
+        pre_graph = analysis.full if analysis.whole_batch and not analysis.marked else graph  # as compile_task
+        before = _Body(pre, pre_graph, constants, analysis, mesh, num_microbatches, mean_weight, specs, operand_specs, gathered)
+        made_before = set(pre.outputs)
     own = set(task.reductions)
-    post_inputs = tuple(v for v in post.inputs if v not in own)
+    inputs = [v for v in task.inputs if v not in made_before]
+    post_inputs = [v for v in post.inputs if v not in own and v not in made_before]
+    if pre is not None:
+        post_inputs += [v for v in dict.fromkeys(pre.inputs) if v not in inputs and v not in post_inputs]
+    post_inputs = tuple(post_inputs)
     kept = tuple(v for v in task.reductions if v in keep)
     accumulates = num_microbatches > 1
 
     def run(acc: tuple, *args: Any) -> tuple[tuple, tuple, tuple]:
-        env = body.evaluate(args[: len(task.inputs)])
+        given = dict(zip(inputs, args[: len(inputs)]))
+        given.update(zip(post_inputs, args[len(inputs):]))
+        if before is not None:
+            made = before.evaluate([given[v] for v in pre.inputs])
+            given.update((v, made[v]) for v in pre.outputs)
+        env = body.evaluate([given[v] for v in task.inputs])
         new = body.accumulate(acc, env) if accumulates else body.scaled(env)
         finals = dict(zip(task.reductions, body.finals(new)))
-        outside = dict(zip(post_inputs, args[len(task.inputs):]))
-        updated = after.evaluate([finals[v] if v in finals else outside[v] for v in post.inputs])
+        updated = after.evaluate([finals[v] if v in finals else given[v] for v in post.inputs])
         return tuple(env[v] for v in task.outputs), tuple(finals[v] for v in kept), tuple(updated[v] for v in post.outputs)
 
-    in_sh = body.shardings(task.inputs) + after.shardings(post_inputs)
+    # What only the pre work reads is laid out as the pre program would have wanted it.
+    in_sh = body.shardings(inputs) + tuple(
+        after.sharding(v) if v in post.inputs else before.sharding(v) for v in post_inputs)
     acc_sh = body.acc_shardings() if accumulates else ()
     out_sh = (body.shardings(task.outputs), body.shardings(kept), after.shardings(post.outputs))
     fn = jax.jit(run, in_shardings=(acc_sh, *in_sh), out_shardings=out_sh, donate_argnums=0)
-    arg_types = (body.acc_types() if accumulates else (),
-                 *body.types(task.inputs, in_sh[: len(task.inputs)]), *after.types(post_inputs, in_sh[len(task.inputs):]))
-    return FusedProgram(task, post, mesh, fn, in_sh, post_inputs, kept, accumulates, arg_types)
+    arg_types = (body.acc_types() if accumulates else (), *_types(graph, inputs + list(post_inputs), in_sh))
+    outer = task if pre is None else replace(task, inputs=inputs)
+    return FusedProgram(outer, post, mesh, fn, in_sh, post_inputs, kept, accumulates, arg_types, pre)
+
+
+def _types(graph: OpGraph, values: Sequence[int], shardings: Sequence[NamedSharding]) -> tuple:
+    return tuple(jax.ShapeDtypeStruct(graph.avals[v].shape, graph.avals[v].dtype, sharding=sh) for v, sh in zip(values, shardings))
 
 
 class _Body:
@@ -205,8 +233,11 @@ class _Body:
         self.gather = {v: s for v, s in (gathered or {}).items() if v in task.inputs} if task.per_microbatch else {}
         self.scatter = scatter_ops(self.ops, task.reductions, graph, analysis, self.specs, mesh)
         # Reductions left as per-data-shard partial sums until finished (partials.py).
+        # With one microbatch there is one all-reduce either way, and the stacks only
+        # cost: XLA's own partitioning of the summing operator is cheaper (about 12%
+        # of the GPT step's CPU time, benchmarks/overhead.py).
         self.partial = partial_ops(self.ops, task.reductions, graph, analysis, self.specs, mesh, set(self.scatter)) \
-            if task.per_microbatch else {}
+            if task.per_microbatch and num_microbatches > 1 else {}
         self.dp = mesh.shape.get(DATA_AXIS, 1)
         self.stacked = {op.outputs[0] for op in self.ops if op.index in self.partial}
         needed = {v for op in self.ops for v in op.inputs if v in graph.constants}

@@ -101,21 +101,27 @@ def compile_step(traced: TracedStep, plan: Plan, meshes: dict[int, Mesh], graphs
     replicated = plan.num_replicas > 1
     fused: dict[int, FusedProgram] = {}
     fused_posts: dict[int, int] = {}
+    folded_pres: set[int] = set()
     if not replicated:
         layouts = stage_layouts(plan)
-        for host, post in fusible_updates(traced.full, traced.analysis, plan_tasks.tasks).items():
-            task, size = plan_tasks.tasks[host], plan_tasks.microbatch_sizes[host]
+        tasks = plan_tasks.tasks
+        for host, post in fusible_updates(traced.full, traced.analysis, tasks).items():
+            task, size = tasks[host], plan_tasks.microbatch_sizes[host]
+            pre = foldable_pre(traced.full, tasks, host, post) if plan_tasks.num_microbatches == 1 else None
             fused[host] = compile_fused(
-                task, plan_tasks.tasks[post], graphs[size], traced.full.constants, traced.analysis, meshes[task.stage],
-                plan_tasks.num_microbatches, _read_elsewhere(traced.full, task, plan_tasks.tasks[post]),
+                task, tasks[post], graphs[size], traced.full.constants, traced.analysis, meshes[task.stage],
+                plan_tasks.num_microbatches, _read_elsewhere(traced.full, task, tasks[post]),
                 mean_weight=size / traced.batch_size, **layouts.get(task.stage, {}),
+                pre=None if pre is None else tasks[pre],
             )
             fused_posts[host] = post
+            if pre is not None:
+                folded_pres.add(pre)
     return CompiledStep(
         traced.exec_graph, traced.full.constants, traced.analysis, programs, set(traced.batch_invars),
         plan_tasks.num_microbatches, traced.microbatch_size, plan.schedule,
         plan_tasks.replica_of if replicated else (), plan_tasks.slices if replicated else (), plan.chunks,
-        fused, fused_posts,
+        fused, fused_posts, frozenset(folded_pres),
     )
 
 
@@ -140,6 +146,26 @@ def fusible_updates(graph: OpGraph, analysis: MicrobatchAnalysis, tasks: Sequenc
         if all(v in own or v not in producer or producer[v].kind == "pre" for v in p.inputs) and own & set(p.inputs):
             fused[host] = post
     return fused
+
+
+def foldable_pre(graph: OpGraph, tasks: Sequence[Task], host: int, post: int) -> int | None:
+    """The pre task that can run inside the fused program of `host` (with its update
+    `post`) when a step has one microbatch: the stage's only pre work, reading only
+    step inputs, whose results nothing but `host` and `post` reads (no other stage,
+    no later post phase, no step output). Then the one-stage step is one program,
+    and the pre work's results never leave it: one dispatch fewer per step."""
+    stage = tasks[host].stage
+    pres = [i for i, t in enumerate(tasks) if t.kind == "pre" and t.stage == stage]
+    if len(pres) != 1:
+        return None
+    pre = tasks[pres[0]]
+    made = {v for t in tasks for v in (*t.outputs, *t.reductions)}
+    inside = set(pre.ops) | set(tasks[host].ops) | set(tasks[post].ops)
+    outputs = set(graph.outvars)
+    if any(v in made for v in pre.inputs) or any(
+            v in outputs or any(c not in inside for c in graph.consumers.get(v, ())) for v in pre.outputs):
+        return None
+    return pres[0]
 
 
 def _read_elsewhere(graph: OpGraph, host: Task, post: Task) -> set[int]:
