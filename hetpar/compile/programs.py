@@ -132,6 +132,27 @@ def compile_task(
     return Program(task, mesh, fn, in_sh, acc_sh, init_acc, finish, arg_types, frozenset(body.stacked))
 
 
+@dataclass(frozen=True)
+class Fusion:
+    """What a runtime reads of a fused update (FusedProgram), known without compiling
+    it: which post program is folded in, what the post work reads from outside, which
+    finished reductions the fused program still returns, and what it makes. A process
+    (or a Ray driver) that does not run the stage needs this to keep its books."""
+
+    post: Task
+    post_inputs: tuple[int, ...]  # what the post work reads from outside the fused program
+    reductions: tuple[int, ...]  # the finished reductions still needed after it
+    accumulates: bool  # False with one microbatch: nothing to add to, no accumulator argument
+
+
+def fusion(task: Task, post: Task, keep: set[int], num_microbatches: int) -> Fusion:
+    """`task`'s last microbatch with `post` folded in: `keep` names the reductions
+    someone other than `post` reads (a later post phase, a step output)."""
+    own = set(task.reductions)
+    return Fusion(post, tuple(v for v in post.inputs if v not in own), tuple(v for v in task.reductions if v in keep),
+                  num_microbatches > 1)
+
+
 @dataclass
 class FusedProgram:
     """A stage's last microbatch and its once-per-step update in one program: the
@@ -167,10 +188,8 @@ def compile_fused(
     shardings are the ones the two programs would have had apart."""
     body = _Body(task, graph, constants, analysis, mesh, num_microbatches, mean_weight, specs, operand_specs, gathered)
     after = _Body(post, graph, constants, analysis, mesh, num_microbatches, mean_weight, specs, operand_specs, gathered)
-    own = set(task.reductions)
-    post_inputs = tuple(v for v in post.inputs if v not in own)
-    kept = tuple(v for v in task.reductions if v in keep)
-    accumulates = num_microbatches > 1
+    folded = fusion(task, post, keep, num_microbatches)
+    post_inputs, kept, accumulates = folded.post_inputs, folded.reductions, folded.accumulates
 
     def run(acc: tuple, *args: Any) -> tuple[tuple, tuple, tuple]:
         env = body.evaluate(args[: len(task.inputs)])
