@@ -4,10 +4,10 @@ A device path: `device_put` copies shard by shard between devices (and not at al
 when the value is already laid out as the destination wants), also between processes
 under `jax.distributed`, where JAX pairs devices one to one: a value changing layout
 on the way is re-laid on its own devices first, and one crossing between meshes of
-different sizes goes through one device of each. A host path for the Ray runtime
-and kinds of device that cannot talk directly: the value leaves as a host array
-(through Ray's object store there) and lands on the destination mesh with its
-sharding.
+different sizes goes through one device of each. A host path (`to_host`,
+`from_host`) for the Ray runtime and kinds of device that cannot talk directly: the
+value leaves as a host array (through Ray's object store there) and lands on the
+destination mesh with its sharding.
 """
 
 from __future__ import annotations
@@ -107,13 +107,25 @@ def _relayout(sharding: Any) -> Any:
     return jax.jit(lambda a: a, out_shardings=sharding)
 
 
-class HostPath:
-    """Between processes: out through the host, in onto the destination mesh."""
+class HostKeys:
+    """Typed PRNG keys on their way through the host: their key data and implementation
+    (numpy has no key type)."""
 
-    def export(self, x: Any) -> np.ndarray:
-        return np.asarray(jax.device_get(x))
+    def __init__(self, data: np.ndarray, impl: str):
+        self.data, self.impl = data, impl
 
-    def to_mesh(self, x: Any, sharding: Any) -> Any:
-        if isinstance(x, jax.Array):
-            return DevicePath().to_mesh(x, sharding)
-        return jax.device_put(np.asarray(x), sharding)
+
+def to_host(x: Any) -> Any:
+    """The host path out: `x` as a value that pickles (a numpy array, or HostKeys)."""
+    if hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return HostKeys(np.asarray(jax.device_get(jax.random.key_data(x))), str(jax.random.key_impl(x)))
+    return np.asarray(jax.device_get(x))
+
+
+def from_host(x: Any, sharding: Any = None) -> Any:
+    """The host path in: a `to_host` value as a jax Array laid out as `sharding`
+    (on the default device without one)."""
+    if isinstance(x, HostKeys):
+        keys = jax.random.wrap_key_data(x.data, impl=x.impl)
+        return keys if sharding is None else jax.device_put(keys, sharding)
+    return jax.numpy.asarray(x) if sharding is None else jax.device_put(x, sharding)
