@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from hetpar.runtime.remote import has_local_devices, is_remote, placeholder
+from hetpar.runtime.remote import eager, has_local_devices, is_remote, placeholder
 
 
 def already_there(x: Any, sharding: Any) -> bool:
@@ -43,11 +43,22 @@ class DevicePath:
         # A committed array that is not all here (or going elsewhere) is one global value
         # crossing processes; an uncommitted one is each process's own copy (the state
         # a script made before its first step), which `device_put` lays out as it is.
-        if isinstance(x, jax.Array) and x.committed and not (x.is_fully_addressable and sharding.is_fully_addressable):
-            if len(x.sharding.device_set) != len(sharding.device_set):
-                return _through_one_device(x, sharding)
-            x = _laid_out_at_source(x, sharding)
+        if isinstance(x, jax.Array) and not (x.is_fully_addressable and sharding.is_fully_addressable):
+            if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+                return self._keys(x, sharding)
+            if x.committed:
+                if len(x.sharding.device_set) != len(sharding.device_set):
+                    return _through_one_device(x, sharding)
+                x = _laid_out_at_source(x, sharding)
         return jax.device_put(x, sharding)
+
+    def _keys(self, x: jax.Array, sharding: Any) -> jax.Array:
+        """Typed PRNG keys (a dropout key) between processes: JAX moves only plain
+        arrays across processes, so the keys travel as their key data and are wrapped
+        again where they land (op by op: placeholders where a process holds none)."""
+        impl = jax.random.key_impl(x)
+        data = self.to_mesh(eager(jax.random.key_data, x), sharding)
+        return eager(lambda d: jax.random.wrap_key_data(d, impl=impl), data)
 
 
 def _through_one_device(x: jax.Array, sharding: Any) -> jax.Array:
