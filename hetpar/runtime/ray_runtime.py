@@ -246,6 +246,7 @@ class RayStep:
         except HetparError:
             self.shutdown()  # no half-built runtime keeps processes alive
             raise
+        log.info("%d Ray workers, stages per worker: %s", len(self._actors), self._stages)
 
     def pids(self) -> dict[int, int]:
         """Per stage, the process id of its worker."""
