@@ -143,15 +143,10 @@ class ParallelFunction:
                 plan = o.plan
             else:
                 stage = o.stage
-                if o.runtime.runtime == "ray" and stage.schedule is None and stage.chunks is None:
-                    stage = replace(stage, chunks=1)  # one actor per stage: no chunks sharing a device group
                 # Several processes: process 0 solves, the others receive its plan.
                 plan = share_plan(lambda: solve(traced, cluster, stage, o.sharding)) if distributed else (
                     solve(traced, cluster, stage, o.sharding))
         if o.runtime.runtime == "ray":
-            if plan.chunks > 1:
-                raise HetparError(f"the Ray runtime runs one actor per stage; this {plan.schedule} plan puts {plan.chunks} stages "
-                                  "on each device group: run it with runtime='local', or plan it without chunks")
             with timer("start workers"):
                 compiled = RayStep(fn, args, batch_argnum, plan, traced, o.runtime.timeout_s)
             log.info("hetpar built a %d-stage plan on Ray in %s", plan.num_stages, timer)
@@ -216,7 +211,8 @@ def parallelize(
       interleaved schedule (`num_stages` device groups hold `chunks` stages each);
     - `mesh_shape=(data, model)` (or one per stage): every stage's devices form that
       2-D mesh, its operators sharded over it by the intra-op ILP;
-    - `runtime="ray"`: every stage mesh in its own Ray actor (see `hetpar.init`).
+    - `runtime="ray"`: every device group (its stages, and their chunks) in its own Ray
+      actor (see `hetpar.init`).
 
     The result computes what `jax.jit(fn)` computes, and is called like it: keyword
     arguments, `static_argnums` and `donate_argnums` as in `jax.jit` (donated buffers

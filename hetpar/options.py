@@ -80,7 +80,7 @@ class RuntimeOption:
 
     # "local": this process; "distributed": every process of a jax.distributed job runs
     # the step on its own devices (chosen by itself when the job has several processes);
-    # "ray": one Ray actor per stage mesh, state through the driver (single machine only)
+    # "ray": one Ray actor per device group (its stages and chunks), state through the driver
     runtime: str = "local"
     # The Ray runtime's wait for a step or a build before it reports a stuck worker;
     # None: the HETPAR_WORKER_TIMEOUT_S environment variable, or 300 s.

@@ -84,6 +84,40 @@ def check_replicas() -> None:
         print(f"CHECK replicas-uneven ok shares={batch}", flush=True)
 
 
+def check_matrix() -> None:
+    """The runtime matrix's cases (tests/test_runtime_matrix.py) with one stage mesh
+    per process: interleaved chunks (two chunks on each process's mesh), dropout keyed
+    from the state (bits drawn for the whole batch, sliced per microbatch), ZeRO-3."""
+    from hetpar.options import ShardingOption, StageOption
+    from test_runtime_matrix import dropout_case
+
+    cluster = hetpar.Cluster.from_file(sys.argv[1]).bind()
+    w = workload()
+    par = hetpar.parallelize(with_grads(w.loss_fn), cluster=cluster, num_stages=2, num_microbatches=4, num_layers=4,
+                             schedule="interleaved", chunks=2)
+    compare(par, w, 2, "matrix-interleaved")
+    assert par.plan.num_stages == 4 and par.plan.chunks == 2, par.plan.num_stages
+
+    step, state, batch = dropout_case()
+    par = hetpar.parallelize(step, cluster=cluster, num_stages=2, num_microbatches=2)
+    reference = jax.jit(step)
+    ref_state, expected = jax.device_put(state, jax.local_devices()[0]), []
+    for i in range(2):
+        ref_state, ref_loss = reference(ref_state, batch)
+        state, loss = par(state, batch)
+        assert_close(distributed.to_host((state, loss)), jax.device_get((ref_state, ref_loss)), f"dropout: step {i}")
+    assert par.compiled().step.analysis.sliced, "no dropout bits drawn for the whole batch"
+    distributed.barrier()
+    if jax.process_index() == 0:
+        print("CHECK matrix-dropout ok", flush=True)
+
+    w = models.get("mlp", batch_size=8, hidden=32, depth=3)
+    par = hetpar.parallelize(with_grads(w.loss_fn), cluster=cluster, num_stages=2, num_layers=4, num_microbatches=2,
+                             schedule="1f1b", stage_option=StageOption(mode="uniform"), sharding_option=ShardingOption(zero=3))
+    compare(par, w, 2, "matrix-zero3")
+    assert all(s.zero == 3 and s.gathered for s in par.plan.stages), "ZeRO-3 gathered no parameter"
+
+
 def check_spanning() -> None:
     """Each stage a 2x2 mesh over two processes: its collectives run across them."""
     w = workload()
@@ -167,7 +201,7 @@ def check_transfer() -> None:
 
 
 CHECKS = {"transfer": check_transfer, "gpipe": lambda: check_pipeline("gpipe"), "1f1b": lambda: check_pipeline("1f1b"), "replicas": check_replicas,
-          "spanning": check_spanning, "raise": lambda: inject("raise"), "kill": lambda: inject("kill")}
+          "matrix": check_matrix, "spanning": check_spanning, "raise": lambda: inject("raise"), "kill": lambda: inject("kill")}
 
 for name in sys.argv[2:]:
     CHECKS[name]()

@@ -92,11 +92,13 @@ def test_launch_keeps_in_process_collectives_unless_a_group_has_several_nodes():
 def test_two_processes_pipeline_schedules_and_uneven_replicas():
     """One stage per process (A100 process, V100 process), 3 steps with the state
     resident (no device-to-host transfer in steps 2-3): GPipe on meshes of 2 and 2
-    devices; 1F1B on meshes of 4 and 2 (values cross through one device); then two
-    replicas of different kinds and sizes with uneven batch shares."""
-    result, _ = launch(TWO, "gpipe")
+    devices, then the runtime matrix's cases (interleaved chunks, dropout, ZeRO-3:
+    tests/test_runtime_matrix.py); 1F1B on meshes of 4 and 2 (values cross through
+    one device); then two replicas of different kinds and sizes with uneven batch shares."""
+    result, _ = launch(TWO, "gpipe", "matrix")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "CHECK pipeline-gpipe ok" in result.stdout, result.stdout[-2000:]
+    for name in ("pipeline-gpipe", "matrix-interleaved", "matrix-dropout", "matrix-zero3"):
+        assert f"CHECK {name} ok" in result.stdout, result.stdout[-2000:]
     result, _ = launch(UNEVEN, "1f1b", "replicas")
     assert result.returncode == 0, result.stderr[-3000:]
     for name in ("pipeline-1f1b", "replicas", "replicas-uneven"):

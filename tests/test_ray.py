@@ -192,3 +192,25 @@ def test_an_unpicklable_step_is_one_clear_error(ray_cluster):
     with pytest.raises(hetpar.HetparError, match="cannot be sent to the Ray workers.*module-level function") as info:
         parallel(jnp.ones((8, 4)), {"x": jnp.ones((16, 8))})
     assert "\n" not in str(info.value)
+
+
+def test_per_example_outputs_and_dropout_bits_as_jit(ray_cluster):
+    """Bits drawn for the whole batch, each microbatch its slice (on the worker that
+    drew them), and a per-example output laid end to end from the microbatches'
+    pieces on two workers: jax.jit's bits, bit for bit."""
+
+    def step(key, x):
+        keep = jax.random.bernoulli(key, 0.5, x.shape)
+        y = jnp.where(keep, x, 0.0) * 2.0
+        return jax.random.split(key)[0], (keep, y, jnp.sum(y))
+
+    parallel = hetpar.parallelize(step, cluster=hetpar.Cluster.virtual(TWO_TYPES), num_microbatches=4, num_stages=2,
+                                  runtime="ray")
+    key, x = jax.random.key(3), jax.random.normal(jax.random.key(4), (16, 6))
+    (new_key, (masks, y, total)), (ref_key, (ref_masks, ref_y, ref_total)) = parallel(key, x), jax.jit(step)(key, x)
+    np.testing.assert_array_equal(np.asarray(masks), np.asarray(ref_masks))
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(ref_y))
+    np.testing.assert_allclose(np.asarray(total), np.asarray(ref_total), rtol=1e-6)
+    np.testing.assert_array_equal(jax.random.key_data(new_key), jax.random.key_data(ref_key))
+    assert len({row.tobytes() for row in np.asarray(masks).reshape(4, -1)}) == 4  # no microbatch reuses another's bits
+    parallel.shutdown()

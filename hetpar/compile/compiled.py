@@ -1,17 +1,23 @@
 """A compiled step: every stage program, what each value is, and the order the
-schedule runs the programs in. What a runtime needs, and nothing it decides."""
+schedule runs the programs in. What a runtime needs, and nothing it decides.
+
+The structure (tasks, fused updates, order) is known everywhere; the programs only
+where they run: a process or a Ray driver that runs none of a stage's programs holds
+None in their place (`compile_step`'s `keep`) and still walks the same order."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from types import SimpleNamespace
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
 from hetpar.compile.order import Step, fuse_updates, order, replicated_order
-from hetpar.compile.programs import FusedProgram, Program
+from hetpar.compile.programs import FusedProgram, Fusion, Program
+from hetpar.compile.tasks import Task
 from hetpar.trace.microbatch import MicrobatchAnalysis, Phase
 from hetpar.trace.opgraph import OpGraph
 from solver.schedules import DEFAULT
@@ -22,7 +28,7 @@ class CompiledStep:
     graph: OpGraph  # traced at one microbatch
     constants: dict[int, Any]  # full-batch trace constants
     analysis: MicrobatchAnalysis
-    programs: list[Program]  # in task order
+    programs: list[Program | None]  # in task order; None where another process runs it
     batch_invars: set[int]
     num_microbatches: int  # per replica
     microbatch_size: int
@@ -34,11 +40,17 @@ class CompiledStep:
     chunks: int = 1  # stages per device group (an interleaved schedule's virtual stages)
     # Per host program (a stage's last per-microbatch program): that program's last
     # microbatch with the stage's update folded in, and the post program it replaces.
-    fused: dict[int, FusedProgram] = field(default_factory=dict)
+    fused: dict[int, FusedProgram] = field(default_factory=dict)  # only where compiled (see `keep`)
     fused_posts: dict[int, int] = field(default_factory=dict)
-    # Pre programs whose work runs inside a fused program (`FusedProgram.pre`, one
+    fusions: dict[int, Fusion] = field(default_factory=dict)  # per host program, compiled or not
+    tasks: tuple[Task, ...] = ()  # per program (from the programs when not given)
+    # Pre programs whose work runs inside a fused program (`Fusion.pre`, one
     # microbatch only): compiled, but not dispatched.
     folded_pres: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        if not self.tasks:
+            self.tasks = tuple(p.task for p in self.programs)
 
     @property
     def num_replicas(self) -> int:
@@ -50,10 +62,11 @@ class CompiledStep:
     @cached_property
     def order(self) -> list[Step]:
         """The programs in the order the schedule dispatches them (computed once)."""
+        held = [SimpleNamespace(task=t) for t in self.tasks]
         if self.num_replicas == 1:
-            steps = fuse_updates(order(self.programs, self.num_microbatches, self.schedule, self.chunks), self.fused_posts)
+            steps = fuse_updates(order(held, self.num_microbatches, self.schedule, self.chunks), self.fused_posts)
             return [s for s in steps if s.program not in self.folded_pres]
-        return replicated_order(self.programs, self.replica_of, self.num_microbatches, self.schedule, self.chunks)
+        return replicated_order(held, self.replica_of, self.num_microbatches, self.schedule, self.chunks)
 
     @cached_property
     def input_keys(self) -> dict[int, tuple[bool, ...]]:
@@ -61,11 +74,11 @@ class CompiledStep:
         compile, so the runtime does not ask per dispatch). A program with pre work
         folded into its fused form runs only that way (one microbatch): its inputs
         are the fused program's."""
-        def inputs(i: int, p: Program) -> list[int]:
-            f = self.fused.get(i)
-            return f.task.inputs if f is not None and f.pre is not None else p.task.inputs
+        def inputs(i: int, t: Task) -> tuple[int, ...] | list[int]:
+            f = self.fusions.get(i)
+            return f.inputs if f is not None and f.pre is not None else t.inputs
 
-        return {i: tuple(self.per_microbatch(v) for v in inputs(i, p)) for i, p in enumerate(self.programs)}
+        return {i: tuple(self.per_microbatch(v) for v in inputs(i, t)) for i, t in enumerate(self.tasks)}
 
     def per_microbatch(self, value: int) -> bool:
         return is_per_microbatch(self.graph, self.analysis, self.batch_invars, value)

@@ -132,6 +132,35 @@ def compile_task(
     return Program(task, mesh, fn, in_sh, acc_sh, init_acc, finish, arg_types, frozenset(body.stacked))
 
 
+@dataclass(frozen=True)
+class Fusion:
+    """What a runtime reads of a fused update (FusedProgram), known without compiling
+    it: which post program is folded in (and, with one microbatch, which pre program),
+    what the fused program reads from outside, which finished reductions it still
+    returns, and what it makes. A process (or a Ray driver) that does not run the
+    stage needs this to keep its books."""
+
+    post: Task
+    post_inputs: tuple[int, ...]  # what the post (and pre) work reads from outside the fused program
+    reductions: tuple[int, ...]  # the finished reductions still needed after it
+    accumulates: bool  # False with one microbatch: nothing to add to, no accumulator argument
+    inputs: tuple[int, ...] = ()  # of the microbatch task's inputs, those from outside (not made by `pre`)
+    pre: Task | None = None  # the stage's pre work, folded in (its program is not dispatched)
+
+
+def fusion(task: Task, post: Task, keep: set[int], num_microbatches: int, pre: Task | None = None) -> Fusion:
+    """`task`'s last microbatch with `post` folded in, and `pre` before it where given
+    (one microbatch only): `keep` names the reductions someone other than `post` reads
+    (a later post phase, a step output)."""
+    own, made_before = set(task.reductions), set(pre.outputs) if pre is not None else set()
+    inputs = [v for v in task.inputs if v not in made_before]
+    post_inputs = [v for v in post.inputs if v not in own and v not in made_before]
+    if pre is not None:
+        post_inputs += [v for v in dict.fromkeys(pre.inputs) if v not in inputs and v not in post_inputs]
+    return Fusion(post, tuple(post_inputs), tuple(v for v in task.reductions if v in keep), num_microbatches > 1,
+                  tuple(inputs), pre)
+
+
 @dataclass
 class FusedProgram:
     """A stage's last microbatch and its once-per-step update in one program: the
@@ -174,21 +203,13 @@ def compile_fused(
     body = _Body(task, graph, constants, analysis, mesh, num_microbatches, mean_weight, specs, operand_specs, gathered)
     after = _Body(post, graph, constants, analysis, mesh, num_microbatches, mean_weight, specs, operand_specs, gathered)
     before = None
-    made_before: set[int] = set()
     if pre is not None:
         if num_microbatches != 1:
             raise ValueError("pre work is folded into a stage's last microbatch only when it is the only one")
         pre_graph = analysis.full if analysis.whole_batch and not analysis.marked else graph  # as compile_task
         before = _Body(pre, pre_graph, constants, analysis, mesh, num_microbatches, mean_weight, specs, operand_specs, gathered)
-        made_before = set(pre.outputs)
-    own = set(task.reductions)
-    inputs = [v for v in task.inputs if v not in made_before]
-    post_inputs = [v for v in post.inputs if v not in own and v not in made_before]
-    if pre is not None:
-        post_inputs += [v for v in dict.fromkeys(pre.inputs) if v not in inputs and v not in post_inputs]
-    post_inputs = tuple(post_inputs)
-    kept = tuple(v for v in task.reductions if v in keep)
-    accumulates = num_microbatches > 1
+    folded = fusion(task, post, keep, num_microbatches, pre)
+    inputs, post_inputs, kept, accumulates = list(folded.inputs), folded.post_inputs, folded.reductions, folded.accumulates
 
     def run(acc: tuple, *args: Any) -> tuple[tuple, tuple, tuple]:
         given = dict(zip(inputs, args[: len(inputs)]))

@@ -4,7 +4,8 @@ Compile reads the plan and nothing else: each operator's stage and each stage's
 shardings are the plan's (`Plan.operator_stages`, `StagePlan.shardings`); no layer
 is rebuilt and no solver runs here, so a saved plan compiles to the programs it was
 solved for. `step_tasks` touches no device, so a driver and its workers (one process
-per mesh, runtime/ray_runtime.py) derive the same tasks and agree on every index.
+per mesh, runtime/ray_runtime.py) derive the same tasks and agree on every index;
+`compile_step(keep=...)` gives each of them the same step, compiled only where it runs.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Callable, Sequence
 from jax.sharding import Mesh
 
 from hetpar.compile.compiled import CompiledStep
-from hetpar.compile.programs import FusedProgram, Program, compile_fused, compile_task
+from hetpar.compile.programs import FusedProgram, Fusion, Program, compile_fused, compile_task, fusion
 from hetpar.compile.remat import recompute
 from hetpar.compile.tasks import Task, build_tasks
 from hetpar.trace.stages import op_stages
@@ -91,15 +92,18 @@ def stage_layouts(plan: Plan) -> dict[int, dict[str, dict]]:
     }
 
 
-def compile_step(traced: TracedStep, plan: Plan, meshes: dict[int, Mesh], graphs: dict[int, OpGraph]) -> CompiledStep:
-    """The compile pass, for the whole step in this process: `meshes[s]` is the mesh
-    stage s runs on (stages may share one, as when layers are profiled one by one).
-    Each stage's update is fused into its last microbatch's program where it can be
-    (`fusible_updates`)."""
+def compile_step(traced: TracedStep, plan: Plan, meshes: dict[int, Mesh], graphs: dict[int, OpGraph],
+                 keep: Callable[[int], bool] = lambda stage: True) -> CompiledStep:
+    """The compile pass: `meshes[s]` is the mesh stage s runs on (stages may share
+    one, as when layers are profiled one by one). Each stage's update is fused into
+    its last microbatch's program where it can be (`fusible_updates`). Only the
+    stages `keep` accepts are compiled (a Ray worker compiles its own, a Ray driver
+    none); the step's structure and order are the same everywhere."""
     plan_tasks = step_tasks(traced, plan)
-    programs = compile_tasks(traced, plan, plan_tasks, meshes, graphs)
+    programs = compile_tasks(traced, plan, plan_tasks, meshes, graphs, keep=lambda t: keep(t.stage))
     replicated = plan.num_replicas > 1
     fused: dict[int, FusedProgram] = {}
+    fusions: dict[int, Fusion] = {}
     fused_posts: dict[int, int] = {}
     folded_pres: set[int] = set()
     if not replicated:
@@ -107,21 +111,24 @@ def compile_step(traced: TracedStep, plan: Plan, meshes: dict[int, Mesh], graphs
         tasks = plan_tasks.tasks
         for host, post in fusible_updates(traced.full, traced.analysis, tasks).items():
             task, size = tasks[host], plan_tasks.microbatch_sizes[host]
+            elsewhere = _read_elsewhere(traced.full, task, tasks[post])
             pre = foldable_pre(traced.full, tasks, host, post) if plan_tasks.num_microbatches == 1 else None
-            fused[host] = compile_fused(
-                task, tasks[post], graphs[size], traced.full.constants, traced.analysis, meshes[task.stage],
-                plan_tasks.num_microbatches, _read_elsewhere(traced.full, task, tasks[post]),
-                mean_weight=size / traced.batch_size, **layouts.get(task.stage, {}),
-                pre=None if pre is None else tasks[pre],
-            )
+            fusions[host] = fusion(task, tasks[post], elsewhere, plan_tasks.num_microbatches,
+                                   None if pre is None else tasks[pre])
             fused_posts[host] = post
             if pre is not None:
                 folded_pres.add(pre)
+            if keep(task.stage):
+                fused[host] = compile_fused(
+                    task, tasks[post], graphs[size], traced.full.constants, traced.analysis, meshes[task.stage],
+                    plan_tasks.num_microbatches, elsewhere, mean_weight=size / traced.batch_size, **layouts.get(task.stage, {}),
+                    pre=None if pre is None else tasks[pre],
+                )
     return CompiledStep(
         traced.exec_graph, traced.full.constants, traced.analysis, programs, set(traced.batch_invars),
         plan_tasks.num_microbatches, traced.microbatch_size, plan.schedule,
         plan_tasks.replica_of if replicated else (), plan_tasks.slices if replicated else (), plan.chunks,
-        fused, fused_posts, frozenset(folded_pres),
+        fused, fused_posts, fusions, plan_tasks.tasks, frozenset(folded_pres),
     )
 
 

@@ -4,10 +4,10 @@ A device path: `device_put` copies shard by shard between devices (and not at al
 when the value is already laid out as the destination wants), also between processes
 under `jax.distributed`, where JAX pairs devices one to one: a value changing layout
 on the way is re-laid on its own devices first, and one crossing between meshes of
-different sizes goes through one device of each. A host path for the Ray runtime
-and kinds of device that cannot talk directly: the value leaves as a host array
-(through Ray's object store there) and lands on the destination mesh with its
-sharding.
+different sizes goes through one device of each. A host path (`to_host`,
+`from_host`) for the Ray runtime and kinds of device that cannot talk directly: the
+value leaves as a host array (through Ray's object store there) and lands on the
+destination mesh with its sharding.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from hetpar.runtime.remote import has_local_devices, is_remote, placeholder
+from hetpar.runtime.remote import eager, has_local_devices, is_remote, placeholder
 
 
 def already_there(x: Any, sharding: Any) -> bool:
@@ -43,11 +43,22 @@ class DevicePath:
         # A committed array that is not all here (or going elsewhere) is one global value
         # crossing processes; an uncommitted one is each process's own copy (the state
         # a script made before its first step), which `device_put` lays out as it is.
-        if isinstance(x, jax.Array) and x.committed and not (x.is_fully_addressable and sharding.is_fully_addressable):
-            if len(x.sharding.device_set) != len(sharding.device_set):
-                return _through_one_device(x, sharding)
-            x = _laid_out_at_source(x, sharding)
+        if isinstance(x, jax.Array) and not (x.is_fully_addressable and sharding.is_fully_addressable):
+            if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+                return self._keys(x, sharding)
+            if x.committed:
+                if len(x.sharding.device_set) != len(sharding.device_set):
+                    return _through_one_device(x, sharding)
+                x = _laid_out_at_source(x, sharding)
         return jax.device_put(x, sharding)
+
+    def _keys(self, x: jax.Array, sharding: Any) -> jax.Array:
+        """Typed PRNG keys (a dropout key) between processes: JAX moves only plain
+        arrays across processes, so the keys travel as their key data and are wrapped
+        again where they land (op by op: placeholders where a process holds none)."""
+        impl = jax.random.key_impl(x)
+        data = self.to_mesh(eager(jax.random.key_data, x), sharding)
+        return eager(lambda d: jax.random.wrap_key_data(d, impl=impl), data)
 
 
 def _through_one_device(x: jax.Array, sharding: Any) -> jax.Array:
@@ -107,13 +118,25 @@ def _relayout(sharding: Any) -> Any:
     return jax.jit(lambda a: a, out_shardings=sharding)
 
 
-class HostPath:
-    """Between processes: out through the host, in onto the destination mesh."""
+class HostKeys:
+    """Typed PRNG keys on their way through the host: their key data and implementation
+    (numpy has no key type)."""
 
-    def export(self, x: Any) -> np.ndarray:
-        return np.asarray(jax.device_get(x))
+    def __init__(self, data: np.ndarray, impl: str):
+        self.data, self.impl = data, impl
 
-    def to_mesh(self, x: Any, sharding: Any) -> Any:
-        if isinstance(x, jax.Array):
-            return DevicePath().to_mesh(x, sharding)
-        return jax.device_put(np.asarray(x), sharding)
+
+def to_host(x: Any) -> Any:
+    """The host path out: `x` as a value that pickles (a numpy array, or HostKeys)."""
+    if hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return HostKeys(np.asarray(jax.device_get(jax.random.key_data(x))), str(jax.random.key_impl(x)))
+    return np.asarray(jax.device_get(x))
+
+
+def from_host(x: Any, sharding: Any = None) -> Any:
+    """The host path in: a `to_host` value as a jax Array laid out as `sharding`
+    (on the default device without one)."""
+    if isinstance(x, HostKeys):
+        keys = jax.random.wrap_key_data(x.data, impl=x.impl)
+        return keys if sharding is None else jax.device_put(keys, sharding)
+    return jax.numpy.asarray(x) if sharding is None else jax.device_put(x, sharding)

@@ -3,7 +3,8 @@
 Every process runs the user's script (JAX's convention for many hosts), gets the
 same plan (process 0 makes it and broadcasts it: the planner has wall-clock limits,
 so independent solves could differ), builds the same global stage meshes from the
-cluster's device positions, and runs the in-process executor unchanged: each jitted
+cluster's device positions, and runs the one interpreter (runtime/interpreter.py) over
+the same device transport as one process (runtime/executor.py): each jitted
 stage program runs on the processes that own devices in its mesh (the others do not
 dispatch it: they make placeholder outputs with no local shards, remote.py), and
 values move between stage meshes with `jax.device_put` across processes (JAX's
@@ -311,7 +312,7 @@ def read_status(folder: str | Path, process: int) -> dict[str, Any]:
 
 class StageTracker:
     """Which stage program this process dispatched last, so an exception raised in a
-    step names its stage. Wraps each program's callable; the executor is unchanged."""
+    step names its stage. Wraps each program's callable; the interpreter is unchanged."""
 
     def __init__(self) -> None:
         self.current: tuple[int, str, int | None] | None = None
@@ -335,8 +336,8 @@ class StageTracker:
 
 
 class DistributedStep:
-    """A compiled step run by every process of the job: the in-process executor,
-    with each failure turned into a HetparError naming this process and the stage.
+    """A compiled step run by every process of the job: the interpreter over the
+    device transport, as in one process, with each failure turned into a HetparError naming this process and the stage.
     Programs whose mesh has none of this process's devices are not dispatched here:
     their outputs are placeholders (hetpar/runtime/remote.py), which is all this
     process needs to send to or receive from them."""

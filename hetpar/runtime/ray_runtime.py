@@ -1,29 +1,32 @@
-"""The multi-process runtime: one Ray actor per stage mesh, the schedule on the driver.
+"""Ray as a launcher and a transport: one actor per device group, the interpreter on the driver.
 
-The driver submits every program of a step at once, in the schedule's order; Ray
-starts each call when the values it needs exist, so stages in different processes
-run concurrently and the driver never waits inside the step. Values cross between
-processes as host arrays in Ray's object store (communicator.HostPath). The driver
-then waits, with a time limit, on every call's completion token and on the step's
-outputs: a worker that raised or died surfaces here as a HetparError naming it.
+The driver runs the same interpreter as every other runtime (runtime/interpreter.py)
+over `RayTransport`: each instruction becomes an actor call, submitted at once and
+in the schedule's order, and each value a handle (the actor that holds it and an id).
+Ray starts each call when the values it needs exist, so stages in different
+processes run concurrently and the driver never waits inside the step. Values cross
+between actors as host arrays in Ray's object store. The driver then waits, with a
+time limit, on every call's completion token and on the step's outputs: a worker
+that raised or died surfaces here as a HetparError naming its stages.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from types import SimpleNamespace
+from itertools import count
 from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 
-from hetpar.compile.step import step_tasks
+from hetpar.compile.compiled import CompiledStep
+from hetpar.compile.step import compile_step
 from hetpar.errors import HetparError
 from hetpar.plan import Plan
-from hetpar.compile.compiled import constant_output, is_per_microbatch
+from hetpar.runtime.communicator import from_host, to_host
+from hetpar.runtime.interpreter import interpret
 from hetpar.runtime.ray_worker import StageWorker
-from hetpar.compile.order import order, replicated_order
 from hetpar.trace.traced_step import TracedStep
 
 log = logging.getLogger("hetpar.ray")
@@ -82,23 +85,154 @@ def shutdown() -> None:
     ray.shutdown()
 
 
+class RayValue:
+    """A value a worker holds (`actor`: the index of its device group) under `id`.
+    `ref` is its host copy in Ray's object store once it has one (made once, however
+    many workers read it); `delivered` says whether the worker holds it yet: a copy on
+    its way arrives with the first instruction that reads it there."""
+
+    __slots__ = ("actor", "id", "ref", "delivered")
+
+    def __init__(self, actor: int, id: int, ref: Any = None, delivered: bool = True):
+        self.actor, self.id, self.ref, self.delivered = actor, id, ref, delivered
+
+
+class RayTransport:
+    """The interpreter's instructions as actor calls: values are RayValues, a target
+    is the actor of the program's stage (the worker lays each input out itself)."""
+
+    frees = True
+
+    def __init__(self, step: CompiledStep, actors: list, actor_of: dict[int, int], wait: Callable[[list, str], list]):
+        self.tasks, self.fusions = step.tasks, step.fusions
+        self.actors, self.actor_of, self.wait = actors, actor_of, wait
+        self.targets = [(actor_of[t.stage],) * len(t.inputs) for t in step.tasks]
+        self.fused_targets = {i: (actor_of[step.tasks[i].stage],) * (len(f.inputs) + len(f.post_inputs))
+                              for i, f in step.fusions.items()}
+        self.tokens: list = []  # one per instruction: what the driver waits on at the end
+        self._ids = count()
+        self._puts: dict[int, tuple] = {}  # id of a driver value -> (the value, its host copy in the object store)
+
+    def _new(self, actor: int) -> RayValue:
+        return RayValue(actor, next(self._ids))
+
+    def _ref(self, x: Any) -> Any:
+        """`x`'s host copy in the object store (a worker's value exported once; a step
+        argument put once)."""
+        import ray
+
+        if isinstance(x, RayValue):
+            if x.ref is None:
+                x.ref = self.actors[x.actor].export.remote(x.id)
+            return x.ref
+        held = self._puts.get(id(x))
+        if held is None:  # the value is held with its copy, so its id stays its own for the step
+            held = self._puts[id(x)] = (x, ray.put(to_host(x)))
+        return held[1]
+
+    def _send(self, values: Sequence[RayValue]) -> tuple[tuple[int, ...], tuple[int, ...], list]:
+        """For one instruction: the values' ids, and those not yet at its worker with their host copies."""
+        arrivals, received = [], []
+        for x in values:
+            if not x.delivered:
+                arrivals.append(x.id)
+                received.append(x.ref)
+                x.delivered = True
+        return tuple(x.id for x in values), tuple(arrivals), received
+
+    def move(self, x: Any, actor: int) -> RayValue:
+        if isinstance(x, RayValue) and x.actor == actor:
+            return x
+        return RayValue(actor, next(self._ids), self._ref(x), delivered=False)
+
+    def slice(self, x: Any, start: int, size: int, axis: int) -> Any:
+        if not isinstance(x, RayValue):  # a step argument: sliced here, sent as the slice
+            if isinstance(x, jax.Array):
+                return jax.lax.slice_in_dim(x, start, start + size, axis=axis)
+            return np.asarray(x)[(slice(None),) * axis + (slice(start, start + size),)]
+        into = self._new(x.actor)
+        (source,), arrivals, received = self._send([x])
+        self.tokens.append(self.actors[x.actor].slice.remote(source, into.id, start, size, axis, arrivals, *received))
+        return into
+
+    def call(self, program: int, acc: Any, args: list, last: bool) -> tuple[list, Any]:
+        task = self.tasks[program]
+        actor = self.actor_of[task.stage]
+        ids, arrivals, received = self._send(args)
+        outs = [self._new(actor) for _ in task.outputs]
+        accs = [self._new(actor) for _ in (task.reductions if last else (None,))]
+        self.tokens.append(self.actors[actor].run.remote(
+            program, None if acc is None else acc.id, ids, tuple(o.id for o in outs), tuple(a.id for a in accs), last,
+            arrivals, *received))
+        return outs, accs if last else accs[0]
+
+    def call_fused(self, program: int, acc: Any, args: list) -> tuple[list, list, list]:
+        task, folded = self.tasks[program], self.fusions[program]
+        actor = self.actor_of[task.stage]
+        ids, arrivals, received = self._send(args)
+        outs = [self._new(actor) for _ in task.outputs]
+        finals = [self._new(actor) for _ in folded.reductions]
+        updated = [self._new(actor) for _ in folded.post.outputs]
+        made = tuple(x.id for x in (*outs, *finals, *updated))
+        self.tokens.append(self.actors[actor].run_fused.remote(
+            program, None if acc is None else acc.id, ids, made, arrivals, *received))
+        return outs, finals, updated
+
+    def merge(self, how: str, home: RayValue, other: Any) -> RayValue:
+        into = self._new(home.actor)
+        (theirs,), arrivals, received = self._send([self.move(other, home.actor)])
+        self.tokens.append(self.actors[home.actor].merge.remote(how, home.id, theirs, into.id, arrivals, *received))
+        return into
+
+    def concatenate(self, pieces: list, axis: int) -> RayValue:
+        """On the worker of the first piece."""
+        actor = pieces[0].actor
+        into = self._new(actor)
+        ids, arrivals, received = self._send([self.move(p, actor) for p in pieces])
+        self.tokens.append(self.actors[actor].concatenate.remote(ids, into.id, axis, arrivals, *received))
+        return into
+
+    def free(self, values: list) -> None:
+        held: dict[int, list[int]] = {}
+        for x in values:
+            if x.delivered:
+                held.setdefault(x.actor, []).append(x.id)
+        for actor, ids in held.items():
+            self.actors[actor].free.remote(tuple(ids))
+
+    def results(self, outputs: list) -> list:
+        """Waits (with the time limit) on every instruction and on the outputs, which
+        come back as host arrays made into jax Arrays on the driver."""
+        refs = [self._ref(x) for x in outputs if isinstance(x, RayValue)]
+        values = iter(self.wait(self.tokens + refs, "running the step")[len(self.tokens):])
+        return [from_host(next(values)) if isinstance(x, RayValue) else x for x in outputs]
+
+
 class RayStep:
-    """A compiled step whose stages run in Ray actors. Call it with the flat arguments."""
+    """A compiled step whose stages run in Ray actors, one per device group (an
+    interleaved plan's chunks on a group share its actor). Call it with the flat
+    arguments."""
 
     def __init__(self, fn: Callable, args: tuple, batch_argnum: int, plan: Plan, traced: TracedStep,
                  timeout_s: float | None = None):
         import ray
 
-        _check_supported(traced)
         init()
-        self.graph = traced.exec_graph
-        self._traced, self._plan, self.timeout_s = traced, plan, timeout_s or worker_timeout_s()
-        self._tasks = step_tasks(traced, plan)
+        self.timeout_s = timeout_s or worker_timeout_s()
+        self.step = compile_step(traced, plan, {}, {}, keep=lambda stage: False)  # the structure: no program here
+        self.graph = self.step.graph
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for s in plan.stages:
+            groups.setdefault(tuple(s.device_ids), []).append(s.index)
+        self._stages = list(groups.values())  # per actor, its stages
+        self._actor_of = {s: a for a, stages in enumerate(self._stages) for s in stages}
         worker = ray.remote(num_cpus=0, max_restarts=0)(StageWorker)
-        self.workers = {s.index: worker.remote(len(s.device_ids)) for s in plan.stages}
+        self._actors = [worker.remote(len(devices)) for devices in groups]
+        self.workers = {s: self._actors[a] for s, a in sorted(self._actor_of.items())}  # stage -> its actor
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.asarray(x).dtype), args)
         try:
-            built = [w.build.remote(fn, abstract, batch_argnum, plan, stage) for stage, w in self.workers.items()]
+            built = [a.build.remote(fn, abstract, batch_argnum, plan, tuple(stages))
+                     for a, stages in zip(self._actors, self._stages)]
         except Exception as e:  # the step could not be pickled for the workers
             self.shutdown()
             first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
@@ -112,122 +246,26 @@ class RayStep:
         except HetparError:
             self.shutdown()  # no half-built runtime keeps processes alive
             raise
-        holders = [SimpleNamespace(task=t) for t in self._tasks.tasks]
-        m = self._tasks.num_microbatches
-        self._order = (
-            order(holders, m, plan.schedule) if plan.num_replicas == 1
-            else replicated_order(holders, self._tasks.replica_of, m, plan.schedule)
-        )
-        self._producer: dict[tuple[int, int], int] = {}  # (value, replica) -> stage
-        self._readers: dict[tuple[int, int], set[int]] = {}
-        for t, r in zip(self._tasks.tasks, self._tasks.replica_of):
-            for v in (*t.outputs, *t.reductions):
-                self._producer[(v, r)] = t.stage
-            for v in t.inputs:
-                self._readers.setdefault((v, r), set()).add(t.stage)
-        self._outvars = set(self.graph.outvars)
+        log.info("%d Ray workers, stages per worker: %s", len(self._actors), self._stages)
 
     def pids(self) -> dict[int, int]:
+        """Per stage, the process id of its worker."""
         import ray
 
         return dict(zip(self.workers, ray.get([w.pid.remote() for w in self.workers.values()], timeout=60)))
 
-    def _leaves(self, v: int, r: int, stage: int) -> bool:
-        """Whether another stage, or the caller, needs value v of replica r."""
-        return bool(self._readers.get((v, r), set()) - {stage}) or (r == 0 and v in self._outvars)
-
     def __call__(self, flat_args: Sequence[Any]) -> list[Any]:
         import ray
 
-        if not self.workers or not ray.is_initialized():
+        if not self._actors or not ray.is_initialized():
             raise HetparError("this step's Ray workers were shut down; call hetpar.parallelize again to start new ones")
-        for w in self.workers.values():
-            w.begin_step.remote()  # before any program of this step: nothing of an earlier step survives
+        for a in self._actors:
+            a.begin_step.remote()  # before any instruction of this step: nothing of an earlier step survives
         try:
-            return self._step(flat_args)
-        except BaseException:  # a failed or interrupted step leaves nothing behind either
-            for w in self.workers.values():
-                w.end_step.remote()
-            raise
-
-    def _step(self, flat_args: Sequence[Any]) -> list[Any]:
-        import ray
-
-        tasks, graph = self._tasks, self.graph
-        inputs = dict(zip(graph.invars, flat_args))
-        refs: dict[tuple, Any] = {}  # (value, microbatch, replica) -> object ref of a host array
-        delivered: set[tuple] = set()  # (stage, key) whose worker holds the value
-        tokens = []
-
-        def per_mb(v: int) -> bool:
-            return is_per_microbatch(graph, self._traced.analysis, set(self._traced.batch_invars), v)
-
-        def input_ref(v: int, mb: int | None) -> Any:
-            key = (v, mb, "input")
-            if key not in refs:
-                x = np.asarray(inputs[v])
-                if mb is not None:
-                    start, size = tasks.slices[mb]
-                    x = x[start : start + size]
-                refs[key] = ray.put(x)
-            return refs[key]
-
-        for item in self._order:
-            if item.combine:
-                self._combine(refs)
-                continue
-            t, r = tasks.tasks[item.program], tasks.replica_of[item.program]
-            mb = item.microbatch
-            names, arrays = [], []
-            for v in t.inputs:
-                key = (v, mb if per_mb(v) else None, r)
-                producer = self._producer.get((v, r))
-                if (t.stage, key) in delivered or producer == t.stage:
-                    continue
-                arrays.append(refs[key] if producer is not None else input_ref(v, key[1]))
-                names.append(v)
-                delivered.add((t.stage, key))
-            export = tuple(v for v in t.outputs if self._leaves(v, r, t.stage))
-            out_mb = mb if t.per_microbatch else None
-            result = self.workers[t.stage].run.options(num_returns=len(export) + 1).remote(
-                item.program, mb, r, item.last_microbatch, export, tuple(names), *arrays
-            )
-            result = result if export else [result]  # one return comes back as a bare ref
-            refs.update({(v, out_mb, r): ref for v, ref in zip(export, result[:-1])})
-            tokens.append(result[-1])
-            if item.release is not None:
-                for k in [k for k in refs if k[1] == item.release]:
-                    del refs[k]
-                for s in self._plan.replica_stages(r):
-                    self.workers[s.index].release.remote(item.release)
-        outputs = [self._output(v, refs, inputs) for v in graph.outvars]
-        pending = [o for o in outputs if isinstance(o, ray.ObjectRef)]
-        values = dict(zip(map(id, pending), self._wait(tokens + pending, "running the step")[len(tokens):]))
-        for w in self.workers.values():
-            w.end_step.remote()
-        return [jax.numpy.asarray(values[id(o)]) if isinstance(o, ray.ObjectRef) else o for o in outputs]
-
-    def _combine(self, refs: dict) -> None:
-        """Replicas' reductions into replica 0's, then export those other stages read."""
-        tasks = self._tasks
-        for t, r in zip(tasks.tasks, tasks.replica_of):
-            if r == 0:
-                continue
-            for v in t.reductions:
-                other = self.workers[t.stage].export.remote((v, None, r))
-                self.workers[self._producer[(v, 0)]].combine.remote(v, 0, other)
-        for t, r in zip(tasks.tasks, tasks.replica_of):
-            if r == 0:
-                for v in t.reductions:
-                    if self._leaves(v, 0, t.stage):
-                        refs[(v, None, 0)] = self.workers[t.stage].export.remote((v, None, 0))
-
-    def _output(self, v: int, refs: dict, inputs: dict) -> Any:
-        if v in self.graph.constants:
-            return constant_output(self._traced.full.constants[v], self.graph.avals[v])
-        if (v, None, 0) in refs:
-            return refs[(v, None, 0)]
-        return inputs[v]
+            return interpret(self.step, RayTransport(self.step, self._actors, self._actor_of, self._wait), flat_args)
+        finally:  # a finished, failed or interrupted step leaves nothing behind
+            for a in self._actors:
+                a.end_step.remote()
 
     def _wait(self, refs: list, doing: str) -> list:
         import ray
@@ -242,32 +280,22 @@ class RayStep:
             raise HetparError(f"{doing}: a stage's worker raised {_cause(e)}") from None
 
     def _dead(self) -> str:
+        """The stages whose worker no longer answers."""
         import ray
 
         dead = []
-        for stage, w in self.workers.items():
+        for a, stages in zip(self._actors, self._stages):
             try:
-                ray.get(w.pid.remote(), timeout=10)
+                ray.get(a.pid.remote(), timeout=10)
             except ray.exceptions.RayError:
-                dead.append(str(stage))
-        return f"stage {', '.join(dead)}" if dead else "a stage"
+                dead += stages
+        if not dead:
+            return "a stage"
+        return f"stage{'s' if len(dead) > 1 else ''} {', '.join(map(str, sorted(dead)))}"
 
     def shutdown(self) -> None:
         import ray
 
-        for w in self.workers.values():
-            ray.kill(w)
-        self.workers = {}
-
-
-def _check_supported(traced: TracedStep) -> None:
-    """The multi-process runtime does not yet hand microbatches slices of whole-batch
-    values (dropout bits, see trace/whole_batch.py) nor gather per-example outputs."""
-    analysis = traced.analysis
-    if analysis.sliced:
-        raise HetparError(
-            "this step draws random bits shaped by the batch (dropout) or reads per-example values computed over "
-            "the whole batch; the Ray runtime does not slice them per microbatch yet: use runtime='local'"
-        )
-    if any(v in analysis.batch_axis for v in traced.full.outvars):
-        raise HetparError("the step returns per-example values, which the Ray runtime does not gather yet: use runtime='local'")
+        for a in self._actors:
+            ray.kill(a)
+        self._actors, self.workers = [], {}

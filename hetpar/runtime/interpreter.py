@@ -1,0 +1,203 @@
+"""The one runtime core: walks a compiled step's instruction order and keeps its books.
+
+Every runtime runs a step through `interpret`: it owns the value store (which value of
+which microbatch and replica lies where), the accumulators, the replicas' combine,
+microbatch slices and the release of dead values. Where values live and how programs
+run is a `Transport`'s business:
+
+- `DeviceTransport` (runtime/executor.py): values are jax Arrays, moved between stage
+  meshes with `device_put`, in one process or across the processes of a
+  `jax.distributed` job (communicator.DevicePath);
+- `RayTransport` (runtime/ray_runtime.py): values are handles to arrays held by the
+  Ray actor that owns a stage's mesh; they cross between actors as host arrays
+  through Ray's object store.
+
+The interpreter never looks inside a value or a target (where an input must be for
+its program): it only hands them to the transport, so a runtime gains every feature
+of the instruction stream (chunks, dropout slices, ZeRO layouts, fused updates,
+replicas) without code of its own. The loop is the hot path of every step: per
+program input it does one dictionary lookup, and one transport call only when the
+value is not already at the program's stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+from hetpar.compile.compiled import CompiledStep, constant_output
+
+# How replicas' shares of a reduction combine (the reduction's kind -> the operation's name).
+MERGE_KIND = {"sum": "add", "mean": "add", "max": "maximum", "min": "minimum"}
+
+
+class Transport(Protocol):
+    """Where a step's values live and how its programs run. A value is whatever the
+    transport returns (an array, a handle); a target is what `targets` gives per
+    program input (a sharding, an actor)."""
+
+    frees: bool  # whether values dropped from the store must be freed explicitly (`free`)
+    targets: Sequence[tuple]  # per program, per input: where the value must be for it
+    fused_targets: dict[int, tuple]  # per fused host program: its inputs', then its post inputs'
+
+    def move(self, x: Any, target: Any) -> Any:
+        """`x` (a value or a step argument) where `target` wants it."""
+
+    def slice(self, x: Any, start: int, size: int, axis: int) -> Any:
+        """A microbatch's part of a whole-batch value or argument, where it lies."""
+
+    def call(self, program: int, acc: Any, args: list, last: bool) -> tuple[Sequence[Any], Any]:
+        """Runs `program` (acc None: from fresh accumulators). Returns its outputs and
+        its accumulators, or with `last` its finished reductions (one per value)."""
+
+    def call_fused(self, program: int, acc: Any, args: list) -> tuple[Sequence[Any], Sequence[Any], Sequence[Any]]:
+        """Runs `program`'s last microbatch with the update folded in: outputs, the
+        finished reductions still needed, and the update's outputs."""
+
+    def merge(self, how: str, home: Any, other: Any) -> Any:
+        """`other` combined into `home` (`how`: a MERGE_KIND value), where `home` lies."""
+
+    def concatenate(self, pieces: list, axis: int) -> Any:
+        """Microbatches' pieces of a per-example output, end to end along `axis`."""
+
+    def free(self, values: list) -> None:
+        """`values` are dead (only called when `frees`)."""
+
+    def results(self, outputs: list) -> list:
+        """The step's outputs as the caller gets them, once every program has run."""
+
+
+@dataclass
+class RunStats:
+    """What the runtime holds between programs: per stage, the peak bytes of
+    per-microbatch values (activations and their gradients) kept for later programs."""
+
+    peak_activation_bytes: dict[int, int] = field(default_factory=dict)
+
+    def observe(self, store: dict) -> None:
+        held: dict[int, int] = {}
+        for (_, mb, _), copies in store.items():
+            if mb is not None:
+                for stage, x in copies.items():
+                    held[stage] = held.get(stage, 0) + x.nbytes
+        for stage, nbytes in held.items():
+            self.peak_activation_bytes[stage] = max(self.peak_activation_bytes.get(stage, 0), nbytes)
+
+
+def interpret(step: CompiledStep, transport: Transport, flat_args: Sequence[Any], stats: RunStats | None = None) -> list[Any]:
+    """Runs every instruction of one step in the schedule's order over `transport`.
+    With `stats`, also records what the step holds at its peak (costs a walk over
+    held values per program, so only for measurements)."""
+    graph, analysis = step.graph, step.analysis
+    # (value, microbatch, replica) -> stage -> value. Once-per-step values (microbatch
+    # None) are per replica: each data-parallel pipeline has its own.
+    store: dict[tuple[int, int | None, int], dict[int, Any]] = {}
+    inputs = dict(zip(graph.invars, flat_args))
+    move, call = transport.move, transport.call
+
+    def source(value: int, mb: int | None, replica: int) -> Any:
+        copies = store.get((value, mb, replica)) or store.get((value, mb, 0))
+        if copies:
+            return next(iter(copies.values()))
+        if value in analysis.sliced:  # drawn once for the whole batch: this microbatch's part
+            whole = store.get((value, None, replica)) or store[(value, None, 0)]
+            start, size = step.microbatch_slice(mb)
+            return transport.slice(next(iter(whole.values())), start, size, analysis.batch_axis[value])
+        arg = inputs[value]
+        if mb is None:
+            return arg
+        start, size = step.microbatch_slice(mb)
+        return transport.slice(arg, start, size, 0)
+
+    def fetch(value: int, mb: int | None, replica: int, stage: int, target: Any) -> Any:
+        copies = store.setdefault((value, mb, replica), {})
+        if stage not in copies:
+            # A value already where the program wants it (a parameter this stage
+            # returned last step) is used in place: no copy, no dispatch.
+            copies[stage] = move(source(value, mb, replica), target)
+        return copies[stage]
+
+    accumulators: dict[int, Any] = {}
+    returned = set(graph.outvars)
+    input_keys, tasks, targets = step.input_keys, step.tasks, transport.targets
+    for item in step.order:
+        if item.combine:
+            _combine_replicas(step, store, transport)
+            continue
+        p = item.program
+        task = tasks[p]
+        replica = step.replica_of[p] if step.replica_of else 0
+        mb = item.microbatch
+        stage = task.stage
+        if item.fused is not None:
+            _run_fused(step, transport, p, mb, replica, accumulators, fetch, store)
+        else:
+            args = [fetch(v, mb if per_mb else None, replica, stage, target)
+                    for v, per_mb, target in zip(task.inputs, input_keys[p], targets[p])]
+            outs, acc = call(p, accumulators.pop(p, None), args, item.last_microbatch)
+            key = mb if task.per_microbatch else None
+            for v, x in zip(task.outputs, outs):
+                store[(v, key, replica)] = {stage: x}
+            if item.last_microbatch:
+                for v, x in zip(task.reductions, acc):
+                    store[(v, None, replica)] = {stage: x}
+            else:
+                accumulators[p] = acc
+        if stats is not None:
+            stats.observe(store)
+        if item.release is not None:
+            dead = [k for k in store if k[1] == item.release and k[0] not in returned]
+            if transport.frees:
+                transport.free([x for k in dead for x in store[k].values()])
+            for k in dead:
+                del store[k]
+
+    return transport.results([_output(v, step, store, inputs, transport) for v in graph.outvars])
+
+
+def _run_fused(step: CompiledStep, transport: Transport, p: int, mb: int, replica: int, accumulators: dict,
+               fetch: Any, store: dict) -> None:
+    """A stage's last microbatch with its update: the microbatch's outputs, the
+    reductions still read elsewhere and the update's results go to the store."""
+    task, folded = step.tasks[p], step.fusions[p]
+    stage, n = task.stage, len(folded.inputs)  # a folded pre program's outputs are made inside
+    targets = transport.fused_targets[p]
+    args = [fetch(v, mb if per_mb else None, replica, stage, t)
+            for v, per_mb, t in zip(folded.inputs, step.input_keys[p], targets[:n])]
+    args += [fetch(v, None, replica, stage, t) for v, t in zip(folded.post_inputs, targets[n:])]
+    outs, finals, updated = transport.call_fused(p, accumulators.pop(p, None), args)
+    for v, x in zip(task.outputs, outs):
+        store[(v, mb, replica)] = {stage: x}
+    for v, x in zip((*folded.reductions, *folded.post.outputs), (*finals, *updated)):
+        store[(v, None, replica)] = {stage: x}
+
+
+def _combine_replicas(step: CompiledStep, store: dict, transport: Transport) -> None:
+    """Each replica accumulated its own share of every reduction (gradients, loss
+    sums); replica 0 receives the others' and combines them, so its post work sees
+    the full batch's."""
+    reductions = step.analysis.reductions
+    for (value, mb, replica), copies in list(store.items()):
+        if mb is not None or replica == 0 or value not in reductions:
+            continue
+        home = store.get((value, None, 0))
+        other = next(iter(copies.values()))
+        if not home:
+            store[(value, None, 0)] = copies
+            continue
+        stage, mine = next(iter(home.items()))
+        store[(value, None, 0)] = {stage: transport.merge(MERGE_KIND[reductions[value]], mine, other)}
+        del store[(value, mb, replica)]
+
+
+def _output(value: int, step: CompiledStep, store: dict, inputs: dict, transport: Transport) -> Any:
+    if value in step.graph.constants:
+        return constant_output(step.constants[value], step.graph.avals[value])
+    copies = store.get((value, None, 0))
+    if copies:
+        return next(iter(copies.values()))
+    if step.per_microbatch(value) and value not in inputs:
+        mine = sorted((mb, c) for (v, mb, _), c in store.items() if v == value and mb is not None)
+        pieces = [next(iter(c.values())) for _, c in mine]
+        return pieces[0] if len(pieces) == 1 else transport.concatenate(pieces, step.analysis.batch_axis[value])
+    return inputs[value]
