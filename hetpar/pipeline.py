@@ -143,10 +143,21 @@ def layers_pass(traced: TracedStep, cluster: Cluster, option: StageOption, auto:
         return layers_of(traced, option.num_layers)
     flops = [c.flops for c in op_costs(traced.full)]
     wanted = max(block_count(traced.full, traced.analysis, flops), min(cluster.num_devices, option.max_planning_layers))
-    # Stages fixed by hand are cut as finely as the planner's, so a faster stage can
-    # take more layers (one layer per stage would split the model evenly whatever the speeds).
-    least = 1 if auto else _stages_per_pipeline(option, cluster) * _chunks(option)
-    for n in range(max(wanted, least), least - 1, -1):
+    if not auto:
+        # Stages fixed by hand are cut as finely as the planner's, so a faster stage can
+        # take more layers (one layer per stage would split the model evenly whatever
+        # the speeds); a finer cut that cannot tell its layers apart by module (inside
+        # a scanned block) is passed over for a coarser one.
+        least = _stages_per_pipeline(option, cluster) * _chunks(option)
+        for n in range(wanted, least, -1):
+            try:
+                layers = build_layers(traced.full, traced.analysis, flops, n)
+            except PlanError:
+                continue
+            if len(set(layers.names)) == len(layers.names):
+                return layers
+        return layers_of(traced, least)
+    for n in range(wanted, 0, -1):
         try:
             return build_layers(traced.full, traced.analysis, flops, n)
         except PlanError:

@@ -108,6 +108,11 @@ def predict_step(
         if item.fused is not None:  # the stage's update, dispatched with its last microbatch
             once[task.stage] += estimates[item.fused].time_s
             comm += estimates[item.fused].communication_s
+            folded = compiled.fusions.get(item.program)
+            if folded is not None and folded.pre is not None:  # and, with one microbatch, its pre work
+                pre = compiled.tasks.index(folded.pre)
+                once[task.stage] += estimates[pre].time_s
+                comm += estimates[pre].communication_s
     comm += sum(transfer.values()) * m
     per_mb = {i: forward[i] + backward[i] + transfer[i] for i in forward}
     if concurrent:
