@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import logging
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 
 import jax

@@ -223,7 +223,6 @@ class StageCosts:
         plan whose choices are made. One function, so the two cannot disagree.
         `dots`: per example, the matmul results a "dots" policy keeps besides the
         stage's input (the planner never chooses it; a user may)."""
-        p = self.problem
         f, bw, saved, grads = self._ranges(cfg, b)
         inputs = np.broadcast_to((self.inputs * (b / cfg.dp / cfg.tp)).tolist() + [0.0], f.shape).T  # a stage keeps its own input
         shard = b / cfg.dp / cfg.tp  # activations split over all the stage's devices
