@@ -183,7 +183,7 @@ def estimate(problem: Problem, decisions: Decisions, costs: StageCosts | None = 
         group_total = [sum(raw[q][6].total for q in range(g, n, groups)) for g in range(groups)]
         for p, (s, fwd, bwd, send, sync, opt, memory, capacity) in enumerate(raw):
             priced[index[id(s)]] = StageCost(fwd, bwd, send, sync + cross, opt, memory, capacity, group_total[p % groups])
-    stage_costs = tuple(c for c in priced if c is not None)
+    stage_costs = tuple(c for c in priced if c is not None)  # every stage: each replica's were priced
     per_replica = [[c.times for c, s in zip(stage_costs, d.stages) if s.replica == r] for r in range(len(d.replica_batch))]
     closed = max(pipeline_time(t, m, d.schedule, d.chunks) for t in per_replica)
     step = max(step_time(t, m, d.schedule, d.chunks) for t in per_replica)
@@ -212,6 +212,8 @@ def _check(problem: Problem, d: Decisions) -> None:
     for i, s in enumerate(d.stages):
         if s.kind not in known:
             raise PlanningError(f"stage {i} runs on {s.kind!r}, which the cost model does not know; known: {', '.join(sorted(known))}")
+        if not 0 <= s.replica < len(d.replica_batch):
+            raise PlanningError(f"stage {i} belongs to replica {s.replica}; the plan has {len(d.replica_batch)} replica(s)")
         if not 0 <= s.layer_start < s.layer_end <= len(problem.layers):
             raise PlanningError(f"stage {i} holds layers {s.layer_start}..{s.layer_end - 1}; the model has {len(problem.layers)}")
     for r, examples in enumerate(d.replica_batch):
