@@ -224,7 +224,7 @@ def _fastest_count(traced: TracedStep, layers: Layers, cluster: Cluster, option:
         raise PlanError(why or "no microbatch count runs these stages")
     chosen = best or first
     log.info("stages fixed by hand: %d microbatches, the fastest count that fits", chosen.num_microbatches)
-    return replace(chosen, cost_inputs=None)
+    return chosen
 
 
 def idle_kinds(cluster: Cluster, inputs: Problem, search: SearchOptions, plan: Plan, step_s: float) -> list[str]:

@@ -20,17 +20,17 @@ from solver.cost.estimate import Decisions, PlanCost, StageDecision, estimate
 
 
 def decisions(plan: Plan, dots_bytes: dict[int, float] | None = None) -> Decisions:
-    """The plan's choices as the estimator reads them. A stage runs on its cluster
-    group's device kind (the cost inputs name kinds by group) with its mesh's data and
-    model axes; `dots_bytes` (per stage index, per example): what a "dots"
-    recomputation keeps."""
+    """The choices of `plan` (which has cost inputs) as the estimator reads them. A
+    stage runs on its cluster group's device kind (the cost inputs name kinds by
+    group) with its mesh's data and model axes; `dots_bytes` (per stage index, per
+    example): what a "dots" recomputation keeps."""
     dots_bytes = dots_bytes or {}
     stages = tuple(
         StageDecision(s.group or s.device_type, *_mesh(s), s.layer_start, s.layer_end, s.remat, s.zero, s.replica,
                       dots_bytes.get(s.index, 0.0))
         for s in plan.stages
     )
-    batch = plan.replica_batch or (_batch(plan),)
+    batch = plan.replica_batch or (plan.cost_inputs.batch_size,)
     return Decisions(stages, plan.num_microbatches, plan.schedule, tuple(batch), plan.chunks)
 
 
@@ -38,12 +38,6 @@ def _mesh(stage: StagePlan) -> tuple[int, int]:
     """(data, model) sizes of the stage's mesh."""
     shape = stage.mesh_shape or (stage.num_devices,)
     return (shape[0], shape[1]) if len(shape) == 2 else (shape[0], 1)
-
-
-def _batch(plan: Plan) -> int:
-    if plan.cost_inputs is None:
-        raise PlanError("the plan has no cost inputs to price it with; solve it again with this hetpar")
-    return plan.cost_inputs.batch_size
 
 
 def estimate_plan(plan: Plan, dots_bytes: dict[int, float] | None = None) -> PlanCost:

@@ -12,7 +12,6 @@ from dataclasses import replace
 from hetpar.cluster.catalog import device_type
 from hetpar.options import ShardingOption
 from hetpar.plan import Plan, StagePlan
-from hetpar.plan.activations import kept_bytes
 from hetpar.plan.costs import estimate_plan
 from hetpar.shard.strategies import AXES, Spec, to_source, stage_problem
 from hetpar.shard.zero import apply_zero, stage_params, zero_items
@@ -70,7 +69,7 @@ def _zero(traced: TracedStep, layers: Layers, plan: Plan, stage: StagePlan, spec
     else:
         if not stage.memory_capacity:
             return specs, 0, {}
-        budget = memory_share(stage, plan) - kept_bytes(stage, layers, plan)
+        budget = memory_share(stage, plan) - kept_bytes(plan, stage)
         levels = choose_zero(zero_items(traced, params, specs, mesh), dp, Topology(1, dp, link, link),
                              plan.num_microbatches, budget)
     specs, zero, gathered = apply_zero(traced, params, levels, specs, dp)
@@ -78,6 +77,13 @@ def _zero(traced: TracedStep, layers: Layers, plan: Plan, stage: StagePlan, spec
         log.info("stage %d: ZeRO-%d over its %d-way data axis (%d of %d parameters sharded)", stage.index, zero, dp,
                  sum(1 for z in levels if z), len(params))
     return specs, zero, gathered
+
+
+def kept_bytes(plan: Plan, stage: StagePlan) -> float:
+    """Per device, the activations the stage keeps for its backward under its
+    recomputation: the estimator's figure (the one memory model), which depends on the
+    stage's device count, not on how its mesh splits them."""
+    return estimate_plan(plan).stages[stage.index].memory.activations
 
 
 def memory_share(stage: StagePlan, plan: Plan) -> float:
@@ -233,7 +239,7 @@ class _StageSolver:
         # The ILP holds the matmuls' weights (`factor` bytes of state per weight byte
         # under the stage's ZeRO stage); the parameters no matmul reads (an embedding
         # table) stay whole on the model axis beside them.
-        budget = int(memory_share(stage, self.plan) - kept_bytes(stage, self.layers, self.plan) - factor * unsplit - gathered)
+        budget = int(memory_share(stage, self.plan) - kept_bytes(self.plan, stage) - factor * unsplit - gathered)
         bounded = build(max(budget, 0))
         if bounded is None or peak_bytes(bounded.problem, solution.choice) <= budget:
             return problem, solution
