@@ -123,11 +123,14 @@ def test_a_failing_process_stops_the_job(fault):
     injected = re.search(r"INJECT (\d+\.\d{3})", result.stdout)
     assert injected, result.stdout[-2000:]
     assert ended - float(injected.group(1)) < 60
-    message = result.stderr.strip().splitlines()[-1]
+    message = next(line for line in result.stderr.splitlines() if line.startswith("hetpar: "))
     assert message.startswith("hetpar: process 1 (V100 node 0 of group v100, stages [1])"), message
     assert "stopped process(es) 0" in message
     if fault == "raise":
         assert "failed in stage 1 (fwd program) during step 2: RuntimeError: injected fault" in message
+        # Then its own last lines: its traceback, through the user's frame, to the fault.
+        quoted = result.stderr.split("Its last lines:", 1)[1]
+        assert "distributed_checks.py\", line" in quoted and "RuntimeError: injected fault" in quoted
     else:
         assert "was killed by SIGKILL during step 2" in message
     _assert_all_gone(result.stdout)

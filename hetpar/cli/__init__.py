@@ -110,6 +110,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--cluster", required=True, help="the cluster file (YAML): one process per node of each group")
     p.add_argument("--timeout", type=float, help="stop the job after this many seconds (default: no limit)")
+    p.add_argument("--port", type=int, help="the coordinator's port on this machine (default: a free one)")
     p.add_argument("--ray", action="store_true", help="place the processes with Ray, one actor per node reserving its "
                    "GPUs (a local Ray instance unless --address)")
     p.add_argument("--address", help="the Ray cluster to use (implies --ray), e.g. head:6379")
@@ -128,4 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except HetparError as e:
         print(f"hetpar: {e}", file=sys.stderr)
-        return 2
+        return getattr(e, "exit_code", 2)
+    except KeyboardInterrupt:
+        print("hetpar: interrupted", file=sys.stderr)
+        return 130

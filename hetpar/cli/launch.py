@@ -21,10 +21,12 @@ def launch(args: argparse.Namespace) -> int:
     if args.timeout is not None and args.timeout <= 0:
         raise HetparError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     cluster = Cluster.from_file(args.cluster)
+    if args.port is not None and (args.ray or args.address):
+        raise HetparError("--port is for local launches; a Ray launch picks its coordinator port on the head node")
     if args.ray or args.address:
         launch_ray(cluster, main_command(command), address=args.address, virtual=args.virtual, timeout_s=args.timeout)
     else:
         if args.virtual:
             raise HetparError("--virtual is for --ray: local launches always use virtual CPU devices")
-        launch_local(cluster, main_command(command), timeout_s=args.timeout)
+        launch_local(cluster, main_command(command), timeout_s=args.timeout, port=args.port)
     return 0

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -94,6 +95,7 @@ def initialize(
                           f"got {cpu_collectives!r}")
     if coordinator_address is None and "SLURM_JOB_ID" not in env:
         return ProcessInfo(0, 1)
+    _check_job(coordinator_address, num_processes, process_id)
     jax.config.update("jax_cpu_collectives_implementation", "gloo" if cpu_collectives == "gloo" else None)
     if transfer_address:
         jax.config.update("jax_cross_host_transfer_socket_address", transfer_address)
@@ -106,6 +108,29 @@ def initialize(
     log.info("process %d of %d joined; %d local devices of %d", info.process_id, info.num_processes,
              jax.local_device_count(), jax.device_count())
     return info
+
+
+def _check_job(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:
+    """What jax.distributed would fail on obscurely (a raw ValueError, a hang, or a
+    crash of its coordination service), said in one line first."""
+    if num_processes is not None and num_processes < 1:
+        raise HetparError(f"the number of processes ({ENV_NUM_PROCESSES}) must be at least 1, got {num_processes}")
+    if process_id is not None and (process_id < 0 or (num_processes is not None and process_id >= num_processes)):
+        raise HetparError(f"process id {process_id} ({ENV_PROCESS_ID}) is outside 0..{(num_processes or 1) - 1}: "
+                          f"give each of the {num_processes} processes a distinct id from 0 (hetpar launch sets them)")
+    if coordinator is None:
+        return
+    host, _, port = coordinator.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise HetparError(f"the coordinator address ({ENV_COORDINATOR}) must be host:port, got {coordinator!r}")
+    if process_id == 0 and host in ("127.0.0.1", "localhost", socket.gethostname()):
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed job's TIME_WAIT is not "in use"
+            try:
+                s.bind((host, int(port)))
+            except OSError:
+                raise HetparError(f"process 0 cannot serve the coordinator on {coordinator}: the port is in use by "
+                                  "another program (a job still running?); choose another port") from None
 
 
 def _report_uncaught() -> None:

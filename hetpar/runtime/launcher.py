@@ -18,7 +18,6 @@ import logging
 import os
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,6 +27,7 @@ from typing import Sequence
 from hetpar.cluster.cluster import Cluster
 from hetpar.errors import HetparError
 from hetpar.runtime import distributed as dist
+from hetpar.runtime.children import Child, Terminated, check_command, stop_all, stop_signals_raise
 
 log = logging.getLogger("hetpar.launch")
 
@@ -79,62 +79,116 @@ def cpu_collectives(cluster: Cluster) -> str:
 
 
 def launch_local(cluster: Cluster, command: Sequence[str], timeout_s: float | None = None,
-                 env: dict[str, str] | None = None, grace_s: float = 5.0) -> None:
+                 env: dict[str, str] | None = None, grace_s: float = 5.0, port: int | None = None) -> None:
     """Runs `command` once per process of `cluster` on this machine and waits for all
     of them. Returns when every process exited 0; otherwise stops the others and
-    raises a HetparError naming the first that failed."""
+    raises a HetparError naming the first that failed, with its last lines. A signal
+    to the launcher (Ctrl-C, SIGTERM, SIGHUP) stops every process first; SIGKILL
+    reaches them through their parent-death signal (hetpar/runtime/children.py).
+    `port` is the coordinator's (default: a free one)."""
     if not command:
         raise HetparError("hetpar launch needs a command after '--', e.g. hetpar launch --cluster c.yaml -- python train.py")
+    check_command(command)
     layout = process_layout(cluster)
+    if port is not None:
+        check_port_free(port)
     ports = free_ports(len(layout) + 1)
+    if port is not None:
+        ports[0] = port
     status_dir = tempfile.mkdtemp(prefix="hetpar-launch-")
-    children: list[subprocess.Popen] = []
+    children: list[Child] = []
     base = dict(os.environ if env is None else env)
-    for spec in layout:
-        child_env = dict(base)
-        child_env.update({
-            dist.ENV_COORDINATOR: f"127.0.0.1:{ports[0]}",
-            dist.ENV_NUM_PROCESSES: str(len(layout)),
-            dist.ENV_PROCESS_ID: str(spec.process_id),
-            dist.ENV_TRANSFER_ADDRESS: f"127.0.0.1:{ports[1 + spec.process_id]}",
-            dist.ENV_CPU_DEVICES: str(spec.num_devices),
-            dist.ENV_STATUS_DIR: status_dir,
-            dist.ENV_CPU_COLLECTIVES: base.get(dist.ENV_CPU_COLLECTIVES) or cpu_collectives(cluster),
-            "JAX_PLATFORMS": base.get("JAX_PLATFORMS", "cpu"),
-        })
-        # Its own session: stopping a process also stops whatever it started.
-        children.append(subprocess.Popen(list(command), env=child_env, start_new_session=True))
-    log.info("launched %d processes (status in %s)", len(children), status_dir)
-    _watch(children, layout, status_dir, timeout_s, grace_s)
+    with stop_signals_raise():
+        try:
+            for spec in layout:
+                child_env = dict(base)
+                child_env.update({
+                    dist.ENV_COORDINATOR: f"127.0.0.1:{ports[0]}",
+                    dist.ENV_NUM_PROCESSES: str(len(layout)),
+                    dist.ENV_PROCESS_ID: str(spec.process_id),
+                    dist.ENV_TRANSFER_ADDRESS: f"127.0.0.1:{ports[1 + spec.process_id]}",
+                    dist.ENV_CPU_DEVICES: str(spec.num_devices),
+                    dist.ENV_STATUS_DIR: status_dir,
+                    dist.ENV_CPU_COLLECTIVES: base.get(dist.ENV_CPU_COLLECTIVES) or cpu_collectives(cluster),
+                    "JAX_PLATFORMS": base.get("JAX_PLATFORMS", "cpu"),
+                })
+                children.append(Child(command, child_env, f"process {spec.process_id}"))
+            log.info("launched %d processes (status in %s)", len(children), status_dir)
+            _watch(children, layout, status_dir, timeout_s, grace_s)
+        except KeyboardInterrupt:
+            stop_all(children, grace_s)
+            raise Interrupted(f"interrupted (Ctrl-C): stopped all {len(children)} processes") from None
+        except Terminated as e:
+            stop_all(children, grace_s)
+            raise Interrupted(f"the launcher received {e}: stopped all {len(children)} processes") from None
 
 
-def _watch(children: list[subprocess.Popen], layout: list[ProcessSpec], status_dir: str,
+class Interrupted(HetparError):
+    """The launch was stopped from outside (Ctrl-C or a signal), not by a failure;
+    the CLI exits with the shell's code for an interrupted command."""
+
+    exit_code = 130
+
+
+def check_port_free(port: int, host: str = "127.0.0.1") -> None:
+    """A coordinator port another program holds is one line here; JAX's coordination
+    service would crash on it instead."""
+    if not 0 < port < 65536:
+        raise HetparError(f"--port must be between 1 and 65535, got {port}")
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed job's TIME_WAIT is not "in use"
+        try:
+            s.bind((host, port))
+        except OSError:
+            raise HetparError(f"port {port} on {host} is in use by another program: choose another --port, "
+                              "or leave --port out to take a free one") from None
+
+
+def _watch(children: list[Child], layout: list[ProcessSpec], status_dir: str,
            timeout_s: float | None, grace_s: float) -> None:
     start = time.monotonic()
-    try:
-        while True:
-            codes = [c.poll() for c in children]
-            if all(code == 0 for code in codes):
-                return
-            failed = next((i for i, code in enumerate(codes) if code not in (None, 0)), None)
-            if failed is None:
-                failed = next((i for i in range(len(children)) if dist.read_status(status_dir, i).get("error")), None)
-            if failed is not None:
-                _stop(children, grace_s)
-                raise HetparError(_describe(failed, codes[failed], layout, status_dir, children))
-            if timeout_s is not None and time.monotonic() - start > timeout_s:
-                _stop(children, grace_s)
-                raise HetparError(f"the job did not finish within {timeout_s:.0f} s; all {len(children)} processes were "
-                                  "stopped (raise --timeout if it needs longer)")
-            time.sleep(0.1)
-    except KeyboardInterrupt:
-        _stop(children, grace_s)
-        raise
+    while True:
+        codes = [c.poll() for c in children]
+        if all(code == 0 for code in codes):
+            return
+        failed = _first_failure(children, codes, status_dir)
+        if failed is not None:
+            last = children[failed].last_lines()
+            stop_all(children, grace_s)
+            message = describe_failure(failed, codes[failed], layout, dist.read_status(status_dir, failed),
+                                       len(children))
+            raise HetparError(message + _quoted(last))
+        if timeout_s is not None and time.monotonic() - start > timeout_s:
+            stop_all(children, grace_s)
+            raise HetparError(f"the job did not finish within {timeout_s:.0f} s; all {len(children)} processes were "
+                              "stopped (raise --timeout if it needs longer)")
+        time.sleep(0.1)
 
 
-def _describe(i: int, code: int | None, layout: list[ProcessSpec], status_dir: str,
-              children: list[subprocess.Popen]) -> str:
-    return describe_failure(i, code, layout, dist.read_status(status_dir, i), len(children))
+def _first_failure(children: list[Child], codes: list[int | None], status_dir: str) -> int | None:
+    """The process that failed first: by when it exited (timed by its waiter thread)
+    or wrote its error (the status file's time), whichever came first. The others
+    usually fail because of it, often before the launcher looks again."""
+    when: dict[int, float] = {}
+    now_wall, now = time.time(), time.monotonic()
+    for i, (child, code) in enumerate(zip(children, codes)):
+        if code not in (None, 0):
+            when[i] = child.ended_at if child.ended_at is not None else now
+        path = os.path.join(status_dir, f"process-{i}.json")
+        if dist.read_status(status_dir, i).get("error"):
+            try:
+                wrote = now - (now_wall - os.path.getmtime(path))
+            except OSError:
+                wrote = now
+            when[i] = min(when.get(i, wrote), wrote)
+    return min(when, key=lambda i: (when[i], i)) if when else None
+
+
+def _quoted(lines: list[str]) -> str:
+    lines = [line for line in lines if line.strip()]
+    if not lines:
+        return ""
+    return "\nIts last lines:\n" + "\n".join(f"  | {line}" for line in lines)
 
 
 def describe_failure(i: int, code: int | None, layout: list[ProcessSpec], status: dict, count: int) -> str:
@@ -158,27 +212,6 @@ def describe_failure(i: int, code: int | None, layout: list[ProcessSpec], status
     else:
         how = f"exited with status {code}"
     return f"{where} {how}{during}{stopped}.{restart}"
-
-
-def _stop(children: list[subprocess.Popen], grace_s: float) -> None:
-    """SIGTERM to every live process's session, SIGKILL to any left after `grace_s`."""
-    for c in children:
-        if c.poll() is None:
-            _signal(c, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for c in children:
-        try:
-            c.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            _signal(c, signal.SIGKILL)
-            c.wait()
-
-
-def _signal(child: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(child.pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def main_command(argv: Sequence[str]) -> list[str]:

@@ -1,0 +1,118 @@
+"""`hetpar launch` as an operator meets it: signals to the launcher leave no process
+behind, the process that failed first is the one named (with its last lines), and
+a bad command, port or process id is one line. Real processes, no JAX in the
+children (they only sleep, print or exit), so each test costs seconds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import hetpar
+from hetpar.cli import main as cli_main
+from hetpar.runtime.launcher import launch_local
+
+ROOT = Path(__file__).resolve().parent.parent
+TWO = ROOT / "tests" / "clusters" / "mp_two.yaml"
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting for a reaper that is not ours."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def _wait_for(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
+def test_a_signal_to_the_launcher_leaves_no_process_behind(tmp_path, sig):
+    sleeper = f"import os, time; open(os.path.join({str(tmp_path)!r}, str(os.getpid())), 'w').close(); time.sleep(120)"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "hetpar.cli", "launch", "--cluster", str(TWO), "--", "python", "-c", sleeper],
+        env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True)
+    try:
+        assert _wait_for(lambda: len(os.listdir(tmp_path)) == 2, 60), "the two processes did not start"
+        children = [int(name) for name in os.listdir(tmp_path)]
+        assert all(_alive(pid) for pid in children)
+        launcher.send_signal(sig)
+        _, stderr = launcher.communicate(timeout=20)
+        assert _wait_for(lambda: not any(_alive(pid) for pid in children), 10), \
+            f"processes {[p for p in children if _alive(p)]} outlived the launcher after {sig.name}"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for name in os.listdir(tmp_path):
+            try:
+                os.kill(int(name), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    if sig != signal.SIGKILL:
+        assert launcher.returncode == 130
+        assert "Traceback" not in stderr
+        assert "stopped all 2 processes" in stderr, stderr
+
+
+def test_the_process_that_failed_first_is_named_with_its_last_lines(tmp_path):
+    """Process 1 fails; process 0 exits with an error a moment later *because* of it
+    (as a worker does when its coordinator goes). Both have ended by the time the
+    launcher looks, and the lower id must not take the blame."""
+    flag = tmp_path / "one-failed"
+    script = (f"import os, sys, time\nflag = {str(flag)!r}\n"
+              "if os.environ['HETPAR_PROCESS_ID'] == '1':\n"
+              "    print('loading shard 7 of 9', flush=True)\n"
+              "    print('shard 7 is corrupt', file=sys.stderr, flush=True)\n"
+              "    open(flag, 'w').close(); raise SystemExit(3)\n"
+              "while not os.path.exists(flag): time.sleep(0.001)\n"
+              "time.sleep(0.03); raise SystemExit(1)\n")
+    with pytest.raises(hetpar.HetparError) as error:
+        launch_local(hetpar.Cluster.from_file(str(TWO)), [sys.executable, "-c", script], timeout_s=60)
+    message = str(error.value)
+    assert message.startswith("process 1 (V100 node 0 of group v100"), message
+    assert "exited with status 3; stopped process(es) 0" in message
+    assert "  | loading shard 7 of 9" in message and "  | shard 7 is corrupt" in message
+
+
+def test_a_command_that_does_not_exist_is_one_line(capsys):
+    assert cli_main(["launch", "--cluster", str(TWO), "--", "no-such-program-hetpar"]) == 2
+    err = capsys.readouterr().err
+    assert "command not found: 'no-such-program-hetpar'" in err and "Traceback" not in err
+
+
+def test_a_taken_port_is_one_line(capsys):
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert cli_main(["launch", "--cluster", str(TWO), "--port", str(port), "--", "python", "-c", "pass"]) == 2
+    err = capsys.readouterr().err
+    assert f"port {port} on 127.0.0.1 is in use by another program: choose another --port" in err
+
+
+def test_a_bad_process_id_or_coordinator_is_one_line():
+    from hetpar.runtime import distributed
+
+    with pytest.raises(hetpar.HetparError, match=r"process id 5 \(HETPAR_PROCESS_ID\) is outside 0\.\.1"):
+        distributed.initialize(coordinator_address="127.0.0.1:1234", num_processes=2, process_id=5)
+    with pytest.raises(hetpar.HetparError, match=r"process id -1 .* is outside"):
+        distributed.initialize(coordinator_address="127.0.0.1:1234", num_processes=2, process_id=-1)
+    with pytest.raises(hetpar.HetparError, match=r"must be host:port, got 'localhost'"):
+        distributed.initialize(coordinator_address="localhost", num_processes=2, process_id=1)
