@@ -7,8 +7,13 @@ not as a module constant. The objects are frozen: a pass cannot change another's
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import typing
 from dataclasses import dataclass, replace
 from typing import Any
+
+import pydantic
 
 from hetpar.errors import HetparError, PlanError
 from solver import schedules
@@ -89,6 +94,16 @@ class RuntimeOption:
 
 def check_options(stage: StageOption, sharding: ShardingOption, runtime: RuntimeOption) -> None:
     """Refuses settings no pass could honour, naming the field and what it takes."""
+    for option in (stage, sharding, runtime):
+        _check_types(option)
+    if sharding.mesh_shape is not None:
+        shapes = sharding.mesh_shape if isinstance(sharding.mesh_shape[0], tuple) else (sharding.mesh_shape,)
+        for shape in shapes:
+            if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shape):
+                raise PlanError(f"ShardingOption.mesh_shape {sharding.mesh_shape!r}: each mesh is (data, model) with "
+                                "positive whole numbers, e.g. (2, 4), or one such pair per stage")
+    if not stage.layer_overhead_s >= 0:
+        raise PlanError(f"StageOption.layer_overhead_s is seconds per layer, at least 0, got {stage.layer_overhead_s}")
     if stage.mode not in STAGE_MODES:
         raise PlanError(f"StageOption.mode {stage.mode!r} is not one of {', '.join(STAGE_MODES)}")
     for name in ("num_stages", "num_replicas", "num_layers"):
@@ -164,3 +179,30 @@ def _with(option: Any, name: str, **shortcuts: Any) -> Any:
         if current != getattr(default, key) and current != value:
             raise HetparError(f"{key}={value!r} disagrees with {name}.{key}={current!r}; give it once")
     return replace(option, **given) if given else option
+
+
+@functools.cache
+def _schema(kind: type) -> type[pydantic.BaseModel]:
+    """The option class's fields as a strict pydantic model: "2" for a count or 2.0
+    for a ZeRO stage is a mistake to name, not to coerce (a coerced 2.0 would be
+    saved into a plan file that cannot load it), and NaN is never a setting."""
+    hints = typing.get_type_hints(kind)
+    fields = {f.name: (hints[f.name], ...) for f in dataclasses.fields(kind)}
+    return pydantic.create_model(kind.__name__, __config__=pydantic.ConfigDict(strict=True, allow_inf_nan=False),
+                                 **fields)
+
+
+def _check_types(option: Any) -> None:
+    """Each field's type, from the dataclass's own annotations, in one line."""
+    values = {f.name: getattr(option, f.name) for f in dataclasses.fields(option)}
+    if isinstance(values.get("mesh_shape"), list):
+        values["mesh_shape"] = tuple(values["mesh_shape"])
+    try:
+        _schema(type(option)).model_validate(values)
+    except pydantic.ValidationError as e:
+        error = e.errors()[0]
+        field = ".".join(str(part) for part in error["loc"][:1])
+        value = values.get(field, error.get("input"))
+        expected = error["msg"].removeprefix("Input should be ").rstrip(".")
+        raise PlanError(f"{type(option).__name__}.{field} must be {expected}, got {value!r} "
+                        f"({type(value).__name__})") from None

@@ -174,7 +174,12 @@ def stage_pass(traced: TracedStep, layers: Layers, cluster: Cluster, option: Sta
     num_microbatches = traced.batch_size // traced.microbatch_size
     if auto:
         plan, result = search_problem(layers, cluster, inputs, search)
-        return replace(plan, notes=(*plan.notes, *idle_kinds(cluster, inputs, search, plan, result.best.step_s)))
+        notes = idle_kinds(cluster, inputs, search, plan, result.best.step_s)
+        if result.gap > 0:
+            notes = (f"the search stopped at its time limit ({option.time_limit_s:g} s): this plan's step time is "
+                     f"within {1 / max(1e-9, 1 - result.gap):.2f}x of the best possible (its bound); allow more time "
+                     "to close the gap", *notes)
+        return replace(plan, notes=(*plan.notes, *notes))
     if search.microbatches is None:  # the user fixed the stages, not the microbatches: the fastest count that fits
         return _fastest_count(traced, layers, cluster, option, sharding, search, inputs)
     return _fixed_stages(traced, layers, cluster, option, sharding, inputs, num_microbatches)

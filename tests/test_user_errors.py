@@ -38,3 +38,41 @@ def test_solve_imports_a_file_like_python_does(tmp_path):
     (tmp_path / "train_script.py").write_text("import my_model_lib\n\ndef setup(batch_size=None):\n    return my_model_lib.build()\n")
     workload = load_workload(f"{tmp_path / 'train_script.py'}:setup")
     assert workload.step is not None and len(workload.args) == 2
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(num_stages="2"), r"StageOption.num_stages must be a valid integer, got '2' \(str\)"),
+    (dict(num_stages=True), r"StageOption.num_stages must be a valid integer, got True \(bool\)"),
+    (dict(sharding_option=hetpar.ShardingOption(zero=2.0)), r"ShardingOption.zero must be a valid integer, got 2.0"),
+    (dict(mesh_shape=(-1, 2)), r"mesh_shape \(-1, 2\): each mesh is \(data, model\) with positive whole numbers"),
+    (dict(stage_option=hetpar.StageOption(layer_overhead_s=-1)), r"layer_overhead_s is seconds per layer, at least 0"),
+    (dict(stage_option=hetpar.StageOption(time_limit_s=float("nan"))), r"time_limit_s must be a finite number, got nan"),
+])
+def test_options_are_typed_at_the_boundary(options, message):
+    """A string count, a float ZeRO stage (which a plan file could not load back), a
+    negative mesh or overhead, NaN: each refused in one line naming the field."""
+    from hetpar.options import build_options
+
+    with pytest.raises(hetpar.PlanError, match=message):
+        build_options(**options)
+    build_options(mesh_shape=[2, 4], stage_option=hetpar.StageOption(time_limit_s=3))  # a list and an int are fine
+
+
+def test_solve_time_limit_returns_the_best_plan_found_or_says_it_found_none(tmp_path, capsys):
+    """`solve --time-limit`: a limit too short for a proof keeps the best plan found
+    and says in its notes how far from the best it may be; one too short for any
+    plan says that, not "no plan fits"."""
+    from hetpar.cli import main
+    from hetpar.plan.file import load_plan
+
+    assert main(["solve", "gpt", "--cluster", "examples/clusters/two_types.yaml", "--time-limit", "-1",
+                 "-o", str(tmp_path / "x.json")]) == 2
+    assert "--time-limit: Input should be greater than 0 (got -1.0)" in capsys.readouterr().err
+    out = tmp_path / "plan.json"
+    code = main(["solve", "gpt", "--cluster", "examples/clusters/two_types.yaml", "--time-limit", "1e-6", "-o", str(out)])
+    if code == 0:
+        notes = " ".join(load_plan(str(out)).notes)
+        assert "the search stopped at its time limit (1e-06 s): this plan's step time is within" in notes, notes
+    else:
+        assert code == 2
+        assert "no plan found within the time limit of 1e-06 s; allow more time" in capsys.readouterr().err

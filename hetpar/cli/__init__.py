@@ -83,6 +83,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--use-all-kinds", action="store_true", help="only plans that give every device kind of the cluster "
                    "work (without it the planner may leave a kind idle; the plan's notes then say what using it costs)")
     p.add_argument("--batch-argnum", type=int, default=1, help="which argument of the step is the batch (default 1)")
+    p.add_argument("--time-limit", type=float, metavar="SECONDS", help="stop the planner's search after this long and "
+                   "keep the best plan found; its notes say how far from the best possible it may be "
+                   "(default: search until the best is proven)")
     p.add_argument("--manual", action="append", default=[], metavar="SPEC",
                    help="price a configuration fixed by hand beside the planner's, e.g. "
                    "tp=8,pp=8,dp=4,mb=1,schedule=interleaved,chunks=2,remat=full[,kind=GROUP] (repeatable; implies --compare)")

@@ -40,6 +40,7 @@ class SolveOptions(_Options):
     replicas: Count | None = None
     zero: Annotated[int, Field(ge=0, le=3)] | None = None  # None: chosen per parameter
     batch_argnum: Annotated[int, Field(ge=0, le=1000)] = 1
+    time_limit: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None  # seconds
     manual: list[str] = []
     profile: str | None = None
 

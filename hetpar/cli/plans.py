@@ -13,7 +13,7 @@ def solve(args: argparse.Namespace) -> int:
 
     from hetpar.cluster.cluster import Cluster
     from hetpar.plan.file import save_plan
-    from hetpar.options import ShardingOption
+    from hetpar.options import ShardingOption, StageOption
     from hetpar.pipeline import make_plan
     from hetpar.workloads import load_workload
 
@@ -26,7 +26,8 @@ def solve(args: argparse.Namespace) -> int:
         plan = make_plan(workload.step, workload.args, cluster, num_microbatches=args.microbatches, batch_argnum=args.batch_argnum,
                          num_stages=args.stages, num_replicas=args.replicas, num_layers=args.layers, schedule=args.schedule,
                          use_all_kinds=args.use_all_kinds, profile=args.profile,
-                         chunks=args.chunks, sharding_option=ShardingOption(zero=args.zero))
+                         chunks=args.chunks, sharding_option=ShardingOption(zero=args.zero),
+                         stage_option=StageOption(time_limit_s=args.time_limit))
     save_plan(plan, args.output)
     _print_plan(plan)
     print(f"wrote {args.output}")

@@ -140,8 +140,9 @@ class Planner:
         result = SearchResult(found[0], tuple(found[1 : self.top_k]), bound, time.perf_counter() - started,
                               tuple((name, c.throughput if c else 0.0) for name, c in per_kind), gap)
         if gap > 0:
-            log.warning("the planner stopped at its time limit of %s s: the best plan found may be up to %.1f%% slower "
-                        "than the best possible; allow more time to close the gap", self.time_limit_s, 100 * gap)
+            log.warning("the planner stopped at its time limit of %s s: the best plan found is within %.2fx of the "
+                        "best possible step time; allow more time to close the gap", self.time_limit_s,
+                        1 / max(1e-9, 1 - gap))
         log.info("planned in %.2f s: %s (%.1f%% of the bound)", result.search_s, result.best.describe(), 100 * result.bound_ratio)
         return result
 
