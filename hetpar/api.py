@@ -31,6 +31,7 @@ from hetpar.plan.like import placed_like
 from hetpar.pipeline import check_fits, cluster_for, price_like, solve
 from hetpar.runtime.distributed import (DistributedStep, check_cross_process, cross_process_collectives, is_multiprocess,
                                         share_plan, stages_of_process)
+from hetpar.runtime.identity import check_same_run, run_identity
 from hetpar.runtime.executor import RunStats, run
 from hetpar.runtime.ray_runtime import RayStep
 from hetpar.signature import bind_call, free_donated, normalize_argnums
@@ -159,6 +160,7 @@ class ParallelFunction:
         if distributed:
             devices = jax_devices(tuple(order))
             check_cross_process(plan, devices, cross_process_collectives())
+            check_same_run(run_identity(plan, traced))
             compiled = DistributedStep(compiled, stages_of_process(plan, devices, jax.process_index()))
         log.info("hetpar built a %d-stage plan in %s", plan.num_stages, timer)
         return plan, compiled

@@ -395,7 +395,9 @@ def check_fits(plan: Plan, traced: TracedStep, cluster: Cluster) -> None:
     if plan.program is not None:
         diff = differences(plan.program, signature(traced.full))
         if diff:
-            raise PlanError("the plan was made for a different step: " + "; ".join(diff) + ". Solve the plan again for this step.")
+            raise PlanError("the plan was made for a different step: " + "; ".join(diff) + ". Run it with the step and "
+                            "arguments it was solved for, or make a plan for this step (hetpar solve, or parallelize "
+                            "without plan=)")
     if plan.replica_batch and sum(plan.replica_batch) != traced.batch_size:
         raise PlanError(f"the plan's replicas take {list(plan.replica_batch)} examples; this batch has {traced.batch_size}")
     if not plan.replica_batch and plan.num_microbatches * traced.microbatch_size != traced.batch_size:

@@ -101,7 +101,7 @@ def check_matrix() -> None:
     step, state, batch = dropout_case()
     par = hetpar.parallelize(step, cluster=cluster, num_stages=2, num_microbatches=2)
     reference = jax.jit(step)
-    ref_state, expected = jax.device_put(state, jax.local_devices()[0]), []
+    ref_state = jax.device_put(state, jax.local_devices()[0])
     for i in range(2):
         ref_state, ref_loss = reference(ref_state, batch)
         state, loss = par(state, batch)
@@ -186,6 +186,42 @@ def inject(kind: str) -> None:
     raise AssertionError("step 2 returned although process 1 failed in it")
 
 
+def check_identity() -> None:
+    """Process 1 closes over another constant (a loss scale), then runs a plan that
+    differs from process 0's (another microbatch count): each time every process
+    stops before the first step with the same line naming the field."""
+    from dataclasses import replace
+
+    w = workload()
+    cluster = hetpar.Cluster.from_file(sys.argv[1]).bind()
+    scale = 1.0 if jax.process_index() == 0 else 0.5
+    grads_step = with_grads(w.loss_fn)
+
+    def step(state, batch):
+        state, loss, grads = grads_step(state, batch)
+        return state, loss * scale, grads
+
+    expect = {"constants": "process 1 is not running what process 0 runs: its values the step closes over",
+              "plan": "process 1 is not running what process 0 runs: its plan differ(s) from process 0's; give every "
+                      "process the same plan file"}
+    try:
+        hetpar.parallelize(step, cluster=cluster, num_stages=2, num_microbatches=2)(w.state, w.batch)
+        raise AssertionError("a step ran although process 1 closes over another constant")
+    except hetpar.HetparError as e:
+        assert expect["constants"] in str(e), str(e)
+    plan = hetpar.make_plan(grads_step, (w.state, w.batch), cluster, num_stages=2, num_microbatches=2)
+    if jax.process_index() == 1:
+        plan = replace(plan, num_microbatches=1)
+    try:
+        hetpar.parallelize(grads_step, plan=plan, cluster=cluster)(w.state, w.batch)
+        raise AssertionError("a step ran although process 1 has another plan")
+    except hetpar.HetparError as e:
+        assert expect["plan"] in str(e), str(e)
+    distributed.barrier()
+    if jax.process_index() == 0:
+        print("CHECK identity ok", flush=True)
+
+
 def check_transfer() -> None:
     """A value made on process 0's mesh, moved to process 1's with device_put, read back everywhere."""
     import jax.numpy as jnp
@@ -201,7 +237,7 @@ def check_transfer() -> None:
 
 
 CHECKS = {"transfer": check_transfer, "gpipe": lambda: check_pipeline("gpipe"), "1f1b": lambda: check_pipeline("1f1b"), "replicas": check_replicas,
-          "matrix": check_matrix, "spanning": check_spanning, "raise": lambda: inject("raise"), "kill": lambda: inject("kill")}
+          "matrix": check_matrix, "spanning": check_spanning, "identity": check_identity, "raise": lambda: inject("raise"), "kill": lambda: inject("kill")}
 
 for name in sys.argv[2:]:
     CHECKS[name]()

@@ -94,10 +94,12 @@ def test_two_processes_pipeline_schedules_and_uneven_replicas():
     resident (no device-to-host transfer in steps 2-3): GPipe on meshes of 2 and 2
     devices, then the runtime matrix's cases (interleaved chunks, dropout, ZeRO-3:
     tests/test_runtime_matrix.py); 1F1B on meshes of 4 and 2 (values cross through
-    one device); then two replicas of different kinds and sizes with uneven batch shares."""
-    result, _ = launch(TWO, "gpipe", "matrix")
+    one device); then two replicas of different kinds and sizes with uneven batch shares.
+    Also: processes whose step closes over different constants, or whose plans
+    differ, all stop before a step naming the field (hetpar/runtime/identity.py)."""
+    result, _ = launch(TWO, "gpipe", "matrix", "identity")
     assert result.returncode == 0, result.stderr[-3000:]
-    for name in ("pipeline-gpipe", "matrix-interleaved", "matrix-dropout", "matrix-zero3"):
+    for name in ("pipeline-gpipe", "matrix-interleaved", "matrix-dropout", "matrix-zero3", "identity"):
         assert f"CHECK {name} ok" in result.stdout, result.stdout[-2000:]
     result, _ = launch(UNEVEN, "1f1b", "replicas")
     assert result.returncode == 0, result.stderr[-3000:]
