@@ -14,6 +14,7 @@ from hetpar.runtime.distributed import to_host
 from hetpar.runtime.ray_runtime import init, shutdown
 from hetpar.pipeline import make_plan
 from hetpar.compare import compare_plans
+from hetpar.checkpoint import restore_checkpoint, save_checkpoint
 
 __all__ = [
     "Cluster",
@@ -40,6 +41,8 @@ __all__ = [
     "make_plan",
     "compare_plans",
     "save_plan",
+    "save_checkpoint",
+    "restore_checkpoint",
     "value_and_grad",
     "parallelize",
 ]

@@ -12,7 +12,7 @@ from hetpar.runtime import distributed
 distributed.initialize()
 import faulthandler  # noqa: E402
 
-faulthandler.dump_traceback_later(240, exit=True)  # a hang shows where each process was
+faulthandler.dump_traceback_later(int(__import__("os").environ.get("HETPAR_TEST_DUMP_S", "240")), exit=True)  # a hang shows where each process was
 print(f"PID {__import__('os').getpid()}", flush=True)
 
 import jax  # noqa: E402
@@ -222,6 +222,32 @@ def check_identity() -> None:
         print("CHECK identity ok", flush=True)
 
 
+def check_checkpoint() -> None:
+    """Step 1 under one plan, a checkpoint (hetpar.save_checkpoint: orbax, every
+    process), a restore, step 2 under another plan (another schedule and
+    microbatch count): the same numbers as two uninterrupted steps of jax.jit."""
+    import os
+
+    w = workload()
+    cluster = hetpar.Cluster.from_file(sys.argv[1]).bind()
+    expected = reference(w, 2)
+    first = hetpar.parallelize(with_grads(w.loss_fn), cluster=cluster, num_stages=2, num_microbatches=2)
+    state, _, _ = first(w.state, w.batch)
+    folder = os.environ[distributed.ENV_STATUS_DIR] + "/ckpt"  # the launch's own temporary folder
+    hetpar.save_checkpoint(folder, state)
+    assert os.path.isdir(folder), "the checkpoint is not complete when save_checkpoint returns"
+    restored = hetpar.restore_checkpoint(folder, like=w.state)
+    second = hetpar.parallelize(with_grads(w.loss_fn), cluster=cluster, num_stages=2, num_microbatches=4,
+                                schedule="1f1b")
+    state, loss, grads = second(restored, w.batch)
+    got = distributed.to_host((state.params, state.opt_state, loss, grads))
+    for what, a, e in zip(("parameters", "optimizer state", "loss", "gradients"), got, expected[1]):
+        assert_close(a, e, f"checkpoint: {what} after the restored step")
+    distributed.barrier()
+    if jax.process_index() == 0:
+        print("CHECK checkpoint ok", flush=True)
+
+
 def check_transfer() -> None:
     """A value made on process 0's mesh, moved to process 1's with device_put, read back everywhere."""
     import jax.numpy as jnp
@@ -237,7 +263,7 @@ def check_transfer() -> None:
 
 
 CHECKS = {"transfer": check_transfer, "gpipe": lambda: check_pipeline("gpipe"), "1f1b": lambda: check_pipeline("1f1b"), "replicas": check_replicas,
-          "matrix": check_matrix, "spanning": check_spanning, "identity": check_identity, "raise": lambda: inject("raise"), "kill": lambda: inject("kill")}
+          "matrix": check_matrix, "spanning": check_spanning, "identity": check_identity, "checkpoint": check_checkpoint, "raise": lambda: inject("raise"), "kill": lambda: inject("kill")}
 
 for name in sys.argv[2:]:
     CHECKS[name]()

@@ -120,3 +120,26 @@ def test_eval_like_the_step_runs_where_the_parameters_are(trained, eval_fn):
     # Its stages are the training plan's, each with the layers whose parameters it holds.
     assert [s.device_ids for s in evaluate.plan.stages] == [s.device_ids for s in parallel.plan.stages]
     assert len(set(evaluate.plan.stage_of_operators(0))) == 3
+
+
+def test_hetpar_checkpoints_resume_under_another_plan_with_a_key_in_the_state(trained, tmp_path):
+    """hetpar.save_checkpoint / restore_checkpoint (the path that also works across
+    processes: tests/test_distributed.py): a state with a typed PRNG key in it comes
+    back with the key typed, restored against an abstract `like`, and resumes."""
+    _, state, losses = trained
+    with_key = {**state, "key": jax.random.key(7)}
+    hetpar.save_checkpoint(tmp_path / "ckpt", with_key)
+    with pytest.raises(hetpar.HetparError, match="a checkpoint already exists .* pass force=True"):
+        hetpar.save_checkpoint(tmp_path / "ckpt", with_key)
+    restored = hetpar.restore_checkpoint(tmp_path / "ckpt", like=jax.eval_shape(_state) | {"key": jax.random.key(0)})
+    assert jax.dtypes.issubdtype(restored["key"].dtype, jax.dtypes.prng_key)
+    assert_close(jax.random.key_data(restored["key"]), jax.random.key_data(with_key["key"]), "key")
+    del restored["key"]
+    assert_close(restored, jax.device_get(state), "restored state")
+    with pytest.raises(hetpar.HetparError, match="does not match `like`"):
+        hetpar.restore_checkpoint(tmp_path / "ckpt", like={"params": jax.eval_shape(_state)["params"]})
+    _, _, resumed = _train(restored, 1, first=2, cluster=hetpar.Cluster.virtual(TWO), num_microbatches=2, num_stages=2)
+    ref_state = _state()
+    for i in range(3):
+        ref_state, m = jax.jit(step)(ref_state, _batch(i))
+    np.testing.assert_allclose(resumed, [float(m["loss"])], rtol=1e-5)

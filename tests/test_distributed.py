@@ -96,10 +96,11 @@ def test_two_processes_pipeline_schedules_and_uneven_replicas():
     tests/test_runtime_matrix.py); 1F1B on meshes of 4 and 2 (values cross through
     one device); then two replicas of different kinds and sizes with uneven batch shares.
     Also: processes whose step closes over different constants, or whose plans
-    differ, all stop before a step naming the field (hetpar/runtime/identity.py)."""
-    result, _ = launch(TWO, "gpipe", "matrix", "identity")
+    differ, all stop before a step naming the field (hetpar/runtime/identity.py); and a
+    checkpoint saved by both processes, restored, resumed under another plan."""
+    result, _ = launch(TWO, "gpipe", "matrix", "identity", "checkpoint")
     assert result.returncode == 0, result.stderr[-3000:]
-    for name in ("pipeline-gpipe", "matrix-interleaved", "matrix-dropout", "matrix-zero3", "identity"):
+    for name in ("pipeline-gpipe", "matrix-interleaved", "matrix-dropout", "matrix-zero3", "identity", "checkpoint"):
         assert f"CHECK {name} ok" in result.stdout, result.stdout[-2000:]
     result, _ = launch(UNEVEN, "1f1b", "replicas")
     assert result.returncode == 0, result.stderr[-3000:]
