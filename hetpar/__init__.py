@@ -10,11 +10,11 @@ from hetpar.outputs import gather
 from hetpar.plan import Plan, StagePlan
 from hetpar.plan.file import load_plan, save_plan
 from hetpar.runtime.distributed import initialize as initialize_distributed
-from hetpar.runtime.distributed import to_host
+from hetpar.runtime.distributed import launched_cluster, to_host
 from hetpar.runtime.ray_runtime import init, shutdown
 from hetpar.pipeline import make_plan
 from hetpar.compare import compare_plans
-from hetpar.checkpoint import restore_checkpoint, save_checkpoint
+from hetpar.checkpoint import latest_checkpoint, restore_checkpoint, save_checkpoint
 
 __all__ = [
     "Cluster",
@@ -43,6 +43,8 @@ __all__ = [
     "save_plan",
     "save_checkpoint",
     "restore_checkpoint",
+    "latest_checkpoint",
+    "launched_cluster",
     "value_and_grad",
     "parallelize",
 ]

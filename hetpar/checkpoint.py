@@ -86,6 +86,19 @@ def _stored_shape(x: Any) -> tuple[tuple[int, ...], Any]:
     return tuple(x.shape), x.dtype
 
 
+def latest_checkpoint(folder: str | Path) -> tuple[int, Path] | None:
+    """The complete checkpoint with the highest step under `folder`, as `(step,
+    path)`, from folders named `step_<n>` (save them so: `folder / f"step_{n}"`);
+    None when there is none. A save cut short leaves only orbax's temporary folder,
+    which is not counted."""
+    best = None
+    for child in Path(folder).glob("step_*"):
+        number = child.name.removeprefix("step_")
+        if child.is_dir() and number.isdigit() and (best is None or int(number) > best[0]):
+            best = (int(number), child)
+    return best
+
+
 def _alone() -> ocp.StandardCheckpointer:
     """An orbax checkpointer that synchronises with no other process."""
     me = jax.process_index()

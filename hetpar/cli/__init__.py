@@ -114,6 +114,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster", required=True, help="the cluster file (YAML): one process per node of each group")
     p.add_argument("--timeout", type=float, help="stop the job after this many seconds (default: no limit)")
     p.add_argument("--port", type=int, help="the coordinator's port on this machine (default: a free one)")
+    p.add_argument("--elastic", action="store_true", help="when a process is lost, start the job again on the nodes "
+                   "that are left (the script plans for hetpar.launched_cluster() and resumes from its latest "
+                   "checkpoint); after an error, start it again on the same nodes")
+    p.add_argument("--max-restarts", type=int, default=3, help="with --elastic: how many times (default 3)")
     p.add_argument("--ray", action="store_true", help="place the processes with Ray, one actor per node reserving its "
                    "GPUs (a local Ray instance unless --address)")
     p.add_argument("--address", help="the Ray cluster to use (implies --ray), e.g. head:6379")

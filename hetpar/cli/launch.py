@@ -23,10 +23,20 @@ def launch(args: argparse.Namespace) -> int:
     cluster = Cluster.from_file(args.cluster)
     if args.port is not None and (args.ray or args.address):
         raise HetparError("--port is for local launches; a Ray launch picks its coordinator port on the head node")
+    if args.max_restarts < 0:
+        raise HetparError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
+    if args.elastic and (args.ray or args.address):
+        raise HetparError("--elastic is for local launches for now; under Ray, restart the job from its checkpoint")
+    if args.elastic:
+        from hetpar.runtime.elastic import launch_elastic
+
+        launch_elastic(args.cluster, main_command(command), max_restarts=args.max_restarts, timeout_s=args.timeout,
+                       port=args.port)
+        return 0
     if args.ray or args.address:
         launch_ray(cluster, main_command(command), address=args.address, virtual=args.virtual, timeout_s=args.timeout)
     else:
         if args.virtual:
             raise HetparError("--virtual is for --ray: local launches always use virtual CPU devices")
-        launch_local(cluster, main_command(command), timeout_s=args.timeout, port=args.port)
+        launch_local(cluster, main_command(command), timeout_s=args.timeout, port=args.port, cluster_file=args.cluster)
     return 0

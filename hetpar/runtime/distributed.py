@@ -39,6 +39,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from hetpar.cluster.cluster import Cluster
 from hetpar.compile.compiled import CompiledStep
 from hetpar.errors import HetparError, PlanError
 from hetpar.plan import Plan
@@ -60,6 +61,7 @@ ENV_HEARTBEAT_S = "HETPAR_HEARTBEAT_TIMEOUT_S"  # jax.distributed's heartbeat ti
 # in-process; no stage mesh may span processes). Default gloo; `hetpar launch` sets it.
 ENV_CPU_COLLECTIVES = "HETPAR_CPU_COLLECTIVES"
 CPU_COLLECTIVES = ("gloo", "local")
+ENV_CLUSTER_FILE = "HETPAR_CLUSTER_FILE"  # the cluster file the launcher started this job on
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,14 @@ def _int_env(name: str) -> int | None:
         return int(text)
     except ValueError:
         raise HetparError(f"{name} must be an integer, got {text!r}; it is set by hetpar launch") from None
+
+
+def launched_cluster(default: str | Path) -> Cluster:
+    """The cluster this process's job was started on, bound to the job's devices: the
+    file `hetpar launch` names (after an elastic restart, the nodes that are left),
+    else `default`. Read it rather than a fixed path so a script survives a restart
+    on fewer nodes."""
+    return Cluster.from_file(os.environ.get(ENV_CLUSTER_FILE) or str(default)).bind()
 
 
 def is_multiprocess() -> bool:

@@ -79,13 +79,15 @@ def cpu_collectives(cluster: Cluster) -> str:
 
 
 def launch_local(cluster: Cluster, command: Sequence[str], timeout_s: float | None = None,
-                 env: dict[str, str] | None = None, grace_s: float = 5.0, port: int | None = None) -> None:
+                 env: dict[str, str] | None = None, grace_s: float = 5.0, port: int | None = None,
+                 cluster_file: str | None = None) -> None:
     """Runs `command` once per process of `cluster` on this machine and waits for all
     of them. Returns when every process exited 0; otherwise stops the others and
     raises a HetparError naming the first that failed, with its last lines. A signal
     to the launcher (Ctrl-C, SIGTERM, SIGHUP) stops every process first; SIGKILL
     reaches them through their parent-death signal (hetpar/runtime/children.py).
-    `port` is the coordinator's (default: a free one)."""
+    `port` is the coordinator's (default: a free one). `cluster_file`, the file
+    `cluster` was read from, is passed on to the processes (`launched_cluster`)."""
     if not command:
         raise HetparError("hetpar launch needs a command after '--', e.g. hetpar launch --cluster c.yaml -- python train.py")
     check_command(command)
@@ -112,6 +114,8 @@ def launch_local(cluster: Cluster, command: Sequence[str], timeout_s: float | No
                     dist.ENV_CPU_COLLECTIVES: base.get(dist.ENV_CPU_COLLECTIVES) or cpu_collectives(cluster),
                     "JAX_PLATFORMS": base.get("JAX_PLATFORMS", "cpu"),
                 })
+                if cluster_file is not None:
+                    child_env[dist.ENV_CLUSTER_FILE] = os.path.abspath(cluster_file)
                 children.append(Child(command, child_env, f"process {spec.process_id}"))
             log.info("launched %d processes (status in %s)", len(children), status_dir)
             _watch(children, layout, status_dir, timeout_s, grace_s)
@@ -121,6 +125,16 @@ def launch_local(cluster: Cluster, command: Sequence[str], timeout_s: float | No
         except Terminated as e:
             stop_all(children, grace_s)
             raise Interrupted(f"the launcher received {e}: stopped all {len(children)} processes") from None
+
+
+class ProcessFailed(HetparError):
+    """A process of the job failed: which one, and whether it was lost (killed by a
+    signal, or stopped answering) rather than ending with an error of its own."""
+
+    def __init__(self, message: str, spec: ProcessSpec, lost: bool) -> None:
+        super().__init__(message)
+        self.spec = spec
+        self.lost = lost
 
 
 class Interrupted(HetparError):
@@ -157,7 +171,9 @@ def _watch(children: list[Child], layout: list[ProcessSpec], status_dir: str,
             stop_all(children, grace_s)
             message = describe_failure(failed, codes[failed], layout, dist.read_status(status_dir, failed),
                                        len(children))
-            raise HetparError(message + _quoted(last))
+            error = dist.read_status(status_dir, failed).get("error")
+            lost = not error and codes[failed] is not None and codes[failed] < 0  # killed, not failed by itself
+            raise ProcessFailed(message + _quoted(last), layout[failed], lost=lost)
         if timeout_s is not None and time.monotonic() - start > timeout_s:
             stop_all(children, grace_s)
             raise HetparError(f"the job did not finish within {timeout_s:.0f} s; all {len(children)} processes were "
