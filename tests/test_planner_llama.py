@@ -12,7 +12,7 @@ from solver.cost.stage_costs import StageCosts
 
 from hetpar.cluster.cluster import Cluster
 from hetpar.plan.auto import SearchOptions, problem_for, search
-from hetpar.pipeline import _operator_stages, layers_pass, link_cost, placement_pass, search_options, sharding_pass
+from hetpar.pipeline import _operator_stages, layers_pass, placement_pass, search_options, sharding_pass
 from hetpar.options import ShardingOption, StageOption
 from hetpar.trace.traced_step import trace_step
 from models import llama
@@ -70,7 +70,7 @@ def test_7b_zero_where_memory_asks_and_laid_out_to_fit(llama_7b):
     assert result.best.step_s < replicated.best.step_s
     plan, _ = search(layers, cluster, BATCH, seq, search_options(llama_7b, StageOption(), search_microbatches=True, zero=1))
     plan = replace(plan, operator_stages=_operator_stages(llama_7b, layers, plan))
-    links = {g.label: link_cost(g.intra_link) for g in cluster.groups}
+    links = {g.label: g.intra_cost() for g in cluster.groups}
     laid = sharding_pass(llama_7b, layers, plan, ShardingOption(zero=1), None, links)  # the planner's meshes stand
     assert [s.zero for s in laid.stages] == [1] * len(plan.stages)
     assert _fits(placement_pass(llama_7b, layers, laid))  # placement raises PlanError where a device overflows

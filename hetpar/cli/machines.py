@@ -14,18 +14,22 @@ def devices(args: argparse.Namespace) -> int:
     from hetpar.cluster.catalog import devices as catalog
 
     table = Table(title="hetpar device catalog (dense peaks)")
-    for col in ("type", "vendor", "fp32 TF", "tf32 TF", "bf16 TF", "memory GiB", "HBM GB/s", "node link GB/s"):
+    for col in ("type", "vendor", "fp32 TF", "tf32 TF", "bf16 TF", "fp8 TF", "memory GiB", "HBM GB/s", "node link GB/s"):
         table.add_column(col, justify="left" if col in ("type", "vendor") else "right")
     for d in catalog():
         table.add_row(
             d.name, d.vendor,
             f"{d.flops('fp32') / 1e12:.1f}", f"{d.flops('tf32') / 1e12:.1f}", f"{d.flops('bf16') / 1e12:.1f}",
+            f"{d.peak_flops['fp8'] / 1e12:.1f}" if "fp8" in d.peak_flops else "-",
             f"{d.memory_bytes / 2**30:.0f}", f"{d.memory_bandwidth / 1e9:.0f}", f"{d.intra_node_link.bandwidth / 1e9:.0f}",
         )
     console().print(table)
     if args.sources:
         for d in catalog():
             print(f"{d.name}: {d.source}")
+            for figure, where in d.sources:
+                if figure not in ("datasheet", "url"):
+                    print(f"    {figure}: {where}")
     return 0
 
 
