@@ -6,6 +6,13 @@ the path separator), for a kind hetpar does not ship or a figure a site has
 measured (an entry there replaces the packaged one of its name). The cluster
 readers, the planner, the sharding ILP, the predictor and `Cluster.local()`'s
 recognition of devices read every kind from here.
+
+Rates are what the hardware has, per JAX device: a dtype a device has no units for
+runs at its fp32 rate (bf16 on a V100), an f32 matmul gets TF32 where JAX's default
+precision gives it (Ampere and later). `source` is a string or a mapping naming the
+datasheet (`datasheet`, `url`) and where each figure comes from (`peak_flops`,
+`memory`, `intra_node_link`, `process_reserve_bytes`). A cluster file may override
+any figure for one group (`hetpar.cluster.groups.DeviceOverrides`).
 """
 
 from __future__ import annotations
