@@ -20,7 +20,7 @@ from hetpar.options import ShardingOption, StageOption, build_options
 from hetpar.passes import timed_pass
 from hetpar.plan.auto import Measured, SearchOptions, problem_for, search_problem
 from hetpar.plan.costs import estimate_plan, fit_problems, priced, unpriced
-from hetpar.plan.manual import assign_replicas, assign_stages, link_cost
+from hetpar.plan.manual import assign_replicas, assign_stages
 from hetpar.plan.model import Plan, Spec, StagePlan, runs
 from hetpar.plan.runnable import check_runnable, runnable_problems
 from hetpar.predict.profile import Profile
@@ -81,7 +81,7 @@ def solve(traced: TracedStep, cluster: Cluster, stage_option: StageOption = Stag
     plan = stage_pass(traced, layers, cluster, stage_option, sharding_option, auto, options, inputs)
     plan = replace(plan, operator_stages=_operator_stages(traced, layers, plan), cost_inputs=inputs)
     per_node = {g.label: g.devices_per_node or g.size for g in cluster.groups} if auto else None
-    links = {g.label: link_cost(g.intra_link) for g in cluster.groups}  # the cluster file's, not the catalog's
+    links = {g.label: g.intra_cost() for g in cluster.groups}  # the cluster file's (peer-to-peer or host-staged), not the catalog's
     plan = sharding_pass(traced, layers, plan, sharding_option, per_node, links)
     if auto:
         check_runnable(plan, traced.batch_size)

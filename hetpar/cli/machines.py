@@ -14,18 +14,22 @@ def devices(args: argparse.Namespace) -> int:
     from hetpar.cluster.catalog import devices as catalog
 
     table = Table(title="hetpar device catalog (dense peaks)")
-    for col in ("type", "vendor", "fp32 TF", "tf32 TF", "bf16 TF", "memory GiB", "HBM GB/s", "node link GB/s"):
+    for col in ("type", "vendor", "fp32 TF", "tf32 TF", "bf16 TF", "fp8 TF", "memory GiB", "HBM GB/s", "node link GB/s"):
         table.add_column(col, justify="left" if col in ("type", "vendor") else "right")
     for d in catalog():
         table.add_row(
             d.name, d.vendor,
             f"{d.flops('fp32') / 1e12:.1f}", f"{d.flops('tf32') / 1e12:.1f}", f"{d.flops('bf16') / 1e12:.1f}",
+            f"{d.peak_flops['fp8'] / 1e12:.1f}" if "fp8" in d.peak_flops else "-",
             f"{d.memory_bytes / 2**30:.0f}", f"{d.memory_bandwidth / 1e9:.0f}", f"{d.intra_node_link.bandwidth / 1e9:.0f}",
         )
     console().print(table)
     if args.sources:
         for d in catalog():
             print(f"{d.name}: {d.source}")
+            for figure, where in d.sources:
+                if figure not in ("datasheet", "url"):
+                    print(f"    {figure}: {where}")
     return 0
 
 
@@ -36,12 +40,17 @@ def validate(args: argparse.Namespace) -> int:
 
     cluster = Cluster.from_file(args.cluster)
     table = Table(title=f"{args.cluster}: {cluster.num_devices} devices, valid")
-    for col in ("group", "device", "nodes", "per node", "intra-node GB/s", "inter-node GB/s"):
+    for col in ("group", "device", "nodes", "per node", "intra-node GB/s", "inter-node GB/s", "NICs/node", "usable GiB"):
         table.add_column(col, justify="left" if col in ("group", "device") else "right")
     for g in cluster.groups:
+        intra = g.intra_cost()
+        usable = g.spec.memory_bytes * g.client_memory().fraction - g.spec.process_reserve_bytes
         table.add_row(
             g.label, g.type_name, str(g.nodes), str(g.devices_per_node),
-            f"{g.intra_link.bandwidth / 1e9:.1f}", f"{g.inter_link.bandwidth / 1e9:.1f}" if g.nodes > 1 else "-",
+            f"{intra.bandwidth / 1e9:.1f}" + ("" if g.peer_to_peer else " (via host)"),
+            f"{g.inter_link.bandwidth / 1e9:.1f}" if g.nodes > 1 else "-",
+            (str(g.nics_per_node) if g.nics_per_node else "1/device") if g.nodes > 1 else "-",
+            f"{usable / 2**30:.1f} ({g.client_memory().setting})",
         )
     console().print(table)
     groups = list(cluster.groups)

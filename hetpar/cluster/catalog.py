@@ -6,6 +6,13 @@ the path separator), for a kind hetpar does not ship or a figure a site has
 measured (an entry there replaces the packaged one of its name). The cluster
 readers, the planner, the sharding ILP, the predictor and `Cluster.local()`'s
 recognition of devices read every kind from here.
+
+Rates are what the hardware has, per JAX device: a dtype a device has no units for
+runs at its fp32 rate (bf16 on a V100), an f32 matmul gets TF32 where JAX's default
+precision gives it (Ampere and later). `source` is a string or a mapping naming the
+datasheet (`datasheet`, `url`) and where each figure comes from (`peak_flops`,
+`memory`, `intra_node_link`, `process_reserve_bytes`). A cluster file may override
+any figure for one group (`hetpar.cluster.groups.DeviceOverrides`).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ class Link:
     name: str
     bandwidth: float  # bytes/s, one direction
     latency: float  # seconds
+    overlaps: bool = True  # pipeline sends over it run beside compute (False: a blocking transport)
 
 
 @dataclass(frozen=True)
@@ -39,18 +47,29 @@ class DeviceType:
     memory_bandwidth: float  # bytes/s
     intra_node_link: Link
     efficiency: float  # fraction of peak that large matmuls reach, until profiled
-    source: str
+    source: str  # the datasheet
     # A matmul of this many FLOPs runs at half the sustained rate (`solver.efficiency`):
     # what makes small matmuls slow. About a 1k^3 matmul on a large GPU.
     matmul_half_flops: float = 2e9
+    # What one process keeps of the device's memory besides its arrays (runtime
+    # context, library workspaces): `hetpar.cluster.memory`.
+    process_reserve_bytes: float = 0.0
+    sources: tuple[tuple[str, str], ...] = ()  # figure -> where it comes from
 
     def flops(self, dtype: str = "fp32") -> float:
+        """Peak FLOP/s for a catalog dtype key (fp32, tf32, bf16, fp16, fp8); a dtype the
+        device has no units for runs at its fp32 rate (XLA upcasts it)."""
+        if dtype == "fp16" and "fp16" not in self.peak_flops:
+            dtype = "bf16"
         return self.peak_flops.get(dtype, self.peak_flops["fp32"])
 
     def matmul_flops(self, dtype: str = "float32") -> float:
         """Peak for matmuls in `dtype` (a numpy dtype name). JAX's default precision
-        runs float32 matmuls as TF32 on tensor-core GPUs, so float32 maps to tf32."""
-        key = {"float32": "tf32", "bfloat16": "bf16", "float16": "bf16"}.get(dtype, "fp32")
+        runs float32 matmuls as TF32 on tensor-core GPUs from Ampere on, so float32 maps
+        to tf32 (the fp32 rate on a device without TF32, such as a V100)."""
+        key = DTYPE_KEYS.get(dtype, "fp8" if dtype.startswith("float8") else "fp32")
+        if key == "fp8" and "fp8" not in self.peak_flops:
+            key = "bf16"  # no fp8 units: XLA computes fp8 dots in a wider type
         return self.flops(key)
 
     def sustained_matmul_flops(self, dtype: str = "float32") -> float:
@@ -58,6 +77,11 @@ class DeviceType:
         `solver.efficiency`'s size curve approaches, for the planner and the sharding ILP."""
         return self.matmul_flops(dtype) * self.efficiency
 
+
+# numpy dtype name -> the catalog's key for its matmul rate.
+DTYPE_KEYS = {"float32": "tf32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp32"}
+# Keys a `peak_flops` entry may have.
+FLOPS_KEYS = ("fp32", "tf32", "bf16", "fp16", "fp8")
 
 ENV_DEVICES = "HETPAR_DEVICES"
 # What an entry must give (`matmul_half_flops` is optional); see devices.json's comment for units.
@@ -99,6 +123,13 @@ def _device(name: str, spec: dict, where: str) -> DeviceType:
 
 def _parsed(name: str, spec: dict) -> DeviceType:
     link = spec["intra_node_link"]
+    unknown = [k for k in spec["peak_flops"] if k not in FLOPS_KEYS]
+    if unknown or "fp32" not in spec["peak_flops"]:
+        raise ValueError(f"peak_flops needs fp32 and may give {', '.join(FLOPS_KEYS)}; got {', '.join(spec['peak_flops'])}")
+    source = spec["source"]
+    sources = tuple((str(k), str(v)) for k, v in source.items()) if isinstance(source, dict) else ()
+    if isinstance(source, dict):
+        source = " ".join(filter(None, (source.get("datasheet", ""), source.get("url", ""))))
     return DeviceType(
         name=name,
         vendor=spec["vendor"],
@@ -108,8 +139,10 @@ def _parsed(name: str, spec: dict) -> DeviceType:
         memory_bandwidth=float(spec["memory_bandwidth"]),
         intra_node_link=Link(link["name"], float(link["bandwidth"]), float(link["latency"])),
         efficiency=float(spec["efficiency"]),
-        source=spec["source"],
+        source=str(source),
         matmul_half_flops=float(spec.get("matmul_half_flops", 2e9 if spec["platform"] != "cpu" else 1e6)),
+        process_reserve_bytes=float(spec.get("process_reserve_bytes", 0.0)),
+        sources=sources,
     )
 
 

@@ -19,6 +19,7 @@ from hetpar.cluster.catalog import Link, catalog, device_type
 from hetpar.cluster.cluster_file import read_cluster_file
 from hetpar.cluster.groups import DEFAULT_NETWORK, HOST_LINK, DeviceGroup, GroupLink
 from hetpar.errors import ClusterError
+from solver.collectives import LinkCost
 
 __all__ = ["DEFAULT_NETWORK", "HOST_LINK", "Cluster", "DeviceGroup", "GroupLink", "jax_devices", "local_devices"]
 
@@ -113,7 +114,18 @@ class Cluster:
         if group_link.direct:
             return group_link.link
         hops = [HOST_LINK, group_link.link, HOST_LINK]
-        return Link(f"host path over {group_link.link.name}", min(h.bandwidth for h in hops), sum(h.latency for h in hops))
+        return Link(f"host path over {group_link.link.name}", min(h.bandwidth for h in hops), sum(h.latency for h in hops),
+                    group_link.link.overlaps)
+
+    def link_cost_between(self, a: DeviceGroup, b: DeviceGroup) -> LinkCost:
+        """`link_between` as the cost model prices it: one flow's link, which the
+        flows leaving a node at once share through its NICs (the fewer of the two
+        groups' nodes'), and whether sends over it overlap compute."""
+        if a.label == b.label:
+            return a.inter_cost() if a.nodes > 1 else a.intra_cost()
+        link = self.link_between(a, b)
+        shares = [s for s in (a.nic_share(link.bandwidth), b.nic_share(link.bandwidth)) if s]
+        return LinkCost(link.bandwidth, link.latency, shared=min(shares) if shares else 0.0, overlaps=link.overlaps)
 
     def describe(self) -> str:
         return " + ".join(f"{g.size}x{g.type_name}" for g in self.groups)
@@ -124,8 +136,10 @@ def _type_of(device: Any) -> str:
     `device_kind` ("NVIDIA A100-SXM4-80GB" is an A100, not an A10)."""
     kind = getattr(device, "device_kind", "") or device.platform
     if device.platform != "cpu":
+        compact = kind.replace(" ", "")
         for name in sorted((n for n, d in catalog().items() if d.platform != "cpu"), key=lambda n: (-len(n), n)):
-            if name in kind.replace(" ", ""):
+            # "V100-16GB" is a "Tesla V100-SXM2-16GB": the model and the memory size, wherever they stand
+            if all(part in compact for part in name.split("-")) if name.endswith("GB") else name in compact:
                 return name
     return "cpu" if device.platform == "cpu" else kind
 

@@ -8,17 +8,21 @@
         devices_per_node: 8
         intra_node: {bandwidth: 300e9, latency: 3e-6}   # optional: the type's usual link
         inter_node: {bandwidth: 25e9, latency: 5e-6}    # needed when nodes > 1
+        nics_per_node: 8          # one 200 Gb/s NIC per GPU (default 1: the node's devices share one)
       - name: slow
         device: V100
         nodes: 4
         devices_per_node: 8
         inter_node: {bandwidth: 12.5e9, latency: 5e-6}
+        memory_gib: 16            # any catalog figure, for this group alone (V100 16GB boards)
+        memory_fraction: 0.9      # the JAX client's share (else XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75)
     links:                        # every pair of groups: a pipeline may put them side by side
       - between: [fast, slow]
         bandwidth: 12.5e9
         latency: 10e-6
         direct: false             # true: device to device (RDMA); false: through the hosts
 
+Every field, with its unit, is in the README's table (`schema.fields_table`).
 Every mistake is reported with its line, so a user can fix the file without reading
 hetpar's code.
 """
@@ -31,8 +35,8 @@ from pathlib import Path
 import yaml
 
 from hetpar.cluster.catalog import Link, catalog
-from hetpar.cluster.groups import DeviceGroup, GroupLink
-from hetpar.cluster.schema import GroupCounts, LinkFields, validated
+from hetpar.cluster.groups import HOST_LINK, DeviceGroup, DeviceOverrides, GroupLink
+from hetpar.cluster.schema import FlopsFields, GroupFields, LinkFields, validated
 from hetpar.errors import ClusterError
 
 
@@ -123,17 +127,24 @@ def _no_unknown_keys(fields: dict[str, _Located], allowed: set[str], where: _Loc
 
 def _link(loc: _Located, what: str, other_keys: frozenset = frozenset()) -> Link:
     fields = loc.mapping(what)
-    _no_unknown_keys(fields, {"bandwidth", "latency", "name"} | other_keys, loc)
+    _no_unknown_keys(fields, {"bandwidth", "latency", "name", "overlap"} | other_keys, loc)
     for key in ("bandwidth", "latency"):
         if key not in fields:
             raise loc.fail(f"{what} needs '{key}:' ({'bytes/s' if key == 'bandwidth' else 'seconds'})")
-    link = _check(LinkFields, {k: fields[k].text(k) for k in ("bandwidth", "latency")}, fields, loc, what)
-    return Link(fields["name"].text("name") if "name" in fields else what, link.bandwidth, link.latency)
+    given = [k for k in ("bandwidth", "latency", "overlap") if k in fields]
+    link = _check(LinkFields, {k: fields[k].text(k) for k in given}, fields, loc, what)
+    return Link(fields["name"].text("name") if "name" in fields else what, link.bandwidth, link.latency, link.overlap)
+
+
+# A group's single values, checked by schema.GroupFields; its mappings are read apart.
+_GROUP_SCALARS = ("nodes", "devices_per_node", "nics_per_node", "peer_to_peer", "host_bandwidth", "memory_gib",
+                  "memory_bandwidth", "efficiency", "memory_fraction", "process_reserve_gib")
+_GROUP_KEYS = {"name", "device", "intra_node", "inter_node", "flops", *_GROUP_SCALARS}
 
 
 def _group(loc: _Located) -> DeviceGroup:
     fields = loc.mapping("a group")
-    _no_unknown_keys(fields, {"name", "device", "nodes", "devices_per_node", "intra_node", "inter_node"}, loc)
+    _no_unknown_keys(fields, _GROUP_KEYS, loc)
     if "device" not in fields:
         raise loc.fail("the group needs 'device:' (a device type; `hetpar devices` lists them)")
     device = fields["device"].text("device")
@@ -142,10 +153,25 @@ def _group(loc: _Located) -> DeviceGroup:
     for key in ("nodes", "devices_per_node"):
         if key not in fields:
             raise loc.fail(f"the group needs '{key}:'")
-    counts = _check(GroupCounts, {k: fields[k].text(k) for k in ("nodes", "devices_per_node")}, fields, loc, "")
-    nodes, per_node = counts.nodes, counts.devices_per_node
+    group = _check(GroupFields, {k: fields[k].text(k) for k in _GROUP_SCALARS if k in fields}, fields, loc, "")
+    nodes, per_node = group.nodes, group.devices_per_node
     if nodes > 1 and "inter_node" not in fields:
         raise loc.fail(f"a group of {nodes} nodes needs 'inter_node:' (the network between its nodes)")
+    flops = ()
+    if "flops" in fields:
+        rates = fields["flops"].mapping("flops")
+        _no_unknown_keys(rates, set(FlopsFields.model_fields), fields["flops"])
+        checked = _check(FlopsFields, {k: v.text(k) for k, v in rates.items()}, rates, fields["flops"], "flops")
+        flops = tuple((k, v) for k, v in checked.model_dump().items() if v is not None)
+    gib = 2**30
+    overrides = DeviceOverrides(
+        memory_bytes=int(group.memory_gib * gib) if group.memory_gib is not None else None,
+        peak_flops=flops,
+        memory_bandwidth=group.memory_bandwidth,
+        efficiency=group.efficiency,
+        process_reserve_bytes=group.process_reserve_gib * gib if group.process_reserve_gib is not None else None,
+        memory_fraction=group.memory_fraction,
+    )
     return DeviceGroup(
         device,
         name=fields["name"].text("name") if "name" in fields else device,
@@ -153,6 +179,10 @@ def _group(loc: _Located) -> DeviceGroup:
         devices_per_node=per_node,
         intra_node=_link(fields["intra_node"], "intra_node") if "intra_node" in fields else None,
         inter_node=_link(fields["inter_node"], "inter_node") if "inter_node" in fields else None,
+        overrides=overrides,
+        nics_per_node=group.nics_per_node,
+        peer_to_peer=group.peer_to_peer,
+        host_bandwidth=group.host_bandwidth if group.host_bandwidth is not None else HOST_LINK.bandwidth,
     )
 
 
@@ -172,7 +202,7 @@ def _links(loc: _Located | None, labels: list[str], root: _Located) -> dict[froz
         link = _link(entry, "link", frozenset({"between", "direct"}))
         if frozenset(ends) in links:
             raise fields["between"].fail(f"a second link between {ends[0]!r} and {ends[1]!r}; keep one")
-        links[frozenset(ends)] = GroupLink(Link(f"{ends[0]}<->{ends[1]}", link.bandwidth, link.latency), direct)
+        links[frozenset(ends)] = GroupLink(Link(f"{ends[0]}<->{ends[1]}", link.bandwidth, link.latency, link.overlaps), direct)
     for a, b in combinations(labels, 2):
         if frozenset((a, b)) not in links:
             where = loc if loc is not None else root

@@ -1,15 +1,52 @@
 """The parts a cluster is made of: groups of devices of one type, and the links
-between groups. Plain data, shared by the Cluster and the cluster-file reader."""
+between groups. Plain data, shared by the Cluster and the cluster-file reader.
+
+A group's figures are its device type's catalog entry with whatever the cluster
+file overrides for that group (`DeviceOverrides`: memory, FLOP/s, bandwidths, the
+JAX client's memory share), and how its nodes communicate as clusters have it: the
+devices of a node share its NICs (`nics_per_node`; `inter_node`'s bandwidth is one
+NIC's), and devices without peer-to-peer access stage every copy through the host's
+memory, which the node's devices share (`peer_to_peer`, `host_bandwidth`).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hetpar.cluster.catalog import DeviceType, Link, device_type
+from hetpar.cluster.memory import ClientMemory, client_memory
+from solver.collectives import LinkCost
 
 # Device <-> host copies (PCIe 4.0 x16) and a default network between groups.
 HOST_LINK = Link("PCIe 4.0 x16 to host", 25e9, 10e-6)
 DEFAULT_NETWORK = Link("100 Gb/s Ethernet", 12.5e9, 10e-6)
+
+
+@dataclass(frozen=True)
+class DeviceOverrides:
+    """A cluster file's figures for one group, in place of its device type's catalog
+    entry (None: the catalog's)."""
+
+    memory_bytes: int | None = None
+    peak_flops: tuple[tuple[str, float], ...] = ()  # catalog dtype key -> FLOP/s, merged over the catalog's
+    memory_bandwidth: float | None = None
+    efficiency: float | None = None
+    process_reserve_bytes: float | None = None
+    memory_fraction: float | None = None  # the JAX client's share; None: from the environment
+
+    def applied(self, spec: DeviceType) -> DeviceType:
+        changes: dict = {}
+        if self.memory_bytes is not None:
+            changes["memory_bytes"] = self.memory_bytes
+        if self.peak_flops:
+            changes["peak_flops"] = {**spec.peak_flops, **dict(self.peak_flops)}
+        if self.memory_bandwidth is not None:
+            changes["memory_bandwidth"] = self.memory_bandwidth
+        if self.efficiency is not None:
+            changes["efficiency"] = self.efficiency
+        if self.process_reserve_bytes is not None:
+            changes["process_reserve_bytes"] = self.process_reserve_bytes
+        return replace(spec, **changes) if changes else spec
 
 
 @dataclass(frozen=True)
@@ -20,11 +57,15 @@ class DeviceGroup:
     nodes: int = 1
     devices_per_node: int = 0  # 0: all devices in one node
     intra_node: Link | None = None  # default: the device type's typical link
-    inter_node: Link | None = None  # default: DEFAULT_NETWORK
+    inter_node: Link | None = None  # default: DEFAULT_NETWORK; its bandwidth is one NIC's
+    overrides: DeviceOverrides = DeviceOverrides()
+    nics_per_node: int = 0  # NICs a node's devices share to reach other nodes; 0: one per device
+    peer_to_peer: bool = True  # False: device-to-device copies in a node go through host memory
+    host_bandwidth: float = HOST_LINK.bandwidth  # bytes/s the host moves for copies staged through it, all devices together
 
     @property
     def spec(self) -> DeviceType:
-        return device_type(self.type_name)
+        return self.overrides.applied(device_type(self.type_name))
 
     @property
     def size(self) -> int:
@@ -35,12 +76,48 @@ class DeviceGroup:
         return self.name or self.type_name
 
     @property
+    def per_node(self) -> int:
+        return self.devices_per_node or self.size
+
+    @property
     def intra_link(self) -> Link:
         return self.intra_node or self.spec.intra_node_link
 
     @property
     def inter_link(self) -> Link:
         return self.inter_node or DEFAULT_NETWORK
+
+    def client_memory(self) -> ClientMemory:
+        """The JAX client's share of each device's memory: the cluster file's
+        `memory_fraction`, else the environment's (`hetpar.cluster.memory`)."""
+        found = client_memory(self.spec.platform)
+        if self.overrides.memory_fraction is None:
+            return found
+        return ClientMemory(self.overrides.memory_fraction, found.preallocate, f"memory_fraction: {self.overrides.memory_fraction:g} "
+                            f"in the cluster file's group {self.label!r}")
+
+    def intra_cost(self) -> LinkCost:
+        """A node's device-to-device link as the cost model sees it. Without
+        peer-to-peer every copy is staged through host memory (device to host, then
+        host to device: it crosses the host twice), whose rate the node's concurrent
+        copies share: 8 devices of a ring all-reduce get an eighth of half of it each."""
+        link = self.intra_link
+        if self.peer_to_peer:
+            return LinkCost(link.bandwidth, link.latency, overlaps=link.overlaps)
+        staged = self.host_bandwidth / 2
+        return LinkCost(min(link.bandwidth, staged), link.latency + 2 * HOST_LINK.latency, shared=staged, overlaps=link.overlaps)
+
+    def inter_cost(self) -> LinkCost:
+        """The link between this group's nodes: one NIC's bandwidth per flow, and all
+        the node's NICs together shared by the flows that leave the node at once."""
+        link = self.inter_link
+        return LinkCost(link.bandwidth, link.latency, shared=self.nic_share(link.bandwidth), overlaps=link.overlaps)
+
+    def nic_share(self, bandwidth: float) -> float:
+        """What a node's flows share over links of `bandwidth` per NIC (0: a NIC per
+        device, nothing shared)."""
+        nics = self.nics_per_node
+        return 0.0 if not nics or nics >= self.per_node else nics * bandwidth
 
 
 @dataclass(frozen=True)

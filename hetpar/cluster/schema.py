@@ -21,15 +21,44 @@ class _Fields(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
+def _f(unit: str, meaning: str, **limits: Any) -> Any:
+    """A field with its unit and meaning, which the README's table of cluster-file
+    fields is generated from (`fields_table`)."""
+    return Field(description=meaning, json_schema_extra={"unit": unit}, **limits)
+
+
 class LinkFields(_Fields):
-    name: str | None = None
-    bandwidth: Annotated[float, Field(gt=0, le=1e15)]  # bytes/s
-    latency: Annotated[float, Field(ge=0, le=3600)]  # seconds
+    """A link: `intra_node:` and `inter_node:` of a group, and each entry of `links:`."""
+
+    name: str | None = _f("-", "a label for views", default=None)
+    bandwidth: Annotated[float, _f("bytes/s", "one flow's bandwidth, one direction (inter_node: one NIC's)", gt=0, le=1e15)]
+    latency: Annotated[float, _f("s", "per message", ge=0, le=3600)]
+    overlap: bool = _f("true/false", "pipeline sends over it run beside compute (false: a blocking transport; the "
+                       "sender waits, and the estimator adds the send to its stage's time)", default=True)
+
+
+class BetweenFields(LinkFields):
+    """An entry of `links:`: the path between two groups."""
+
+    between: list[str] | None = _f("group names", "the two groups it joins", default=None)
+    direct: bool = _f("true/false", "device to device (RDMA); false: through both hosts (PCIe to host at each end)",
+                      default=False)
+
+
+class FlopsFields(_Fields):
+    """A group's `flops:` mapping: peak dense FLOP/s per dtype, over the catalog's."""
+
+    fp32: Annotated[float | None, _f("FLOP/s", "f32 without TF32", default=None, gt=0, le=1e18)]
+    tf32: Annotated[float | None, _f("FLOP/s", "f32 matmuls under JAX's default precision (TF32 on Ampere and later)",
+                                     default=None, gt=0, le=1e18)]
+    bf16: Annotated[float | None, _f("FLOP/s", "bf16 matmuls, fp32 accumulate", default=None, gt=0, le=1e18)]
+    fp16: Annotated[float | None, _f("FLOP/s", "fp16 matmuls, fp32 accumulate", default=None, gt=0, le=1e18)]
+    fp8: Annotated[float | None, _f("FLOP/s", "fp8 matmuls", default=None, gt=0, le=1e18)]
 
 
 class GroupCounts(_Fields):
-    nodes: Annotated[int, Field(gt=0, le=MAX_DEVICES)]
-    devices_per_node: Annotated[int, Field(gt=0, le=MAX_DEVICES)]
+    nodes: Annotated[int, _f("count", "nodes in the group", gt=0, le=MAX_DEVICES)]
+    devices_per_node: Annotated[int, _f("count", "devices (JAX devices: an MI250X is two) per node", gt=0, le=MAX_DEVICES)]
 
     @model_validator(mode="after")
     def _size(self) -> "GroupCounts":
@@ -39,6 +68,60 @@ class GroupCounts(_Fields):
                 "hetpar plans over; check nodes and devices_per_node"
             )
         return self
+
+
+class GroupFields(GroupCounts):
+    """An entry of `groups:`. Every figure past `inter_node` overrides the device
+    type's catalog entry for this group alone."""
+
+    name: str | None = _f("-", "the group's label (default: the device type)", default=None)
+    device: str = _f("-", "a device type from `hetpar devices`", default="")
+    intra_node: LinkFields | None = _f("mapping", "the link between a node's devices (default: the type's catalog link)",
+                                       default=None)
+    inter_node: LinkFields | None = _f("mapping", "the network between the group's nodes (needed when nodes > 1)",
+                                       default=None)
+    nics_per_node: Annotated[int, _f("count", "NICs a node's devices share to reach other nodes: flows leaving a node "
+                                     "at once divide them (default 1)", default=1, gt=0, le=MAX_DEVICES)]
+    peer_to_peer: bool = _f("true/false", "a node's devices copy to each other directly; false: every copy is staged "
+                            "through host memory at host_bandwidth", default=True)
+    host_bandwidth: Annotated[float | None, _f("bytes/s", "what a node's host memory moves for copies staged through it, "
+                                               "all its devices together (default 25e9, one PCIe 4.0 x16 root)",
+                                               default=None, gt=0, le=1e15)]
+    memory_gib: Annotated[float | None, _f("GiB", "device memory", default=None, gt=0, le=1e6)]
+    memory_bandwidth: Annotated[float | None, _f("bytes/s", "device memory bandwidth", default=None, gt=0, le=1e15)]
+    flops: FlopsFields | None = _f("mapping", "peak dense FLOP/s per dtype (keys below)", default=None)
+    efficiency: Annotated[float | None, _f("fraction", "of peak that large matmuls reach", default=None, gt=0, le=1)]
+    memory_fraction: Annotated[float | None, _f("fraction", "of device memory the JAX client takes (default: "
+                                                "XLA_PYTHON_CLIENT_MEM_FRACTION from the environment, 0.75 on GPU if unset)",
+                                                default=None, gt=0, le=1)]
+    process_reserve_gib: Annotated[float | None, _f("GiB", "what one process keeps of that share beside its arrays "
+                                                    "(runtime context, library workspaces; catalog: 1 on GPUs)",
+                                                    default=None, ge=0, le=1e6)]
+
+
+class ClusterFields(_Fields):
+    """The file's top level."""
+
+    name: str | None = _f("-", "the cluster's name (default: the file's stem)", default=None)
+    groups: list[GroupFields] = _f("list", "node groups, each of one device type", default_factory=list)
+    links: list[BetweenFields] = _f("list", "one entry per pair of groups", default_factory=list)
+
+
+# Where each model's fields sit in a file, for the README's table.
+SECTIONS = (("", ClusterFields), ("groups[]", GroupFields), ("groups[].flops", FlopsFields),
+            ("groups[].intra_node / inter_node", LinkFields), ("links[]", BetweenFields))
+
+
+def fields_table() -> str:
+    """The README's table of every cluster-file field, with its unit, from the models
+    above (`scripts/cluster_fields.py` prints it; a test checks the README has it)."""
+    rows = ["| field | unit | meaning |", "|---|---|---|"]
+    for prefix, model in SECTIONS:
+        for key, info in model.model_fields.items():
+            unit = (info.json_schema_extra or {}).get("unit", "-")
+            where = f"{prefix}.{key}" if prefix else key
+            rows.append(f"| `{where}` | {unit} | {info.description or ''} |")
+    return "\n".join(rows)
 
 
 def validated(model: type[BaseModel], values: dict[str, Any]) -> tuple[BaseModel | None, str | None, str | None]:

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field, replace
 from hetpar.cluster.cluster import Cluster, DeviceGroup
 from hetpar.errors import PlanError
 from hetpar.plan.model import ClusterGroup, Plan, StagePlan
-from hetpar.plan.manual import link_cost
 from hetpar.trace.layers import Layers
 from solver.collectives import LinkCost
 from solver import schedules
@@ -68,8 +67,8 @@ def device_kinds(cluster: Cluster, dtype: str = "float32", layer_overhead_s: flo
     or the measured ones where `measured` has the group's device type."""
     kinds = []
     for g in cluster.groups:
-        spec = g.spec
-        intra = link_cost(g.intra_link)
+        spec = g.spec  # the catalog's figures with the cluster file's overrides for this group
+        intra = g.intra_cost()
         per_node = g.devices_per_node or g.size
         flops, half, bandwidth = spec.matmul_flops(dtype) * spec.efficiency, spec.matmul_half_flops, spec.memory_bandwidth
         seen = (measured or {}).get(g.type_name)
@@ -77,15 +76,16 @@ def device_kinds(cluster: Cluster, dtype: str = "float32", layer_overhead_s: flo
             flops, half, bandwidth, intra = seen.matmul_flops, seen.matmul_half_flops, seen.memory_bandwidth, seen.intra or intra
         kinds.append(DeviceKind(
             g.label, g.size, per_node, flops, spec.memory_bytes, bandwidth,
-            intra, link_cost(g.inter_link) if g.size > per_node else intra, layer_overhead_s, spec.matmul_flops(dtype),
-            half, measured=seen is not None,
+            intra, g.inter_cost() if g.size > per_node else intra, layer_overhead_s, spec.matmul_flops(dtype),
+            half, measured=seen is not None, memory_fraction=g.client_memory().fraction,
+            process_reserve_bytes=spec.process_reserve_bytes,
         ))
     return tuple(kinds)
 
 
 def group_links(cluster: Cluster) -> tuple[tuple[str, str, LinkCost], ...]:
     groups = cluster.groups
-    return tuple((a.label, b.label, link_cost(cluster.link_between(a, b))) for i, a in enumerate(groups) for b in groups[i + 1 :])
+    return tuple((a.label, b.label, cluster.link_cost_between(a, b)) for i, a in enumerate(groups) for b in groups[i + 1 :])
 
 
 def layer_costs(layers: Layers, batch_size: int) -> tuple[LayerCost, ...]:

@@ -11,6 +11,7 @@ same way, so an edited figure in a file changes nothing.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from hetpar.errors import PlanError
@@ -88,10 +89,26 @@ def fit_problems(plan: Plan, cost: PlanCost) -> list[str]:
         chunks = [q for q, other in enumerate(plan.stages) if other.device_ids == s.device_ids]
         parts = ", ".join(f"{name} {value / 2**30:.2f}" for name, value in _categories([cost.stages[q] for q in chunks]))
         who = f"stage {s.index}" if len(chunks) == 1 else f"stages {', '.join(str(plan.stages[q].index) for q in chunks)} (one device group)"
-        memory = plan.cost_inputs.kind(s.group or s.device_type).memory_bytes if plan.cost_inputs else c.capacity
+        kind = plan.cost_inputs.kind(s.group or s.device_type) if plan.cost_inputs else None
+        memory = kind.memory_bytes if kind else c.capacity
         out.append(f"{who} needs {c.group_memory_bytes / 2**30:.2f} GiB per {s.device_type}, which has {memory / 2**30:.0f} GiB "
-                   f"({c.capacity / 2**30:.2f} GiB to use beside XLA's workspace): {parts} GiB")
+                   f"({c.capacity / 2**30:.2f} GiB to use beside XLA's workspace{_client_share(plan, kind, c)}): {parts} GiB")
     return out
+
+
+def _client_share(plan: Plan, kind, cost) -> str:  # noqa: ANN001
+    """Where the JAX client's memory share is what stops the stage: the numbers and
+    the setting that would let it fit (`hetpar.cluster.memory`)."""
+    if kind is None or (kind.memory_fraction >= 1 and not kind.process_reserve_bytes):
+        return ""
+    gib, keep = 2**30, 1 - plan.cost_inputs.memory_reserve
+    said = (f", after the JAX client's {kind.memory_fraction:.0%} of the device (XLA_PYTHON_CLIENT_MEM_FRACTION="
+            f"{kind.memory_fraction:g}) less a {kind.process_reserve_bytes / gib:.2f} GiB per-process reserve")
+    needed = (cost.group_memory_bytes / keep + kind.process_reserve_bytes) / kind.memory_bytes
+    if needed <= 1:
+        said += (f"; it would fit at XLA_PYTHON_CLIENT_MEM_FRACTION={min(1.0, math.ceil(needed * 100) / 100):.2f} in the environment the "
+                 f"plan runs in (or memory_fraction in the cluster file's group)")
+    return said
 
 
 def _categories(costs: list) -> list[tuple[str, float]]:  # noqa: ANN001

@@ -173,7 +173,7 @@ def split_batch(batch_size: int, num_microbatches: int, speeds: list[float]) -> 
 
 def link_cost(link) -> LinkCost:  # noqa: ANN001
     """A catalog link as the solver's alpha-beta cost."""
-    return LinkCost(link.bandwidth, link.latency)
+    return LinkCost(link.bandwidth, link.latency, overlaps=getattr(link, "overlaps", True))
 
 
 def _positions(cluster: Cluster) -> dict[int, int]:

@@ -56,8 +56,7 @@ def device_models(plan: Plan, profile: Profile | None, cluster: Cluster) -> dict
             allreduce = LinkCost(measured.allreduce_bandwidth, measured.allreduce_latency_s)
         else:
             model = ComputeModel.from_catalog(group.spec)
-            link = group.intra_link
-            allreduce = LinkCost(link.bandwidth, link.latency)
+            allreduce = group.intra_cost()  # host-staged where the group lacks peer-to-peer
         out[stage.index] = (model, allreduce)
     return out
 

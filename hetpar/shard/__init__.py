@@ -182,12 +182,21 @@ class _StageSolver:
         catalog = device_type(stage.device_type).intra_node_link
         return self.links.get(stage.group, LinkCost(catalog.bandwidth, catalog.latency))
 
+    def speed(self, stage: StagePlan) -> tuple[float, float]:
+        """The stage's matmul rate and F_half as the planner priced its group (the
+        cluster file's overrides and a profile included), else the catalog's."""
+        inputs = self.plan.cost_inputs
+        kind = next((k for k in inputs.kinds if k.name == stage.group), None) if inputs is not None else None
+        if kind is not None and not kind.measured:
+            return kind.flops, kind.matmul_half_flops
+        return matmul_speed(stage.device_type, self.dtype)
+
     def _solve(self, stage: StagePlan, mesh: dict[str, int]) -> tuple[dict[int, Spec], float, dict[int, tuple[Spec, Spec]]]:
         traced = self.traced
         of_op = self.plan.stage_of_operators(stage.replica)
         ops = [i for i, s in enumerate(of_op) if s == stage.index]
         batch_free = {v for v in traced.full.invars if v not in traced.analysis.batch_axis}
-        sustained, half = matmul_speed(stage.device_type, self.dtype)
+        sustained, half = self.speed(stage)
         link = self.link(stage)
         zero = self.option.zero if self.option.zero is not None else stage.zero
         factor = state_factor(zero, mesh.get("data", 1))

@@ -23,11 +23,32 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_t
 
 @dataclass(frozen=True)
 class LinkCost:
-    bandwidth: float  # bytes/s
+    """A link in the alpha-beta model. `bandwidth` is what one flow gets alone;
+    `shared`, where set, is what all the flows crossing it at once share: a node's
+    NICs (a node's devices reduce through them together) or its host memory, where
+    devices without peer-to-peer access stage every copy. `overlaps`: whether
+    point-to-point sends over it run beside compute (an asynchronous transport) or
+    hold the sender until they are done (a blocking one)."""
+
+    bandwidth: float  # bytes/s, one flow
     latency: float  # s
+    shared: float = 0.0  # bytes/s all concurrent flows share; 0: each flow has `bandwidth`
+    overlaps: bool = True
 
     def time(self, nbytes: float) -> float:
         return self.latency + nbytes / self.bandwidth
+
+    def per_flow(self, flows: int) -> "LinkCost":
+        """The link one of `flows` flows crossing at once sees (no longer shared: the
+        division is made)."""
+        bandwidth = min(self.bandwidth, self.shared / max(flows, 1)) if self.shared else self.bandwidth
+        return LinkCost(bandwidth, self.latency, 0.0, self.overlaps)
+
+    def shared_by(self, groups: int) -> "LinkCost":
+        """The link as each of `groups` collectives running side by side on the same
+        nodes sees it (the tensor-parallel ranks of a node each reducing their own
+        data-parallel gradients): their flows share it too."""
+        return LinkCost(self.bandwidth, self.latency, self.shared / groups, self.overlaps) if self.shared and groups > 1 else self
 
 
 @dataclass(frozen=True)
@@ -41,9 +62,18 @@ class Topology:
     def size(self) -> int:
         return self.nodes * self.devices_per_node
 
-    def flat_link(self) -> LinkCost:
-        """The link a flat algorithm over all devices is limited by: the slowest one used."""
-        return self.inter if self.nodes > 1 else self.intra
+    def flat_link(self, crossing: int | None = None) -> LinkCost:
+        """The link a flat algorithm over all devices is limited by: the slowest one
+        used, as one flow sees it. Every device of a node sends at once, so a shared
+        link inside the node is divided among them; `crossing`: how many of a node's
+        devices send across nodes at once (None: all of them), which divide a shared
+        NIC."""
+        d = self.devices_per_node
+        inside = self.intra.per_flow(d)
+        if self.nodes == 1:
+            return inside
+        across = self.inter.per_flow(d if crossing is None else min(crossing, d))
+        return min(inside, across, key=lambda link: link.bandwidth) if d > 1 else across
 
     @property
     def hierarchical(self) -> bool:
@@ -80,18 +110,21 @@ class Algorithm:
                              f"{self.name!r} has {', '.join(self.times) or 'none'}")
 
     @classmethod
-    def flat(cls, name: str, times: Mapping[str, FlatSeconds], curved: tuple[str, ...] = ()) -> "Algorithm":
+    def flat(cls, name: str, times: Mapping[str, FlatSeconds], curved: tuple[str, ...] = (),
+             crossing: int | None = None) -> "Algorithm":
         """An algorithm that treats the group as one flat set of devices, each collective
         a function of (devices, bytes, link): on several nodes it runs over the slowest
-        link, the one between nodes."""
-        return cls(name, {kind: _over_flat_link(fn) for kind, fn in times.items()}, curved)
+        link, the one between nodes. `crossing`: how many of a node's devices send
+        across nodes at once (a ring: one; None: all, as recursive halving's first
+        steps do), which share the node's NICs."""
+        return cls(name, {kind: _over_flat_link(fn, crossing) for kind, fn in times.items()}, curved)
 
     def time(self, collective: str, topology: Topology, nbytes: float) -> float:
         return self.times[collective](topology, nbytes)
 
 
-def _over_flat_link(fn: FlatSeconds) -> Seconds:
-    return lambda topo, nbytes: fn(topo.size, nbytes, topo.flat_link())
+def _over_flat_link(fn: FlatSeconds, crossing: int | None) -> Seconds:
+    return lambda topo, nbytes: fn(topo.size, nbytes, topo.flat_link(crossing))
 
 
 def log2_steps(n: int) -> int:

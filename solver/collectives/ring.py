@@ -51,4 +51,4 @@ ALGORITHM = Algorithm.flat("ring", {
     "reduce_scatter": allgather_ring,
     "broadcast": broadcast_ring,
     "all_to_all": alltoall_pairwise,
-}, curved=("broadcast",))
+}, curved=("broadcast",), crossing=1)  # laid out node by node: one flow leaves each node

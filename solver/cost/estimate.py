@@ -28,7 +28,7 @@ from solver.schedules import StageTimes
 
 # Bumped whenever a change to the cost model changes a price: a plan file that keeps
 # figures as a cache records the version they were made with.
-ESTIMATOR_VERSION = 1
+ESTIMATOR_VERSION = 2  # 2: shared NICs, host-staged links, blocking sends, the JAX client's memory share
 
 
 @dataclass(frozen=True)
@@ -181,6 +181,7 @@ def estimate(problem: Problem, decisions: Decisions, costs: StageCosts | None = 
             raw.append((s, at(v.forward), at(v.backward), send, at(v.sync), at(v.tail) - at(v.sync), memory,
                         costs.capacity(s.kind)))
         group_total = [sum(raw[q][6].total for q in range(g, n, groups)) for g in range(groups)]
+        raw = _blocking_sends(problem, raw)
         for p, (s, fwd, bwd, send, sync, opt, memory, capacity) in enumerate(raw):
             priced[index[id(s)]] = StageCost(fwd, bwd, send, sync + cross, opt, memory, capacity, group_total[p % groups])
     stage_costs = tuple(c for c in priced if c is not None)  # every stage: each replica's were priced
@@ -191,6 +192,21 @@ def estimate(problem: Problem, decisions: Decisions, costs: StageCosts | None = 
     peak = sum(s.devices * (problem.kind(s.kind).peak_flops or problem.kind(s.kind).flops) for s in d.stages) / d.chunks
     return PlanCost(stage_costs, d, step, closed, cross, float(costs.flops.sum()) * examples, peak,
                     examples * problem.tokens_per_example)
+
+
+def _blocking_sends(problem: Problem, raw: list[tuple]) -> list[tuple]:
+    """Sends over a link whose transport blocks (`LinkCost.overlaps` False) hold
+    their sender: stage p's forward waits for its activation to leave, stage p + 1's
+    backward for the gradient to return, and nothing travels beside compute. The
+    simulated schedule then sees them as compute, not as transfers."""
+    out = [list(r) for r in raw]
+    for p in range(len(raw) - 1):
+        s, c, send = raw[p][0], raw[p + 1][0], raw[p][3]
+        if send and not problem.link(s.kind, c.kind).overlaps:
+            out[p][1] += send
+            out[p + 1][2] += send
+            out[p][3] = 0.0
+    return [tuple(r) for r in out]
 
 
 def cross_replica_sync_s(costs: StageCosts, decisions: Decisions) -> float:

@@ -49,16 +49,38 @@ class DeviceKind:
     flops: float  # achievable FLOP/s per device for the model's matmuls
     memory_bytes: int
     memory_bandwidth: float
-    intra: LinkCost  # between devices of one node
-    inter: LinkCost  # between nodes of this kind, per device
+    intra: LinkCost  # between devices of one node (`shared`: host memory, where they lack peer-to-peer)
+    inter: LinkCost  # between nodes of this kind: one flow's (`shared`: the node's NICs, all its devices' flows together)
     layer_overhead_s: float = 0.0  # fixed cost of one layer's forward and backward on one microbatch (kernel launches)
     peak_flops: float = 0.0  # per device, for MFU; 0: same as `flops`
     matmul_half_flops: float = 0.0  # a matmul of this many FLOPs runs at half of `flops` (`solver.efficiency`); 0: flat
     measured: bool = False  # `flops`, `matmul_half_flops`, `memory_bandwidth` and `intra` come from a profile
+    # What the JAX client may use of `memory_bytes` (XLA_PYTHON_CLIENT_MEM_FRACTION on a GPU), and
+    # what one process keeps of that beside the arrays (runtime context, library workspaces).
+    memory_fraction: float = 1.0
+    process_reserve_bytes: float = 0.0
+
+    @property
+    def usable_bytes(self) -> float:
+        """What a process's arrays may fill on one device: the client's share of the
+        memory less the per-process reserve (`hetpar.cluster.memory`)."""
+        return max(0.0, self.memory_bytes * self.memory_fraction - self.process_reserve_bytes)
 
     def tp_degrees(self, max_tp: int) -> list[int]:
         """Tensor parallelism stays inside a node, where the links are fastest."""
         return [t for t in (1, 2, 4, 8, 16) if t <= min(max_tp, self.devices_per_node) and self.devices_per_node % t == 0]
+
+
+def memory_note(kind: DeviceKind) -> str:
+    """How much of a device of `kind` a plan may fill and what sets it, for messages
+    about plans that do not fit; empty where the whole memory is usable."""
+    if kind.memory_fraction >= 1 and not kind.process_reserve_bytes:
+        return ""
+    gib = 2**30
+    return (f"a {kind.name} device has {kind.memory_bytes / gib:.1f} GiB, of which the JAX client takes "
+            f"{kind.memory_fraction:.0%} (XLA_PYTHON_CLIENT_MEM_FRACTION={kind.memory_fraction:g}, or the cluster file's "
+            f"memory_fraction) less a {kind.process_reserve_bytes / gib:.2f} GiB per-process reserve "
+            f"(process_reserve_gib): {kind.usable_bytes / gib:.1f} GiB for the plan")
 
 
 @dataclass(frozen=True)
@@ -73,7 +95,7 @@ class Problem:
     training: bool = True
     state_factor: float = 4.0  # bytes of parameters + gradients + optimizer state per parameter byte (fp32 Adam: 4)
     optimizer_traffic: float = 7.0  # bytes the update reads and writes per parameter byte
-    memory_reserve: float = 0.0  # fraction of each device's memory kept free for workspace
+    memory_reserve: float = 0.0  # fraction of each device's usable memory (`DeviceKind.usable_bytes`) kept free for XLA's temporaries
     microbatches: tuple[int, ...] | None = None  # allowed counts; None: every divisor of the batch
     schedules: tuple[str, ...] = field(default_factory=schedules.names)
     chunks: tuple[int, ...] = (2, 4)  # stages per device group an interleaved schedule may use

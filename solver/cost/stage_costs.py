@@ -143,8 +143,9 @@ class StageCosts:
         return self._tables(cfg, b, in_flight, last, m)
 
     def capacity(self, kind: str) -> int:
-        """Bytes a stage may use on each device: its memory less the reserve."""
-        return int(self.kinds[kind].memory_bytes * (1 - self.problem.memory_reserve))
+        """Bytes a stage may use on each device: what the JAX client leaves a
+        process's arrays (`DeviceKind.usable_bytes`) less the problem's reserve."""
+        return int(self.kinds[kind].usable_bytes * (1 - self.problem.memory_reserve))
 
     def zero_stages(self, cfg: StageConfig) -> list[int]:
         """ZeRO stages worth trying: sharding over the data axis needs one (and a
@@ -273,7 +274,9 @@ class StageCosts:
         groups of a node's devices, one device of each group per data-parallel rank."""
         per_node = max(1, kind.devices_per_node // cfg.tp)
         nodes = max(1, cfg.dp // per_node)
-        return Topology(nodes, min(per_node, cfg.dp), kind.intra, kind.inter)
+        # The tp groups of a node reduce side by side: their flows share its NICs and host memory.
+        groups = min(cfg.tp, kind.devices_per_node)
+        return Topology(nodes, min(per_node, cfg.dp), kind.intra.shared_by(groups), kind.inter.shared_by(groups))
 
     def _sync(self, kind: DeviceKind, cfg: StageConfig, grads: np.ndarray) -> np.ndarray:
         """ZeRO-0's gradient all-reduce, once per step (`solver.zero.zero_time`)."""
@@ -289,14 +292,19 @@ class StageCosts:
         if not self.problem.training:
             return 0.0
         pairs = list(itertools.combinations(kinds, 2)) or [(kinds[0], kinds[0])]
-        link = min((self.problem.link(a, b) for a, b in pairs), key=lambda c: c.bandwidth)
+        # Each stream is one device's share; a node's streams leave through its NICs together.
+        per_node = min(self.kinds[k].devices_per_node for k in kinds)
+        flows = max(1, min(streams, per_node))
+        link = min((self.problem.link(a, b).per_flow(flows) for a, b in pairs), key=lambda c: c.bandwidth)
         return best("all_reduce", Topology(1, len(kinds), link, link), float(self.params.sum()) / max(streams, 1))[1]
 
     def sends(self, a: StageConfig, c: StageConfig, b: int) -> np.ndarray:
         """Seconds to move one microbatch's activation across a cut before layer j,
         from stage `a` to the next stage `c`: each data-parallel slice sends its part."""
-        link = self.problem.link(a.kind, c.kind)
         streams = min(a.dp, c.dp)
+        # The slices of a node send side by side: a shared NIC (or host memory) is divided among them.
+        per_node = max(1, self.kinds[a.kind].devices_per_node // a.tp)
+        link = self.problem.link(a.kind, c.kind).per_flow(min(streams, per_node))
         out = link.latency + self.inputs * b / streams / link.bandwidth
         return np.concatenate([out, [INF]])  # no cut after the last layer
 

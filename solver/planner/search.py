@@ -43,6 +43,7 @@ from solver.planner.bounds import KindLayout, LowerBounds, kind_layouts
 from solver.planner.layer_split import best_split, score
 from solver.planner.problem import PlanChoice, PlanningError, Problem, SearchResult, StageChoice
 from solver.cost.stage_costs import INF, StageConfig, StageCosts, in_flight
+from solver.cost.problem import memory_note
 from solver.planner.step import rank
 
 log = logging.getLogger(__name__)
@@ -346,11 +347,12 @@ class Planner:
         if blocked:
             return blocked
         need = float(self.costs.params.sum()) * p.state_factor
-        have = sum(k.count * k.memory_bytes * (1 - p.memory_reserve) for k in p.kinds)
+        have = sum(k.count * k.usable_bytes * (1 - p.memory_reserve) for k in p.kinds)
         gib = 2**30
         if need > have:
+            notes = "".join(f" ({n})" for n in (memory_note(k) for k in p.kinds) if n)
             return (f"no plan fits: parameters, gradients and optimizer state need {need / gib:.1f} GiB and the cluster has "
-                    f"{have / gib:.1f} GiB in all; add devices (at least {math.ceil(need / have * sum(k.count for k in p.kinds))} "
+                    f"{have / gib:.1f} GiB in all{notes}; add devices (at least {math.ceil(need / have * sum(k.count for k in p.kinds))} "
                     "like these in all) or use a smaller model")
         fixes = []
         if not p.allow_remat:
@@ -358,6 +360,9 @@ class Planner:
         if max(p.microbatch_counts()) < p.batch_size:
             fixes.append("allow more microbatches (smaller microbatches keep fewer activations)")
         fixes += ["add devices", "use a smaller batch"]
+        notes = [n for n in (memory_note(k) for k in p.kinds) if n]
+        if notes:
+            fixes.append("raise the memory the JAX client may use (" + "; ".join(notes) + ")")
         return (f"no plan fits in memory: the state fits in the cluster's {have / gib:.1f} GiB, but no split of the layers keeps "
                 f"every device's state and activations within its memory; to fit: {', '.join(fixes)}")
 
