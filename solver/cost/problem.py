@@ -73,6 +73,11 @@ class Problem:
     training: bool = True
     state_factor: float = 4.0  # bytes of parameters + gradients + optimizer state per parameter byte (fp32 Adam: 4)
     optimizer_traffic: float = 7.0  # bytes the update reads and writes per parameter byte
+    # True: the data axis's collectives overlap compute, as DDP's buckets, Megatron's overlapped gradient
+    # reduction and ZeRO's prefetch run them (`StageCosts._overlapped`: only their exposed part is priced).
+    # False: each runs after the compute it follows, as hetpar's runtime runs the step's gradient sync
+    # (its own program after the last backward), so plans hetpar runs are priced as they run.
+    overlap_comm: bool = False
     memory_reserve: float = 0.0  # fraction of each device's memory kept free for workspace
     microbatches: tuple[int, ...] | None = None  # allowed counts; None: every divisor of the batch
     schedules: tuple[str, ...] = field(default_factory=schedules.names)

@@ -61,6 +61,7 @@ class StageVariant:
     memory: DeviceMemory
     tail: np.ndarray
     sync: np.ndarray
+    hidden: np.ndarray | float = 0.0  # seconds of the once-per-step reduction run under the last backward (not in `tail`)
 
 
 @dataclass(frozen=True)
@@ -231,12 +232,61 @@ class StageCosts:
                                        rerun_working=self.rerun_working_max * shard)
         gathered = self._params_max(cfg.tp)  # ZeRO-3: one layer's parameters gathered at a time
         state = self._state(grads, cfg.dp, zero)
-        extra_f, extra_b, step_sync, tail = self.step_costs(cfg, zero)
         memory = stage_memory(state, activations, held, remat, fused=last, workspace=gathered if zero >= 3 else 0.0)
+        if self.problem.overlap_comm and self.problem.training and cfg.dp > 1:
+            return self._overlapped(cfg, b, zero, remat, f, bw, memory)
+        extra_f, extra_b, step_sync, tail = self.step_costs(cfg, zero)
         forward = f + extra_f
         backward = bw + extra_b + (forward if remat else 0.0)
         return StageVariant(np.broadcast_to(forward, f.shape), np.broadcast_to(backward, f.shape), memory,
                             np.broadcast_to(tail, f.shape), np.broadcast_to(step_sync, f.shape))
+
+    def _buckets(self, cfg: StageConfig) -> dict[str, np.ndarray]:
+        """Per layer (one gradient bucket each, as DDP and Megatron bucket them): the
+        data axis's all-reduce, reduce-scatter and all-gather of that layer's bytes."""
+        kind, params = self.kinds[cfg.kind], self.tp_params(cfg.tp)
+        topo = self.dp_topology(kind, cfg)
+        return {c: fastest_times(c, topo, params) for c in ("all_reduce", "reduce_scatter", "all_gather")}
+
+    def _overlapped(self, cfg: StageConfig, b: int, zero: int, remat: str, f: np.ndarray, bw: np.ndarray,
+                    memory: DeviceMemory) -> StageVariant:
+        """`variant`'s times when the data axis's collectives overlap compute
+        (`Problem.overlap_comm`): gradients are reduced bucket by bucket (a layer each)
+        while the backward of earlier layers still runs, and ZeRO-3's all-gathers are
+        prefetched a layer ahead; only the exposed part is priced (`exposed`).
+        - ZeRO-0/1: one all-reduce per step, under the last microbatch's backward; ZeRO-1's
+          all-gather of the updated shards follows the optimizer, exposed.
+        - ZeRO-2: one reduce-scatter per step under the last backward (the accumulator is
+          reduced once, as Megatron's distributed optimizer does), then the all-gather.
+        - ZeRO-3: every microbatch's forward and backward all-gather its layers a layer
+          ahead, and its backward reduce-scatters each layer's gradient as it is made.
+        Tensor-parallel collectives stay on the critical path (in `per_layer`)."""
+        layer = self.per_layer(cfg, b)
+        kind, grads = self.kinds[cfg.kind], self._grads(cfg.tp)
+        buckets = {c: _span(_cumsum(t)) for c, t in self._buckets(cfg).items()}
+        first = {c: _first(t) for c, t in self._buckets(cfg).items()}  # the bucket of a range's first layer
+        fwd_last, bwd_first = _last(layer.forward), _first(layer.backward)
+        optimizer = grads * self.problem.optimizer_traffic / kind.memory_bandwidth
+        forward = f
+        if zero >= 3:  # each layer's parameters gathered while the layer before it computes
+            forward = f + exposed(buckets["all_gather"], first["all_gather"], f, fwd_last)
+        backward_compute = bw + (forward if remat else 0.0)
+        if zero >= 3:  # the backward gathers and reduce-scatters every layer, a layer ahead
+            comm = buckets["all_gather"] + buckets["reduce_scatter"]
+            backward = backward_compute + exposed(comm, first["all_gather"] + first["reduce_scatter"], backward_compute, bwd_first)
+            reduce, hidden, post = 0.0 * grads, 0.0 * grads, 0.0 * grads
+        else:
+            backward = backward_compute
+            name = "all_reduce" if zero <= 1 else "reduce_scatter"
+            full = buckets[name]
+            reduce = exposed(full, first[name], backward_compute, bwd_first)
+            hidden = full - reduce
+            post = fastest_times("all_gather", self.dp_topology(kind, cfg), grads) if zero else 0.0 * grads
+        sync = reduce + post
+        tail = sync + (optimizer / cfg.dp if zero else optimizer)
+        shape = f.shape
+        return StageVariant(np.broadcast_to(forward, shape), np.broadcast_to(backward, shape), memory,
+                            np.broadcast_to(tail, shape), np.broadcast_to(sync, shape), np.broadcast_to(hidden, shape))
 
     def _step_costs(self, cfg: StageConfig, zero: int) -> tuple[np.ndarray | float, np.ndarray | float, np.ndarray, np.ndarray]:
         """Per layer range of stage `cfg` under ZeRO stage `zero` (solver.zero, the one
@@ -299,6 +349,27 @@ class StageCosts:
         streams = min(a.dp, c.dp)
         out = link.latency + self.inputs * b / streams / link.bandwidth
         return np.concatenate([out, [INF]])  # no cut after the last layer
+
+
+def exposed(comm: np.ndarray, comm_first: np.ndarray, compute: np.ndarray, compute_first: np.ndarray) -> np.ndarray:
+    """The part of bucketed communication compute cannot hide, per layer range: the
+    buckets run one after another on their own stream, each once its layer's compute
+    is done, so the compute of every layer but the one finishing last (`compute_first`:
+    the last bucket's layer, whose bucket can only start when all compute is done)
+    hides them, and at least that last bucket (`comm_first`) shows. For n equal layers
+    of c seconds of communication and p of compute this is exactly
+    c + (n - 1) * max(c - p, 0), what running the buckets event by event gives."""
+    return np.clip(np.maximum(comm_first, comm - (compute - compute_first)), 0.0, comm)
+
+
+def _first(values: np.ndarray) -> np.ndarray:
+    """[i, j] = values[i]: a range's first layer's figure."""
+    return np.concatenate([values, [0.0]])[:, None]
+
+
+def _last(values: np.ndarray) -> np.ndarray:
+    """[i, j] = values[j - 1]: a range's last layer's figure."""
+    return np.concatenate([[0.0], values])[None, :]
 
 
 def all_reduce_times(topo: Topology, nbytes: np.ndarray) -> np.ndarray:
