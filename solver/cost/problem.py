@@ -39,6 +39,9 @@ class LayerCost:
     # what a rerunning backward holds at once besides, while this layer's backward runs (solver.memory's
     # `StageActivations.rerun_working`); None: two of largest_bytes
     rerun_working_bytes: float | None = None
+    # FLOPs the backward reruns of the forward whatever the stage's recomputation (Korthikanti et al.'s
+    # selective recomputation of the attention core); not in `flops`, which counts the model's work (MFU)
+    recompute_flops: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,10 @@ class Problem:
     chunks: tuple[int, ...] = (2, 4)  # stages per device group an interleaved schedule may use
     max_tp: int = 8
     allow_remat: bool = True
+    # True: "full" recomputation checkpoints every layer's input and reruns one layer at a time in the
+    # backward (Megatron's activation checkpointing), on every stage, the last included. False: a stage
+    # reruns its whole forward in its backward program (hetpar's runtime; solver.memory).
+    layer_checkpoints: bool = False
     force_remat: bool = False  # every stage recomputes its forward in the backward (Megatron's full recomputation)
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)  # ZeRO stages a data-parallel stage may use (solver.memory.ZERO_STAGES)
     allow_replicas: bool = True  # pipelines of different kinds side by side, splitting the batch

@@ -121,6 +121,11 @@ class StageCosts:
         per_flop = self.matmuls / np.where(self.fwd_flops > 0, self.fwd_flops, 1.0)
         self.bwd_matmuls = np.where(stated > 0, stated, per_flop * (self.flops - self.fwd_flops))
         self.largest_max = _range_max(np.array([layer.largest_bytes for layer in layers], dtype=float))
+        # Problem.layer_checkpoints: a range keeps every layer's input; its backward holds one layer's
+        # activations, rerun, and that layer's backward working set at once
+        self._inputs_span = _span(_cumsum(self.inputs))
+        self._layer_rerun_max = _range_max(self.saved + 2 * np.array([layer.largest_bytes for layer in layers], dtype=float))
+        self.recompute_flops = np.array([layer.recompute_flops for layer in layers], dtype=float)
         self.kinds = {k.name: k for k in problem.kinds}
         self._tables = lru_cache(maxsize=None)(self._table)
         self._ranges = lru_cache(maxsize=None)(self._ranges_uncached)
@@ -177,7 +182,8 @@ class StageCosts:
         trains = float(self.problem.training)  # a forward-only function has no backward
         return PerLayer(
             forward=self.fwd_flops * per_device / speed + tp_comm + kind.layer_overhead_s / 3,
-            backward=trains * ((self.flops - self.fwd_flops) * per_device / bwd_speed + tp_comm + 2 * kind.layer_overhead_s / 3),
+            backward=trains * ((self.flops - self.fwd_flops + self.recompute_flops) * per_device / bwd_speed + tp_comm
+                               + 2 * kind.layer_overhead_s / 3),
             state=state.state,
             saved=self.saved * shard,
             inputs=self.inputs * shard,
@@ -232,7 +238,12 @@ class StageCosts:
                                        rerun_working=self.rerun_working_max * shard)
         gathered = self._params_max(cfg.tp)  # ZeRO-3: one layer's parameters gathered at a time
         state = self._state(grads, cfg.dp, zero)
-        memory = stage_memory(state, activations, held, remat, fused=last, workspace=gathered if zero >= 3 else 0.0)
+        fused = last
+        if remat == "full" and self.problem.layer_checkpoints:  # each layer's input kept, one layer rerun at a time
+            activations = StageActivations(saved, self._inputs_span * shard, largest=self.largest_max * shard,
+                                           recomputed=0.0, rerun_working=self._layer_rerun_max * shard)
+            fused = False  # the last stage recomputes too: its program still frees each layer's activations
+        memory = stage_memory(state, activations, held, remat, fused=fused, workspace=gathered if zero >= 3 else 0.0)
         if self.problem.overlap_comm and self.problem.training and cfg.dp > 1:
             return self._overlapped(cfg, b, zero, remat, f, bw, memory)
         extra_f, extra_b, step_sync, tail = self.step_costs(cfg, zero)
