@@ -73,11 +73,30 @@ class Transformer:
         per_value = self.bytes_per_value / 2  # the paper counts at 2 bytes a value
         return s * h * (34 + (5 * a * s / h if self.keeps_scores else 0.0)) * per_value
 
+    def elementwise_bytes(self) -> tuple[float, float]:
+        """Bytes a layer's memory-bound operators move per sequence, forward and
+        backward, with Megatron's fused kernels (scale-mask-softmax, bias-GeLU,
+        bias-dropout-add): per token, two layer norms (read and write h values each),
+        bias-GeLU (read and write the ffn width), two bias-dropout-adds (read two h,
+        write one, a byte of mask per value): 2 x (2h + 2h + 2 ffn + 2 x 3h) values
+        plus 2h mask bytes, about 20h values for ffn = 4h; unfused attention adds its
+        softmax (read the scores, write the probabilities) and dropout (read, write, a
+        mask byte): 4 a s values + a s bytes per token. The backward moves about twice
+        as much (each operator reads its input and the incoming gradient, writes one);
+        selective recomputation reruns the softmax and dropout in it."""
+        s, h, a, w = self.seq, self.hidden, self.heads, self.bytes_per_value
+        per_token = (2 * (2 * h) + 2 * self.ffn_size * (3 if self.gated else 2) / 2 + 2 * 3 * h) * w + 2 * h
+        attention = (4 * a * s * w + a * s) if self.attention == "naive" else 0.0  # 4 a s values, a s mask bytes
+        forward = s * (per_token + attention)
+        rerun = s * attention if self.selective_recompute else 0.0
+        return forward, 2 * forward + rerun
+
     def layer_costs(self) -> tuple[LayerCost, ...]:
         s, h, a, v, w = self.seq, self.hidden, self.heads, self.vocab, self.bytes_per_value
         core = 4 * s * s * h  # the attention's two score-sized matmuls, forward
         fwd = 2 * self.block_params() * s + core
         rerun = core if self.selective_recompute else 0.0  # Korthikanti: the core forward again, in the backward
+        elementwise, bwd_elementwise = self.elementwise_bytes()
         saved = self.saved_per_layer()
         hidden_bytes = s * h * w
         # the largest buffer a backward holds: the scores (a s^2 values) or the MLP's intermediate
@@ -85,16 +104,16 @@ class Transformer:
         # Matmuls per forward: fused QKV, scores, context, output projection, and the MLP's.
         matmuls = 4 + (3 if self.gated else 2)
         block = LayerCost(3 * fwd, fwd, self.block_params() * w, saved, hidden_bytes, tp_bytes=2 * hidden_bytes,
-                          matmuls=matmuls, largest_bytes=largest, recompute_flops=rerun)
+                          matmuls=matmuls, largest_bytes=largest, recompute_flops=rerun, elementwise_bytes=elementwise, backward_elementwise_bytes=bwd_elementwise)
         out = [block] * self.layers
         embed = v * h * w
         head_fwd = 2 * s * h * v
         logits = s * v * 4  # fp32 logits for the loss
         out[0] = LayerCost(block.flops, block.forward_flops, block.param_bytes + embed, saved, s * 4, block.tp_bytes,
-                           matmuls=matmuls, largest_bytes=largest, recompute_flops=rerun)
+                           matmuls=matmuls, largest_bytes=largest, recompute_flops=rerun, elementwise_bytes=elementwise, backward_elementwise_bytes=bwd_elementwise)
         out[-1] = LayerCost(block.flops + 3 * head_fwd, block.forward_flops + head_fwd, block.param_bytes + embed,
                             saved + logits, hidden_bytes, block.tp_bytes, matmuls=matmuls + 1,
-                            largest_bytes=max(largest, logits), recompute_flops=rerun)
+                            largest_bytes=max(largest, logits), recompute_flops=rerun, elementwise_bytes=elementwise, backward_elementwise_bytes=bwd_elementwise)
         return tuple(out)
 
 

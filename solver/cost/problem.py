@@ -42,6 +42,11 @@ class LayerCost:
     # FLOPs the backward reruns of the forward whatever the stage's recomputation (Korthikanti et al.'s
     # selective recomputation of the attention core); not in `flops`, which counts the model's work (MFU)
     recompute_flops: float = 0.0
+    # bytes the layer's memory-bound operators (normalisation, softmax, activation, dropout, residual adds)
+    # read and write per forward and per backward: priced at the device's memory bandwidth, on top of the
+    # matmuls (a roofline per operator: these kernels never reach the matmuls' rate); 0: not counted
+    elementwise_bytes: float = 0.0
+    backward_elementwise_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
