@@ -41,6 +41,10 @@ class Transformer:
     bytes_per_value: int = 2  # bf16 weights and activations
     attention: str = "naive"  # ATTENTION_KINDS
     selective_recompute: bool = False  # Korthikanti's: the attention core's score-sized values rerun, not kept
+    # Korthikanti's sequence parallelism: norms, dropouts and residual adds split over the tensor-parallel
+    # devices along the sequence; False: each device runs them whole (their time; the activation count
+    # here assumes it either way)
+    sequence_parallel: bool = True
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KINDS:
@@ -85,11 +89,26 @@ class Transformer:
         as much (each operator reads its input and the incoming gradient, writes one);
         selective recomputation reruns the softmax and dropout in it."""
         s, h, a, w = self.seq, self.hidden, self.heads, self.bytes_per_value
-        per_token = (2 * (2 * h) + 2 * self.ffn_size * (3 if self.gated else 2) / 2 + 2 * 3 * h) * w + 2 * h
-        attention = (4 * a * s * w + a * s) if self.attention == "naive" else 0.0  # 4 a s values, a s mask bytes
-        forward = s * (per_token + attention)
-        rerun = s * attention if self.selective_recompute else 0.0
+        forward = s * (self._hidden_sized_bytes() + self.ffn_size * (3 if self.gated else 2) * w + self._attention_bytes())
+        rerun = s * self._attention_bytes() if self.selective_recompute else 0.0
         return forward, 2 * forward + rerun
+
+    def _hidden_sized_bytes(self) -> float:
+        """Per token: two norms (read, write h), two bias-dropout-adds (read 2h, write h, a mask byte per value)."""
+        return (2 * 2 * self.hidden + 2 * 3 * self.hidden) * self.bytes_per_value + 2 * self.hidden
+
+    def _attention_bytes(self) -> float:
+        """Per token: unfused softmax and dropout, 4 a s values and a s mask bytes."""
+        a, s = self.heads, self.seq
+        return (4 * a * s * self.bytes_per_value + a * s) if self.attention == "naive" else 0.0
+
+    def elementwise_split(self) -> float:
+        """The share of the elementwise bytes tensor parallelism splits: all under
+        sequence parallelism; else only the ffn's and the attention heads'."""
+        if self.sequence_parallel:
+            return 1.0
+        fwd, _ = self.elementwise_bytes()
+        return 1.0 - self.seq * self._hidden_sized_bytes() / fwd
 
     def layer_costs(self) -> tuple[LayerCost, ...]:
         s, h, a, v, w = self.seq, self.hidden, self.heads, self.vocab, self.bytes_per_value
@@ -97,6 +116,7 @@ class Transformer:
         fwd = 2 * self.block_params() * s + core
         rerun = core if self.selective_recompute else 0.0  # Korthikanti: the core forward again, in the backward
         elementwise, bwd_elementwise = self.elementwise_bytes()
+        split = self.elementwise_split()
         saved = self.saved_per_layer()
         hidden_bytes = s * h * w
         # the largest buffer a backward holds: the scores (a s^2 values) or the MLP's intermediate
@@ -104,16 +124,19 @@ class Transformer:
         # Matmuls per forward: fused QKV, scores, context, output projection, and the MLP's.
         matmuls = 4 + (3 if self.gated else 2)
         block = LayerCost(3 * fwd, fwd, self.block_params() * w, saved, hidden_bytes, tp_bytes=2 * hidden_bytes,
-                          matmuls=matmuls, largest_bytes=largest, recompute_flops=rerun, elementwise_bytes=elementwise, backward_elementwise_bytes=bwd_elementwise)
+                          matmuls=matmuls, largest_bytes=largest, recompute_flops=rerun, elementwise_bytes=elementwise, backward_elementwise_bytes=bwd_elementwise,
+                          elementwise_split=split)
         out = [block] * self.layers
         embed = v * h * w
         head_fwd = 2 * s * h * v
         logits = s * v * 4  # fp32 logits for the loss
         out[0] = LayerCost(block.flops, block.forward_flops, block.param_bytes + embed, saved, s * 4, block.tp_bytes,
-                           matmuls=matmuls, largest_bytes=largest, recompute_flops=rerun, elementwise_bytes=elementwise, backward_elementwise_bytes=bwd_elementwise)
+                           matmuls=matmuls, largest_bytes=largest, recompute_flops=rerun, elementwise_bytes=elementwise, backward_elementwise_bytes=bwd_elementwise,
+                          elementwise_split=split)
         out[-1] = LayerCost(block.flops + 3 * head_fwd, block.forward_flops + head_fwd, block.param_bytes + embed,
                             saved + logits, hidden_bytes, block.tp_bytes, matmuls=matmuls + 1,
-                            largest_bytes=max(largest, logits), recompute_flops=rerun, elementwise_bytes=elementwise, backward_elementwise_bytes=bwd_elementwise)
+                            largest_bytes=max(largest, logits), recompute_flops=rerun, elementwise_bytes=elementwise, backward_elementwise_bytes=bwd_elementwise,
+                          elementwise_split=split)
         return tuple(out)
 
 

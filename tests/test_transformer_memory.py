@@ -102,3 +102,12 @@ def test_hetpar_runtime_recomputation_reruns_the_stage():
 def test_unknown_attention_kind_is_named():
     with pytest.raises(ValueError, match="flash"):
         Transformer(layers=1, hidden=8, heads=1, seq=4, vocab=4, attention="fast")
+
+
+def test_without_sequence_parallelism_norms_and_dropouts_run_whole_on_every_device():
+    replicated = Transformer(layers=L, hidden=H, heads=A, seq=S, vocab=32000, sequence_parallel=False)
+    assert 0 < replicated.elementwise_split() < 1 and MODEL.elementwise_split() == 1
+    for tp, slower in ((1, False), (8, True)):
+        sp = _activations(MODEL, 1, tp)[1].stages[0].forward_s
+        whole = _activations(replicated, 1, tp)[1].stages[0].forward_s
+        assert (whole > sp * 1.001) == slower and whole >= sp

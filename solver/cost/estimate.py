@@ -156,9 +156,11 @@ class PlanCost:
         return busy
 
 
-def estimate(problem: Problem, decisions: Decisions, costs: StageCosts | None = None) -> PlanCost:
+def estimate(problem: Problem, decisions: Decisions, costs: StageCosts | None = None, simulate_step: bool = True) -> PlanCost:
     """The price of `decisions` under `problem`'s cost model. `costs`: the problem's
-    stage tables, when the caller has them (the planner) so they are built once."""
+    stage tables, when the caller has them (the planner) so they are built once.
+    `simulate_step` False: the step is the schedule's closed form, not simulated (for
+    a caller pricing many variants fast, e.g. a calibration's fit)."""
     costs = costs or StageCosts(problem)
     _check(problem, decisions)
     m, d = decisions.num_microbatches, decisions
@@ -187,7 +189,7 @@ def estimate(problem: Problem, decisions: Decisions, costs: StageCosts | None = 
     stage_costs = tuple(c for c in priced if c is not None)  # every stage: each replica's were priced
     per_replica = [[c.times for c, s in zip(stage_costs, d.stages) if s.replica == r] for r in range(len(d.replica_batch))]
     closed = max(pipeline_time(t, m, d.schedule, d.chunks) for t in per_replica)
-    step = max(step_time(t, m, d.schedule, d.chunks) for t in per_replica)
+    step = max(step_time(t, m, d.schedule, d.chunks) for t in per_replica) if simulate_step else closed
     examples = sum(d.replica_batch)
     peak = sum(s.devices * (problem.kind(s.kind).peak_flops or problem.kind(s.kind).flops) for s in d.stages) / d.chunks
     return PlanCost(stage_costs, d, step, closed, cross, float(costs.flops.sum()) * examples, peak,

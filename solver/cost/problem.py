@@ -47,6 +47,9 @@ class LayerCost:
     # matmuls (a roofline per operator: these kernels never reach the matmuls' rate); 0: not counted
     elementwise_bytes: float = 0.0
     backward_elementwise_bytes: float = 0.0
+    # of those bytes, the share tensor parallelism splits (1: all, as under sequence parallelism; without it
+    # the norms, dropouts and residual adds run whole on every tensor-parallel device)
+    elementwise_split: float = 1.0
 
 
 @dataclass(frozen=True)

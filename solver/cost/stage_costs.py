@@ -128,6 +128,7 @@ class StageCosts:
         self.recompute_flops = np.array([layer.recompute_flops for layer in layers], dtype=float)
         self.elementwise = np.array([layer.elementwise_bytes for layer in layers], dtype=float)
         self.bwd_elementwise = np.array([layer.backward_elementwise_bytes for layer in layers], dtype=float)
+        self.elementwise_split = np.array([layer.elementwise_split for layer in layers], dtype=float)
         self.kinds = {k.name: k for k in problem.kinds}
         self._tables = lru_cache(maxsize=None)(self._table)
         self._ranges = lru_cache(maxsize=None)(self._ranges_uncached)
@@ -182,7 +183,8 @@ class StageCosts:
         params = self.tp_params(cfg.tp)
         state = self._state(params, cfg.dp, max(self.zero_stages(cfg)))
         trains = float(self.problem.training)  # a forward-only function has no backward
-        streaming = shard / kind.memory_bandwidth  # memory-bound operators: their bytes, split like the activations
+        # memory-bound operators: their bytes, split like the activations where tensor parallelism splits them
+        streaming = per_device * (self.elementwise_split / cfg.tp + 1 - self.elementwise_split) / kind.memory_bandwidth
         return PerLayer(
             forward=self.fwd_flops * per_device / speed + tp_comm + kind.layer_overhead_s / 3 + self.elementwise * streaming,
             backward=trains * ((self.flops - self.fwd_flops + self.recompute_flops) * per_device / bwd_speed + tp_comm
