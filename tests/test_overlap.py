@@ -86,3 +86,23 @@ def test_overlapped_communication_has_its_own_track():
     assert hidden[0].end_s == pytest.approx(last_backward.end_s) and hidden[0].start_s >= last_backward.start_s
     assert _lane(hidden[0]) != _lane(last_backward) and "overlapped" in _lane_name(_lane(hidden[0]))
     assert not [e for e in _price(False, m=2).simulations[0].events if e.kind == "overlap"]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_no_plan_beats_the_planner_when_collectives_overlap(seed):
+    """The planner's bounds stay below what `_overlapped` charges: brute force finds
+    nothing faster (tests/test_planner.py's random problems, overlap on)."""
+    from dataclasses import replace
+
+    from solver.planner import PlanningError, plan
+    from tests.test_planner import INF, brute_force, closed_form_step_s, random_problem
+
+    problem = replace(random_problem(np.random.default_rng(100 + seed), allow_replicas=False), overlap_comm=True)
+    expected = brute_force(problem)
+    if expected == INF:
+        with pytest.raises(PlanningError):
+            plan(problem)
+        return
+    result = plan(problem)
+    closed = min(closed_form_step_s(c) for c in (result.best, *result.alternatives))
+    assert closed == pytest.approx(expected, rel=1e-9)

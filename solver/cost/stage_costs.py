@@ -309,11 +309,17 @@ class StageCosts:
         price of ZeRO): the collectives each microbatch's forward and backward add, the
         once-per-step gradient sync, and the tail (that sync plus the optimizer on each
         device's share: ZeRO-1+ updates a shard). The stage table and the planner's tail
-        bound both read it."""
+        bound both read it. With `Problem.overlap_comm` the table prices the stage by
+        `_overlapped` instead, and this is the least of that: what no compute hides."""
         kind, grads = self.kinds[cfg.kind], self._grads(cfg.tp)
         if not self.problem.training:
             return 0.0, 0.0, np.zeros_like(grads), np.zeros_like(grads)
         optimizer = grads * self.problem.optimizer_traffic / kind.memory_bandwidth
+        if self.problem.overlap_comm and cfg.dp > 1:
+            # what `_overlapped` charges at the least, whatever the compute hiding the rest: the
+            # updated shards' all-gather and the optimizer (the planner's bounds must stay below it)
+            post = fastest_times("all_gather", self.dp_topology(kind, cfg), grads) if zero in (1, 2) else 0.0 * grads
+            return 0.0, 0.0, post, post + (optimizer / cfg.dp if zero else optimizer)
         if zero:
             comm = zero_time(grads, grads, zero, self.dp_topology(kind, cfg))
             return comm.forward, comm.backward, comm.step, comm.step + optimizer / cfg.dp
