@@ -82,13 +82,13 @@ class Transformer:
         backward, with Megatron's fused kernels (scale-mask-softmax, bias-GeLU,
         bias-dropout-add): per token, two layer norms (read and write h values each),
         bias-GeLU (read and write the ffn width), two bias-dropout-adds (read two h,
-        write one, a byte of mask per value): 2 x (2h + 2h + 2 ffn + 2 x 3h) values
-        plus 2h mask bytes, about 20h values for ffn = 4h; unfused attention adds its
+        write one, a byte of mask per value): 2 x 2h + 2 ffn + 2 x 3h values (3 ffn
+        gated) plus 2h mask bytes, 18h values for ffn = 4h; unfused attention adds its
         softmax (read the scores, write the probabilities) and dropout (read, write, a
         mask byte): 4 a s values + a s bytes per token. The backward moves about twice
         as much (each operator reads its input and the incoming gradient, writes one);
         selective recomputation reruns the softmax and dropout in it."""
-        s, h, a, w = self.seq, self.hidden, self.heads, self.bytes_per_value
+        s, w = self.seq, self.bytes_per_value
         forward = s * (self._hidden_sized_bytes() + self.ffn_size * (3 if self.gated else 2) * w + self._attention_bytes())
         rerun = s * self._attention_bytes() if self.selective_recompute else 0.0
         return forward, 2 * forward + rerun
