@@ -106,3 +106,15 @@ def test_no_plan_beats_the_planner_when_collectives_overlap(seed):
     result = plan(problem)
     closed = min(closed_form_step_s(c) for c in (result.best, *result.alternatives))
     assert closed == pytest.approx(expected, rel=1e-9)
+
+
+def test_the_chrome_trace_names_the_overlap_track(tmp_path):
+    import json
+
+    from hetpar.timeline import write_chrome_trace
+
+    write_chrome_trace(_price(True, m=2).simulations[0], tmp_path / "t.json")
+    trace = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    names = {e["args"]["name"] for e in trace if e["ph"] == "M"}
+    assert "stage 0 data-parallel comm (overlapped)" in names
+    assert any(e.get("cat") == "overlap" for e in trace)
