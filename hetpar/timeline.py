@@ -11,7 +11,8 @@ from pathlib import Path
 from hetpar.plan import Plan
 from solver.pipeline_sim import MAX_SIMULATED_MICROBATCHES, Event, Simulation, pipeline_time, simulate
 
-_COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "transfer": "#8C8C8C", "sync": "#55A868", "optimizer": "#C44E52"}
+_COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "transfer": "#8C8C8C", "sync": "#55A868", "optimizer": "#C44E52",
+           "overlap": "#8DCB9B"}
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,8 @@ def breakdown(plan: Plan, sim: Simulation) -> StepBreakdown:
     is communication; the time it waits on other groups' compute is bubble."""
     homes = device_groups(plan)
     busiest = homes[max(range(len(homes)), key=lambda i: sim.busy_s[i])]
-    mine = [e for e in sim.events if e.device == busiest and e.kind != "transfer"]
+    # communication overlapped with compute (its own track) neither computes nor makes the group wait
+    mine = [e for e in sim.events if e.device == busiest and e.kind not in ("transfer", "overlap")]
     working = [(e.start_s, e.end_s) for e in mine if e.kind != "sync"]
     moving = [(e.start_s, e.end_s) for e in sim.events if e.kind == "transfer"] + [(e.start_s, e.end_s) for e in mine if e.kind == "sync"]
     compute = _length(working)
@@ -156,10 +158,13 @@ def plot_timeline(plan: Plan, sim: Simulation, path: str | Path) -> None:
     plt.close(fig)
 
 
-Lane = tuple[int, ...]  # (device group,) for compute rows, (sender, receiver) for links
+Lane = tuple[int, ...]  # (device group,) for compute rows, (sender, receiver) for links, (group, COMM) for overlap
+COMM = -1  # the second entry of a device group's track of communication overlapped with its compute
 
 
 def _lane(e: Event) -> Lane:
+    if e.kind == "overlap":
+        return (e.device, COMM)
     return (e.device, e.to_device) if e.kind == "transfer" else (e.device,)
 
 
@@ -173,6 +178,8 @@ def _lanes(sim: Simulation) -> list[Lane]:
 
 
 def _lane_name(lane: Lane) -> str:
+    if len(lane) == 2 and lane[1] == COMM:
+        return f"stage {lane[0]} data-parallel comm (overlapped)"
     return f"stage {lane[0]}" if len(lane) == 1 else f"link {lane[0]}->{lane[1]}"
 
 

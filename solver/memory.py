@@ -36,6 +36,16 @@ import numpy as np
 
 from solver import schedules
 
+# Of a device's memory, the share a framework's allocator loses to fragmentation and keeps for
+# its runtime (CUDA context, communication buffers, cuBLAS workspaces) beyond what the
+# formulas here count: the one headroom constant, for problems priced against runs of other
+# frameworks (the paper-form transformer, benchmarks/predictor_scale.py, as its
+# `Problem.memory_reserve`). 10% is a round figure: PyTorch's caching allocator typically
+# reserves 5-10% more than it allocates on large-model training, and the CUDA context and
+# NCCL buffers take 1-3 GB of an 80 GB device. hetpar's own runtime has its own reserve
+# (the cluster's memory settings), measured against XLA's allocator.
+FRAGMENTATION_HEADROOM = 0.10
+
 REMAT_POLICIES = ("", "full", "dots")  # none, nothing saved, dots without batch dims saved
 ZERO_STAGES = (0, 1, 2, 3)  # 0 replicated; 1 optimizer state sharded over data; 2 + gradients; 3 + parameters
 

@@ -33,7 +33,7 @@ __all__ = ["Event", "Simulation", "StageTimes", "names", "pipeline_time", "simul
 
 @dataclass(frozen=True)
 class Event:
-    kind: str  # "forward" | "backward" | "transfer" | "sync" | "optimizer"
+    kind: str  # "forward" | "backward" | "transfer" | "sync" | "optimizer" | "overlap" (communication under compute)
     microbatch: int | None
     start_s: float
     end_s: float
@@ -46,6 +46,8 @@ class Event:
     @property
     def lane(self) -> str:
         """A label for the row this event is drawn on."""
+        if self.kind == "overlap":
+            return f"comm {self.device}"
         return f"link {self.device}->{self.to_device}" if self.kind == "transfer" else f"stage {self.device}"
 
     @property
@@ -53,6 +55,8 @@ class Event:
         """"F3" (forward of microbatch 3), "B3.1" (backward, chunk 1), "send F3", "sync"."""
         if self.kind in ("sync", "optimizer"):
             return self.kind
+        if self.kind == "overlap":
+            return "sync (overlapped)"
         label = f"{'F' if self.kind == 'forward' else 'B' if self.kind == 'backward' else self.direction}{self.microbatch}"
         label += f".{self.chunk}" if self.chunk else ""
         return f"send {label}" if self.kind == "transfer" else label
@@ -125,6 +129,9 @@ def simulate(stages: Sequence[StageTimes], num_microbatches: int, schedule: str 
     for g in range(d):
         t = free[g]
         mine = [stages[s] for s in range(g, n, d)]
+        hidden = sum(x.overlapped_s for x in mine)
+        if hidden > 0:  # on its own track, ending as the last backward does (it ran under it)
+            events.append(Event("overlap", None, t - hidden, t, g))
         for kind, length in (("sync", sum(x.sync_s for x in mine)), ("optimizer", sum(x.optimizer_s for x in mine))):
             if length > 0:
                 events.append(Event(kind, None, t, t + length, g))

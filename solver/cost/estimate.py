@@ -76,10 +76,11 @@ class StageCost:
     memory: DeviceMemory  # per device, this stage alone
     capacity: int  # bytes a device may use (its memory less the problem's reserve)
     group_memory_bytes: float  # per device of the stage's device group: all its chunks together
+    overlapped_s: float = 0.0  # the step's gradient reduction hidden under the last backward (not in sync_s)
 
     @property
     def times(self) -> StageTimes:
-        return StageTimes(self.forward_s, self.backward_s, self.send_s, self.sync_s, self.optimizer_s)
+        return StageTimes(self.forward_s, self.backward_s, self.send_s, self.sync_s, self.optimizer_s, self.overlapped_s)
 
     @property
     def fits(self) -> bool:
@@ -155,9 +156,11 @@ class PlanCost:
         return busy
 
 
-def estimate(problem: Problem, decisions: Decisions, costs: StageCosts | None = None) -> PlanCost:
+def estimate(problem: Problem, decisions: Decisions, costs: StageCosts | None = None, simulate_step: bool = True) -> PlanCost:
     """The price of `decisions` under `problem`'s cost model. `costs`: the problem's
-    stage tables, when the caller has them (the planner) so they are built once."""
+    stage tables, when the caller has them (the planner) so they are built once.
+    `simulate_step` False: the step is the schedule's closed form, not simulated (for
+    a caller pricing many variants fast, e.g. a calibration's fit)."""
     costs = costs or StageCosts(problem)
     _check(problem, decisions)
     m, d = decisions.num_microbatches, decisions
@@ -179,15 +182,15 @@ def estimate(problem: Problem, decisions: Decisions, costs: StageCosts | None = 
             memory = DeviceMemory(at(v.memory.parameters), at(v.memory.gradients), at(v.memory.optimizer_state),
                                   at(v.memory.activations), at(v.memory.workspace))
             raw.append((s, at(v.forward), at(v.backward), send, at(v.sync), at(v.tail) - at(v.sync), memory,
-                        costs.capacity(s.kind)))
+                        costs.capacity(s.kind), at(v.hidden)))
         group_total = [sum(raw[q][6].total for q in range(g, n, groups)) for g in range(groups)]
         raw = _blocking_sends(problem, raw)
-        for p, (s, fwd, bwd, send, sync, opt, memory, capacity) in enumerate(raw):
-            priced[index[id(s)]] = StageCost(fwd, bwd, send, sync + cross, opt, memory, capacity, group_total[p % groups])
+        for p, (s, fwd, bwd, send, sync, opt, memory, capacity, hidden) in enumerate(raw):
+            priced[index[id(s)]] = StageCost(fwd, bwd, send, sync + cross, opt, memory, capacity, group_total[p % groups], hidden)
     stage_costs = tuple(c for c in priced if c is not None)  # every stage: each replica's were priced
     per_replica = [[c.times for c, s in zip(stage_costs, d.stages) if s.replica == r] for r in range(len(d.replica_batch))]
     closed = max(pipeline_time(t, m, d.schedule, d.chunks) for t in per_replica)
-    step = max(step_time(t, m, d.schedule, d.chunks) for t in per_replica)
+    step = max(step_time(t, m, d.schedule, d.chunks) for t in per_replica) if simulate_step else closed
     examples = sum(d.replica_batch)
     peak = sum(s.devices * (problem.kind(s.kind).peak_flops or problem.kind(s.kind).flops) for s in d.stages) / d.chunks
     return PlanCost(stage_costs, d, step, closed, cross, float(costs.flops.sum()) * examples, peak,

@@ -39,6 +39,17 @@ class LayerCost:
     # what a rerunning backward holds at once besides, while this layer's backward runs (solver.memory's
     # `StageActivations.rerun_working`); None: two of largest_bytes
     rerun_working_bytes: float | None = None
+    # FLOPs the backward reruns of the forward whatever the stage's recomputation (Korthikanti et al.'s
+    # selective recomputation of the attention core); not in `flops`, which counts the model's work (MFU)
+    recompute_flops: float = 0.0
+    # bytes the layer's memory-bound operators (normalisation, softmax, activation, dropout, residual adds)
+    # read and write per forward and per backward: priced at the device's memory bandwidth, on top of the
+    # matmuls (a roofline per operator: these kernels never reach the matmuls' rate); 0: not counted
+    elementwise_bytes: float = 0.0
+    backward_elementwise_bytes: float = 0.0
+    # of those bytes, the share tensor parallelism splits (1: all, as under sequence parallelism; without it
+    # the norms, dropouts and residual adds run whole on every tensor-parallel device)
+    elementwise_split: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -95,12 +106,21 @@ class Problem:
     training: bool = True
     state_factor: float = 4.0  # bytes of parameters + gradients + optimizer state per parameter byte (fp32 Adam: 4)
     optimizer_traffic: float = 7.0  # bytes the update reads and writes per parameter byte
+    # True: the data axis's collectives overlap compute, as DDP's buckets, Megatron's overlapped gradient
+    # reduction and ZeRO's prefetch run them (`StageCosts._overlapped`: only their exposed part is priced).
+    # False: each runs after the compute it follows, as hetpar's runtime runs the step's gradient sync
+    # (its own program after the last backward), so plans hetpar runs are priced as they run.
+    overlap_comm: bool = False
     memory_reserve: float = 0.0  # fraction of each device's usable memory (`DeviceKind.usable_bytes`) kept free for XLA's temporaries
     microbatches: tuple[int, ...] | None = None  # allowed counts; None: every divisor of the batch
     schedules: tuple[str, ...] = field(default_factory=schedules.names)
     chunks: tuple[int, ...] = (2, 4)  # stages per device group an interleaved schedule may use
     max_tp: int = 8
     allow_remat: bool = True
+    # True: "full" recomputation checkpoints every layer's input and reruns one layer at a time in the
+    # backward (Megatron's activation checkpointing), on every stage, the last included. False: a stage
+    # reruns its whole forward in its backward program (hetpar's runtime; solver.memory).
+    layer_checkpoints: bool = False
     force_remat: bool = False  # every stage recomputes its forward in the backward (Megatron's full recomputation)
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)  # ZeRO stages a data-parallel stage may use (solver.memory.ZERO_STAGES)
     allow_replicas: bool = True  # pipelines of different kinds side by side, splitting the batch

@@ -61,6 +61,7 @@ class StageVariant:
     memory: DeviceMemory
     tail: np.ndarray
     sync: np.ndarray
+    hidden: np.ndarray | float = 0.0  # seconds of the once-per-step reduction run under the last backward (not in `tail`)
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,14 @@ class StageCosts:
         per_flop = self.matmuls / np.where(self.fwd_flops > 0, self.fwd_flops, 1.0)
         self.bwd_matmuls = np.where(stated > 0, stated, per_flop * (self.flops - self.fwd_flops))
         self.largest_max = _range_max(np.array([layer.largest_bytes for layer in layers], dtype=float))
+        # Problem.layer_checkpoints: a range keeps every layer's input; its backward holds one layer's
+        # activations, rerun, and that layer's backward working set at once
+        self._inputs_span = _span(_cumsum(self.inputs))
+        self._layer_rerun_max = _range_max(self.saved + 2 * np.array([layer.largest_bytes for layer in layers], dtype=float))
+        self.recompute_flops = np.array([layer.recompute_flops for layer in layers], dtype=float)
+        self.elementwise = np.array([layer.elementwise_bytes for layer in layers], dtype=float)
+        self.bwd_elementwise = np.array([layer.backward_elementwise_bytes for layer in layers], dtype=float)
+        self.elementwise_split = np.array([layer.elementwise_split for layer in layers], dtype=float)
         self.kinds = {k.name: k for k in problem.kinds}
         self._tables = lru_cache(maxsize=None)(self._table)
         self._ranges = lru_cache(maxsize=None)(self._ranges_uncached)
@@ -175,9 +184,12 @@ class StageCosts:
         params = self.tp_params(cfg.tp)
         state = self._state(params, cfg.dp, max(self.zero_stages(cfg)))
         trains = float(self.problem.training)  # a forward-only function has no backward
+        # memory-bound operators: their bytes, split like the activations where tensor parallelism splits them
+        streaming = per_device * (self.elementwise_split / cfg.tp + 1 - self.elementwise_split) / kind.memory_bandwidth
         return PerLayer(
-            forward=self.fwd_flops * per_device / speed + tp_comm + kind.layer_overhead_s / 3,
-            backward=trains * ((self.flops - self.fwd_flops) * per_device / bwd_speed + tp_comm + 2 * kind.layer_overhead_s / 3),
+            forward=self.fwd_flops * per_device / speed + tp_comm + kind.layer_overhead_s / 3 + self.elementwise * streaming,
+            backward=trains * ((self.flops - self.fwd_flops + self.recompute_flops) * per_device / bwd_speed + tp_comm
+                               + 2 * kind.layer_overhead_s / 3 + self.bwd_elementwise * streaming),
             state=state.state,
             saved=self.saved * shard,
             inputs=self.inputs * shard,
@@ -232,23 +244,83 @@ class StageCosts:
                                        rerun_working=self.rerun_working_max * shard)
         gathered = self._params_max(cfg.tp)  # ZeRO-3: one layer's parameters gathered at a time
         state = self._state(grads, cfg.dp, zero)
+        fused = last
+        if remat == "full" and self.problem.layer_checkpoints:  # each layer's input kept, one layer rerun at a time
+            activations = StageActivations(saved, self._inputs_span * shard, largest=self.largest_max * shard,
+                                           recomputed=0.0, rerun_working=self._layer_rerun_max * shard)
+            fused = False  # the last stage recomputes too: its program still frees each layer's activations
+        memory = stage_memory(state, activations, held, remat, fused=fused, workspace=gathered if zero >= 3 else 0.0)
+        if self.problem.overlap_comm and self.problem.training and cfg.dp > 1:
+            return self._overlapped(cfg, b, zero, remat, f, bw, memory)
         extra_f, extra_b, step_sync, tail = self.step_costs(cfg, zero)
-        memory = stage_memory(state, activations, held, remat, fused=last, workspace=gathered if zero >= 3 else 0.0)
         forward = f + extra_f
         backward = bw + extra_b + (forward if remat else 0.0)
         return StageVariant(np.broadcast_to(forward, f.shape), np.broadcast_to(backward, f.shape), memory,
                             np.broadcast_to(tail, f.shape), np.broadcast_to(step_sync, f.shape))
+
+    def _buckets(self, cfg: StageConfig) -> dict[str, np.ndarray]:
+        """Per layer (one gradient bucket each, as DDP and Megatron bucket them): the
+        data axis's all-reduce, reduce-scatter and all-gather of that layer's bytes."""
+        kind, params = self.kinds[cfg.kind], self.tp_params(cfg.tp)
+        topo = self.dp_topology(kind, cfg)
+        return {c: fastest_times(c, topo, params) for c in ("all_reduce", "reduce_scatter", "all_gather")}
+
+    def _overlapped(self, cfg: StageConfig, b: int, zero: int, remat: str, f: np.ndarray, bw: np.ndarray,
+                    memory: DeviceMemory) -> StageVariant:
+        """`variant`'s times when the data axis's collectives overlap compute
+        (`Problem.overlap_comm`): gradients are reduced bucket by bucket (a layer each)
+        while the backward of earlier layers still runs, and ZeRO-3's all-gathers are
+        prefetched a layer ahead; only the exposed part is priced (`exposed`).
+        - ZeRO-0/1: one all-reduce per step, under the last microbatch's backward; ZeRO-1's
+          all-gather of the updated shards follows the optimizer, exposed.
+        - ZeRO-2: one reduce-scatter per step under the last backward (the accumulator is
+          reduced once, as Megatron's distributed optimizer does), then the all-gather.
+        - ZeRO-3: every microbatch's forward and backward all-gather its layers a layer
+          ahead, and its backward reduce-scatters each layer's gradient as it is made.
+        Tensor-parallel collectives stay on the critical path (in `per_layer`)."""
+        layer = self.per_layer(cfg, b)
+        kind, grads = self.kinds[cfg.kind], self._grads(cfg.tp)
+        buckets = {c: _span(_cumsum(t)) for c, t in self._buckets(cfg).items()}
+        first = {c: _first(t) for c, t in self._buckets(cfg).items()}  # the bucket of a range's first layer
+        fwd_last, bwd_first = _last(layer.forward), _first(layer.backward)
+        optimizer = grads * self.problem.optimizer_traffic / kind.memory_bandwidth
+        forward = f
+        if zero >= 3:  # each layer's parameters gathered while the layer before it computes
+            forward = f + exposed(buckets["all_gather"], first["all_gather"], f, fwd_last)
+        backward_compute = bw + (forward if remat else 0.0)
+        if zero >= 3:  # the backward gathers and reduce-scatters every layer, a layer ahead
+            comm = buckets["all_gather"] + buckets["reduce_scatter"]
+            backward = backward_compute + exposed(comm, first["all_gather"] + first["reduce_scatter"], backward_compute, bwd_first)
+            reduce, hidden, post = 0.0 * grads, 0.0 * grads, 0.0 * grads
+        else:
+            backward = backward_compute
+            name = "all_reduce" if zero <= 1 else "reduce_scatter"
+            full = buckets[name]
+            reduce = exposed(full, first[name], backward_compute, bwd_first)
+            hidden = full - reduce
+            post = fastest_times("all_gather", self.dp_topology(kind, cfg), grads) if zero else 0.0 * grads
+        sync = reduce + post
+        tail = sync + (optimizer / cfg.dp if zero else optimizer)
+        shape = f.shape
+        return StageVariant(np.broadcast_to(forward, shape), np.broadcast_to(backward, shape), memory,
+                            np.broadcast_to(tail, shape), np.broadcast_to(sync, shape), np.broadcast_to(hidden, shape))
 
     def _step_costs(self, cfg: StageConfig, zero: int) -> tuple[np.ndarray | float, np.ndarray | float, np.ndarray, np.ndarray]:
         """Per layer range of stage `cfg` under ZeRO stage `zero` (solver.zero, the one
         price of ZeRO): the collectives each microbatch's forward and backward add, the
         once-per-step gradient sync, and the tail (that sync plus the optimizer on each
         device's share: ZeRO-1+ updates a shard). The stage table and the planner's tail
-        bound both read it."""
+        bound both read it. With `Problem.overlap_comm` the table prices the stage by
+        `_overlapped` instead, and this is the least of that: what no compute hides."""
         kind, grads = self.kinds[cfg.kind], self._grads(cfg.tp)
         if not self.problem.training:
             return 0.0, 0.0, np.zeros_like(grads), np.zeros_like(grads)
         optimizer = grads * self.problem.optimizer_traffic / kind.memory_bandwidth
+        if self.problem.overlap_comm and cfg.dp > 1:
+            # what `_overlapped` charges at the least, whatever the compute hiding the rest: the
+            # updated shards' all-gather and the optimizer (the planner's bounds must stay below it)
+            post = fastest_times("all_gather", self.dp_topology(kind, cfg), grads) if zero in (1, 2) else 0.0 * grads
+            return 0.0, 0.0, post, post + (optimizer / cfg.dp if zero else optimizer)
         if zero:
             comm = zero_time(grads, grads, zero, self.dp_topology(kind, cfg))
             return comm.forward, comm.backward, comm.step, comm.step + optimizer / cfg.dp
@@ -307,6 +379,27 @@ class StageCosts:
         link = self.problem.link(a.kind, c.kind).per_flow(min(streams, per_node))
         out = link.latency + self.inputs * b / streams / link.bandwidth
         return np.concatenate([out, [INF]])  # no cut after the last layer
+
+
+def exposed(comm: np.ndarray, comm_first: np.ndarray, compute: np.ndarray, compute_first: np.ndarray) -> np.ndarray:
+    """The part of bucketed communication compute cannot hide, per layer range: the
+    buckets run one after another on their own stream, each once its layer's compute
+    is done, so the compute of every layer but the one finishing last (`compute_first`:
+    the last bucket's layer, whose bucket can only start when all compute is done)
+    hides them, and at least that last bucket (`comm_first`) shows. For n equal layers
+    of c seconds of communication and p of compute this is exactly
+    c + (n - 1) * max(c - p, 0), what running the buckets event by event gives."""
+    return np.clip(np.maximum(comm_first, comm - (compute - compute_first)), 0.0, comm)
+
+
+def _first(values: np.ndarray) -> np.ndarray:
+    """[i, j] = values[i]: a range's first layer's figure."""
+    return np.concatenate([values, [0.0]])[:, None]
+
+
+def _last(values: np.ndarray) -> np.ndarray:
+    """[i, j] = values[j - 1]: a range's last layer's figure."""
+    return np.concatenate([[0.0], values])[None, :]
 
 
 def all_reduce_times(topo: Topology, nbytes: np.ndarray) -> np.ndarray:

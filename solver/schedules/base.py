@@ -26,6 +26,7 @@ class StageTimes:
     send_s: float = 0.0  # one microbatch's activation to the next stage (its gradient comes back as fast)
     sync_s: float = 0.0  # gradient synchronisation across data-parallel replicas, once per step
     optimizer_s: float = 0.0  # once per step
+    overlapped_s: float = 0.0  # the step's gradient reduction run under the last backward: drawn, never waited on
 
 
 @dataclass(frozen=True)
