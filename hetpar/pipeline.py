@@ -385,10 +385,12 @@ def _tokens(traced: TracedStep) -> int:
     return int(shape[0] * (shape[1] if len(shape) > 1 and first.dtype.kind in "iu" else 1))
 
 
-def check_fits(plan: Plan, traced: TracedStep, cluster: Cluster) -> None:
-    """Refuses a plan made for another step or another cluster, saying what differs."""
+def check_fits(plan: Plan, traced: TracedStep, cluster: Cluster, paths: tuple[str, ...] = ()) -> None:
+    """Refuses a plan made for another step or another cluster, saying what differs
+    (an argument by its pytree path where `paths` gives the step's, e.g.
+    `traced.input_paths`)."""
     if plan.program is not None:
-        diff = differences(plan.program, signature(traced.full))
+        diff = differences(plan.program, signature(traced.full), paths or traced.input_paths)
         if diff:
             raise PlanError("the plan was made for a different step: " + "; ".join(diff) + ". Solve the plan again for this step.")
     if plan.replica_batch and sum(plan.replica_batch) != traced.batch_size:

@@ -26,6 +26,23 @@ from hetpar.trace.microbatch import Phase
 from hetpar.trace.traced_step import TracedStep
 
 
+def like_plan(traced: TracedStep, train: Plan, args: tuple, cluster: Cluster) -> tuple[Plan | None, Plan | None]:
+    """What `parallelize(fn, like=train_step)` runs `traced` (fn's trace) with, as
+    (a plan to use as it is, a placement to price): the train step's own plan when fn
+    traces to the same program (the same step, or a re-trace of it: a plan binds to
+    a step by its signature, the types and operators, not by which call traced it);
+    for a forward-only function, the train plan's stages where its arguments lie
+    (`placed_like`); otherwise neither, and the caller plans fn anew with the train
+    step's cluster and options (a function with a backward of its own cannot borrow
+    the train step's placement: its backward would run where its forward's
+    parameters lie, out of the schedule's order)."""
+    if train.program is not None and train.program == signature(traced.full):
+        return train, None
+    if any(traced.analysis.backward):
+        return None, None
+    return None, placed_like(traced, train, args, cluster)
+
+
 def placed_like(traced: TracedStep, train: Plan, args: tuple, cluster: Cluster) -> Plan | None:
     """The training plan's stages running `traced` (the eval function) where its
     arguments lie; None when the training plan has data-parallel replicas or
