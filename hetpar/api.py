@@ -20,6 +20,7 @@ import jax
 from hetpar.arguments import check_arguments, check_step
 from hetpar.cluster.cluster import Cluster, jax_devices
 from hetpar.compile.compiled import CompiledStep
+from hetpar.compile.cache import enable_compilation_cache
 from hetpar.compile.once import compile_programs
 from hetpar.compile.programs import stage_mesh
 from hetpar.compile.step import compile_step, microbatch_graphs
@@ -238,8 +239,18 @@ def parallelize(
     where the step's parameters already lie, in their layout there, so nothing is
     moved between train and eval (hetpar/plan/like.py; a step with data-parallel
     replicas or interleaved chunks, or one that has not run yet, gets the same
-    cluster and options, planned anew). See hetpar/outputs.py for what a step returns.
+    cluster and options, planned anew). `like=` the train step itself reuses its plan
+    (and, for the same function called the same way, its compiled programs); another
+    function with a backward is planned anew. See hetpar/outputs.py for what a step
+    returns and when `hetpar.gather` is needed.
+
+    Each stage program is compiled once, for the plan's argument types, before the
+    first step runs (a log line each on `hetpar.compile`); later calls with the state
+    a step returned or one restored from a checkpoint compile nothing. JAX's
+    persistent compilation cache is turned on unless the user chose otherwise
+    (hetpar/compile/cache.py: `HETPAR_COMPILATION_CACHE`).
     """
+    enable_compilation_cache()  # JAX's persistent cache, on unless the user chose (hetpar/compile/cache.py)
     if like is not None:
         like_opts = replace(like_options(like._options, batch_argnum, static_argnums, donate_argnums), like=like)
         return ParallelFunction(fn, like_opts) if fn else (lambda f: ParallelFunction(f, like_opts))
