@@ -12,7 +12,6 @@ layout: activations travel between stages, parameters stay put.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
 
 import jax
 from jax.sharding import NamedSharding
