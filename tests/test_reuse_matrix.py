@@ -21,6 +21,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import jax
@@ -37,6 +38,7 @@ from parity import assert_close
 
 log = logging.getLogger(__name__)
 
+CLUSTERS = Path(__file__).parent.parent / "examples" / "clusters"
 TWO = {"A100": 4, "V100": 4}
 THREE = {"H100": 2, "A100": 2, "V100": 4}
 B = 8
@@ -305,3 +307,24 @@ def test_matrix_size():
     """The matrix's size, printed: models x plans x routes."""
     print(f"reuse matrix: {len(CASES)} (model, plan) pairs x {len(ROUTES)} routes = {CELLS} cells")
     assert CELLS == len(MODELS) * len(PLANS) * len(ROUTES) == 84
+
+
+def test_like_on_the_returned_state_of_an_auto_plan():
+    """Issue 34's reproduction: the examples' GPT on examples/clusters/virtual_8.yaml,
+    auto-planned over 2 microbatches; `like=` the step on the state it returned ran
+    the step placed as an eval and failed with a KeyError. Now it runs the train
+    plan with jax.jit's loss on the gathered state, and a forward-only eval like= it
+    is priced below the step."""
+    import models
+
+    w = models.get("gpt", batch_size=8)
+    train = hetpar.parallelize(w.step, cluster=CLUSTERS / "virtual_8.yaml", num_microbatches=2)
+    state, _ = train(w.state, w.batch)
+    _, loss = hetpar.parallelize(w.step, like=train)(state, w.batch)
+    _, ref_loss = jax.jit(w.step)(hetpar.gather(state), w.batch)
+    assert_close(loss, ref_loss, "like= the step on its returned state")
+
+    evaluate = hetpar.parallelize(lambda s, b: w.loss_fn(s.params, b), like=train)
+    assert_close(evaluate(state, w.batch), jax.jit(w.loss_fn)(hetpar.gather(state).params, w.batch), "eval like=")
+    assert 0 < evaluate.plan.predicted_step_time_s < train.plan.predicted_step_time_s
+    assert sum(s.flops for s in evaluate.plan.stages) < sum(s.flops for s in train.plan.stages) / 2
