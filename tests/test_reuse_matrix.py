@@ -50,7 +50,8 @@ PLANS: dict[str, tuple[dict, dict]] = {
     "zero2": (TWO, dict(num_stages=2, num_microbatches=2, schedule="1f1b", sharding_option=ShardingOption(zero=2))),
     "zero3": (TWO, dict(num_stages=2, num_microbatches=2, schedule="1f1b", sharding_option=ShardingOption(zero=3))),
     "remat": (TWO, dict(num_stages=2, num_microbatches=2, stage_option=StageOption(remat="full"))),
-    "uneven-replicas": (TWO, dict(num_replicas=2, num_microbatches=2)),
+    # One device and one microbatch a replica, so shares need not split further: H100 takes more.
+    "uneven-replicas": ({"H100": 1, "V100": 1}, dict(num_replicas=2, num_microbatches=1)),
     "three-kinds": (THREE, dict(num_stages=3, num_microbatches=2)),
 }
 ROUTES = ("again", "like-step", "like-eval", "plan-file", "orbax", "gather-jit")
