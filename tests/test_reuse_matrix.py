@@ -211,10 +211,9 @@ def route_like_eval(t: Trained, tmp_path: Any) -> str:
     value = evaluate(t.state1, t.model.batches[1])
     assert_close(value, t.ref_eval, "eval like= the step")
     train_s, eval_s = t.train.plan.predicted_step_time_s, evaluate.plan.predicted_step_time_s
-    if train_s and eval_s:
-        assert eval_s < train_s, f"the forward-only eval is priced at {eval_s}, the train step at {train_s}"
-        return f"ok, priced {eval_s / train_s:.2f}x the train step"
-    return "ok, unpriced"
+    assert eval_s > 0, f"the eval is not priced: {evaluate.plan.notes}"
+    assert eval_s < train_s, f"the forward-only eval is priced at {eval_s}, the train step at {train_s}"
+    return f"ok, priced {eval_s / train_s:.2f}x the train step"
 
 
 def route_plan_file(t: Trained, tmp_path: Any) -> str:

@@ -65,14 +65,20 @@ def placed_like(traced: TracedStep, train: Plan, args: tuple, cluster: Cluster) 
                    if v in graph.producer and stage[graph.producer[v]] is not None]
         stage[op.index] = max(wanted, default=0)
     stage_of_op = place_once_ops(graph, analysis, stage)
+    # Stages past the last one that runs an operator (a head tied to the embedding
+    # reads its weights on the first stage, leaving the last stage nothing) are not the
+    # function's: it runs, and is priced, on those it uses.
+    kept = max(stage_of_op, default=0) + 1
     stages = tuple(
         replace(s, shardings=tuple((v, spec) for v, spec in specs.items() if home[v] == s.index),
                 operand_shardings=(), param_specs=())
-        for s in train.stages
+        for s in train.stages[:kept]
     )
+    notes = train.notes if kept == train.num_stages else (
+        *train.notes, f"runs on {kept} of the step's {train.num_stages} stages: nothing it reads lies on the others")
     return replace(
         train, stages=stages, operator_stages=(runs(stage_of_op),), program=signature(graph),
-        num_microbatches=traced.batch_size // traced.microbatch_size, replica_batch=(),
+        num_microbatches=traced.batch_size // traced.microbatch_size, replica_batch=(), notes=notes,
     )
 
 
