@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any, Callable, Iterable
 
 log = logging.getLogger("hetpar.compile")
@@ -86,7 +86,15 @@ def compile_programs(programs: Iterable[CompiledOnce], workers: int | None = Non
         for p in todo:
             one(p)
     else:
-        with ThreadPoolExecutor(max_workers=min(workers, len(todo))) as pool:
-            list(pool.map(one, todo))  # re-raises the first compile error
+        pool = ThreadPoolExecutor(max_workers=min(workers, len(todo)), thread_name_prefix="hetpar-compile")
+        try:
+            for future in as_completed([pool.submit(one, p) for p in todo]):
+                future.result()  # re-raises the first compile error
+        except BaseException:
+            # A compile error or Ctrl-C: raised now, not after the compiles still
+            # running (XLA cannot be stopped; their threads finish on their own).
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown()
     log.info("hetpar: compiled %d stage programs in %.2fs", len(todo), time.perf_counter() - start)
     return len(todo)
