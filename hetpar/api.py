@@ -20,6 +20,8 @@ import jax
 from hetpar.arguments import check_arguments, check_step
 from hetpar.cluster.cluster import Cluster, jax_devices
 from hetpar.compile.compiled import CompiledStep
+from hetpar.compile.cache import enable_compilation_cache
+from hetpar.compile.once import compile_programs
 from hetpar.compile.programs import stage_mesh
 from hetpar.compile.step import compile_step, microbatch_graphs
 from hetpar.errors import HetparError
@@ -27,13 +29,14 @@ from hetpar.options import RuntimeOption, ShardingOption, StageOption, build_opt
 from hetpar.outputs import like_options, place_metrics, several_metrics
 from hetpar.plan import Plan
 from hetpar.plan.file import load_plan
-from hetpar.plan.like import placed_like
+from hetpar.plan.like import like_plan
 from hetpar.pipeline import check_fits, cluster_for, price_like, solve
 from hetpar.runtime.distributed import (DistributedStep, check_cross_process, cross_process_collectives, is_multiprocess,
                                         share_plan, stages_of_process)
 from hetpar.runtime.identity import check_same_run, run_identity
 from hetpar.runtime.executor import RunStats, run
 from hetpar.runtime.ray_runtime import RayStep
+from hetpar.runtime.remote import has_local_devices
 from hetpar.signature import bind_call, free_donated, normalize_argnums
 from hetpar.trace.traced_step import as_array, trace_step
 
@@ -95,7 +98,7 @@ class ParallelFunction:
         flat, treedef = jax.tree.flatten(call.args)
         key = (call.static_key, treedef, tuple(map(_shape_key, flat)))
         if key not in self._cache:
-            self._cache[key] = self._build(call.args, call.fn, call.batch_argnum)
+            self._cache[key] = self._same_step_like(key) or self._build(call.args, call.fn, call.batch_argnum)
             graph = self._cache[key][1].graph
             self._metrics[key] = several_metrics(graph.avals[v] for v in graph.outvars)
         plan, compiled = self._cache[key]
@@ -120,6 +123,18 @@ class ParallelFunction:
         self._cache.clear()
         self._metrics.clear()
 
+    def _same_step_like(self, key: Any) -> tuple[Plan, CompiledStep | RayStep | DistributedStep] | None:
+        """`parallelize(step, like=train)` where `step` is train's own function, called
+        the same way with arguments of the same types: train's plan and programs, as
+        `jax.jit` reuses its executable for the same function; nothing is compiled."""
+        like, o = self._options.like, self._options
+        if like is None or like._fn is not self._fn or key not in like._cache:
+            return None
+        lo = like._options
+        if (lo.batch_argnum, lo.static_argnums) != (o.batch_argnum, o.static_argnums):
+            return None
+        return like._cache[key]
+
     def _build(self, args: tuple, fn: Callable, batch_argnum: int) -> tuple[Plan, CompiledStep | RayStep | DistributedStep]:
         """The passes, in order: trace, plan (or check a given plan), compile."""
         o = self._options
@@ -134,14 +149,14 @@ class ParallelFunction:
             cluster = o.cluster if all(g.device_ids for g in o.cluster.groups) else o.cluster.bind()
         distributed = o.runtime.runtime == "distributed" or (o.runtime.runtime == "local" and is_multiprocess())
         with timer("plan"):
-            placed = None
+            placed, given = None, o.plan
             if o.like is not None and o.like._last is not None:
-                placed = placed_like(traced, o.like.plan, args, cluster)
+                given, placed = like_plan(traced, o.like.plan, args, cluster)
             if placed is not None:
                 plan = price_like(traced, placed, cluster)
-            elif o.plan is not None:
-                check_fits(o.plan, traced, cluster)
-                plan = o.plan
+            elif given is not None:
+                check_fits(given, traced, cluster)
+                plan = given
             else:
                 stage = o.stage
                 # Several processes: process 0 solves, the others receive its plan.
@@ -157,6 +172,9 @@ class ParallelFunction:
             meshes = {s.index: stage_mesh(tuple(order[p] for p in s.device_ids), s.mesh_shape) for s in plan.stages}
             graphs = microbatch_graphs(fn, args, batch_argnum, traced, plan)
             compiled = compile_step(traced, plan, meshes, graphs)
+            # Every program the step dispatches, compiled now (once, for the plan's
+            # argument types: hetpar/compile/once.py), one log line each.
+            compile_programs(compiled.dispatched(lambda mesh: has_local_devices(mesh.devices.flat)))
         if distributed:
             devices = jax_devices(tuple(order))
             check_cross_process(plan, devices, cross_process_collectives())
@@ -223,8 +241,18 @@ def parallelize(
     where the step's parameters already lie, in their layout there, so nothing is
     moved between train and eval (hetpar/plan/like.py; a step with data-parallel
     replicas or interleaved chunks, or one that has not run yet, gets the same
-    cluster and options, planned anew). See hetpar/outputs.py for what a step returns.
+    cluster and options, planned anew). `like=` the train step itself reuses its plan
+    (and, for the same function called the same way, its compiled programs); another
+    function with a backward is planned anew. See hetpar/outputs.py for what a step
+    returns and when `hetpar.gather` is needed.
+
+    Each stage program is compiled once, for the plan's argument types, before the
+    first step runs (a log line each on `hetpar.compile`); later calls with the state
+    a step returned or one restored from a checkpoint compile nothing. JAX's
+    persistent compilation cache is turned on unless the user chose otherwise
+    (hetpar/compile/cache.py: `HETPAR_COMPILATION_CACHE`).
     """
+    enable_compilation_cache()  # JAX's persistent cache, on unless the user chose (hetpar/compile/cache.py)
     if like is not None:
         like_opts = replace(like_options(like._options, batch_argnum, static_argnums, donate_argnums), like=like)
         return ParallelFunction(fn, like_opts) if fn else (lambda f: ParallelFunction(f, like_opts))

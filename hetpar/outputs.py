@@ -47,7 +47,15 @@ def place_metrics(outputs: Any) -> Any:
 def gather(tree: Any, device: jax.Device | None = None) -> Any:
     """Every array of `tree` on one device (default: `jax.devices()[0]`), whole, so
     that ordinary JAX code (`jax.jit(eval_fn)`, `optax.global_norm`) can use state a
-    multi-stage step returned. Non-array leaves are returned as they are."""
+    multi-stage step returned. Non-array leaves are returned as they are.
+
+    When it is needed: after a step whose plan has more than one stage mesh (its
+    summary says so), before passing the state to anything hetpar does not run; JAX
+    refuses arrays on several meshes in one computation ("Received incompatible
+    devices for jitted computation"). Not needed to call the step again, for a
+    function parallelized `like=` the step (it runs where the state lies, and gather
+    would only move it away), or to save a checkpoint with orbax. It copies every
+    parameter onto one device, so that device must hold the whole state."""
     target = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
     path = DevicePath()
 

@@ -115,7 +115,8 @@ def price_like(traced: TracedStep, plan: Plan, cluster: Cluster) -> Plan:
     inputs = problem_for(layers, cluster, traced.batch_size, tokens_per_example(traced), options)
     if not training:
         inputs = replace(inputs, training=False, state_factor=1.0, optimizer_traffic=0.0)
-    stages = tuple(replace(s, layer_start=a, layer_end=b, zero=s.zero if training else 0, remat=s.remat if training else "")
+    stages = tuple(replace(s, layer_start=a, layer_end=b, zero=s.zero if training else 0, remat=s.remat if training else "",
+                           flops=sum(layers.flops[a:b]))  # the function's own: a forward-only eval's, no backward
                    for s, (a, b) in zip(plan.stages, bounds))
     return priced(replace(plan, stages=stages, num_layers=layers.num_layers, cost_inputs=inputs))
 
@@ -390,10 +391,12 @@ def _tokens(traced: TracedStep) -> int:
     return int(shape[0] * (shape[1] if len(shape) > 1 and first.dtype.kind in "iu" else 1))
 
 
-def check_fits(plan: Plan, traced: TracedStep, cluster: Cluster) -> None:
-    """Refuses a plan made for another step or another cluster, saying what differs."""
+def check_fits(plan: Plan, traced: TracedStep, cluster: Cluster, paths: tuple[str, ...] = ()) -> None:
+    """Refuses a plan made for another step or another cluster, saying what differs
+    (an argument by its pytree path where `paths` gives the step's, e.g.
+    `traced.input_paths`)."""
     if plan.program is not None:
-        diff = differences(plan.program, signature(traced.full))
+        diff = differences(plan.program, signature(traced.full), paths or traced.input_paths)
         if diff:
             raise PlanError("the plan was made for a different step: " + "; ".join(diff) + ". Run it with the step and "
                             "arguments it was solved for, or make a plan for this step (hetpar solve, or parallelize "

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
 import jax.numpy as jnp
 import numpy as np
@@ -82,6 +82,30 @@ class CompiledStep:
 
     def per_microbatch(self, value: int) -> bool:
         return is_per_microbatch(self.graph, self.analysis, self.batch_invars, value)
+
+    def dispatched(self, here: Callable[[Any], bool] = lambda mesh: True) -> list[Any]:
+        """The callables a step dispatches, in the order it first does, of the
+        programs whose mesh `here` accepts: what must be compiled before it runs
+        (a program a fused one replaces on every microbatch is not among them)."""
+        out: list[Any] = []
+        for item in self.order:
+            if item.combine:
+                continue
+            p, fused = self.programs[item.program], self.fused.get(item.program) if item.fused is not None else None
+            if fused is not None:
+                if here(fused.mesh):
+                    if fused.accumulates and p is not None and p.init_acc is not None:
+                        out.append(p.init_acc)
+                    out.append(fused.fn)
+                continue
+            if p is None or not here(p.mesh):
+                continue
+            if p.init_acc is not None:
+                out.append(p.init_acc)
+            out.append(p.fn)
+            if item.last_microbatch and p.finish is not None:
+                out.append(p.finish)
+        return list(dict.fromkeys(out))
 
 
 def is_per_microbatch(graph: OpGraph, analysis: MicrobatchAnalysis, batch_invars: set[int], value: int) -> bool:

@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from hetpar.cluster.cluster import jax_devices
+from hetpar.compile.once import CompiledOnce
 from hetpar.compile.layouts import DATA_AXIS, MODEL_AXIS, spec_sharding
 from hetpar.compile.partials import partial_ops, partial_sums, stacked_spec
 from hetpar.compile.scatter import reduce_scatter, scatter_ops
@@ -117,19 +118,28 @@ def compile_task(
         return tuple(env[v] for v in task.outputs), body.accumulate(acc, env)
 
     in_sh, out_sh, acc_sh = body.shardings(task.inputs), body.shardings(task.outputs), body.acc_shardings()
-    fn = jax.jit(run, in_shardings=(acc_sh, *in_sh), out_shardings=(out_sh, acc_sh), donate_argnums=0)
+    arg_types = (body.acc_types(), *body.types(task.inputs, in_sh))
+    name = program_name(task)
+    fn = CompiledOnce(jax.jit(run, in_shardings=(acc_sh, *in_sh), out_shardings=(out_sh, acc_sh), donate_argnums=0),
+                      arg_types, name)
 
     init_acc = finish = None
     if task.reductions:
         acc_types = body.acc_types()
-        init_acc = jax.jit(
+        init_acc = CompiledOnce(jax.jit(
             lambda: tuple(jnp.full(a.shape, _IDENTITY[c], a.dtype) for a, c in zip(acc_types, body.combine)),
             out_shardings=acc_sh,
-        )
+        ), (), f"{name}: zeros of its sums")
         if body.stacked or any(d != a.dtype for a, d in zip(body.reduction_avals, body.acc_dtypes)):
-            finish = jax.jit(body.finals, in_shardings=(acc_sh,), out_shardings=body.shardings(task.reductions))
-    arg_types = (body.acc_types(), *body.types(task.inputs, in_sh))
+            finish = CompiledOnce(jax.jit(body.finals, in_shardings=(acc_sh,), out_shardings=body.shardings(task.reductions)),
+                                  (acc_types,), f"{name}: finished sums")
     return Program(task, mesh, fn, in_sh, acc_sh, init_acc, finish, arg_types, frozenset(body.stacked))
+
+
+def program_name(task: Task, fused: bool = False) -> str:
+    """How a progress line names a stage program."""
+    kind = {"pre": "once-per-step work before", "fwd": "forward", "bwd": "backward", "post": "update"}.get(task.kind, task.kind)
+    return f"stage {task.stage} {kind}" + (" with its update" if fused else "") + (f" (phase {task.phase})" if task.phase else "")
 
 
 @dataclass(frozen=True)
@@ -228,14 +238,17 @@ def compile_fused(
         after.sharding(v) if v in post.inputs else before.sharding(v) for v in post_inputs)
     acc_sh = body.acc_shardings() if accumulates else ()
     out_sh = (body.shardings(task.outputs), body.shardings(kept), after.shardings(post.outputs))
-    fn = jax.jit(run, in_shardings=(acc_sh, *in_sh), out_shardings=out_sh, donate_argnums=0)
     arg_types = (body.acc_types() if accumulates else (), *_types(graph, inputs + list(post_inputs), in_sh))
+    fn = CompiledOnce(jax.jit(run, in_shardings=(acc_sh, *in_sh), out_shardings=out_sh, donate_argnums=0), arg_types,
+                      program_name(task, fused=True))
     outer = task if pre is None else replace(task, inputs=inputs)
     return FusedProgram(outer, post, mesh, fn, in_sh, post_inputs, kept, accumulates, arg_types, pre)
 
 
 def _types(graph: OpGraph, values: Sequence[int], shardings: Sequence[NamedSharding]) -> tuple:
-    return tuple(jax.ShapeDtypeStruct(graph.avals[v].shape, graph.avals[v].dtype, sharding=sh) for v, sh in zip(values, shardings))
+    return tuple(jax.ShapeDtypeStruct(graph.avals[v].shape, graph.avals[v].dtype, sharding=sh,
+                                      weak_type=getattr(graph.avals[v], "weak_type", False))
+                 for v, sh in zip(values, shardings))
 
 
 class _Body:
@@ -335,8 +348,7 @@ class _Body:
         return tuple(self.sharding(v) for v in values)
 
     def types(self, values: Sequence[int], shardings: Sequence[NamedSharding]) -> tuple:
-        return tuple(jax.ShapeDtypeStruct(self.graph.avals[v].shape, self.graph.avals[v].dtype, sharding=sh)
-                     for v, sh in zip(values, shardings))
+        return _types(self.graph, values, shardings)
 
     def acc_types(self) -> tuple:
         return tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh) for a, sh in zip(self._acc_avals(), self.acc_shardings()))

@@ -12,7 +12,6 @@ layout: activations travel between stages, parameters stay put.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
 
 import jax
 from jax.sharding import NamedSharding
@@ -24,6 +23,23 @@ from hetpar.trace.fingerprint import signature
 from hetpar.trace.layers import parameter_origins
 from hetpar.trace.microbatch import Phase
 from hetpar.trace.traced_step import TracedStep
+
+
+def like_plan(traced: TracedStep, train: Plan, args: tuple, cluster: Cluster) -> tuple[Plan | None, Plan | None]:
+    """What `parallelize(fn, like=train_step)` runs `traced` (fn's trace) with, as
+    (a plan to use as it is, a placement to price): the train step's own plan when fn
+    traces to the same program (the same step, or a re-trace of it: a plan binds to
+    a step by its signature, the types and operators, not by which call traced it);
+    for a forward-only function, the train plan's stages where its arguments lie
+    (`placed_like`); otherwise neither, and the caller plans fn anew with the train
+    step's cluster and options (a function with a backward of its own cannot borrow
+    the train step's placement: its backward would run where its forward's
+    parameters lie, out of the schedule's order)."""
+    if train.program is not None and train.program == signature(traced.full):
+        return train, None
+    if any(traced.analysis.backward):
+        return None, None
+    return None, placed_like(traced, train, args, cluster)
 
 
 def placed_like(traced: TracedStep, train: Plan, args: tuple, cluster: Cluster) -> Plan | None:
@@ -49,14 +65,20 @@ def placed_like(traced: TracedStep, train: Plan, args: tuple, cluster: Cluster) 
                    if v in graph.producer and stage[graph.producer[v]] is not None]
         stage[op.index] = max(wanted, default=0)
     stage_of_op = place_once_ops(graph, analysis, stage)
+    # Stages past the last one that runs an operator (a head tied to the embedding
+    # reads its weights on the first stage, leaving the last stage nothing) are not the
+    # function's: it runs, and is priced, on those it uses.
+    kept = max(stage_of_op, default=0) + 1
     stages = tuple(
         replace(s, shardings=tuple((v, spec) for v, spec in specs.items() if home[v] == s.index),
                 operand_shardings=(), param_specs=())
-        for s in train.stages
+        for s in train.stages[:kept]
     )
+    notes = train.notes if kept == train.num_stages else (
+        *train.notes, f"runs on {kept} of the step's {train.num_stages} stages: nothing it reads lies on the others")
     return replace(
         train, stages=stages, operator_stages=(runs(stage_of_op),), program=signature(graph),
-        num_microbatches=traced.batch_size // traced.microbatch_size, replica_batch=(),
+        num_microbatches=traced.batch_size // traced.microbatch_size, replica_batch=(), notes=notes,
     )
 
 

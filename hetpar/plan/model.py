@@ -176,6 +176,10 @@ class Plan:
             )
         lines.append(f"  predicted step time {fmt_time(self.predicted_step_time_s)}")
         lines.extend(f"  note: {n}" for n in self.notes)
+        meshes = len({s.device_ids for s in self.stages})
+        if meshes > 1:
+            lines.append(f"  after a step: the state lies on {meshes} stage meshes; call the step again or "
+                         "hetpar.parallelize(eval_fn, like=step) as it is, hetpar.gather(state) first for plain JAX code")
         return "\n".join(lines)
 
 

@@ -40,15 +40,19 @@ def signature(graph: OpGraph) -> ProgramSignature:
     )
 
 
-def differences(expected: ProgramSignature, actual: ProgramSignature) -> list[str]:
-    """What a person needs to see to know why a plan does not fit a step."""
+def differences(expected: ProgramSignature, actual: ProgramSignature, paths: tuple[str, ...] = ()) -> list[str]:
+    """What a person needs to see to know why a plan does not fit a step: the first
+    argument whose type differs, by its pytree path in `paths` (the step's flat
+    arguments' paths, as `TracedStep.input_paths`) where given."""
     out = []
     if len(expected.inputs) != len(actual.inputs):
-        out.append(f"the plan's step takes {len(expected.inputs)} arrays, this one {len(actual.inputs)}")
+        out.append(f"the plan's step takes {len(expected.inputs)} arrays, this one {len(actual.inputs)} "
+                   "(the arguments' pytree structure differs)")
     else:
         for i, (a, b) in enumerate(zip(expected.inputs, actual.inputs)):
             if a != b:
-                out.append(f"argument leaf {i} is {b} here but {a} in the plan")
+                where = f"argument {paths[i]}" if i < len(paths) and paths[i] else f"argument leaf {i}"
+                out.append(f"{where} is {b} here but {a} in the plan")
                 break
     if expected.outputs != actual.outputs and not out:
         out.append(f"the step returns {len(actual.outputs)} arrays ({', '.join(actual.outputs[:3])}...), the plan's {len(expected.outputs)}")
