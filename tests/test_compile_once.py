@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -23,6 +22,7 @@ import pytest
 import hetpar
 from hetpar.compile.cache import ENV, default_cache_dir, enable_compilation_cache
 from parity import assert_close
+from test_after_training import NET, TX  # the same small net and optimizer
 
 TWO = {"A100": 4, "V100": 4}
 _COUNTS = {"compiles": 0, "hits": 0}
@@ -42,15 +42,6 @@ jax.monitoring.register_event_duration_secs_listener(_on_duration)
 jax.monitoring.register_event_listener(_on_event)
 
 
-class _Net(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        for i in range(3):
-            x = jnp.tanh(nn.Dense(16, name=f"Block_{i}")(x))
-        return nn.Dense(4, name="head")(x)
-
-
-NET, TX = _Net(), optax.adam(1e-2)
 
 
 def _batch(i=0, features=8):
