@@ -59,6 +59,11 @@ class CompiledStep:
     def microbatch_slice(self, mb: int) -> tuple[int, int]:
         return self.slices[mb] if self.slices else (mb * self.microbatch_size, self.microbatch_size)
 
+    def replica_microbatches(self, replica: int) -> range:
+        """The global microbatches replica `replica` runs."""
+        m = self.num_microbatches
+        return range(replica * m, replica * m + m) if self.replica_of else range(m)
+
     @cached_property
     def order(self) -> list[Step]:
         """The programs in the order the schedule dispatches them (computed once)."""
@@ -79,6 +84,11 @@ class CompiledStep:
             return f.inputs if f is not None and f.pre is not None else t.inputs
 
         return {i: tuple(self.per_microbatch(v) for v in inputs(i, t)) for i, t in enumerate(self.tasks)}
+
+    @cached_property
+    def microbatch_inputs(self) -> dict[int, tuple[int, ...]]:
+        """Per program, the positions of its per-microbatch inputs."""
+        return {p: tuple(i for i, per_mb in enumerate(keys) if per_mb) for p, keys in self.input_keys.items()}
 
     def per_microbatch(self, value: int) -> bool:
         return is_per_microbatch(self.graph, self.analysis, self.batch_invars, value)
