@@ -96,10 +96,12 @@ def bind_call(fn: Callable, args: tuple, kwargs: dict, batch_argnum: int,
 def _check_traceable(fn: Callable, position: int, value: Any) -> None:
     """Refuses an argument JAX cannot trace (a string, a config object) in the
     user's terms: which argument, what it is, and the fix, instead of JAX's error
-    from deep inside tracing."""
+    from deep inside tracing. Runs every call, so the leaves' paths are only
+    looked up once a leaf is refused."""
+    if all(map(_traceable, jax.tree.leaves(value))):
+        return
     for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
-        if isinstance(leaf, (bool, int, float, complex)) or (hasattr(leaf, "shape") and hasattr(leaf, "dtype")
-                                                             and getattr(leaf.dtype, "kind", "f") not in "OUSV"):
+        if _traceable(leaf):
             continue
         try:
             name = f" ({list(inspect.signature(fn).parameters)[position]!r})"
@@ -111,6 +113,11 @@ def _check_traceable(fn: Callable, position: int, value: Any) -> None:
             f"static_argnums=({position},) to hetpar.parallelize, as with jax.jit, if it is a setting the step "
             "is compiled for; or pass it as an array"
         )
+
+
+def _traceable(leaf: Any) -> bool:
+    return isinstance(leaf, (bool, int, float, complex)) or (
+        hasattr(leaf, "shape") and hasattr(leaf, "dtype") and getattr(leaf.dtype, "kind", "f") not in "OUSV")
 
 
 def _short(value: Any) -> str:

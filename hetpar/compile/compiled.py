@@ -59,6 +59,11 @@ class CompiledStep:
     def microbatch_slice(self, mb: int) -> tuple[int, int]:
         return self.slices[mb] if self.slices else (mb * self.microbatch_size, self.microbatch_size)
 
+    def replica_microbatches(self, replica: int) -> range:
+        """The global microbatches replica `replica` runs."""
+        m = self.num_microbatches
+        return range(replica * m, replica * m + m) if self.replica_of else range(m)
+
     @cached_property
     def order(self) -> list[Step]:
         """The programs in the order the schedule dispatches them (computed once)."""
@@ -80,6 +85,11 @@ class CompiledStep:
 
         return {i: tuple(self.per_microbatch(v) for v in inputs(i, t)) for i, t in enumerate(self.tasks)}
 
+    @cached_property
+    def microbatch_inputs(self) -> dict[int, tuple[int, ...]]:
+        """Per program, the positions of its per-microbatch inputs."""
+        return {p: tuple(i for i, per_mb in enumerate(keys) if per_mb) for p, keys in self.input_keys.items()}
+
     def per_microbatch(self, value: int) -> bool:
         return is_per_microbatch(self.graph, self.analysis, self.batch_invars, value)
 
@@ -88,21 +98,27 @@ class CompiledStep:
         programs whose mesh `here` accepts: what must be compiled before it runs
         (a program a fused one replaces on every microbatch is not among them)."""
         out: list[Any] = []
+        started: set[int] = set()  # programs whose accumulators exist by this dispatch
         for item in self.order:
             if item.combine:
                 continue
             p, fused = self.programs[item.program], self.fused.get(item.program) if item.fused is not None else None
+            fresh = item.program not in started  # no accumulators yet: `first`, or zeros then `fn`
+            started.add(item.program)
             if fused is not None:
                 if here(fused.mesh):
-                    if fused.accumulates and p is not None and p.init_acc is not None:
+                    if fresh and fused.accumulates and p is not None and p.init_acc is not None:
                         out.append(p.init_acc)
                     out.append(fused.fn)
                 continue
             if p is None or not here(p.mesh):
                 continue
-            if p.init_acc is not None:
-                out.append(p.init_acc)
-            out.append(p.fn)
+            if fresh and p.first is not None:
+                out.append(p.first)
+            else:
+                if fresh and p.init_acc is not None:
+                    out.append(p.init_acc)
+                out.append(p.fn)
             if item.last_microbatch and p.finish is not None:
                 out.append(p.finish)
         return list(dict.fromkeys(out))

@@ -78,6 +78,21 @@ class Program:
     # Reductions accumulated as stacks of per-data-shard partial sums, reduced over
     # `data` once, by `finish` or the fused update (partials.py), not per microbatch.
     stacked: frozenset[int] = frozenset()
+    # The first microbatch: (*inputs) -> (outputs, accumulators), its reductions made
+    # the accumulators (what `fn` from `init_acc`'s would give), so a step does not
+    # dispatch (and fill) fresh accumulators per stage before its first microbatch.
+    first: Callable | None = None
+
+    def run(self, acc: tuple | None, args: Sequence[Any], last: bool) -> tuple[tuple, tuple]:
+        """One microbatch, from the accumulators `acc` (None: the first). With `last`,
+        returns the finished reductions in place of the accumulators."""
+        if acc is None and self.first is not None:
+            outs, acc = self.first(*args)
+        else:
+            outs, acc = self.fn(() if acc is None else acc, *args)
+        if last and self.finish is not None:
+            acc = self.finish(acc)
+        return outs, acc
 
     def lower(self) -> Any:
         """The program lowered for its argument types, e.g. `.as_text()` for StableHLO:
@@ -123,8 +138,14 @@ def compile_task(
     fn = CompiledOnce(jax.jit(run, in_shardings=(acc_sh, *in_sh), out_shardings=(out_sh, acc_sh), donate_argnums=0),
                       arg_types, name)
 
-    init_acc = finish = None
+    init_acc = finish = first = None
     if task.reductions:
+        def run_first(*args: Any) -> tuple[tuple, tuple]:
+            env = body.evaluate(args)
+            return tuple(env[v] for v in task.outputs), body.started(env)
+
+        first = CompiledOnce(jax.jit(run_first, in_shardings=in_sh, out_shardings=(out_sh, acc_sh)), arg_types[1:],
+                             f"{name}: first microbatch")
         acc_types = body.acc_types()
         init_acc = CompiledOnce(jax.jit(
             lambda: tuple(jnp.full(a.shape, _IDENTITY[c], a.dtype) for a, c in zip(acc_types, body.combine)),
@@ -133,7 +154,7 @@ def compile_task(
         if body.stacked or any(d != a.dtype for a, d in zip(body.reduction_avals, body.acc_dtypes)):
             finish = CompiledOnce(jax.jit(body.finals, in_shardings=(acc_sh,), out_shardings=body.shardings(task.reductions)),
                                   (acc_types,), f"{name}: finished sums")
-    return Program(task, mesh, fn, in_sh, acc_sh, init_acc, finish, arg_types, frozenset(body.stacked))
+    return Program(task, mesh, fn, in_sh, acc_sh, init_acc, finish, arg_types, frozenset(body.stacked), first)
 
 
 def program_name(task: Task, fused: bool = False) -> str:
@@ -310,6 +331,11 @@ class _Body:
     def scaled(self, env: dict[int, Any]) -> tuple:
         """This microbatch's reductions, means weighted by its share of the batch."""
         return tuple(env[v] if k == 1.0 else env[v] * jnp.asarray(k, env[v].dtype) for v, k in zip(self.task.reductions, self.scale))
+
+    def started(self, env: dict[int, Any]) -> tuple:
+        """The accumulators after the first microbatch: its reductions, in the
+        accumulators' dtypes (each combine's identity combined with x is x)."""
+        return tuple(x.astype(d) for x, d in zip(self.scaled(env), self.acc_dtypes))
 
     def accumulate(self, acc: tuple, env: dict[int, Any]) -> tuple:
         return tuple(_COMBINE[c](a, x.astype(a.dtype)) for c, a, x in zip(self.combine, acc, self.scaled(env)))

@@ -19,11 +19,15 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from hetpar.compile.layouts import spec_sharding
 from hetpar.runtime.remote import eager, has_local_devices, is_remote, placeholder
 
 
 def already_there(x: Any, sharding: Any) -> bool:
-    return getattr(x, "sharding", None) is not None and x.sharding.is_equivalent_to(sharding, x.ndim)
+    # Equality first: a tenth of the equivalence test's cost, and what a value a
+    # program returned last step (laid out as the program wants it) passes.
+    here = getattr(x, "sharding", None)
+    return here is not None and (here == sharding or here.is_equivalent_to(sharding, x.ndim))
 
 
 def _platform(devices: Any) -> str:
@@ -56,6 +60,20 @@ class DevicePath:
                 x = _laid_out_at_source(x, sharding)
         return jax.device_put(x, sharding)
 
+    def split_to(self, x: Any, pieces: tuple[tuple[int, int], ...], axis: int, target: Any) -> list | None:
+        """`x`'s pieces ((start, size) along `axis`), each laid out as `target` wants
+        it, device to device and in a few calls whatever the number of pieces (see
+        `_Splitter`). None where this path does not apply (values on other
+        processes, other kinds of device, shardings without a device order): the
+        caller slices and moves each piece."""
+        if not (isinstance(x, jax.Array) and isinstance(target, NamedSharding)
+                and x.is_fully_addressable and target.is_fully_addressable):
+            return None
+        source = _device_order(x.sharding)
+        if source is None or _platform(source) != _platform(target.device_set):
+            return None
+        return _splitter(source, x.shape, pieces, axis, target)(x)
+
     def _keys(self, x: jax.Array, sharding: Any) -> jax.Array:
         """Typed PRNG keys (a dropout key) between processes: JAX moves only plain
         arrays across processes, so the keys travel as their key data and are wrapped
@@ -86,6 +104,72 @@ def _through_one_device(x: jax.Array, sharding: Any) -> jax.Array:
         return placeholder(struct, sharding)
     pieces = [jax.device_put(landed[index], device) for device, index in sharding.addressable_devices_indices_map(x.shape).items()]
     return jax.make_array_from_single_device_arrays(x.shape, sharding, pieces)
+
+
+def _device_order(sharding: Any) -> tuple | None:
+    """The devices of `sharding` in the order a program over them lists them."""
+    if isinstance(sharding, NamedSharding):
+        return tuple(sharding.mesh.devices.flat)
+    if isinstance(sharding, SingleDeviceSharding):
+        return tuple(sharding.device_set)
+    return None
+
+
+class _Splitter:
+    """How `DevicePath.split_to` cuts a value on `source` (devices, in program
+    order) into pieces for `target`, by kind of move:
+
+    - the target's devices, in the same order: one program cuts the pieces;
+    - as many other devices: one program cuts them laid out as the target's shards
+      are (the target's mesh over the source's devices), and one batched copy,
+      shard for shard, lands them;
+    - otherwise (a batch laid out over 8 devices for a stage of 4): the whole value
+      is laid out on the source so that each of the target's shards is held whole
+      by some source device (each held twice on twice as many devices; everything
+      on every device where the counts do not divide), copied over once, and cut
+      there by one program.
+
+    JAX's own copy between meshes of different sizes would go through the host
+    (waiting for the value) wherever no source shard is exactly a target shard,
+    the case of a microbatch cut from a batch spread over more devices; and copies
+    that must pick shards out one by one cost host time per shard, so the value
+    crosses once, whole, not once per piece."""
+
+    def __init__(self, source: tuple, shape: tuple[int, ...], pieces: tuple[tuple[int, int], ...], axis: int,
+                 target: NamedSharding):
+        def cut(out: Any) -> Any:
+            return jax.jit(lambda a: tuple(jax.lax.slice_in_dim(a, s, s + n, axis=axis) for s, n in pieces),
+                           out_shardings=(out,) * len(pieces))
+
+        ns, nd = len(source), target.mesh.devices.size
+        grid, names = target.mesh.devices.shape, target.mesh.axis_names
+        self.relayout = self.landing = None
+        if source == tuple(target.mesh.devices.flat):
+            self.cut = cut(target)
+        elif ns == nd:
+            self.cut, self.landing = cut(NamedSharding(_mesh(np.array(source).reshape(grid), names), target.spec)), target
+        else:
+            if ns % nd == 0:  # each target shard held by ns / nd source devices
+                whole = spec_sharding(target.mesh, jax.ShapeDtypeStruct(shape, np.float32), tuple(target.spec))
+                twin = _mesh(np.array(source).reshape(*grid, ns // nd), (*names, "_copies"))
+                self.relayout, self.landing = _relayout(NamedSharding(twin, whole.spec)), whole
+            else:
+                self.relayout = _relayout(NamedSharding(_mesh(np.array(source), ("_all",)), PartitionSpec()))
+                self.landing = NamedSharding(target.mesh, PartitionSpec())
+            self.cut = cut(target)
+
+    def __call__(self, x: jax.Array) -> list:
+        if self.relayout is not None:  # moved whole, then cut where it lands
+            return list(self.cut(jax.device_put(self.relayout(x), self.landing)))
+        out = self.cut(x)
+        return list(out if self.landing is None else jax.device_put(list(out), [self.landing] * len(out)))
+
+
+_splitter = lru_cache(maxsize=256)(_Splitter)
+
+
+def _mesh(devices: np.ndarray, names: tuple) -> Mesh:
+    return Mesh(devices, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
 
 
 def _replicated(sharding: Any) -> NamedSharding:

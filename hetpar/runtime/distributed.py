@@ -353,7 +353,9 @@ class StageTracker:
         self.current: tuple[int, str, int | None] | None = None
 
     def wrap(self, programs: list[Any]) -> list[Any]:
-        return [None if p is None else replace(p, fn=self._tracked(p.fn, p.task.stage, p.task.kind)) for p in programs]
+        return [None if p is None else replace(
+            p, fn=self._tracked(p.fn, p.task.stage, p.task.kind),
+            first=p.first and self._tracked(p.first, p.task.stage, p.task.kind)) for p in programs]
 
     def _tracked(self, fn: Callable, stage: int, kind: str) -> Callable:
         def call(*args: Any) -> Any:
@@ -380,7 +382,8 @@ class DistributedStep:
     def __init__(self, step: CompiledStep, stages: list[int]):
         self.tracker = StageTracker()
         programs = [p if p is None else self.tracker.wrap([p])[0] if has_local_devices(p.mesh.devices.flat) else replace(
-            p, fn=skipped(p.fn), init_acc=p.init_acc and skipped(p.init_acc), finish=p.finish and skipped(p.finish))
+            p, fn=skipped(p.fn), init_acc=p.init_acc and skipped(p.init_acc), finish=p.finish and skipped(p.finish),
+            first=p.first and skipped(p.first))
             for p in step.programs]
         fused = {i: f if has_local_devices(f.mesh.devices.flat) else replace(f, fn=skipped(f.fn))
                  for i, f in step.fused.items()}

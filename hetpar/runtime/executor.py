@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from hetpar.compile.compiled import CompiledStep
 from hetpar.runtime.communicator import DevicePath
@@ -38,19 +39,22 @@ class DeviceTransport:
         self.fused_targets = {i: f.in_shardings for i, f in step.fused.items()}
         self.move = _PATH.to_mesh
 
-    def slice(self, x: Any, start: int, size: int, axis: int) -> Any:
+    def split(self, x: Any, pieces: tuple[tuple[int, int], ...], axis: int, target: Any) -> list:
+        if len(pieces) == 1 and pieces[0] == (0, np.shape(x)[axis]):  # one microbatch: the whole value
+            return [self.move(x, target)]
+        cut = _PATH.split_to(x, pieces, axis, target)
+        if cut is not None:
+            return cut
+        return [self.move(self._slice(x, start, size, axis), target) for start, size in pieces]
+
+    @staticmethod
+    def _slice(x: Any, start: int, size: int, axis: int) -> Any:
         if isinstance(x, jax.Array):  # a static slice: no index crosses from the host
             return eager(lambda a: jax.lax.slice_in_dim(a, start, start + size, axis=axis), x)
         return x[(slice(None),) * axis + (slice(start, start + size),)]
 
     def call(self, program: int, acc: Any, args: list, last: bool) -> tuple[Any, Any]:
-        p = self.programs[program]
-        if acc is None:
-            acc = p.init_acc() if p.init_acc else ()
-        outs, acc = p.fn(acc, *args)
-        if last and p.finish is not None:
-            acc = p.finish(acc)
-        return outs, acc
+        return self.programs[program].run(acc, args, last)
 
     def call_fused(self, program: int, acc: Any, args: list) -> tuple[Any, Any, Any]:
         fused = self.fused[program]

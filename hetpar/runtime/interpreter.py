@@ -17,7 +17,9 @@ its program): it only hands them to the transport, so a runtime gains every feat
 of the instruction stream (chunks, dropout slices, ZeRO layouts, fused updates,
 replicas) without code of its own. The loop is the hot path of every step: per
 program input it does one dictionary lookup, and one transport call only when the
-value is not already at the program's stage.
+value is not already at the program's stage. A whole-batch value is cut into its
+microbatches once per stage that reads them (`Transport.split`), not once per
+microbatch.
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ class Transport(Protocol):
     def move(self, x: Any, target: Any) -> Any:
         """`x` (a value or a step argument) where `target` wants it."""
 
-    def slice(self, x: Any, start: int, size: int, axis: int) -> Any:
-        """A microbatch's part of a whole-batch value or argument, where it lies."""
+    def split(self, x: Any, pieces: tuple[tuple[int, int], ...], axis: int, target: Any) -> list:
+        """Microbatches' parts ((start, size) along `axis`) of a whole-batch value or
+        argument, each where `target` wants it."""
 
     def call(self, program: int, acc: Any, args: list, last: bool) -> tuple[Sequence[Any], Any]:
         """Runs `program` (acc None: from fresh accumulators). Returns its outputs and
@@ -99,27 +102,43 @@ def interpret(step: CompiledStep, transport: Transport, flat_args: Sequence[Any]
         copies = store.get((value, mb, replica)) or store.get((value, mb, 0))
         if copies:
             return next(iter(copies.values()))
-        if value in analysis.sliced:  # drawn once for the whole batch: this microbatch's part
+        return inputs[value]
+
+    def split(value: int, replica: int, stage: int, target: Any) -> None:
+        """Every microbatch's part of a whole-batch value (drawn once for the whole
+        batch) or argument, at `stage`: cut at once (one program on a device
+        transport), the first time a microbatch's part is read there."""
+        if value in analysis.sliced:
             whole = store.get((value, None, replica)) or store[(value, None, 0)]
-            start, size = step.microbatch_slice(mb)
-            return transport.slice(next(iter(whole.values())), start, size, analysis.batch_axis[value])
-        arg = inputs[value]
-        if mb is None:
-            return arg
-        start, size = step.microbatch_slice(mb)
-        return transport.slice(arg, start, size, 0)
+            x, axis = next(iter(whole.values())), analysis.batch_axis[value]
+        else:
+            x, axis = inputs[value], 0
+        mbs = step.replica_microbatches(replica)
+        for mb, part in zip(mbs, transport.split(x, tuple(map(step.microbatch_slice, mbs)), axis, target)):
+            store.setdefault((value, mb, replica), {})[stage] = part
 
     def fetch(value: int, mb: int | None, replica: int, stage: int, target: Any) -> Any:
-        copies = store.setdefault((value, mb, replica), {})
-        if stage not in copies:
-            # A value already where the program wants it (a parameter this stage
-            # returned last step) is used in place: no copy, no dispatch.
-            copies[stage] = move(source(value, mb, replica), target)
-        return copies[stage]
+        copies = store.get((value, mb, replica))
+        if copies is None:
+            if mb is not None and (value in analysis.sliced or value in inputs):
+                split(value, replica, stage, target)
+                return store[(value, mb, replica)][stage]
+            copies = store[(value, mb, replica)] = {}
+        elif stage in copies:
+            return copies[stage]
+        # A value already where the program wants it (a parameter this stage
+        # returned last step) is used in place: no copy, no dispatch.
+        x = copies[stage] = move(source(value, mb, replica), target)
+        return x
 
     accumulators: dict[int, Any] = {}
     returned = set(graph.outvars)
     input_keys, tasks, targets = step.input_keys, step.tasks, transport.targets
+    # Per per-microbatch program: its arguments at its first microbatch. Its
+    # once-per-step inputs (parameters, pre work's results) are ready before any
+    # microbatch and do not change during the step, so later microbatches reuse them.
+    once: dict[int, list] = {}
+    microbatch_inputs = step.microbatch_inputs
     for item in step.order:
         if item.combine:
             _combine_replicas(step, store, transport)
@@ -132,8 +151,17 @@ def interpret(step: CompiledStep, transport: Transport, flat_args: Sequence[Any]
         if item.fused is not None:
             _run_fused(step, transport, p, mb, replica, accumulators, fetch, store)
         else:
-            args = [fetch(v, mb if per_mb else None, replica, stage, target)
-                    for v, per_mb, target in zip(task.inputs, input_keys[p], targets[p])]
+            args = once.get(p)
+            if args is None:
+                args = [fetch(v, mb if per_mb else None, replica, stage, target)
+                        for v, per_mb, target in zip(task.inputs, input_keys[p], targets[p])]
+                if task.per_microbatch:
+                    once[p] = args
+            else:  # a later microbatch: only its own inputs are looked up
+                args = args.copy()
+                values, wanted = task.inputs, targets[p]
+                for i in microbatch_inputs[p]:
+                    args[i] = fetch(values[i], mb, replica, stage, wanted[i])
             outs, acc = call(p, accumulators.pop(p, None), args, item.last_microbatch)
             key = mb if task.per_microbatch else None
             for v, x in zip(task.outputs, outs):

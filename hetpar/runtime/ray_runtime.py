@@ -145,7 +145,10 @@ class RayTransport:
             return x
         return RayValue(actor, next(self._ids), self._ref(x), delivered=False)
 
-    def slice(self, x: Any, start: int, size: int, axis: int) -> Any:
+    def split(self, x: Any, pieces: tuple[tuple[int, int], ...], axis: int, actor: int) -> list[RayValue]:
+        return [self.move(self._slice(x, start, size, axis), actor) for start, size in pieces]
+
+    def _slice(self, x: Any, start: int, size: int, axis: int) -> Any:
         if not isinstance(x, RayValue):  # a step argument: sliced here, sent as the slice
             if isinstance(x, jax.Array):
                 return jax.lax.slice_in_dim(x, start, start + size, axis=axis)

@@ -81,11 +81,9 @@ class StageWorker:
         program = self._programs[index]
         task = program.task
         args = self._inputs(ids, program.in_shardings, arrivals, received)
-        acc = self._values.pop(acc_id) if acc_id is not None else (program.init_acc() if program.init_acc else ())
+        acc = self._values.pop(acc_id) if acc_id is not None else None
         try:
-            outs, acc = program.fn(acc, *args)
-            if last and program.finish is not None:
-                acc = program.finish(acc)
+            outs, acc = program.run(acc, args, last)
         except Exception as e:
             shapes = ", ".join(f"{v}:{tuple(a.shape)}" for v, a in zip(task.inputs, args))
             raise RuntimeError(f"{task.name} failed on inputs {shapes}: {e}") from e
