@@ -62,20 +62,9 @@ def find_blocks(paths: list[tuple[str, ...]], signatures: list[tuple], flops: li
     is the bytes a cut at c sends."""
     total = float(sum(flops))
     ids = _intern(signatures)
-    runs = _scoped_runs(paths, ids, flops)
-    if not runs:
-        runs = _periodic_runs(ids, flops, crossing, param_readers)
-    chosen: list[list[tuple[tuple[str, ...], int, int]]] = []
-    taken = np.zeros(len(ids), dtype=bool)
     prefix = np.concatenate([[0.0], np.cumsum(flops)])
-    for run in sorted(runs, key=lambda r: -(prefix[r[-1][2]] - prefix[r[0][1]])):
-        lo, hi = run[0][1], run[-1][2]
-        if total > 0 and prefix[hi] - prefix[lo] < _MIN_COVERAGE * total:
-            continue
-        if taken[lo:hi].any():
-            continue
-        taken[lo:hi] = True
-        chosen.append(run)
+    chosen = _choose(_scoped_runs(paths, ids), prefix, total, len(ids)) \
+        or _choose(_periodic_runs(ids, crossing, param_readers), prefix, total, len(ids))
     if not chosen:
         return None
     chosen.sort(key=lambda r: r[0][1])
@@ -104,12 +93,26 @@ def find_blocks(paths: list[tuple[str, ...]], signatures: list[tuple], flops: li
     return Structure(tuple(starts), tuple(labels), sum(kinds), depth)
 
 
+def _choose(runs: list, prefix: np.ndarray, total: float, n: int) -> list:
+    """The runs that carry the most work, none overlapping another (the blocks, not
+    the three identical projections inside each), each at least `_MIN_COVERAGE` of it."""
+    chosen = []
+    taken = np.zeros(n, dtype=bool)
+    for run in sorted(runs, key=lambda r: -(prefix[r[-1][2]] - prefix[r[0][1]])):
+        lo, hi = run[0][1], run[-1][2]
+        if (total > 0 and prefix[hi] - prefix[lo] < _MIN_COVERAGE * total) or taken[lo:hi].any():
+            continue
+        taken[lo:hi] = True
+        chosen.append(run)
+    return chosen
+
+
 def _intern(signatures: list[tuple]) -> list[int]:
     table: dict[tuple, int] = {}
     return [table.setdefault(s, len(table)) for s in signatures]
 
 
-def _scoped_runs(paths: list[tuple[str, ...]], ids: list[int], flops: list[float]
+def _scoped_runs(paths: list[tuple[str, ...]], ids: list[int]
                  ) -> list[list[tuple[tuple[str, ...], int, int]]]:
     """Runs of sibling module scopes with identical operators, at every depth: each
     a list of (scope, first position, position after its last operator). Operators of
@@ -150,7 +153,7 @@ def _scoped_runs(paths: list[tuple[str, ...]], ids: list[int], flops: list[float
     return runs
 
 
-def _periodic_runs(ids: list[int], flops: list[float], crossing: np.ndarray, param_readers: list[bool]
+def _periodic_runs(ids: list[int], crossing: np.ndarray, param_readers: list[bool]
                    ) -> list[list[tuple[tuple[str, ...], int, int]]]:
     """Runs of blocks in an operator sequence with no scopes to go by: for each
     candidate period (the distance between two operators that read parameters of the

@@ -137,14 +137,12 @@ def block_count(graph: OpGraph, analysis: MicrobatchAnalysis, op_flops: list[flo
     forward = _forward(graph, analysis)
     if not forward:
         return 1
-    fwd_flops = [op_flops[i] for i in forward]
-    crossing = _crossing_bytes(graph, forward, {op: i for i, op in enumerate(forward)})
-    structure = forward_structure(graph, analysis, forward, fwd_flops, crossing)
+    structure = structure_of(graph, analysis, op_flops)
     if structure is not None:
         return structure.pieces
     segments: list[float] = []
     previous = None
-    for op, f in zip(forward, fwd_flops):
+    for op, f in zip(forward, [op_flops[i] for i in forward]):
         key = graph.ops[op].module_path[:2]
         if key != previous:
             segments.append(0.0)
@@ -153,6 +151,15 @@ def block_count(graph: OpGraph, analysis: MicrobatchAnalysis, op_flops: list[flo
     if not segments or max(segments) <= 0:
         return 1
     return sum(f >= 0.25 * max(segments) for f in segments)
+
+
+def structure_of(graph: OpGraph, analysis: MicrobatchAnalysis, op_flops: list[float]) -> Structure | None:
+    """The step's forward pass as embedding, repeated blocks and head (`hetpar.trace.blocks`)."""
+    forward = _forward(graph, analysis)
+    if not forward:
+        return None
+    crossing = _crossing_bytes(graph, forward, {op: i for i, op in enumerate(forward)})
+    return forward_structure(graph, analysis, forward, [op_flops[i] for i in forward], crossing)
 
 
 def _forward(graph: OpGraph, analysis: MicrobatchAnalysis) -> list[int]:
