@@ -3,7 +3,10 @@ operator the layer of the forward work it differentiates.
 
 Cuts go where few bytes cross (the residual stream between transformer blocks, not
 the wide activations inside one) and where flax module scopes change, so that asking
-a GPT with N blocks for N layers cuts at block boundaries. Layer cost counts the
+a GPT with N blocks for N layers cuts at block boundaries. Where the model repeats a
+block (found by structure at any module depth, `hetpar.trace.blocks`), the block
+boundaries are the cuts: one layer per block plus the embedding and the head, and
+finer layers only inside blocks. Layer cost counts the
 forward operators and the backward operators attached to them, so layers are
 balanced by the work they really carry.
 """
