@@ -27,7 +27,7 @@ from hetpar.predict.profile import Profile
 from hetpar.shard import mesh_axes, shard_stages
 from hetpar.trace.fingerprint import differences, signature
 from hetpar.trace.flops import op_costs
-from hetpar.trace.layers import Layers, block_count, build_layers, compute_dtype
+from hetpar.trace.layers import Layers, block_count, build_layers, compute_dtype, structure_of
 from hetpar.trace.microbatch import Phase, input_roles
 from hetpar.trace.traced_step import TracedStep, trace_step
 from solver import schedules
@@ -137,13 +137,19 @@ def _whole_batch(traced: TracedStep, option: StageOption) -> StageOption:
 @timed_pass("layers")
 def layers_pass(traced: TracedStep, cluster: Cluster, option: StageOption, auto: bool) -> Layers:
     """The step cut into layers at module boundaries: as many as the user asked for,
-    enough for the stages, or (for the planner) one per transformer block at least (so
-    a faster kind can take any number of blocks) and one per device up to
+    enough for the stages, or (for the planner) one per repeated block at least, found
+    by structure at whatever depth the blocks sit, plus the embedding and the head (so
+    a faster kind can take any number of blocks), and one per device up to
     `max_planning_layers`; fewer only when the step cannot be cut that finely."""
     if option.num_layers:
         return layers_of(traced, option.num_layers)
     flops = [c.flops for c in op_costs(traced.full)]
     wanted = max(block_count(traced.full, traced.analysis, flops), min(cluster.num_devices, option.max_planning_layers))
+    structure = structure_of(traced.full, traced.analysis, flops)
+    if structure is not None and wanted > structure.pieces:
+        # Finer than one layer per block: every block cut alike (a block's layers match
+        # every other block's), so no block is coarser than its neighbours.
+        wanted = structure.pieces + structure.blocks * math.ceil((wanted - structure.pieces) / structure.blocks)
     if not auto:
         # Stages fixed by hand are cut as finely as the planner's, so a faster stage can
         # take more layers (one layer per stage would split the model evenly whatever

@@ -3,7 +3,10 @@ operator the layer of the forward work it differentiates.
 
 Cuts go where few bytes cross (the residual stream between transformer blocks, not
 the wide activations inside one) and where flax module scopes change, so that asking
-a GPT with N blocks for N layers cuts at block boundaries. Layer cost counts the
+a GPT with N blocks for N layers cuts at block boundaries. Where the model repeats a
+block (found by structure at any module depth, `hetpar.trace.blocks`), the block
+boundaries are the cuts: one layer per block plus the embedding and the head, and
+finer layers only inside blocks. Layer cost counts the
 forward operators and the backward operators attached to them, so layers are
 balanced by the work they really carry.
 """
@@ -15,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hetpar.errors import PlanError
+from hetpar.trace.blocks import Structure, find_blocks, op_signature
 from hetpar.trace.flops import MATMUL_OPS
 from hetpar.trace.fusion import FUSED_INTO_READERS
 from hetpar.trace.microbatch import MicrobatchAnalysis, Phase
@@ -55,7 +59,7 @@ class Layers:
 
 
 def build_layers(graph: OpGraph, analysis: MicrobatchAnalysis, op_flops: list[float], num_layers: int) -> Layers:
-    forward = [op.index for op in graph.ops if analysis.phase[op.index] is Phase.MICRO and not analysis.backward[op.index]]
+    forward = _forward(graph, analysis)
     backward = [op.index for op in graph.ops if analysis.phase[op.index] is Phase.MICRO and analysis.backward[op.index]]
     if not forward:
         raise PlanError("the step has no per-example forward computation to split into layers")
@@ -66,23 +70,37 @@ def build_layers(graph: OpGraph, analysis: MicrobatchAnalysis, op_flops: list[fl
         )
 
     position = {op: i for i, op in enumerate(forward)}
-    depth = _scope_depth(graph, forward, [op_flops[i] for i in forward], num_layers)
-    keys = [graph.ops[i].module_path[:depth] for i in forward] if depth else [()] * len(forward)
+    fwd_flops = [op_flops[i] for i in forward]
     crossing = _crossing_bytes(graph, forward, position)
+    structure = forward_structure(graph, analysis, forward, fwd_flops, crossing)
+    paths = [graph.ops[i].module_path for i in forward]
+    if structure is not None:
+        # Blocks found by structure: cut between them (and, for more layers than
+        # pieces, inside them too, every block boundary staying a cut).
+        depth = structure.depth if num_layers <= structure.pieces else max(len(p) for p in paths)
+        keys = [p[:depth] for p in paths] if depth else [()] * len(forward)
+    else:
+        depth = _scope_depth(graph, forward, fwd_flops, num_layers)
+        keys = [p[:depth] for p in paths] if depth else [()] * len(forward)
 
     # Attach backward ops to forward positions (by scope, else structurally) for cost.
     anchor = _backward_anchors(graph, forward, backward, keys, depth, position)
-    costs = np.array([op_flops[i] for i in forward], dtype=float)
+    costs = np.array(fwd_flops, dtype=float)
     for op, pos in anchor.items():
         costs[pos] += op_flops[op]
 
-    if depth:
-        candidates = [i for i in range(1, len(forward)) if keys[i] != keys[i - 1]]
+    if structure is not None:
+        cuts, names = _structured_cuts(structure, paths, costs, crossing, num_layers)
     else:
-        candidates = list(range(1, len(forward)))
-    candidates = _cheap(candidates, crossing, costs, num_layers)
-    cuts = min_max_cuts(costs, candidates, num_layers, cut_costs=crossing)
-    starts = [0] + cuts
+        if depth:
+            candidates = [i for i in range(1, len(forward)) if keys[i] != keys[i - 1]]
+        else:
+            candidates = list(range(1, len(forward)))
+        candidates = _cheap(candidates, crossing, costs, num_layers)
+        cuts = min_max_cuts(costs, candidates, num_layers, cut_costs=crossing)
+        # Named by the scopes cut at, or (cut anywhere) by the full module paths.
+        label = keys if depth else paths
+        names = [_describe(label[s:e]) for s, e in zip([0] + cuts, cuts + [len(forward)])]
     fwd_layer = np.searchsorted(np.array(cuts), np.arange(len(forward)), side="right")
 
     op_layer = {op: int(fwd_layer[i]) for i, op in enumerate(forward)}
@@ -100,8 +118,6 @@ def build_layers(graph: OpGraph, analysis: MicrobatchAnalysis, op_flops: list[fl
         flops[layer] += op_flops[op]
         if not analysis.backward[op]:
             forward_flops[layer] += op_flops[op]
-    ends = cuts + [len(forward)]
-    names = [_describe(keys[s:e]) for s, e in zip(starts, ends)]
     boundary = [0] + [int(crossing[c]) for c in cuts]
     return Layers(
         op_layer, num_layers, flops, names, boundary, forward_flops,
@@ -115,23 +131,106 @@ def build_layers(graph: OpGraph, analysis: MicrobatchAnalysis, op_flops: list[fl
 
 
 def block_count(graph: OpGraph, analysis: MicrobatchAnalysis, op_flops: list[float]) -> int:
-    """How many substantial pieces the forward pass has at the model's first module
-    level: the transformer blocks (and a large head), each at least a quarter of the
-    largest piece's work. The planner wants at least one layer per block, so that a
-    faster kind of device can take any number of blocks."""
+    """How many layers the model's own structure asks for: one per repeated block,
+    at whatever depth the blocks sit (`hetpar.trace.blocks`), plus what comes before
+    and after them (the embedding, the head). Without repeated blocks: the
+    substantial pieces at the model's first module level (each at least a quarter of
+    the largest piece's work). The planner wants at least one layer per block, so
+    that a faster kind of device can take any number of blocks."""
+    forward = _forward(graph, analysis)
+    if not forward:
+        return 1
+    structure = structure_of(graph, analysis, op_flops)
+    if structure is not None:
+        return structure.pieces
     segments: list[float] = []
     previous = None
-    for op in graph.ops:
-        if analysis.phase[op.index] is not Phase.MICRO or analysis.backward[op.index]:
-            continue
-        key = op.module_path[:2]
+    for op, f in zip(forward, [op_flops[i] for i in forward]):
+        key = graph.ops[op].module_path[:2]
         if key != previous:
             segments.append(0.0)
             previous = key
-        segments[-1] += op_flops[op.index]
+        segments[-1] += f
     if not segments or max(segments) <= 0:
         return 1
     return sum(f >= 0.25 * max(segments) for f in segments)
+
+
+def structure_of(graph: OpGraph, analysis: MicrobatchAnalysis, op_flops: list[float]) -> Structure | None:
+    """The step's forward pass as embedding, repeated blocks and head (`hetpar.trace.blocks`)."""
+    forward = _forward(graph, analysis)
+    if not forward:
+        return None
+    crossing = _crossing_bytes(graph, forward, {op: i for i, op in enumerate(forward)})
+    return forward_structure(graph, analysis, forward, [op_flops[i] for i in forward], crossing)
+
+
+def _forward(graph: OpGraph, analysis: MicrobatchAnalysis) -> list[int]:
+    return [op.index for op in graph.ops if analysis.phase[op.index] is Phase.MICRO and not analysis.backward[op.index]]
+
+
+def forward_structure(graph: OpGraph, analysis: MicrobatchAnalysis, forward: list[int], fwd_flops: list[float],
+                      crossing: np.ndarray) -> Structure | None:
+    """The forward pass as embedding, repeated blocks and head (`find_blocks`), or
+    None when no block repeats. Cached on the graph: the layers pass asks for it once
+    per layer count it tries."""
+    key = ("structure", tuple(forward))
+    if key not in graph._cache:
+        origins = parameter_origins(graph, analysis)
+        ops = [graph.ops[i] for i in forward]
+        graph._cache[key] = find_blocks(
+            [op.module_path for op in ops],
+            [op_signature(op.name, [graph.avals[v] for v in op.inputs], [graph.avals[v] for v in op.outputs]) for op in ops],
+            fwd_flops, crossing, [any(v in origins for v in op.inputs) for op in ops])
+    return graph._cache[key]
+
+
+def _structured_cuts(structure: Structure, paths: list[tuple[str, ...]], costs: np.ndarray, crossing: np.ndarray,
+                     num_layers: int) -> tuple[list[int], list[str]]:
+    """Cuts and layer names for a forward pass with repeated blocks. At most as many
+    layers as pieces: cuts only between pieces (neighbouring pieces grouped, balanced
+    by work). More: every piece whole first, then the pieces with the most work per
+    layer cut again inside, where their module scopes change and few bytes cross, so
+    every block boundary stays a cut."""
+    bounds = list(structure.starts) + [len(paths)]
+    labels = structure.labels
+    if num_layers <= structure.pieces:
+        cuts = min_max_cuts(costs, list(structure.starts[1:]), num_layers, cut_costs=crossing) if num_layers > 1 else []
+        index = {start: i for i, start in enumerate(structure.starts)}
+        names = []
+        for lo, hi in zip([0] + cuts, cuts + [len(paths)]):
+            first, last = index[lo], bounds.index(hi) - 1
+            names.append(labels[first] if first == last else f"{labels[first]}..{labels[last]}")
+        return cuts, names
+    inner = []  # per piece: the places inside it that may be cut
+    for lo, hi in zip(bounds, bounds[1:]):
+        changes = [i for i in range(lo + 1, hi) if paths[i] != paths[i - 1]]
+        inner.append(changes or list(range(lo + 1, hi)))  # no scopes inside (nnx): any operator boundary
+    work = [float(costs[lo:hi].sum()) for lo, hi in zip(bounds, bounds[1:])]
+    count = [1] * structure.pieces
+    for _ in range(num_layers - structure.pieces):
+        open_ = [i for i in range(structure.pieces) if count[i] <= len(inner[i])]
+        if not open_:
+            raise PlanError(f"the model has only {sum(len(c) + 1 for c in inner)} places to cut it into layers; "
+                            f"ask for fewer layers")
+        best = max(open_, key=lambda i: work[i] / count[i])
+        count[best] += 1
+    cuts, names = [], []
+    for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        if i:
+            cuts.append(lo)
+        if count[i] == 1:
+            names.append(labels[i])
+            continue
+        local = [c - lo for c in inner[i]]
+        local = _cheap(local, crossing[lo:hi], costs[lo:hi], count[i])
+        within = [lo + c for c in min_max_cuts(costs[lo:hi], local, count[i], cut_costs=crossing[lo:hi])]
+        cuts += within
+        parts = [_describe(paths[a:b]) for a, b in zip([lo] + within, within + [hi])]
+        if len(set(parts)) < len(parts) or not all(p.startswith(labels[i]) for p in parts):
+            parts = [f"{labels[i]} ({k + 1}/{count[i]})" for k in range(count[i])]
+        names += parts
+    return cuts, names
 
 
 def compute_dtype(graph: OpGraph, op_flops: list[float]) -> str:
