@@ -172,16 +172,18 @@ def inject(kind: str) -> None:
     if jax.process_index() == 1:
         step = par.compiled().step
         i = next(i for i, p in enumerate(step.programs) if p is not None and p.task.stage == 1 and p.task.kind == "fwd")
-        tracked = step.programs[i].fn
+        def faulty(tracked):
+            def fault(*args):
+                tracked(*args)  # records stage 1 as the one running
+                print(f"INJECT {time.time():.3f}", flush=True)
+                if kind == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise RuntimeError("injected fault")
 
-        def fault(*args):
-            tracked(*args)  # records stage 1 as the one running
-            print(f"INJECT {time.time():.3f}", flush=True)
-            if kind == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            raise RuntimeError("injected fault")
+            return fault
 
-        step.programs[i] = replace(step.programs[i], fn=fault)
+        p = step.programs[i]  # its first microbatch runs `first` (which starts the accumulators), later ones `fn`
+        step.programs[i] = replace(p, fn=faulty(p.fn), first=p.first and faulty(p.first))
     par(state, w.batch)
     raise AssertionError("step 2 returned although process 1 failed in it")
 

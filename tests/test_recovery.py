@@ -52,7 +52,9 @@ def _inject(compiled, fault_at: int, error: BaseException) -> tuple[list, dict]:
 
         return faulty
 
-    compiled.programs[:] = [dataclasses.replace(p, fn=wrap(p.fn)) for p in original]
+    # A stage's first microbatch runs its own program (`first`: it starts the accumulators).
+    compiled.programs[:] = [p if p is None else dataclasses.replace(p, fn=wrap(p.fn), first=p.first and wrap(p.first))
+                            for p in original]
     # A stage's last microbatch runs fused with its update: that dispatch counts too.
     compiled.fused.update({i: dataclasses.replace(f, fn=wrap(f.fn)) for i, f in original_fused.items()})
     return original, original_fused

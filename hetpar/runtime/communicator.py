@@ -42,10 +42,6 @@ class DevicePath:
     def to_mesh(self, x: Any, sharding: Any) -> Any:
         if already_there(x, sharding):
             return x
-        if is_remote(x) and not has_local_devices(sharding.device_set):
-            # Between two meshes of other processes (two stages of one process's group):
-            # those processes move it; this one only keeps the value's type.
-            return placeholder(jax.ShapeDtypeStruct(x.shape, x.dtype), sharding)
         if isinstance(x, jax.Array) and _platform(x.devices()) != _platform(sharding.device_set):
             return jax.device_put(np.asarray(jax.device_get(x)), sharding)
         # A committed array that is not all here (or going elsewhere) is one global value
