@@ -40,36 +40,42 @@ def _llama(config: llama.LlamaConfig):  # noqa: ANN202
     return make
 
 
+def lm_step(model, batch: int, seq: int) -> tuple:  # noqa: ANN001
+    """A language-model step on transformers' Flax `model` as a user writes it (AdamW,
+    bf16 logits cast to f32 for the loss): `(step, (state, batch))`, abstract."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    tx = optax.adamw(1e-4)
+
+    def build():
+        params = model.init_weights(jax.random.key(0), (1, seq))
+        return (params, tx.init(params)), {"input_ids": jnp.zeros((batch, seq), jnp.int32)}
+
+    def step(state, inputs):
+        params, opt_state = state
+
+        def loss_fn(p):
+            logits = model(inputs["input_ids"], params=p).logits[:, :-1].astype(jnp.float32)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, inputs["input_ids"][:, 1:]).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), loss
+
+    return step, jax.eval_shape(build)
+
+
 def _transformers(name: str, seq: int):  # noqa: ANN202
-    """transformers' Flax model `name` at its published size, abstract, with an AdamW
-    language-model step as a user writes it: `(step, (state, batch))` for `batch` sequences."""
+    """transformers' Flax model `name` at its published size, abstract, with `lm_step`."""
     def make(batch: int) -> tuple:
-        import jax
         import jax.numpy as jnp
-        import optax
         import transformers
 
         config = HF_CONFIGS[name]()
         cls = transformers.FlaxLlamaForCausalLM if name.startswith("llama") else transformers.FlaxGPT2LMHeadModel
-        model = cls(config, _do_init=False, dtype=jnp.bfloat16)
-        tx = optax.adamw(1e-4)
-
-        def build():
-            params = model.init_weights(jax.random.key(0), (1, seq))
-            return (params, tx.init(params)), {"input_ids": jnp.zeros((batch, seq), jnp.int32)}
-
-        def step(state, inputs):
-            params, opt_state = state
-
-            def loss_fn(p):
-                logits = model(inputs["input_ids"], params=p).logits[:, :-1].astype(jnp.float32)
-                return optax.softmax_cross_entropy_with_integer_labels(logits, inputs["input_ids"][:, 1:]).mean()
-
-            loss, grads = jax.value_and_grad(loss_fn)(params)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return (optax.apply_updates(params, updates), opt_state), loss
-
-        return step, jax.eval_shape(build)
+        return lm_step(cls(config, _do_init=False, dtype=jnp.bfloat16), batch, seq)
     return make
 
 

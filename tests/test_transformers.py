@@ -5,6 +5,9 @@ Flax Llama's rotary table needs `max_position_embeddings` above the sequence len
 here: with both 8, transformers 4.57 fails under plain `jax.jit` too (`mul got
 incompatible shapes (1, 1, 2, 8), (1, 1, 1, 4)`)."""
 
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +16,9 @@ import pytest
 
 import hetpar
 from parity import assert_close
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from real_models import lm_step  # noqa: E402
 
 transformers = pytest.importorskip("transformers")  # a dev extra: `pip install -e .[dev]`
 
@@ -103,25 +109,8 @@ def test_flax_llama_7b_width_plans_that_the_placement_accepts(tmp_path):
     cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=4,
                                    num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=2048)
     model = transformers.FlaxLlamaForCausalLM(cfg, _do_init=False, dtype=jnp.bfloat16)
-    tx = optax.adamw(1e-4)
     batch, seq = 16, 2048
-
-    def build():
-        params = model.init_weights(jax.random.key(0), (1, seq))
-        return (params, tx.init(params)), {"input_ids": jnp.zeros((batch, seq), jnp.int32)}
-
-    def step(state, inputs):
-        params, opt_state = state
-
-        def loss_fn(p):
-            logits = model(inputs["input_ids"], params=p).logits[:, :-1].astype(jnp.float32)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, inputs["input_ids"][:, 1:]).mean()
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), loss
-
-    state, inputs = jax.eval_shape(build)
+    step, (state, inputs) = lm_step(model, batch, seq)  # benchmarks/real_models.py: the step as a user writes it
     (tmp_path / "v100.yaml").write_text("groups:\n  - name: v100\n    device: V100\n    nodes: 1\n    devices_per_node: 4\n")
     cluster = Cluster.from_file(str(tmp_path / "v100.yaml")).numbered()
     plan = solve(trace_step(step, (state, inputs), 1, 1), cluster, search_microbatches=True)  # raises if placement refuses
