@@ -115,7 +115,9 @@ def reference_losses(run: ElasticRun, steps: int) -> dict[int, float]:
     import hetpar
 
     w = elastic_train.workload()
-    state = hetpar.restore_checkpoint(run.folder / f"step_{run.resumed_from}", like=w.state)
+    state = w.state  # no checkpoint was complete: the restart began again from the start
+    if run.resumed_from > 0:
+        state = hetpar.restore_checkpoint(run.folder / f"step_{run.resumed_from}", like=w.state)
     step = jax.jit(w.step)
     out = {}
     for i in range(run.resumed_from, steps):

@@ -184,8 +184,10 @@ def inject(kind: str) -> None:
 
         p = step.programs[i]  # its first microbatch runs `first` (which starts the accumulators), later ones `fn`
         step.programs[i] = replace(p, fn=faulty(p.fn), first=p.first and faulty(p.first))
-    par(state, w.batch)
-    raise AssertionError("step 2 returned although process 1 failed in it")
+    # Dispatch is asynchronous: process 0 may hand off all of step 2 before process 1
+    # fails; waiting for its results is what must never end.
+    jax.block_until_ready(par(state, w.batch))
+    raise AssertionError("step 2 finished although process 1 failed in it")
 
 
 def check_identity() -> None:

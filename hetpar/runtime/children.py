@@ -73,6 +73,12 @@ class Child:
     def poll(self) -> int | None:
         return self.popen.poll()
 
+    def end_time(self) -> float:
+        """When it ended (call once `poll()` says it has): its waiter thread's time,
+        which a poll that reaped the process first can be a moment ahead of."""
+        self._threads[2].join(timeout=1.0)
+        return self.ended_at if self.ended_at is not None else time.monotonic()
+
     def last_lines(self) -> list[str]:
         """What it wrote last, taken before the launcher stops anyone (what the
         others print while being stopped is noise)."""

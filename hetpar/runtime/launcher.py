@@ -189,7 +189,7 @@ def _first_failure(children: list[Child], codes: list[int | None], status_dir: s
     now_wall, now = time.time(), time.monotonic()
     for i, (child, code) in enumerate(zip(children, codes)):
         if code not in (None, 0):
-            when[i] = child.ended_at if child.ended_at is not None else now
+            when[i] = child.end_time()
         path = os.path.join(status_dir, f"process-{i}.json")
         if dist.read_status(status_dir, i).get("error"):
             try:
