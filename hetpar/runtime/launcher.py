@@ -181,6 +181,9 @@ def _watch(children: list[Child], layout: list[ProcessSpec], status_dir: str,
         time.sleep(0.1)
 
 
+COARSE_S = 0.05
+
+
 def _first_failure(children: list[Child], codes: list[int | None], status_dir: str) -> int | None:
     """The process that failed first: by when it exited (timed by its waiter thread)
     or wrote its error (the status file's time), whichever came first. The others
@@ -192,8 +195,9 @@ def _first_failure(children: list[Child], codes: list[int | None], status_dir: s
             when[i] = child.end_time()
         path = os.path.join(status_dir, f"process-{i}.json")
         if dist.read_status(status_dir, i).get("error"):
-            try:
-                wrote = now - (now_wall - os.path.getmtime(path))
+            try:  # file times come from a coarse kernel clock: an error written within
+                # COARSE_S of another process's death is taken as its consequence
+                wrote = now - (now_wall - os.path.getmtime(path)) + COARSE_S
             except OSError:
                 wrote = now
             when[i] = min(when.get(i, wrote), wrote)
