@@ -21,6 +21,7 @@ import numpy as np
 from hetpar.errors import HetparError
 from hetpar.plan import Plan
 from hetpar.plan.file import plan_to_dict
+from hetpar.runtime.distributed import broadcast
 from hetpar.trace.fingerprint import signature
 from hetpar.trace.traced_step import TracedStep
 
@@ -64,8 +65,6 @@ def run_identity(plan: Plan, traced: TracedStep) -> dict[str, str]:
 def check_same_run(identity: dict[str, str]) -> None:
     """Every process calls this with its own identity; all return, or all raise the
     same HetparError naming the first field and process that differ from process 0."""
-    from hetpar.runtime.distributed import broadcast
-
     mine = np.frombuffer("".join(identity[f] for f in FIELDS).encode(), np.uint8)
     every = [broadcast(mine.copy(), p) for p in range(jax.process_count())]
     first = _split(every[0])

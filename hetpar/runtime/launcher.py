@@ -169,10 +169,10 @@ def _watch(children: list[Child], layout: list[ProcessSpec], status_dir: str,
         if failed is not None:
             last = children[failed].last_lines()
             stop_all(children, grace_s)
-            message = describe_failure(failed, codes[failed], layout, dist.read_status(status_dir, failed),
-                                       len(children))
-            error = dist.read_status(status_dir, failed).get("error")
-            lost = not error and codes[failed] is not None and codes[failed] < 0  # killed, not failed by itself
+            status = dist.read_status(status_dir, failed)
+            message = describe_failure(failed, codes[failed], layout, status, len(children))
+            # Killed (by a signal, not by us: we have not stopped it yet), not failed by itself.
+            lost = not status.get("error") and codes[failed] is not None and codes[failed] < 0
             raise ProcessFailed(message + _quoted(last), layout[failed], lost=lost)
         if timeout_s is not None and time.monotonic() - start > timeout_s:
             stop_all(children, grace_s)
