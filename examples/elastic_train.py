@@ -58,7 +58,7 @@ def main() -> None:
     if latest is not None:
         start, path = latest
         state = hetpar.restore_checkpoint(path, like=w.state)
-    step = hetpar.parallelize(w.step, cluster=cluster, num_microbatches=2, num_stages=len(cluster.groups))
+    step = hetpar.parallelize(w.step, cluster=cluster, num_microbatches=2)
     for i in range(start, args.steps):
         state, loss = step(state, batch_at(w, i))
         loss = float(hetpar.to_host(loss))

@@ -48,6 +48,8 @@ class DevicePath:
         # crossing processes; an uncommitted one is each process's own copy (the state
         # a script made before its first step), which `device_put` lays out as it is.
         if isinstance(x, jax.Array) and not (x.is_fully_addressable and sharding.is_fully_addressable):
+            if _within_another_process(x, sharding):
+                return placeholder(jax.ShapeDtypeStruct(x.shape, x.dtype), sharding)
             if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
                 return self._keys(x, sharding)
             if x.committed:
@@ -77,6 +79,15 @@ class DevicePath:
         impl = jax.random.key_impl(x)
         data = self.to_mesh(eager(jax.random.key_data, x), sharding)
         return eager(lambda d: jax.random.wrap_key_data(d, impl=impl), data)
+
+
+def _within_another_process(x: jax.Array, sharding: Any) -> bool:
+    """Whether `x` and its destination lie within one process that is not this one
+    (two stages of one process's group): a local copy there, in which no other
+    process takes part. JAX's cross-process copy, which needs every process, pairs
+    only different processes' devices and refuses this move."""
+    processes = {d.process_index for d in x.sharding.device_set} | {d.process_index for d in sharding.device_set}
+    return len(processes) == 1 and jax.process_index() not in processes
 
 
 def _through_one_device(x: jax.Array, sharding: Any) -> jax.Array:
