@@ -1,5 +1,10 @@
 """hetpar: automatic parallelization of JAX train steps on heterogeneous clusters."""
 
+from hetpar.runtime.stuck import shorten_collective_timeouts
+
+shorten_collective_timeouts()  # before anything starts JAX's CPU client (hetpar/runtime/stuck.py)
+
+
 from hetpar.api import ParallelFunction, parallelize
 from hetpar.cluster.catalog import DeviceType, devices
 from hetpar.cluster.cluster import Cluster, DeviceGroup

@@ -16,6 +16,7 @@ import pytest
 
 import hetpar
 from hetpar.cli import main as cli_main
+from hetpar.runtime import launcher
 from hetpar.runtime.launcher import launch_local
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,3 +117,25 @@ def test_a_bad_process_id_or_coordinator_is_one_line():
         distributed.initialize(coordinator_address="127.0.0.1:1234", num_processes=2, process_id=-1)
     with pytest.raises(hetpar.HetparError, match=r"must be host:port, got 'localhost'"):
         distributed.initialize(coordinator_address="localhost", num_processes=2, process_id=1)
+
+
+def test_a_process_that_aborts_failed_and_a_killed_one_was_lost():
+    # An abort (XLA after a stuck collective) or a crash is the process's own failure:
+    # an elastic restart keeps its node. A SIGKILL or SIGTERM from outside loses it.
+    assert not launcher.was_lost(-signal.SIGABRT, {})
+    assert not launcher.was_lost(-signal.SIGSEGV, {})
+    assert launcher.was_lost(-signal.SIGKILL, {})
+    assert launcher.was_lost(-signal.SIGTERM, {})
+    assert not launcher.was_lost(-signal.SIGKILL, {"error": "ValueError: ..."})
+    assert not launcher.was_lost(1, {})
+
+
+def test_collective_timeouts_leave_the_users_own_alone():
+    from hetpar.runtime.stuck import collective_timeout_flags
+
+    ours = collective_timeout_flags("--xla_foo=1", None)
+    assert "--xla_foo=1" in ours and "terminate_timeout_seconds=5" in ours and "warn_stuck_timeout_seconds=3" in ours
+    theirs = "--xla_cpu_collective_call_terminate_timeout_seconds=100"
+    assert collective_timeout_flags(theirs, None).count("terminate_timeout_seconds") == 1
+    assert theirs in collective_timeout_flags(theirs, None)
+    assert collective_timeout_flags("", "0") == ""

@@ -6,10 +6,13 @@ then the next steps are checked against jax.jit."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import subprocess
 import sys
 import textwrap
+import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -20,6 +23,7 @@ from models import mlp
 from parity import assert_close, with_grads
 
 TWO_TYPES = {"A100": 4, "V100": 4}
+ROOT = Path(__file__).resolve().parent.parent
 
 
 class Fault(Exception):
@@ -133,3 +137,45 @@ def test_ctrl_c_after_the_sharding_ilp_raises_keyboard_interrupt():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "KeyboardInterrupt raised" in done.stdout, (done.returncode, done.stderr[-500:])
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_device_failing_inside_a_stage_stops_its_process_in_seconds(tmp_path):
+    # A host callback that raises on one device of a 4-device stage: the stage's other
+    # devices wait at the next collective for it. hetpar's XLA flags (runtime/stuck.py)
+    # make XLA abort the process ~8 s after the failure, not after XLA's own 60 s,
+    # with the user's error printed first.
+    raised = tmp_path / "raised"
+    code = textwrap.dedent(f"""
+        import sys, time
+        import jax
+        jax.config.update("jax_num_cpu_devices", 8)
+        import hetpar
+        from models import mlp
+
+        w = mlp.setup(batch_size=16, depth=4)
+
+        def fail(x):
+            open({str(raised)!r}, "w").write(repr(time.time()))
+            raise RuntimeError("the user's callback failed on one device")
+
+        def loss_fn(params, batch):
+            jax.debug.callback(fail, batch["x"])  # on one device of the stage's data-parallel mesh
+            return w.loss_fn(params, batch)
+
+        def step(state, batch):
+            loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
+            return state.apply_gradients(grads=grads), loss
+
+        parallel = hetpar.parallelize(step, cluster=hetpar.Cluster.virtual({{"A100": 4, "V100": 4}}),
+                                      num_stages=2, num_microbatches=2, num_layers=4)
+        state, loss = parallel(w.state, w.batch)
+        print("loss", float(loss))
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "HETPAR_COLLECTIVE_TIMEOUT_S")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
+    ended = time.time()
+    assert done.returncode == -signal.SIGABRT, (done.returncode, done.stderr[-1500:])
+    assert "the user's callback failed on one device" in done.stderr
+    waited = ended - float(raised.read_text())
+    assert waited < 30, f"the process ran on {waited:.0f} s after the failure (XLA's own wait is 60 s)"

@@ -171,14 +171,24 @@ def _watch(children: list[Child], layout: list[ProcessSpec], status_dir: str,
             stop_all(children, grace_s)
             status = dist.read_status(status_dir, failed)
             message = describe_failure(failed, codes[failed], layout, status, len(children))
-            # Killed (by a signal, not by us: we have not stopped it yet), not failed by itself.
-            lost = not status.get("error") and codes[failed] is not None and codes[failed] < 0
-            raise ProcessFailed(message + _quoted(last), layout[failed], lost=lost)
+            raise ProcessFailed(message + _quoted(last), layout[failed], lost=was_lost(codes[failed], status))
         if timeout_s is not None and time.monotonic() - start > timeout_s:
             stop_all(children, grace_s)
             raise HetparError(f"the job did not finish within {timeout_s:.0f} s; all {len(children)} processes were "
                               "stopped (raise --timeout if it needs longer)")
         time.sleep(0.1)
+
+
+# Signals a process sends itself when it fails (XLA's abort after a stuck collective,
+# a crash in native code): the process failed, its node did not go away.
+SELF_INFLICTED = frozenset({signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL})
+
+
+def was_lost(code: int | None, status: dict) -> bool:
+    """Whether a failed process was lost (killed from outside, before the launcher
+    stopped anything: a node going away) rather than failing by itself (an error of
+    its own, an exit status, an abort)."""
+    return not status.get("error") and code is not None and code < 0 and -code not in SELF_INFLICTED
 
 
 COARSE_S = 0.05
@@ -227,6 +237,8 @@ def describe_failure(i: int, code: int | None, layout: list[ProcessSpec], status
     during = f" during step {step}" if step else ""
     if code is None:
         how = "stopped answering"
+    elif -code in SELF_INFLICTED:
+        how = f"crashed ({signal.Signals(-code).name}: its last lines say why)"
     elif code < 0:
         how = f"was killed by {signal.Signals(-code).name}"
     else:
