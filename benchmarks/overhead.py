@@ -10,6 +10,9 @@ the median over rounds of hetpar's time over jax.jit's in the same round. The
 ratios of CPU time (this process's, all threads) are printed beside: on a loaded
 machine wall time follows the share of the cores a contender gets, and a step whose
 programs use fewer devices at a time (a pipeline stage's) runs fewer threads.
+A fourth contender, one stage with the two-stage run's microbatches, shows what
+microbatching costs by itself on these devices (each program gets a quarter of the
+work, and per-op costs stay), the floor under the two-stage figure.
 Ends with: RESULT overhead_1stage=<ratio> overhead_2stage=<ratio>
 Run: .venv/bin/python benchmarks/overhead.py [--rounds 30 --iters 2]
 """
@@ -48,6 +51,12 @@ def main() -> None:
             num_microbatches=microbatches, num_layers=args.layers,
         )
         contenders[f"hetpar {stages}"] = Stepper(step, w.state, batch)
+    # The same microbatches on one stage: what cutting the batch costs by itself (on
+    # 8 CPU devices a microbatch leaves each device a quarter of the work per
+    # program), so the two-stage figure can be read as pipeline overhead on top.
+    step = hetpar.parallelize(w.step, cluster=hetpar.Cluster.virtual({"A100": 8}), num_stages=1,
+                              num_microbatches=args.microbatches, num_layers=args.layers)
+    contenders["microbatched"] = Stepper(step, w.state, batch)
     for c in contenders.values():
         c.warm_up(4)
 
@@ -64,6 +73,11 @@ def main() -> None:
         print(f"hetpar, {stages} stage(s), {microbatches} microbatch(es): {statistics.median(rounds.wall[name]) * 1e3:8.2f} ms/step\n"
               f"    per-round ratio to jax.jit: {ratio_spread(ratios[stages])}\n"
               f"    CPU time ratio (all threads): {ratio_spread(rounds.ratios(name, 'jax.jit', cpu=True))}")
+    floor = rounds.ratios("microbatched", "jax.jit")
+    print(f"hetpar, 1 stage, {args.microbatches} microbatches (the cost of microbatching alone): "
+          f"{statistics.median(rounds.wall['microbatched']) * 1e3:8.2f} ms/step\n"
+          f"    per-round ratio to jax.jit: {ratio_spread(floor)}\n"
+          f"    two stages over this, per round: {ratio_spread(rounds.ratios('hetpar 2', 'microbatched'))}")
     print(f"RESULT overhead_1stage={statistics.median(ratios[1]):.3f} overhead_2stage={statistics.median(ratios[2]):.3f}")
 
 
