@@ -107,11 +107,12 @@ class Cluster:
 
     def link_between(self, a: DeviceGroup, b: DeviceGroup) -> Link:
         """The path between two groups; its speed is its slowest hop. Without a direct
-        device path, data goes device -> host -> network -> host -> device."""
+        device path (always between two vendors' devices), data goes device -> host
+        -> network -> host -> device, as the runtime moves it (HostStagedPath)."""
         if a.label == b.label:
             return a.inter_link if a.nodes > 1 else a.intra_link
         group_link = self.links.get(frozenset((a.label, b.label)), GroupLink(DEFAULT_NETWORK))
-        if group_link.direct:
+        if group_link.direct and a.spec.vendor == b.spec.vendor:  # no device link joins two vendors
             return group_link.link
         hops = [HOST_LINK, group_link.link, HOST_LINK]
         return Link(f"host path over {group_link.link.name}", min(h.bandwidth for h in hops), sum(h.latency for h in hops),

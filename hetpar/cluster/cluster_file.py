@@ -106,7 +106,7 @@ def read_cluster_file(path: str | Path) -> tuple[tuple[DeviceGroup, ...], dict[f
     for label in labels:
         if labels.count(label) > 1:
             raise top["groups"].fail(f"two groups are named {label!r}; group names must differ")
-    links = _links(top.get("links"), labels, _Located(root, path))
+    links = _links(top.get("links"), {g.label: g.spec.vendor for g in groups}, _Located(root, path))
     name = top["name"].text("name") if "name" in top else Path(path).stem
     return tuple(groups), links, name
 
@@ -186,7 +186,9 @@ def _group(loc: _Located) -> DeviceGroup:
     )
 
 
-def _links(loc: _Located | None, labels: list[str], root: _Located) -> dict[frozenset, GroupLink]:
+def _links(loc: _Located | None, vendors: dict[str, str], root: _Located) -> dict[frozenset, GroupLink]:
+    """The links between groups (`vendors`: each group's vendor, by label)."""
+    labels = list(vendors)
     links: dict[frozenset, GroupLink] = {}
     for entry in loc.sequence("links") if loc is not None else []:
         fields = entry.mapping("a link")
@@ -199,6 +201,11 @@ def _links(loc: _Located | None, labels: list[str], root: _Located) -> dict[froz
             if end not in labels:
                 raise fields["between"].fail(f"no group is named {end!r}; groups: {', '.join(labels)}")
         direct = fields["direct"].text("direct").lower() in ("true", "yes", "1") if "direct" in fields else False
+        if direct and vendors[ends[0]] != vendors[ends[1]]:
+            raise fields["direct"].fail(
+                f"'direct: true' between {ends[0]!r} ({vendors[ends[0]]}) and {ends[1]!r} ({vendors[ends[1]]}): no device "
+                "link joins two vendors' devices (NVLink, Infinity Fabric and RDMA to device memory stay within one), "
+                "so their values go through both hosts; remove 'direct'")
         link = _link(entry, "link", frozenset({"between", "direct"}))
         if frozenset(ends) in links:
             raise fields["between"].fail(f"a second link between {ends[0]!r} and {ends[1]!r}; keep one")

@@ -41,7 +41,7 @@ class BetweenFields(LinkFields):
     """An entry of `links:`: the path between two groups."""
 
     between: list[str] | None = _f("group names", "the two groups it joins", default=None)
-    direct: bool = _f("true/false", "device to device (RDMA); false: through both hosts (PCIe to host at each end)",
+    direct: bool = _f("true/false", "device to device (RDMA; never between two vendors' devices); false: through both hosts (PCIe to host at each end)",
                       default=False)
 
 

@@ -47,6 +47,10 @@ class CompiledStep:
     # Pre programs whose work runs inside a fused program (`Fusion.pre`, one
     # microbatch only): compiled, but not dispatched.
     folded_pres: frozenset[int] = frozenset()
+    # JAX device id -> its kind's vendor, where the plan's stages have more than one:
+    # values between two vendors' devices go through host memory (no device link
+    # joins them), see runtime/communicator.HostStagedPath. Empty: one vendor.
+    vendors: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.tasks:

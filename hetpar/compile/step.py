@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 
 from jax.sharding import Mesh
 
+from hetpar.cluster.catalog import catalog
 from hetpar.compile.compiled import CompiledStep
 from hetpar.compile.programs import FusedProgram, Fusion, Program, compile_fused, compile_task, fusion
 from hetpar.compile.remat import recompute
@@ -128,8 +129,18 @@ def compile_step(traced: TracedStep, plan: Plan, meshes: dict[int, Mesh], graphs
         traced.exec_graph, traced.full.constants, traced.analysis, programs, set(traced.batch_invars),
         plan_tasks.num_microbatches, traced.microbatch_size, plan.schedule,
         plan_tasks.replica_of if replicated else (), plan_tasks.slices if replicated else (), plan.chunks,
-        fused, fused_posts, fusions, plan_tasks.tasks, frozenset(folded_pres),
+        fused, fused_posts, fusions, plan_tasks.tasks, frozenset(folded_pres), stage_vendors(plan, meshes),
     )
+
+
+def stage_vendors(plan: Plan, meshes: dict[int, Mesh]) -> dict[int, str]:
+    """Each stage device's vendor (by JAX device id), when the plan's stages span
+    more than one vendor; empty otherwise (every move is device to device)."""
+    kinds = catalog()
+    vendor = {s.index: kinds[s.device_type].vendor for s in plan.stages if s.device_type in kinds}
+    if len(set(vendor.values())) < 2:
+        return {}
+    return {d.id: vendor[s] for s, mesh in meshes.items() if s in vendor for d in mesh.devices.flat}
 
 
 def fusible_updates(graph: OpGraph, analysis: MicrobatchAnalysis, tasks: Sequence[Task]) -> dict[int, int]:

@@ -20,6 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from hetpar.compile.layouts import spec_sharding
+from hetpar.errors import HetparError
 from hetpar.runtime.remote import eager, has_local_devices, is_remote, placeholder
 
 
@@ -211,6 +212,58 @@ def _relayout(sharding: Any) -> Any:
     """A program that lays its input out as `sharding` among the same devices (a
     collective on device, never a trip through the host), compiled once per layout."""
     return jax.jit(lambda a: a, out_shardings=sharding)
+
+
+class HostStagedPath:
+    """Between devices no link joins (two vendors' accelerators): the value goes
+    device -> host -> device, in chunks of at most `chunk_bytes` along its first
+    axis, so that one chunk's copy to the destination runs while the next is still
+    on its way to the host. Within one process; a value between two processes of
+    different vendors would need a host channel between the processes, which this
+    runtime does not have (`check_host_staged` refuses such plans before a step)."""
+
+    def __init__(self, chunk_bytes: int = 64 << 20):
+        self.chunk_bytes = chunk_bytes
+
+    def to_mesh(self, x: Any, sharding: Any) -> Any:
+        if already_there(x, sharding):
+            return x
+        if not isinstance(x, jax.Array):
+            return jax.device_put(x, sharding)
+        if is_remote(x) and not has_local_devices(sharding.device_set):
+            return placeholder(jax.ShapeDtypeStruct(x.shape, x.dtype), sharding)
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            impl = jax.random.key_impl(x)
+            return jax.random.wrap_key_data(self.to_mesh(jax.random.key_data(x), sharding), impl=impl)
+        rows = x.shape[0] if x.ndim else 1
+        per_row = max(1, x.nbytes // max(rows, 1))
+        step = max(1, self.chunk_bytes // per_row)
+        if x.ndim == 0 or step >= rows:
+            return jax.device_put(np.asarray(jax.device_get(x)), sharding)
+        chunks = [x[start:start + step] for start in range(0, rows, step)]
+        for chunk in chunks:  # every chunk starts for the host at once ...
+            chunk.copy_to_host_async()
+        # ... and each goes on to one destination device as soon as it is there
+        # (device_put returns before its copy ends), where they are joined and then
+        # laid out as the destination wants, device to device.
+        first = min(sharding.device_set, key=lambda d: d.id)
+        landed = [jax.device_put(np.asarray(chunk), first) for chunk in chunks]
+        return jax.device_put(jax.numpy.concatenate(landed, axis=0), sharding)
+
+
+def check_host_staged(vendors: dict[int, str], devices: Any) -> None:
+    """Refuses a plan whose values would cross between two vendors' devices that lie
+    on different processes (see HostStagedPath)."""
+    by_process: dict[int, set[str]] = {}
+    for d in devices:
+        if d.id in vendors:
+            by_process.setdefault(d.process_index, set()).add(vendors[d.id])
+    if len(by_process) > 1 and len(set().union(*by_process.values())) > 1:
+        raise HetparError(
+            "this plan moves values between two vendors' devices on different processes "
+            f"({', '.join(f'process {p}: {"/".join(sorted(v))}' for p, v in sorted(by_process.items()))}); "
+            "hetpar stages such values through host memory only within one process so far: "
+            "run the two vendors' stages in one process, or plan each vendor's devices as its own job")
 
 
 class HostKeys:

@@ -44,6 +44,7 @@ from hetpar.compile.compiled import CompiledStep
 from hetpar.errors import HetparError, PlanError
 from hetpar.plan import Plan
 from hetpar.plan.file import plan_from_dict, plan_to_dict
+from hetpar.runtime.communicator import check_host_staged
 from hetpar.runtime.executor import RunStats, run
 from hetpar.runtime.remote import has_local_devices, placeholder, skipped
 
@@ -380,6 +381,8 @@ class DistributedStep:
     process needs to send to or receive from them."""
 
     def __init__(self, step: CompiledStep, stages: list[int]):
+        if step.vendors:
+            check_host_staged(step.vendors, jax.devices())
         self.tracker = StageTracker()
         programs = [p if p is None else self.tracker.wrap([p])[0] if has_local_devices(p.mesh.devices.flat) else replace(
             p, fn=skipped(p.fn), init_acc=p.init_acc and skipped(p.init_acc), finish=p.finish and skipped(p.finish),

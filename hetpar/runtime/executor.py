@@ -18,13 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from hetpar.compile.compiled import CompiledStep
-from hetpar.runtime.communicator import DevicePath
+from hetpar.runtime.communicator import DevicePath, HostStagedPath
 from hetpar.runtime.interpreter import RunStats, interpret
 from hetpar.runtime.remote import eager
 
 __all__ = ["DeviceTransport", "RunStats", "run", "MERGE"]
 
 _PATH = DevicePath()
+_HOST = HostStagedPath()
 MERGE = {"add": jnp.add, "maximum": jnp.maximum, "minimum": jnp.minimum}
 
 
@@ -37,12 +38,27 @@ class DeviceTransport:
         self.programs, self.fused = step.programs, step.fused
         self.targets = [p.in_shardings if p is not None else () for p in step.programs]
         self.fused_targets = {i: f.in_shardings for i, f in step.fused.items()}
-        self.move = _PATH.to_mesh
+        self.vendors = step.vendors
+        self.move = self._between_vendors if self.vendors else _PATH.to_mesh
+
+    def _between_vendors(self, x: Any, target: Any) -> Any:
+        """`x` where `target` wants it: through the host where the two ends are of
+        different vendors (no device link joins them), device to device otherwise."""
+        if self._crosses(x, target):
+            return _HOST.to_mesh(x, target)
+        return _PATH.to_mesh(x, target)
+
+    def _crosses(self, x: Any, target: Any) -> bool:
+        here = getattr(x, "sharding", None)
+        if here is None or not self.vendors:
+            return False
+        ends = {self.vendors.get(d.id) for d in (*here.device_set, *target.device_set)}
+        return len(ends - {None}) > 1
 
     def split(self, x: Any, pieces: tuple[tuple[int, int], ...], axis: int, target: Any) -> list:
         if len(pieces) == 1 and pieces[0] == (0, np.shape(x)[axis]):  # one microbatch: the whole value
             return [self.move(x, target)]
-        cut = _PATH.split_to(x, pieces, axis, target)
+        cut = None if self._crosses(x, target) else _PATH.split_to(x, pieces, axis, target)
         if cut is not None:
             return cut
         return [self.move(self._slice(x, start, size, axis), target) for start, size in pieces]
@@ -64,12 +80,12 @@ class DeviceTransport:
         return fused.fn(acc, *args)
 
     def merge(self, how: str, home: Any, other: Any) -> Any:
-        return eager(MERGE[how], home, _PATH.to_mesh(other, home.sharding))
+        return eager(MERGE[how], home, self.move(other, home.sharding))
 
     def concatenate(self, pieces: list, axis: int) -> Any:
         """On the mesh of the first piece."""
         first = pieces[0].sharding
-        pieces = [_PATH.to_mesh(p, first) for p in pieces]
+        pieces = [self.move(p, first) for p in pieces]
         return eager(lambda *xs: jnp.concatenate(xs, axis=axis), *pieces)
 
     def free(self, values: list) -> None:
