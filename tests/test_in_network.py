@@ -62,7 +62,9 @@ def _cluster_file(tmp_path: Path, reduction: str = REDUCTION, name: str = "clust
 
 # --- the cluster file ---------------------------------------------------------------------
 
-def test_a_cluster_file_declares_the_switches_reduction(tmp_path):
+def test_a_cluster_file_declares_the_switches_reduction(tmp_path, capsys):
+    assert cli_main(["validate", str(_cluster_file(tmp_path))]) == 0
+    assert "a100: in-network reduction between its nodes: 2 switch level(s) of 0.6 us" in capsys.readouterr().out
     group = hetpar.Cluster.from_file(str(_cluster_file(tmp_path))).groups[0]
     assert group.inter_cost().reduction == SwitchReduction(2, 25e9, 0.6e-6, 1e9)  # bandwidth: the link's by default
     assert group.intra_cost().reduction is None
