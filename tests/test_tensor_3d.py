@@ -106,3 +106,12 @@ def test_mesh_shapes_of_more_than_three_axes_or_a_model2_on_two_are_refused():
     raw["stages"][0]["shardings"] = [[0, ["model2"]]]
     with pytest.raises(PlanError, match=r"over this stage's axes \['data', 'model'\]"):
         plan_from_dict(raw)
+
+
+def test_a_pipeline_of_a_3_axis_and_a_2_axis_stage_computes_what_jax_jit_does():
+    """Values cross between a data x model x model2 mesh and a data x model one."""
+    w = mlp.setup(batch_size=32, in_dim=256, hidden=512, depth=4, out_dim=256)
+    plan = run_parity(w, hetpar.Cluster.virtual({"cpu": 8}), num_stages=2, mesh_shape=((1, 2, 2), (2, 2)),
+                      num_microbatches=2, num_layers=4, schedule="1f1b")
+    assert [s.mesh_shape for s in plan.stages] == [(1, 2, 2), (2, 2)]
+    assert {"model", "model2"} <= {a for _, (lhs, rhs) in plan.stages[0].operand_shardings for a in lhs + rhs if a}
