@@ -7,7 +7,10 @@
         nodes: 4
         devices_per_node: 8
         intra_node: {bandwidth: 300e9, latency: 3e-6}   # optional: the type's usual link
-        inter_node: {bandwidth: 25e9, latency: 5e-6}    # needed when nodes > 1
+        inter_node:                                     # needed when nodes > 1
+          bandwidth: 25e9
+          latency: 5e-6
+          in_network_reduction: {switch_levels: 2, latency: 0.6e-6}   # optional: the switches sum (SHARP)
         nics_per_node: 8          # one 200 Gb/s NIC per GPU (default 1: the node's devices share one)
       - name: slow
         device: V100
