@@ -230,7 +230,9 @@ def parallelize(
       `solver.schedules.names()`; `chunks`: stages per device group under an
       interleaved schedule (`num_stages` device groups hold `chunks` stages each);
     - `mesh_shape=(data, model)` (or one per stage): every stage's devices form that
-      2-D mesh, its operators sharded over it by the intra-op ILP;
+      2-D mesh, its operators sharded over it by the intra-op ILP; `(data, model,
+      model2)`: a 3-axis mesh, where a matmul may be split over all three (3D tensor
+      parallelism);
     - `runtime="ray"`: every device group (its stages, and their chunks) in its own Ray
       actor (see `hetpar.init`).
 

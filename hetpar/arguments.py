@@ -31,7 +31,7 @@ def _whole(value: Any) -> Any:
 
 Count = Annotated[int, BeforeValidator(_whole), Field(ge=1, le=1 << 40)]
 Index = Annotated[int, BeforeValidator(_whole), Field(ge=0, le=1 << 20)]
-MeshShape = tuple[Count, Count]
+MeshShape = tuple[Count, Count] | tuple[Count, Count, Count]  # (data, model[, model2])
 
 
 class _Counts(BaseModel):

@@ -101,7 +101,8 @@ def check_options(stage: StageOption, sharding: ShardingOption, runtime: Runtime
         for shape in shapes:
             if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shape):
                 raise PlanError(f"ShardingOption.mesh_shape {sharding.mesh_shape!r}: each mesh is (data, model) with "
-                                "positive whole numbers, e.g. (2, 4), or one such pair per stage")
+                                "positive whole numbers, e.g. (2, 4), or (data, model, model2) for 3D tensor "
+                                "parallelism, or one such shape per stage")
     if not stage.layer_overhead_s >= 0:
         raise PlanError(f"StageOption.layer_overhead_s is seconds per layer, at least 0, got {stage.layer_overhead_s}")
     if stage.mode not in STAGE_MODES:

@@ -111,17 +111,32 @@ def closed_form_s(plan: Plan) -> float:
     )
 
 
-def write_chrome_trace(sim: Simulation, path: str | Path) -> None:
-    """Chrome trace event format (open in chrome://tracing or ui.perfetto.dev)."""
+def sync_algorithms(plan: Plan) -> dict[int, str]:
+    """Per stage index, the algorithms its once-per-step gradient collectives run
+    (`hetpar.plan.collectives`, the estimator's choice), for the timeline's sync bars."""
+    from hetpar.plan.collectives import plan_collectives
+
+    found: dict[int, list[str]] = {}
+    for u in plan_collectives(plan):
+        if u.stage is not None and u.purpose != "tensor-parallel partial sums" and u.algorithm not in found.get(u.stage, []):
+            found.setdefault(u.stage, []).append(u.algorithm)
+    return {stage: " + ".join(names) for stage, names in found.items()}
+
+
+def write_chrome_trace(sim: Simulation, path: str | Path, algorithms: dict[int, str] | None = None) -> None:
+    """Chrome trace event format (open in chrome://tracing or ui.perfetto.dev).
+    `algorithms` (`sync_algorithms`): named in each gradient sync's arguments."""
     lanes = _lanes(sim)
     events = [
         {"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": _lane_name(lane)}} for i, lane in enumerate(lanes)
     ]
     for e in sim.events:
+        args = {"microbatch": e.microbatch, "stage": e.stage, "chunk": e.chunk}
+        if e.kind in ("sync", "overlap") and algorithms and e.device in algorithms:
+            args["algorithm"] = algorithms[e.device]
         events.append({
             "name": e.name, "cat": e.kind, "ph": "X", "pid": 0, "tid": lanes.index(_lane(e)),
-            "ts": e.start_s * 1e6, "dur": (e.end_s - e.start_s) * 1e6,
-            "args": {"microbatch": e.microbatch, "stage": e.stage, "chunk": e.chunk},
+            "ts": e.start_s * 1e6, "dur": (e.end_s - e.start_s) * 1e6, "args": args,
         })
     Path(path).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
 
@@ -134,6 +149,7 @@ def plot_timeline(plan: Plan, sim: Simulation, path: str | Path) -> None:
     from matplotlib.patches import Patch
 
     lanes = _lanes(sim)
+    algorithms = sync_algorithms(plan)
     unit, scale = _unit(sim.step_s)
     fig, ax = plt.subplots(figsize=(12, 0.7 * len(lanes) + 1.6))
     for e in sim.events:
@@ -141,6 +157,8 @@ def plot_timeline(plan: Plan, sim: Simulation, path: str | Path) -> None:
         start, width = e.start_s * scale, (e.end_s - e.start_s) * scale
         ax.broken_barh([(start, width)], (row - 0.4, 0.8), facecolors=_COLORS[e.kind], edgecolor="white", linewidth=0.5)
         label = e.name if e.kind in ("forward", "backward") else ("" if e.kind == "transfer" else e.kind)
+        if e.kind == "sync" and e.device in algorithms:
+            label = f"sync ({algorithms[e.device]})"
         if label and width > sim.step_s * scale / 80:
             ax.text(start + width / 2, row, label, ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(range(len(lanes)))

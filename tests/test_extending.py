@@ -42,17 +42,17 @@ def _in_network_all_reduce(n: int, nbytes: float, link: LinkCost) -> float:
     return link.latency + nbytes / link.bandwidth if n > 1 else 0.0
 
 
-IN_NETWORK = Algorithm.flat("in_network", {"all_reduce": _in_network_all_reduce})
+IN_NETWORK = Algorithm.flat("toy_in_network", {"all_reduce": _in_network_all_reduce})
 
 
 def test_collectives_pick_the_new_algorithm_where_it_is_cheapest():
     flat8 = Topology(1, 8, LINK, LINK)
     before = collectives.best("all_reduce", flat8, 1e8)
     with collectives.registered(IN_NETWORK):
-        assert collectives.best("all_reduce", flat8, 1e8) == ("in_network", pytest.approx(LINK.time(1e8)))
+        assert collectives.best("all_reduce", flat8, 1e8) == ("toy_in_network", pytest.approx(LINK.time(1e8)))
         assert collectives.best("all_reduce", flat8, 1e8)[1] < before[1]
         # It is an all-reduce only: other collectives keep their algorithms.
-        assert collectives.best("all_gather", flat8, 1e8)[0] != "in_network"
+        assert collectives.best("all_gather", flat8, 1e8)[0] != "toy_in_network"
         # The vectorised price the planner reads agrees with `best`, size by size.
         sizes = [1e3, 1e6, 1e9]
         assert list(collectives.fastest_times("all_reduce", flat8, sizes)) == pytest.approx(
@@ -60,7 +60,7 @@ def test_collectives_pick_the_new_algorithm_where_it_is_cheapest():
         # Across nodes the hierarchical algorithm runs its inter-node level with it too.
         nodes = Topology(4, 8, LinkCost(300e9, 3e-6), LINK)
         hierarchical = collectives.costs("all_reduce", nodes, 1e9)["hierarchical"]
-    assert "in_network" not in collectives.names()
+    assert "toy_in_network" not in collectives.names()
     assert collectives.best("all_reduce", flat8, 1e8) == before  # nothing remembered from inside the block
     assert hierarchical < collectives.costs("all_reduce", nodes, 1e9)["hierarchical"]
 

@@ -118,6 +118,9 @@ def parser() -> argparse.ArgumentParser:
                    "that are left (the script plans for hetpar.launched_cluster() and resumes from its latest "
                    "checkpoint); after an error, start it again on the same nodes")
     p.add_argument("--max-restarts", type=int, default=3, help="with --elastic: how many times (default 3)")
+    p.add_argument("--plan", help="the plan the script runs (JSON): the processes get the collective library's settings "
+                   "for the algorithms it uses (NCCL's CollNet/SHARP switches for an in-network all-reduce); without "
+                   "it, those for every algorithm the cluster file's fabric offers")
     p.add_argument("--ray", action="store_true", help="place the processes with Ray, one actor per node reserving its "
                    "GPUs (a local Ray instance unless --address)")
     p.add_argument("--address", help="the Ray cluster to use (implies --ray), e.g. head:6379")

@@ -21,6 +21,7 @@ def launch(args: argparse.Namespace) -> int:
     if args.timeout is not None and args.timeout <= 0:
         raise HetparError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     cluster = Cluster.from_file(args.cluster)
+    collective_env = _collective_env(cluster, args.plan)
     if args.port is not None and (args.ray or args.address):
         raise HetparError("--port is for local launches; a Ray launch picks its coordinator port on the head node")
     if args.max_restarts < 0:
@@ -31,12 +32,26 @@ def launch(args: argparse.Namespace) -> int:
         from hetpar.runtime.elastic import launch_elastic
 
         launch_elastic(args.cluster, main_command(command), max_restarts=args.max_restarts, timeout_s=args.timeout,
-                       port=args.port)
+                       port=args.port, collective_env=collective_env)
         return 0
     if args.ray or args.address:
-        launch_ray(cluster, main_command(command), address=args.address, virtual=args.virtual, timeout_s=args.timeout)
+        launch_ray(cluster, main_command(command), address=args.address, virtual=args.virtual, timeout_s=args.timeout,
+                   collective_env=collective_env)
     else:
         if args.virtual:
             raise HetparError("--virtual is for --ray: local launches always use virtual CPU devices")
-        launch_local(cluster, main_command(command), timeout_s=args.timeout, port=args.port, cluster_file=args.cluster)
+        launch_local(cluster, main_command(command), timeout_s=args.timeout, port=args.port, cluster_file=args.cluster,
+                     collective_env=collective_env)
     return 0
+
+
+def _collective_env(cluster, plan_file: str | None) -> dict[str, str]:  # noqa: ANN001
+    """The collective library's settings for the plan's algorithms, or (no plan) for
+    every algorithm the cluster's fabric offers (hetpar/plan/collectives.py)."""
+    from hetpar.plan.collectives import cluster_environment, plan_environment
+
+    if plan_file is None:
+        return cluster_environment(cluster)
+    from hetpar.plan.file import load_plan
+
+    return plan_environment(load_plan(plan_file))

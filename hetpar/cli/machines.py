@@ -53,6 +53,13 @@ def validate(args: argparse.Namespace) -> int:
             f"{usable / 2**30:.1f} ({g.client_memory().setting})",
         )
     console().print(table)
+    for g in cluster.groups:
+        for where, link in (("inside its nodes", g.intra_link), ("between its nodes", g.inter_link if g.nodes > 1 else None)):
+            r = link.reduction if link is not None else None
+            if r is not None:
+                limit = f", messages up to {r.max_message / 2**20:,.0f} MiB per reduction" if r.max_message else ""
+                print(f"{g.label}: in-network reduction {where}: {r.levels} switch level(s) of {r.latency * 1e6:g} us, "
+                      f"{r.bandwidth / 1e9:.1f} GB/s per flow{limit}")
     groups = list(cluster.groups)
     for i, a in enumerate(groups):
         for b in groups[i + 1:]:

@@ -74,7 +74,7 @@ def show(args: argparse.Namespace) -> int:
 def simulate(args: argparse.Namespace) -> int:
     from hetpar.plan import fmt_time
     from hetpar.plan.file import load_plan
-    from hetpar.timeline import closed_form_s, plot_timeline, simulate_plan, step_lines, write_chrome_trace
+    from hetpar.timeline import closed_form_s, plot_timeline, simulate_plan, step_lines, sync_algorithms, write_chrome_trace
 
     plan = load_plan(args.plan)
     if args.schedule:
@@ -91,7 +91,7 @@ def simulate(args: argparse.Namespace) -> int:
     print(f"simulated step ({plan.schedule}, {plan.num_microbatches} microbatches): " + "; ".join(step_lines(plan, sim)))
     print(f"planner's closed form: {fmt_time(closed)} ({(closed - sim.step_s) / sim.step_s:+.1%} from the simulation)")
     if args.trace:
-        write_chrome_trace(sim, args.trace)
+        write_chrome_trace(sim, args.trace, sync_algorithms(plan))
         print(f"wrote {args.trace} (open in ui.perfetto.dev or chrome://tracing)")
     if args.plot:
         plot_timeline(plan, sim, args.plot)
@@ -144,8 +144,53 @@ def _print_plan(plan, shardings: bool = False) -> None:  # noqa: ANN001
         if plan.bound_ratio is not None:
             lines.append(f"{plan.bound_ratio:.1%} of the cluster's upper bound")
         out.print("; ".join(lines))
+    _print_collectives(plan)
     if plan.cost_inputs is not None:
         out.print("priced from: " + ", ".join(f"{k.name} {'measured (profile)' if k.measured else 'catalog'}"
                                              for k in plan.cost_inputs.kinds))
     for note in plan.notes:
         out.print(f"note: {note}")
+
+
+def _print_collectives(plan) -> None:  # noqa: ANN001
+    """The plan's collectives, each with the algorithm the estimator priced it with
+    (the registry's fastest for its size and devices): one row per kind of
+    collective, with the stages that run it."""
+    from rich.table import Table
+
+    from hetpar.plan import fmt_time
+    from hetpar.plan.collectives import plan_collectives
+
+    rows: dict[tuple, list] = {}
+    for u in plan_collectives(plan):
+        key = (u.purpose, u.collective, u.devices, u.algorithm)
+        rows.setdefault(key, []).append(u)
+    if not rows:
+        return
+    table = Table(title="collectives, one call each, with the algorithm the estimator chose")
+    for col in ("stages", "moves", "collective", "devices", "message", "algorithm", "time"):
+        table.add_column(col, justify="right" if col in ("devices", "message", "time") else "left")
+    for (purpose, collective, devices, algorithm), uses in rows.items():
+        stages = sorted({u.stage for u in uses if u.stage is not None})
+        where = "replicas" if not stages else _ranges(stages)
+        largest = max(uses, key=lambda u: u.nbytes)
+        table.add_row(where, purpose, collective.replace("_", "-"), str(devices), _bytes(largest.nbytes), algorithm,
+                      fmt_time(largest.seconds))
+    console().print(table)
+
+
+def _ranges(values: list[int]) -> str:
+    """0, 1, 2, 5 -> "0-2, 5"."""
+    parts, start = [], values[0]
+    for a, b in zip(values, values[1:] + [None]):
+        if b != a + 1:
+            parts.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return ", ".join(parts)
+
+
+def _bytes(nbytes: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.1f} {unit}"
+    return f"{nbytes:.0f} B"

@@ -25,6 +25,7 @@ from importlib import resources
 from pathlib import Path
 
 from hetpar.errors import ClusterError
+from solver.collectives import SwitchReduction
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class Link:
     bandwidth: float  # bytes/s, one direction
     latency: float  # seconds
     overlaps: bool = True  # pipeline sends over it run beside compute (False: a blocking transport)
+    reduction: SwitchReduction | None = None  # its switches sum in flight (a cluster file's in_network_reduction:)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,10 @@
         nodes: 4
         devices_per_node: 8
         intra_node: {bandwidth: 300e9, latency: 3e-6}   # optional: the type's usual link
-        inter_node: {bandwidth: 25e9, latency: 5e-6}    # needed when nodes > 1
+        inter_node:                                     # needed when nodes > 1
+          bandwidth: 25e9
+          latency: 5e-6
+          in_network_reduction: {switch_levels: 2, latency: 0.6e-6}   # optional: the switches sum (SHARP)
         nics_per_node: 8          # one 200 Gb/s NIC per GPU (default 1: the node's devices share one)
       - name: slow
         device: V100
@@ -36,8 +39,9 @@ import yaml
 
 from hetpar.cluster.catalog import Link, catalog
 from hetpar.cluster.groups import HOST_LINK, DeviceGroup, DeviceOverrides, GroupLink
-from hetpar.cluster.schema import FlopsFields, GroupFields, LinkFields, validated
+from hetpar.cluster.schema import FlopsFields, GroupFields, LinkFields, ReductionFields, validated
 from hetpar.errors import ClusterError
+from solver.collectives import SwitchReduction
 
 
 class _Located:
@@ -127,13 +131,34 @@ def _no_unknown_keys(fields: dict[str, _Located], allowed: set[str], where: _Loc
 
 def _link(loc: _Located, what: str, other_keys: frozenset = frozenset()) -> Link:
     fields = loc.mapping(what)
-    _no_unknown_keys(fields, {"bandwidth", "latency", "name", "overlap"} | other_keys, loc)
+    if "in_network_reduction" in fields and what not in ("intra_node", "inter_node"):
+        raise fields["in_network_reduction"].fail(
+            "in_network_reduction belongs to the fabric whose switches sum: put it under a group's inter_node: "
+            "(InfiniBand SHARP) or intra_node: (NVLink SHARP), not on a link between groups")
+    reducing = {"in_network_reduction"} if what in ("intra_node", "inter_node") else set()
+    _no_unknown_keys(fields, {"bandwidth", "latency", "name", "overlap"} | reducing | other_keys, loc)
     for key in ("bandwidth", "latency"):
         if key not in fields:
             raise loc.fail(f"{what} needs '{key}:' ({'bytes/s' if key == 'bandwidth' else 'seconds'})")
     given = [k for k in ("bandwidth", "latency", "overlap") if k in fields]
     link = _check(LinkFields, {k: fields[k].text(k) for k in given}, fields, loc, what)
-    return Link(fields["name"].text("name") if "name" in fields else what, link.bandwidth, link.latency, link.overlap)
+    reduction = _reduction(fields["in_network_reduction"], what, link.bandwidth) if "in_network_reduction" in fields else None
+    return Link(fields["name"].text("name") if "name" in fields else what, link.bandwidth, link.latency, link.overlap,
+                reduction)
+
+
+def _reduction(loc: _Located, what: str, link_bandwidth: float) -> SwitchReduction:
+    """A link's `in_network_reduction:` (hetpar/cluster/schema.py's ReductionFields)."""
+    where = f"{what}.in_network_reduction"
+    fields = loc.mapping(where)
+    _no_unknown_keys(fields, set(ReductionFields.model_fields), loc)
+    for key, unit in (("switch_levels", "how many levels of switches a reduction climbs, e.g. 2"),
+                      ("latency", "seconds per switch level, e.g. 0.6e-6")):
+        if key not in fields:
+            raise loc.fail(f"{where} needs '{key}:' ({unit})")
+    checked = _check(ReductionFields, {k: v.text(k) for k, v in fields.items()}, fields, loc, where)
+    return SwitchReduction(checked.switch_levels, checked.bandwidth or link_bandwidth, checked.latency,
+                           checked.max_message_bytes or 0.0)
 
 
 # A group's single values, checked by schema.GroupFields; its mappings are read apart.

@@ -103,15 +103,16 @@ class DeviceGroup:
         copies share: 8 devices of a ring all-reduce get an eighth of half of it each."""
         link = self.intra_link
         if self.peer_to_peer:
-            return LinkCost(link.bandwidth, link.latency, overlaps=link.overlaps)
-        staged = self.host_bandwidth / 2
+            return LinkCost(link.bandwidth, link.latency, overlaps=link.overlaps, reduction=link.reduction)
+        staged = self.host_bandwidth / 2  # no switch between the devices sums what the host stages
         return LinkCost(min(link.bandwidth, staged), link.latency + 2 * HOST_LINK.latency, shared=staged, overlaps=link.overlaps)
 
     def inter_cost(self) -> LinkCost:
         """The link between this group's nodes: one NIC's bandwidth per flow, and all
         the node's NICs together shared by the flows that leave the node at once."""
         link = self.inter_link
-        return LinkCost(link.bandwidth, link.latency, shared=self.nic_share(link.bandwidth), overlaps=link.overlaps)
+        return LinkCost(link.bandwidth, link.latency, shared=self.nic_share(link.bandwidth), overlaps=link.overlaps,
+                        reduction=link.reduction)
 
     def nic_share(self, bandwidth: float) -> float:
         """What a node's flows share over links of `bandwidth` per NIC (0: a NIC per

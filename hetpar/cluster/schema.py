@@ -37,6 +37,20 @@ class LinkFields(_Fields):
                        "sender waits, and the estimator adds the send to its stage's time)", default=True)
 
 
+class ReductionFields(_Fields):
+    """`in_network_reduction:` under a group's `inter_node:` (InfiniBand SHARP) or
+    `intra_node:` (NVLink SHARP): the link's switches sum the data crossing them."""
+
+    switch_levels: Annotated[int, _f("count", "switch levels a reduction climbs and descends: 1 for one switch, 2 for "
+                                     "leaf and spine, 3 for a three-tier fat tree", gt=0, le=16)]
+    latency: Annotated[float, _f("s", "per switch level, each way", ge=0, le=1)]
+    bandwidth: Annotated[float | None, _f("bytes/s", "what the switches reduce of one flow, a port's aggregation rate "
+                                          "(default: the link's bandwidth)", default=None, gt=0, le=1e15)]
+    max_message_bytes: Annotated[float | None, _f("bytes", "the largest message one reduction carries; a larger one goes "
+                                                  "in pieces, each a trip up and down the switches (default: no limit)",
+                                                  default=None, gt=0, le=1e15)]
+
+
 class BetweenFields(LinkFields):
     """An entry of `links:`: the path between two groups."""
 
@@ -109,7 +123,8 @@ class ClusterFields(_Fields):
 
 # Where each model's fields sit in a file, for the README's table.
 SECTIONS = (("", ClusterFields), ("groups[]", GroupFields), ("groups[].flops", FlopsFields),
-            ("groups[].intra_node / inter_node", LinkFields), ("links[]", BetweenFields))
+            ("groups[].intra_node / inter_node", LinkFields),
+            ("groups[].intra_node / inter_node.in_network_reduction", ReductionFields), ("links[]", BetweenFields))
 
 
 def fields_table() -> str:

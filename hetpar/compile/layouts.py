@@ -9,6 +9,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 DATA_AXIS = "data"  # a stage mesh's examples (and ZeRO's shards)
 MODEL_AXIS = "model"  # its tensor-parallel splits
+MODEL2_AXIS = "model2"  # a second tensor-parallel axis (3D tensor parallelism: a 3-axis mesh)
 
 
 def spec_sharding(mesh: Mesh, aval: Any, spec: tuple) -> NamedSharding:

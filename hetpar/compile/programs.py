@@ -22,7 +22,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from hetpar.cluster.cluster import jax_devices
 from hetpar.compile.once import CompiledOnce
-from hetpar.compile.layouts import DATA_AXIS, MODEL_AXIS, spec_sharding
+from hetpar.compile.layouts import DATA_AXIS, MODEL2_AXIS, MODEL_AXIS, spec_sharding
 from hetpar.compile.partials import partial_ops, partial_sums, stacked_spec
 from hetpar.compile.scatter import reduce_scatter, scatter_ops
 from hetpar.compile.tasks import Task
@@ -32,9 +32,12 @@ from hetpar.trace.opgraph import OpGraph
 
 
 def stage_mesh(device_ids: tuple[int, ...], shape: tuple[int, ...] = ()) -> Mesh:
-    """A 1-D data-parallel mesh, or `data` x `model` when `shape` has two dimensions.
-    Auto axes: the traced step is mesh-agnostic, shardings are steered from outside."""
+    """A 1-D data-parallel mesh, or `data` x `model` when `shape` has two dimensions,
+    `data` x `model` x `model2` when it has three (3D tensor parallelism). Auto axes:
+    the traced step is mesh-agnostic, shardings are steered from outside."""
     devices = np.array(jax_devices(device_ids))
+    if len(shape) == 3:
+        return Mesh(devices.reshape(shape), (DATA_AXIS, MODEL_AXIS, MODEL2_AXIS), axis_types=(AxisType.Auto,) * 3)
     if len(shape) == 2 and shape[1] > 1:
         return Mesh(devices.reshape(shape), (DATA_AXIS, MODEL_AXIS), axis_types=(AxisType.Auto, AxisType.Auto))
     return Mesh(devices, (DATA_AXIS,), axis_types=(AxisType.Auto,))

@@ -36,9 +36,10 @@ def decisions(plan: Plan, dots_bytes: dict[int, float] | None = None) -> Decisio
 
 
 def _mesh(stage: StagePlan) -> tuple[int, int]:
-    """(data, model) sizes of the stage's mesh."""
+    """(data, model) sizes of the stage's mesh; a 3-axis mesh's two model axes
+    together are its tensor-parallel degree."""
     shape = stage.mesh_shape or (stage.num_devices,)
-    return (shape[0], shape[1]) if len(shape) == 2 else (shape[0], 1)
+    return (shape[0], math.prod(shape[1:]))
 
 
 def estimate_plan(plan: Plan, dots_bytes: dict[int, float] | None = None) -> PlanCost:

@@ -128,7 +128,7 @@ def _check_operator_stages(plan: Plan, where: str) -> None:
 
 
 def _check_shardings(stage: StagePlan, label: str) -> None:
-    axes = {"data", "model"} if len(stage.mesh_shape) == 2 else {"data"}
+    axes = set(("data", "model", "model2")[: max(1, len(stage.mesh_shape))])  # model2: a 3-axis mesh
     for entry in (*stage.shardings, *stage.gathered):
         if len(entry) != 2 or not isinstance(entry[0], int) or entry[0] < 0 or any(a is not None and a not in axes for a in entry[1]):
             raise PlanError(f"{label}: the sharding {list(entry)} is not [value id, [mesh axis or null per dimension]] "

@@ -5,6 +5,7 @@ each stage's speed. Without them the planner (`hetpar.plan.auto`) decides."""
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import replace
 
 from hetpar.cluster.cluster import Cluster, DeviceGroup
@@ -82,7 +83,7 @@ def assign_stages(
             group=_group_of(cluster, group).label,
             mesh_shape=shape,
             data_parallel=shape[0],
-            tensor_parallel=shape[1] if len(shape) == 2 else 1,
+            tensor_parallel=math.prod(shape[1:]),
             memory_capacity=group.spec.memory_bytes,
             chunk=i * chunks // num_stages,
         ))
@@ -95,16 +96,17 @@ def assign_stages(
 
 
 def _mesh_shape(wanted: tuple | None, devices: int, stage: int) -> tuple[int, ...]:
-    """One (data, model) shape for every stage, or one per stage."""
+    """One (data, model) shape for every stage, or one per stage; (data, model,
+    model2) for a 3-axis mesh (3D tensor parallelism)."""
     if not wanted:
         return (devices,)
     if isinstance(wanted[0], tuple | list):
         if stage >= len(wanted):
             raise PlanError(f"mesh_shape gives {len(wanted)} shapes; the plan has more stages: give one per stage")
         wanted = tuple(wanted[stage])
-    if len(wanted) != 2 or wanted[0] * wanted[1] != devices:
+    if len(wanted) not in (2, 3) or math.prod(wanted) != devices:
         raise PlanError(f"mesh_shape {tuple(wanted)} does not fit stage {stage}'s {devices} devices: give (data, model) "
-                        f"sizes whose product is {devices}, or more stages")
+                        f"or (data, model, model2) sizes whose product is {devices}, or more stages")
     return tuple(wanted)
 
 

@@ -60,7 +60,7 @@ class StageSchema(_Strict):
     speed_flops: Figure
     predicted_time_s: Seconds
     group: Name = ""
-    mesh_shape: Annotated[tuple[Positive, ...], Field(max_length=2)] = ()
+    mesh_shape: Annotated[tuple[Positive, ...], Field(max_length=3)] = ()  # data, model (, model2: 3D tensor parallelism)
     data_parallel: Count = 0
     tensor_parallel: Positive = 1
     batch_share: Annotated[float, Field(gt=0, le=1)] = 1.0

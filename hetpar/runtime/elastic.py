@@ -19,7 +19,7 @@ import logging
 import os
 import tempfile
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import yaml
 
@@ -33,7 +33,8 @@ ENV_RESTART = "HETPAR_RESTART"  # how many times the job was started again (0 th
 
 
 def launch_elastic(cluster_file: str | Path, command: Sequence[str], max_restarts: int = 3,
-                   timeout_s: float | None = None, port: int | None = None) -> int:
+                   timeout_s: float | None = None, port: int | None = None,
+                   collective_env: Mapping[str, str] | None = None) -> int:
     """Runs the job, starting it again after each failure (without a lost node's
     process if one was lost) up to `max_restarts` times. Returns how many restarts
     it took; raises the last failure when they run out or no node is left."""
@@ -43,7 +44,8 @@ def launch_elastic(cluster_file: str | Path, command: Sequence[str], max_restart
         cluster = Cluster.from_file(str(path))
         env = dict(os.environ, **{ENV_RESTART: str(restart)})
         try:
-            launch_local(cluster, command, timeout_s=timeout_s, env=env, port=port, cluster_file=str(path))
+            launch_local(cluster, command, timeout_s=timeout_s, env=env, port=port, cluster_file=str(path),
+                         collective_env=collective_env)
             return restart
         except ProcessFailed as failure:
             if restart == max_restarts:

@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from hetpar.cluster.cluster import Cluster
 from hetpar.errors import HetparError
@@ -78,16 +78,34 @@ def cpu_collectives(cluster: Cluster) -> str:
     return "gloo" if any(g.nodes > 1 for g in cluster.groups) else "local"
 
 
+def collective_settings(wanted: Mapping[str, str] | None, base: Mapping[str, str]) -> dict[str, str]:
+    """The collective library's settings a launch adds to its processes' environment
+    (`wanted`: what the algorithms the plan uses need, e.g. NCCL_COLLNET_ENABLE=1 for
+    the in-network all-reduce), less any the user's environment (`base`) already sets:
+    a setting made on purpose is kept."""
+    wanted = dict(wanted or {})
+    kept = sorted(k for k in wanted if k in base and base[k] != wanted[k])
+    if kept:
+        log.info("keeping the environment's %s over the plan's collective settings",
+                 ", ".join(f"{k}={base[k]}" for k in kept))
+    added = {k: v for k, v in wanted.items() if k not in base}
+    if added:
+        log.info("collective library settings for the plan: %s", " ".join(f"{k}={v}" for k, v in sorted(added.items())))
+    return added
+
+
 def launch_local(cluster: Cluster, command: Sequence[str], timeout_s: float | None = None,
                  env: dict[str, str] | None = None, grace_s: float = 5.0, port: int | None = None,
-                 cluster_file: str | None = None) -> None:
+                 cluster_file: str | None = None, collective_env: Mapping[str, str] | None = None) -> None:
     """Runs `command` once per process of `cluster` on this machine and waits for all
     of them. Returns when every process exited 0; otherwise stops the others and
     raises a HetparError naming the first that failed, with its last lines. A signal
     to the launcher (Ctrl-C, SIGTERM, SIGHUP) stops every process first; SIGKILL
     reaches them through their parent-death signal (hetpar/runtime/children.py).
     `port` is the coordinator's (default: a free one). `cluster_file`, the file
-    `cluster` was read from, is passed on to the processes (`launched_cluster`)."""
+    `cluster` was read from, is passed on to the processes (`launched_cluster`).
+    `collective_env`: the collective library's settings the plan's algorithms need
+    (`collective_settings`)."""
     if not command:
         raise HetparError("hetpar launch needs a command after '--', e.g. hetpar launch --cluster c.yaml -- python train.py")
     check_command(command)
@@ -100,6 +118,7 @@ def launch_local(cluster: Cluster, command: Sequence[str], timeout_s: float | No
     status_dir = tempfile.mkdtemp(prefix="hetpar-launch-")
     children: list[Child] = []
     base = dict(os.environ if env is None else env)
+    base.update(collective_settings(collective_env, base))
     with stop_signals_raise():
         try:
             for spec in layout:

@@ -20,13 +20,13 @@ import signal
 import subprocess
 import tempfile
 import time
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from hetpar.cluster.catalog import device_type
 from hetpar.cluster.cluster import Cluster
 from hetpar.errors import HetparError
 from hetpar.runtime import distributed as dist
-from hetpar.runtime.launcher import ProcessSpec, describe_failure, free_ports, process_layout
+from hetpar.runtime.launcher import ProcessSpec, collective_settings, describe_failure, free_ports, process_layout
 
 log = logging.getLogger("hetpar.launch")
 
@@ -79,9 +79,12 @@ def _resources(spec: ProcessSpec, virtual: bool) -> dict[str, Any]:
 
 
 def launch_ray(cluster: Cluster, command: Sequence[str], address: str | None = None, virtual: bool = False,
-               timeout_s: float | None = None, grace_s: float = 5.0) -> None:
+               timeout_s: float | None = None, grace_s: float = 5.0,
+               collective_env: Mapping[str, str] | None = None) -> None:
     """Runs `command` as one process per node of `cluster` on the Ray cluster at
-    `address` (or a local one); returns when all exit 0, else raises HetparError."""
+    `address` (or a local one); returns when all exit 0, else raises HetparError.
+    `collective_env`: the collective library's settings the plan needs (unless this
+    process's environment sets them otherwise: `collective_settings`)."""
     import ray
 
     from hetpar.runtime.ray_runtime import init
@@ -100,6 +103,7 @@ def launch_ray(cluster: Cluster, command: Sequence[str], address: str | None = N
             dist.ENV_NUM_PROCESSES: str(len(layout)),
             dist.ENV_PROCESS_ID: str(spec.process_id),
             dist.ENV_TRANSFER_ADDRESS: f"{host}:{transfer}",
+            **collective_settings(collective_env, os.environ),
         }
         if virtual or device_type(spec.device_type).platform == "cpu":
             env[dist.ENV_CPU_DEVICES] = str(spec.num_devices)

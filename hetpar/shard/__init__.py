@@ -13,7 +13,7 @@ from hetpar.cluster.catalog import device_type
 from hetpar.options import ShardingOption
 from hetpar.plan import Plan, StagePlan
 from hetpar.plan.costs import estimate_plan
-from hetpar.shard.strategies import AXES, Spec, to_source, stage_problem
+from hetpar.shard.strategies import AXES, Spec, tensor_parallel, to_source, stage_problem
 from hetpar.shard.zero import apply_zero, stage_params, zero_items
 from hetpar.trace.flops import op_costs
 from hetpar.trace.layers import Layers, compute_dtype
@@ -27,8 +27,10 @@ log = logging.getLogger(__name__)
 
 
 def mesh_axes(stage: StagePlan) -> dict[str, int]:
+    """The stage mesh's axes and sizes: `data`, then `model` (and `model2` on a
+    3-axis mesh, 3D tensor parallelism) where its shape has them."""
     shape = stage.mesh_shape or (stage.num_devices,)
-    return dict(zip(AXES, shape)) if len(shape) == 2 else {AXES[0]: shape[0]}
+    return dict(zip(AXES, shape))
 
 
 def shard_stages(traced: TracedStep, layers: Layers, plan: Plan, option: ShardingOption,
@@ -46,7 +48,7 @@ def shard_stages(traced: TracedStep, layers: Layers, plan: Plan, option: Shardin
         if devices_per_node is not None:
             stage = _best_mesh(solver, plan, stage, traced.batch_size, devices_per_node.get(stage.group, stage.num_devices))
         mesh = mesh_axes(stage)
-        specs, _, operands = solver.solve(stage, mesh) if mesh.get("model", 1) > 1 else ({}, 0.0, {})
+        specs, _, operands = solver.solve(stage, mesh) if tensor_parallel(mesh) else ({}, 0.0, {})
         specs, zero, gathered = _zero(traced, layers, plan, stage, specs, mesh, option, solver.link(stage))
         stages.append(replace(stage, shardings=tuple(sorted(specs.items())), operand_shardings=tuple(sorted(operands.items())),
                               zero=zero, gathered=tuple(sorted(gathered.items()))))
@@ -232,7 +234,8 @@ class _StageSolver:
             return 0.0
         span = slice(stage.layer_start, stage.layer_end)
         unsplit = self.layers.unsplit_param_bytes[span] if self.layers.unsplit_param_bytes else [0] * len(self.layers.param_bytes[span])
-        return max((model_split_bytes(p, u, mesh.get("model", 1)) for p, u in zip(self.layers.param_bytes[span], unsplit)), default=0.0)
+        model = mesh.get("model", 1) * mesh.get("model2", 1)
+        return max((model_split_bytes(p, u, model) for p, u in zip(self.layers.param_bytes[span], unsplit)), default=0.0)
 
     def _within_memory(self, stage: StagePlan, build, problem, solution, factor: float = 4.0,  # noqa: ANN001
                        gathered: float = 0.0):

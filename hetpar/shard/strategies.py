@@ -2,13 +2,19 @@
 mesh, priced, as an `IntraOpProblem` for `solver.intra_op`.
 
 A stage mesh has two axes, `data` and `model` (nodes x devices per node, or any
-split). Every `dot_general` of the stage is a node. Its strategies map each mesh
+split), or three with a second model axis `model2` (3D tensor parallelism). Every
+`dot_general` of the stage is a node. Its strategies map each mesh
 axis to one of its dimensions (a batch dimension of the dot, a free dimension of
 either operand, or the contracted dimension) or to none (replicated along that
 axis): splitting the first operand's free dimension of an MLP over `data` is data
 parallelism, splitting a weight's output columns over `model` and the next weight's
 rows is Megatron's split. A contracted dimension split over an axis leaves partial
-sums, so the strategy pays an all-reduce. Elementwise chains between matmuls follow
+sums, so the strategy pays an all-reduce. On three axes a matmul may use all of
+them at once, as Colossal-AI's 3D matmul does: one splits the rows, one the
+contraction, one the columns, so each operand is split over a pair of axes and the
+work over all three, and only the contraction's axis sums partials; whether that
+beats a split over one or two axes (the others left replicating) is the ILP's
+price to settle, matmul by matmul. Elementwise chains between matmuls follow
 their producer, so an edge joins a matmul to the next one its result reaches, and a
 layout change on the way costs an all-gather. Weights are sharded as the first
 matmul that reads them wants, and the matmul that makes a weight's gradient pays to
@@ -28,7 +34,8 @@ from solver.collectives import LinkCost, Topology, best
 from solver.efficiency import matmul_time
 from solver.intra_op import Edge, IntraOpProblem, Node, Strategy
 
-AXES = ("data", "model")
+AXES = ("data", "model", "model2")  # a stage mesh's axes, in order; `model2` only on a 3-axis mesh
+_LETTERS = {"data": "D", "model": "M", "model2": "N"}
 MAX_HOPS = 6  # elementwise operators walked back from a matmul's operand
 UPDATE_HOPS = 24  # ... and from a new parameter back to its gradient, through an optimizer's update
 Spec = tuple[str | None, ...]  # one mesh axis (or None) per dimension of a value
@@ -79,7 +86,7 @@ def dot_choices(op: Any, avals: list[Any], mesh: dict[str, int], examples: tuple
     # A stage without a model axis runs as plain data parallelism (its programs get
     # no shardings, see `hetpar.shard.stage_specs`), so there its data axis is priced
     # as that: splitting examples only.
-    free = mesh.get("model", 1) > 1
+    free = tensor_parallel(mesh)
     options = [[None, *(r for r in roles if free or splits_examples(r))] for _ in axes]
     out = []
     for picks in itertools.product(*options):
@@ -110,6 +117,11 @@ def dot_choices(op: Any, avals: list[Any], mesh: dict[str, int], examples: tuple
         if ok:
             out.append(DotChoice(tuple(l_spec), tuple(r_spec), tuple(o_spec), tuple(summed)))
     return out
+
+
+def tensor_parallel(mesh: dict[str, int]) -> bool:
+    """Whether the mesh has a model axis of more than one device (any but `data`)."""
+    return any(size > 1 for axis, size in mesh.items() if axis != AXES[0])
 
 
 def _shards(spec: Spec, mesh: dict[str, int]) -> int:
@@ -316,5 +328,5 @@ def _reshard_s(have: Spec, want: Spec, nbytes: int, mesh: dict[str, int], link: 
 
 
 def _describe(c: DotChoice) -> str:
-    fmt = lambda spec: "".join("R" if a is None else ("D" if a == "data" else "M") for a in spec)  # noqa: E731
+    fmt = lambda spec: "".join("R" if a is None else _LETTERS[a] for a in spec)  # noqa: E731
     return f"{fmt(c.lhs)} x {fmt(c.rhs)} -> {fmt(c.out)}" + (f" (sum over {', '.join(c.summed_over)})" if c.summed_over else "")

@@ -2,14 +2,15 @@
 
 A message of `nbytes` over a link costs `latency + nbytes / bandwidth`. Each
 algorithm (one module here: ring, double binary tree, recursive halving/doubling,
-Rabenseifner, hierarchical) gives its closed form per collective in that model;
+Rabenseifner, hierarchical, in-network) gives its closed form per collective in that model;
 `best` picks the fastest registered one, as NCCL and MPI pick per message size and
 topology. Adding an algorithm is a module defining an `Algorithm` and one
 `register` call (below, or `registered(...)` for a while): every pricer then sees it.
 """
 
-from solver.collectives import double_binary_tree, hierarchical, rabenseifner, recursive_halving_doubling, ring
-from solver.collectives.base import COLLECTIVES, Algorithm, LinkCost, Topology
+from solver.collectives import (double_binary_tree, hierarchical, in_network, rabenseifner, recursive_halving_doubling,
+                                ring)
+from solver.collectives.base import COLLECTIVES, Algorithm, LinkCost, SwitchReduction, Topology
 from solver.collectives.double_binary_tree import (allgather_double_binary_tree, allreduce_double_binary_tree,
                                                    broadcast_double_binary_tree)
 from solver.collectives.rabenseifner import allreduce_rabenseifner, broadcast_scatter_allgather
@@ -24,6 +25,7 @@ register(double_binary_tree.ALGORITHM)
 register(recursive_halving_doubling.ALGORITHM)
 register(rabenseifner.ALGORITHM)
 register(hierarchical.ALGORITHM)
+register(in_network.ALGORITHM)
 
 
 def p2p(nbytes: float, link: LinkCost) -> float:
@@ -32,7 +34,7 @@ def p2p(nbytes: float, link: LinkCost) -> float:
 
 
 __all__ = [
-    "COLLECTIVES", "Algorithm", "LinkCost", "Topology", "affine_costs", "best", "costs", "fastest_times", "get", "names",
+    "COLLECTIVES", "Algorithm", "LinkCost", "SwitchReduction", "Topology", "affine_costs", "best", "costs", "fastest_times", "get", "names",
     "p2p", "register", "registered", "unregister",
     "allgather_double_binary_tree", "allgather_recursive", "allgather_ring", "allreduce_double_binary_tree",
     "allreduce_rabenseifner", "allreduce_recursive_doubling", "allreduce_ring", "alltoall_bruck", "alltoall_pairwise",

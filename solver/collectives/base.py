@@ -12,7 +12,7 @@ predictor) asks the registry, never an algorithm by name.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping
 
 # The collectives an algorithm may implement. Sizes are the full message: the
@@ -22,33 +22,55 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_t
 
 
 @dataclass(frozen=True)
+class SwitchReduction:
+    """A fabric whose switches sum the data crossing them (NVIDIA SHARP on InfiniBand,
+    NVLink SHARP in an NVSwitch): each device sends its buffer up a tree of switches
+    once and receives the sum once, so the time grows with the tree's depth, not with
+    the number of devices. The figures a cluster file declares for a link
+    (`in_network_reduction:`); `solver.collectives.in_network` prices them."""
+
+    levels: int  # switch levels a reduction climbs (and descends) at most
+    bandwidth: float  # bytes/s the switches reduce of one flow: a port's aggregation rate
+    latency: float  # s per switch level, each way
+    max_message: float = 0.0  # bytes one reduction carries; a larger message goes in pieces. 0: no limit
+
+
+@dataclass(frozen=True)
 class LinkCost:
     """A link in the alpha-beta model. `bandwidth` is what one flow gets alone;
     `shared`, where set, is what all the flows crossing it at once share: a node's
     NICs (a node's devices reduce through them together) or its host memory, where
     devices without peer-to-peer access stage every copy. `overlaps`: whether
     point-to-point sends over it run beside compute (an asynchronous transport) or
-    hold the sender until they are done (a blocking one)."""
+    hold the sender until they are done (a blocking one). `reduction`: what its
+    switches can sum in flight, where they can (None: they only forward)."""
 
     bandwidth: float  # bytes/s, one flow
     latency: float  # s
     shared: float = 0.0  # bytes/s all concurrent flows share; 0: each flow has `bandwidth`
     overlaps: bool = True
+    reduction: SwitchReduction | None = None
 
     def time(self, nbytes: float) -> float:
         return self.latency + nbytes / self.bandwidth
 
     def per_flow(self, flows: int) -> "LinkCost":
         """The link one of `flows` flows crossing at once sees (no longer shared: the
-        division is made)."""
+        division is made). Flows sharing a NIC share its switch port too: the
+        switches reduce each at the same fraction of their rate."""
         bandwidth = min(self.bandwidth, self.shared / max(flows, 1)) if self.shared else self.bandwidth
-        return LinkCost(bandwidth, self.latency, 0.0, self.overlaps)
+        reduction = self.reduction
+        if reduction is not None and bandwidth < self.bandwidth:
+            reduction = replace(reduction, bandwidth=reduction.bandwidth * bandwidth / self.bandwidth)
+        return LinkCost(bandwidth, self.latency, 0.0, self.overlaps, reduction)
 
     def shared_by(self, groups: int) -> "LinkCost":
         """The link as each of `groups` collectives running side by side on the same
         nodes sees it (the tensor-parallel ranks of a node each reducing their own
         data-parallel gradients): their flows share it too."""
-        return LinkCost(self.bandwidth, self.latency, self.shared / groups, self.overlaps) if self.shared and groups > 1 else self
+        if self.shared and groups > 1:
+            return LinkCost(self.bandwidth, self.latency, self.shared / groups, self.overlaps, self.reduction)
+        return self
 
 
 @dataclass(frozen=True)
@@ -102,6 +124,9 @@ class Algorithm:
     times: Mapping[str, Seconds]
     curved: tuple[str, ...] = ()  # collectives whose time is not a straight line in the size
     lines: Callable[[str, Topology], tuple[Line, ...]] | None = field(default=None, compare=False)
+    # What the collective library needs set to run it (NCCL's environment variables): a
+    # launch sets them in its processes where the plan uses the algorithm.
+    environment: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         unknown = [c for c in self.times if c not in COLLECTIVES]

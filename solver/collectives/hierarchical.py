@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 
 from solver.collectives.base import Algorithm, Line, LinkCost, Topology
 from solver.collectives.registry import affine_costs, best
@@ -27,8 +28,10 @@ def _flat(n: int, link: LinkCost) -> Topology:
 
 
 def _across(topo: Topology, flows: int) -> Topology:
-    """The across-node level, run by `flows` devices of each node at once."""
-    return _flat(topo.nodes, topo.inter.per_flow(flows))
+    """The across-node level, run by `flows` devices of each node at once. The hosts
+    drive it: summing in the switches is the in-network algorithm's (`in_network.py`),
+    which runs the node-local levels itself."""
+    return _flat(topo.nodes, replace(topo.inter.per_flow(flows), reduction=None))
 
 
 def _all_reduce(topo: Topology, nbytes: float) -> float:

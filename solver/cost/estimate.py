@@ -215,12 +215,18 @@ def _blocking_sends(problem: Problem, raw: list[tuple]) -> list[tuple]:
 def cross_replica_sync_s(costs: StageCosts, decisions: Decisions) -> float:
     """Summing every gradient across the replicas: one stream per device of the
     smallest replica (`StageCosts.replica_sync`)."""
+    return costs.replica_sync(*replica_streams(decisions))
+
+
+def replica_streams(decisions: Decisions) -> tuple[list[str], int]:
+    """Each replica's (first stage's) device kind, and the streams the cross-replica
+    sum runs side by side: one per device of the smallest replica."""
     kinds, sizes = [], []
     for r in range(len(decisions.replica_batch)):
         stages = decisions.replica_stages(r)
         kinds.append(stages[0].kind)
         sizes.append(sum(s.devices for s in stages[: len(stages) // decisions.chunks]))
-    return costs.replica_sync(kinds, min(sizes))
+    return kinds, min(sizes)
 
 
 def _check(problem: Problem, d: Decisions) -> None:

@@ -339,7 +339,13 @@ class StageCosts:
         if tp == 1:
             return np.zeros_like(nbytes)
         count = np.maximum(count, 1.0)
-        return count * all_reduce_times(Topology(1, tp, kind.intra, kind.intra), nbytes / count)
+        return count * all_reduce_times(self.tp_topology(kind, tp), nbytes / count)
+
+    @staticmethod
+    def tp_topology(kind: DeviceKind, tp: int) -> Topology:
+        """A stage's tensor-parallel devices as a collective sees them: `tp` devices of
+        one node over its link."""
+        return Topology(1, tp, kind.intra, kind.intra)
 
     def dp_topology(self, kind: DeviceKind, cfg: StageConfig) -> Topology:
         """The stage's data-parallel devices as a collective sees them: `tp`-wide
@@ -363,12 +369,17 @@ class StageCosts:
         estimator charges them."""
         if not self.problem.training:
             return 0.0
+        return best("all_reduce", *self.replica_reduction(kinds, streams))[1]
+
+    def replica_reduction(self, kinds: list[str] | tuple[str, ...], streams: int) -> tuple[Topology, float]:
+        """`replica_sync`'s all-reduce: the replicas as a collective sees them, and the
+        bytes of each of the `streams` side by side."""
         pairs = list(itertools.combinations(kinds, 2)) or [(kinds[0], kinds[0])]
         # Each stream is one device's share; a node's streams leave through its NICs together.
         per_node = min(self.kinds[k].devices_per_node for k in kinds)
         flows = max(1, min(streams, per_node))
         link = min((self.problem.link(a, b).per_flow(flows) for a, b in pairs), key=lambda c: c.bandwidth)
-        return best("all_reduce", Topology(1, len(kinds), link, link), float(self.params.sum()) / max(streams, 1))[1]
+        return Topology(1, len(kinds), link, link), float(self.params.sum()) / max(streams, 1)
 
     def sends(self, a: StageConfig, c: StageConfig, b: int) -> np.ndarray:
         """Seconds to move one microbatch's activation across a cut before layer j,

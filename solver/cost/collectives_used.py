@@ -1,0 +1,83 @@
+"""Which collective algorithm each of a plan's collectives runs, as the estimator
+prices them: what `hetpar show` lists and what a launch reads to switch the
+collective library's algorithms on (`Algorithm.environment`).
+
+The sizes and topologies are the estimator's own (`StageCosts`: its tensor-parallel
+and data-parallel topologies, its per-layer bytes), and the choice is the registry's
+(`solver.collectives.best`), so a view names the algorithm the price was made with.
+Under `Problem.overlap_comm` gradients are reduced a layer at a time, so the message
+named is the largest layer's; otherwise the stage's whole gradient, reduced once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from solver.collectives import Topology, best
+from solver.cost.estimate import Decisions, StageDecision, replica_streams
+from solver.cost.problem import Problem
+from solver.cost.stage_costs import StageConfig, StageCosts
+
+
+@dataclass(frozen=True)
+class CollectiveUse:
+    """One collective of a plan: the stage that runs it (its position in the plan's
+    stages; None: across the replicas), what it moves, the collective, over how many
+    devices, one call's bytes per device, the algorithm chosen for it and one call's
+    seconds."""
+
+    stage: int | None
+    purpose: str
+    collective: str
+    devices: int
+    nbytes: float
+    algorithm: str
+    seconds: float
+
+
+def collectives_used(problem: Problem, decisions: Decisions, costs: StageCosts | None = None) -> tuple[CollectiveUse, ...]:
+    """Every collective of the plan `decisions` makes, with its algorithm."""
+    costs = costs or StageCosts(problem)
+    out: list[CollectiveUse] = []
+    m = decisions.num_microbatches
+    for p, s in enumerate(decisions.stages):
+        b = decisions.replica_batch[s.replica] // m
+        out += _stage_collectives(costs, p, s, b)
+    if len(decisions.replica_batch) > 1 and problem.training:
+        kinds, streams = replica_streams(decisions)
+        topology, nbytes = costs.replica_reduction(kinds, streams)
+        out.append(_use(None, "gradients across replicas", "all_reduce", topology, nbytes))
+    return tuple(u for u in out if u.nbytes > 0)
+
+
+def algorithms_used(problem: Problem, decisions: Decisions) -> frozenset[str]:
+    """The names of the algorithms the plan's collectives run."""
+    return frozenset(u.algorithm for u in collectives_used(problem, decisions))
+
+
+def _stage_collectives(costs: StageCosts, p: int, s: StageDecision, b: int) -> list[CollectiveUse]:
+    kind, cfg = costs.kinds[s.kind], StageConfig(s.kind, s.dp, s.tp)
+    i, j = s.layer_start, s.layer_end
+    out = []
+    if s.tp > 1:
+        per_device = b / s.dp
+        each = (costs.tp_bytes[i:j] * per_device / costs.tp_count[i:j].clip(min=1.0)).max()
+        out.append(_use(p, "tensor-parallel partial sums", "all_reduce", costs.tp_topology(kind, s.tp), float(each)))
+    if s.dp > 1 and costs.problem.training:
+        topology = costs.dp_topology(kind, cfg)
+        layers = costs.tp_params(s.tp)[i:j]
+        grads = float(layers.max() if costs.problem.overlap_comm else layers.sum())
+        if s.zero <= 1:
+            out.append(_use(p, "gradients", "all_reduce", topology, grads))
+        else:
+            out.append(_use(p, "gradients", "reduce_scatter", topology, grads))
+        if s.zero in (1, 2):
+            out.append(_use(p, "updated parameters", "all_gather", topology, float(layers.sum())))
+        if s.zero == 3:
+            out.append(_use(p, "parameters before use", "all_gather", topology, grads))
+    return out
+
+
+def _use(stage: int | None, purpose: str, collective: str, topology: Topology, nbytes: float) -> CollectiveUse:
+    algorithm, seconds = best(collective, topology, nbytes)
+    return CollectiveUse(stage, purpose, collective, topology.size, nbytes, algorithm, seconds)
