@@ -14,7 +14,7 @@ from hetpar.options import ShardingOption
 from hetpar.plan import Plan, StagePlan
 from hetpar.plan.costs import estimate_plan
 from hetpar.shard.strategies import AXES, Spec, to_source, stage_problem
-from hetpar.shard.zero import apply_zero, stage_params, zero_items
+from hetpar.shard.zero import apply_zero, offloaded_state, stage_params, zero_items
 from hetpar.trace.flops import op_costs
 from hetpar.trace.layers import Layers, compute_dtype
 from hetpar.trace.traced_step import TracedStep
@@ -48,8 +48,9 @@ def shard_stages(traced: TracedStep, layers: Layers, plan: Plan, option: Shardin
         mesh = mesh_axes(stage)
         specs, _, operands = solver.solve(stage, mesh) if mesh.get("model", 1) > 1 else ({}, 0.0, {})
         specs, zero, gathered = _zero(traced, layers, plan, stage, specs, mesh, option, solver.link(stage))
+        kept = offloaded_state(traced, plan, stage) if stage.offload else ()
         stages.append(replace(stage, shardings=tuple(sorted(specs.items())), operand_shardings=tuple(sorted(operands.items())),
-                              zero=zero, gathered=tuple(sorted(gathered.items()))))
+                              zero=zero, gathered=tuple(sorted(gathered.items())), offloaded=kept))
     return replace(plan, stages=tuple(stages))
 
 

@@ -44,6 +44,7 @@ from solver.planner.layer_split import best_split, score
 from solver.planner.problem import PlanChoice, PlanningError, Problem, SearchResult, StageChoice
 from solver.cost.stage_costs import INF, StageConfig, StageCosts, in_flight
 from solver.cost.problem import memory_note
+from solver.memory import OFFLOAD_TIERS
 from solver.planner.step import rank
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,7 @@ class Planner:
                 c.kind, c.dp, c.tp, i, j, bool(t.remat[i, j]), float(t.forward[i, j]), float(t.backward[i, j]),
                 float(sends[p][j]) if p < len(sends) else 0.0, float(t.sync[i, j]), float(t.tail[i, j] - t.sync[i, j]),
                 int(t.memory[i, j]), t.capacity, zero=int(t.zero[i, j]) if t.zero is not None else 0,
+                offload=OFFLOAD_TIERS[int(t.offload[i, j])] if t.offload is not None else "",
             )
             for p, (c, t, (i, j)) in enumerate(zip(configs, tables, bounds))
         )
