@@ -27,7 +27,8 @@ def solve(args: argparse.Namespace) -> int:
                          num_stages=args.stages, num_replicas=args.replicas, num_layers=args.layers, schedule=args.schedule,
                          use_all_kinds=args.use_all_kinds, profile=args.profile,
                          chunks=args.chunks, sharding_option=ShardingOption(zero=args.zero),
-                         stage_option=StageOption(time_limit_s=args.time_limit))
+                         stage_option=StageOption(time_limit_s=args.time_limit,
+                                                  offload={"host": "host", "none": ""}.get(getattr(args, "offload", None))))
     save_plan(plan, args.output)
     _print_plan(plan)
     print(f"wrote {args.output}")
@@ -117,7 +118,7 @@ def _print_plan(plan, shardings: bool = False) -> None:  # noqa: ANN001
     table = Table(title=f"hetpar plan: {plan.num_stages} stage(s) on {plan.describe_devices()}, {plan.num_microbatches} microbatch(es), {plan.schedule}"
                   + (f", {plan.chunks} chunks per device group" if plan.chunks > 1 else ""))
     for col in ("stage", "replica", "layers", "modules", "device", "devices", "mesh", "DP x TP", "batch", "fwd/mb", "bwd/mb",
-                "device memory / capacity", "host memory"):
+                "memory / capacity", "host memory"):
         table.add_column(col, justify="left" if col in ("modules", "device") else "right")
     for s in plan.stages:
         memory = f"{_size(s.memory_bytes)} / {s.memory_capacity / 2**30:.1f} GiB" if s.memory_bytes else (
