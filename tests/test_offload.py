@@ -50,6 +50,16 @@ def test_offload_parity(stages, zero):
         assert stage.host_bytes > 0
 
 
+def test_offload_parity_with_recomputation_and_replicas():
+    """Offload beside 1F1B with full recomputation, and on two data-parallel replicas
+    (the update runs once, on replica 0's stages, from the combined gradients)."""
+    run_parity(_mlp(), hetpar.Cluster.virtual(TWO_TYPES), steps=2, num_stages=2, num_layers=4, num_microbatches=4,
+               schedule="1f1b", stage_option=StageOption(mode="uniform", offload="host", remat="full"))
+    plan = run_parity(_mlp(), hetpar.Cluster.virtual(TWO_TYPES), steps=2, num_replicas=2, num_microbatches=2,
+                      stage_option=StageOption(offload="host"))
+    assert plan.num_replicas == 2 and all(s.offload == "host" for s in plan.stages)
+
+
 def test_offloaded_state_lives_in_host_memory():
     """After a step, the optimizer state the step returns lies in `pinned_host` memory
     and the parameters on the devices; a second step reads it from there."""
