@@ -335,7 +335,10 @@ def placement_pass(traced: TracedStep, layers: Layers, plan: Plan) -> Plan:
     plan = replace(plan, stages=tuple(replace(s, param_specs=tuple((name, spec) for name, spec, _, _ in specs))
                                       for s, specs in zip(plan.stages, placed)))
     dots = {s.index: _dots_kept(traced, plan, s) / traced.batch_size for s in plan.stages if s.remat == "dots"}
-    too_big = fit_problems(plan, estimate_plan(plan, dots))
+    cost = estimate_plan(plan, dots)
+    too_big = fit_problems(plan, cost)
+    if too_big and all(c.fits_device for c in cost.stages):
+        raise PlanError("the plan does not fit in host memory: " + "; ".join(too_big))
     if too_big:
         raise PlanError("the plan does not fit in memory: " + "; ".join(too_big) + ". To fit: more microbatches with a "
                         f"schedule that keeps fewer activations in flight (the planner's memory model: {', '.join(schedules.names())}), "

@@ -207,3 +207,19 @@ def test_cli_solve_offload_and_show_host_bytes(tmp_path):
     assert "host memory" in shown and "memory / capacity" in shown
     for s in loaded.stages:
         assert f"{s.host_bytes / 2**20:.1f} MiB (host)" in shown
+
+
+def test_offload_beyond_host_memory_is_refused_with_the_numbers(tmp_path):
+    """Forced offload onto a node whose host memory (from the cluster file) is too
+    small for the state: placement names the stage, the bytes and the fix; a cluster
+    file's host memory must be positive."""
+    workload = _mlp()
+    path = tmp_path / "cluster.yaml"
+    text = "name: small\ngroups:\n  - name: fast\n    device: A100\n    nodes: 1\n    devices_per_node: 2\n    host_memory_gib: {}\n"
+    path.write_text(text.format("1.0e-6"))  # 1 KiB of host memory per node: 0.000512 MiB for each of its 2 devices
+    with pytest.raises(PlanError, match=r"does not fit in host memory: stage 0 keeps [\d.]+ MiB .* is 0.000512 MiB; to fit: more host memory \(host_memory_gib\)"):
+        hetpar.make_plan(workload.step, (workload.state, workload.batch), Cluster.from_file(str(path)).numbered(),
+                         num_stages=1, num_microbatches=2, stage_option=StageOption(offload="host"))
+    path.write_text(text.format("-4"))
+    with pytest.raises(hetpar.errors.ClusterError, match="host_memory_gib must be positive"):
+        Cluster.from_file(str(path))

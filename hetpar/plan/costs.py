@@ -84,9 +84,11 @@ def fit_problems(plan: Plan, cost: PlanCost) -> list[str]:
     for p in cost.overflows():
         s, c = plan.stages[p], cost.stages[p]
         if not c.fits_host:
-            out.append(f"stage {s.index} keeps {c.group_host_bytes / 2**30:.2f} GiB of optimizer state per device in host memory, "
-                       f"and a {s.device_type}'s share of its node's host memory is {c.host_capacity / 2**30:.2f} GiB"
-                       + ("" if c.host_capacity else " (unknown: give host_memory_gib in the cluster file's group)"))
+            out.append(f"stage {s.index} keeps {_bytes(c.group_host_bytes)} of optimizer state per device in host memory, "
+                       f"and each {s.device_type}'s share of its node's host memory is {_bytes(c.host_capacity)}"
+                       + ("" if c.host_capacity else " (unknown: give host_memory_gib in the cluster file's group)")
+                       + "; to fit: more host memory (host_memory_gib), ZeRO over more data-parallel devices (each keeps "
+                       "its share), or offload fewer stages (StageOption.offload=None lets the planner choose)")
         if c.fits_device:
             continue
         if s.device_ids in seen:
@@ -100,6 +102,10 @@ def fit_problems(plan: Plan, cost: PlanCost) -> list[str]:
         out.append(f"{who} needs {c.group_memory_bytes / 2**30:.2f} GiB per {s.device_type}, which has {memory / 2**30:.0f} GiB "
                    f"({c.capacity / 2**30:.2f} GiB to use beside XLA's workspace{_client_share(plan, kind, c)}): {parts} GiB")
     return out
+
+
+def _bytes(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.3g} MiB"
 
 
 def _client_share(plan: Plan, kind, cost) -> str:  # noqa: ANN001
