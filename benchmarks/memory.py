@@ -27,10 +27,18 @@ accelerator backend the planner plans for has these fusions, and the model does 
 try to tell where the library switches: its figure is checked against the second
 measurement (tests/test_memory_model.py), and both are printed.
 
+Section "offload": the zero section's GPT stage with its optimizer state kept in host
+memory (`StageOption(offload="host")`) and without. After a step, the bytes of the
+optimizer state the step returned that lie on one device of the stage in device
+memory, read from the real arrays (each shard's memory kind), not from the model;
+the ratio is with offload over without. Goal: at most 0.05 (what stays on the device
+is Adam's step count).
+
 Each section is one function returning its RESULT figure; main prints them on one line:
 RESULT zero3_over_replicated=<ratio> remat_over_saved=<ratio> predicted_over_measured_mem=<ratio>
-predicted_over_measured_mem_as_run=<ratio> (the first two measured without YNNPACK, the last with XLA:CPU's defaults)
-Run: PYTHONPATH=$PWD .venv/bin/python benchmarks/memory.py [--seq-len 128] [--sections remat,predicted]
+predicted_over_measured_mem_as_run=<ratio> offload_device_state_ratio=<ratio> (the first two measured without
+YNNPACK, predicted_over_measured_mem_as_run with XLA:CPU's defaults)
+Run: PYTHONPATH=$PWD .venv/bin/python benchmarks/memory.py [--seq-len 128] [--sections remat,predicted,offload]
 """
 
 from __future__ import annotations
@@ -86,6 +94,36 @@ def zero_section(args: argparse.Namespace) -> str:
         name = "replicated" if zero == 0 else f"ZeRO-{zero}"
         print(f"  {name:<11} {state[zero] / 2**20:>9.2f} MiB {state[zero] / state[0]:>13.3f} {peak / 2**20:>16.2f} MiB")
     return f"zero3_over_replicated={state[3] / state[0]:.3f}"
+
+
+def placed_bytes(tree, device) -> dict[str, int]:  # noqa: ANN001
+    """Bytes of `tree`'s arrays on `device`, by the memory kind each shard lies in."""
+    out: dict[str, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            if shard.device == device:
+                kind = shard.data.sharding.memory_kind or "device"
+                out[kind] = out.get(kind, 0) + shard.data.nbytes
+    return out
+
+
+def offload_section(args: argparse.Namespace) -> str:
+    """Optimizer-state bytes one device of a 4-device GPT stage holds in device
+    memory after a step, with the state offloaded to host memory and without."""
+    workload = gpt.setup(batch_size=args.batch_size, config=_config(args))
+    placed = {}
+    for offload in ("", "host"):
+        step = hetpar.parallelize(workload.step, cluster=hetpar.Cluster.virtual({"cpu": DEVICES}), num_stages=1,
+                                  num_microbatches=2, stage_option=StageOption(offload=offload))
+        state, _ = step(workload.state, workload.batch)
+        stage = step.plan.stages[0]
+        device = jax.devices()[stage.device_ids[0]]  # a virtual cluster's positions are JAX's device order
+        placed[offload] = placed_bytes(state.opt_state, device)
+        print(f"  offload={offload or 'none':5s} optimizer state on {device}: "
+              + ", ".join(f"{kind} {n:,} bytes" for kind, n in sorted(placed[offload].items()))
+              + f"; the plan predicts {stage.host_bytes:,} bytes per device in host memory")
+    ratio = placed["host"].get("device", 0) / placed[""]["device"]
+    return f"offload_device_state_ratio={ratio:.2g}"
 
 
 def stage_memory(remat: str, stage: int = 0, config: gpt.GPTConfig = CONFIG,
@@ -166,10 +204,11 @@ def main() -> None:
     parser.add_argument("--d-model", type=int, default=128, help="zero section: GPT width")
     parser.add_argument("--seq-len", type=int, default=CONFIG.seq_len, help="remat and predicted sections: GPT sequence length")
     parser.add_argument("--remat-d-model", type=int, default=CONFIG.d_model, help="remat and predicted sections: GPT width")
-    parser.add_argument("--sections", default="zero,remat,predicted",
-                        help="comma-separated sections to run (zero, remat, predicted); RESULT has their figures")
+    parser.add_argument("--sections", default="zero,remat,predicted,offload",
+                        help="comma-separated sections to run (zero, remat, predicted, offload); RESULT has their figures")
     args = parser.parse_args()
-    sections = {"zero": zero_section, "remat": remat_section, "predicted": predicted_vs_measured_section}
+    sections = {"zero": zero_section, "remat": remat_section, "predicted": predicted_vs_measured_section,
+                "offload": offload_section}
     chosen = args.sections.split(",")
     unknown = [name for name in chosen if name not in sections]
     if unknown:
@@ -177,7 +216,7 @@ def main() -> None:
     print(f"jax {jax.__version__}")
     figures = []
     for name in chosen:
-        if name != "zero" and all(n == "zero" for n in chosen[:chosen.index(name)]):
+        if name in ("remat", "predicted") and all(n in ("zero", "offload") for n in chosen[:chosen.index(name)]):
             print(f"GPT {_stage_config(args)}, batch {BATCH}, {MICROBATCHES} microbatches, GPipe, 2 stages of 1 device")
         figures.append(sections[name](args))
     print("RESULT " + " ".join(figures))

@@ -17,7 +17,7 @@ import pydantic
 
 from hetpar.errors import HetparError, PlanError
 from solver import schedules
-from solver.memory import REMAT_POLICIES
+from solver.memory import OFFLOAD_TIERS, REMAT_POLICIES
 
 STAGE_MODES = ("auto", "manual", "uniform")
 RUNTIMES = ("local", "distributed", "ray")
@@ -60,6 +60,11 @@ class StageOption:
     # A `hetpar profile` file: its measured figures price the device kinds it has, in
     # place of the catalog's (any mode: every plan is priced by the same estimator).
     profile: str | None = None
+    # Where each stage keeps its optimizer state between steps: "host" in host memory on
+    # every stage (JAX's pinned_host memory kind, moved to the devices for the update), ""
+    # on the devices. None: the planner ("auto") offloads a stage only where it fits no
+    # other way; hand-made plans do not.
+    offload: str | None = None
 
 
 @dataclass(frozen=True)
@@ -124,6 +129,9 @@ def check_options(stage: StageOption, sharding: ShardingOption, runtime: Runtime
     if stage.remat is not None and stage.remat not in REMAT_POLICIES:
         raise PlanError(f"StageOption.remat {stage.remat!r} is not a recomputation policy; use one of "
                         f"{', '.join(repr(p) for p in REMAT_POLICIES)} (or None: the planner's choice)")
+    if stage.offload is not None and stage.offload not in OFFLOAD_TIERS:
+        raise PlanError(f"StageOption.offload {stage.offload!r} is not a place for optimizer state; use 'host' (host memory), "
+                        "'' (the devices) or None (the planner's choice)")
     if stage.max_planning_layers < 1:
         raise PlanError(f"StageOption.max_planning_layers must be at least 1, got {stage.max_planning_layers}")
     if not sharding.time_limit_s > 0:
@@ -152,6 +160,7 @@ def build_options(
     runtime: str | None = None,
     use_all_kinds: bool | None = None,
     profile: str | None = None,
+    offload: str | None = None,
 ) -> tuple[StageOption, ShardingOption, RuntimeOption]:
     """The option objects, with the keyword shortcuts `parallelize` and `make_plan`
     take folded in (a stage or replica count fixes the pipeline: mode "manual"), and
@@ -160,7 +169,7 @@ def build_options(
         mesh_shape = tuple(tuple(shape) for shape in mesh_shape)
     stage = _with(stage_option or StageOption(), "stage_option",
                   num_stages=num_stages, num_replicas=num_replicas, num_layers=num_layers, schedule=schedule, chunks=chunks,
-                  use_all_kinds=use_all_kinds or None, profile=profile)
+                  use_all_kinds=use_all_kinds or None, profile=profile, offload=offload)
     if stage.mode == "auto" and (stage.num_stages or stage.num_replicas):
         stage = replace(stage, mode="manual")
     sharding = _with(sharding_option or ShardingOption(), "sharding_option", mesh_shape=tuple(mesh_shape) if mesh_shape else None)

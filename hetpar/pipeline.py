@@ -116,6 +116,7 @@ def price_like(traced: TracedStep, plan: Plan, cluster: Cluster) -> Plan:
     if not training:
         inputs = replace(inputs, training=False, state_factor=1.0, optimizer_traffic=0.0)
     stages = tuple(replace(s, layer_start=a, layer_end=b, zero=s.zero if training else 0, remat=s.remat if training else "",
+                           offload=s.offload if training else "", offloaded=s.offloaded if training else (),
                            flops=sum(layers.flops[a:b]))  # the function's own: a forward-only eval's, no backward
                    for s, (a, b) in zip(plan.stages, bounds))
     return priced(replace(plan, stages=stages, num_layers=layers.num_layers, cost_inputs=inputs))
@@ -208,6 +209,8 @@ def _fixed_stages(traced: TracedStep, layers: Layers, cluster: Cluster, option: 
         _check_schedule(plan)
     if option.remat:
         plan = replace(plan, stages=tuple(replace(s, remat=option.remat) for s in plan.stages))
+    if option.offload:
+        plan = replace(plan, stages=tuple(replace(s, offload=option.offload) for s in plan.stages))
     return plan
 
 
@@ -270,6 +273,7 @@ def search_options(traced: TracedStep, option: StageOption, search_microbatches:
         time_limit_s=option.time_limit_s, layer_overhead_s=option.layer_overhead_s, use_all_kinds=option.use_all_kinds,
         measured=measured_devices(option.profile) if option.profile else (),
         **({} if zero is None else {"zero_stages": (zero,)}), **chunks,
+        **({} if option.offload is None else {"offload_tiers": (option.offload,)}),
     )
 
 
@@ -331,7 +335,10 @@ def placement_pass(traced: TracedStep, layers: Layers, plan: Plan) -> Plan:
     plan = replace(plan, stages=tuple(replace(s, param_specs=tuple((name, spec) for name, spec, _, _ in specs))
                                       for s, specs in zip(plan.stages, placed)))
     dots = {s.index: _dots_kept(traced, plan, s) / traced.batch_size for s in plan.stages if s.remat == "dots"}
-    too_big = fit_problems(plan, estimate_plan(plan, dots))
+    cost = estimate_plan(plan, dots)
+    too_big = fit_problems(plan, cost)
+    if too_big and all(c.fits_device for c in cost.stages):
+        raise PlanError("the plan does not fit in host memory: " + "; ".join(too_big))
     if too_big:
         raise PlanError("the plan does not fit in memory: " + "; ".join(too_big) + ". To fit: more microbatches with a "
                         f"schedule that keeps fewer activations in flight (the planner's memory model: {', '.join(schedules.names())}), "

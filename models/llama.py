@@ -8,7 +8,7 @@ abstractly (`jax.eval_shape`); tests use tiny ones."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import flax.linen as nn
 import jax
@@ -151,3 +151,10 @@ def llama2_7b(batch_size: int = 64) -> Workload:
     """Llama-2-7B at its published size, abstract (for `hetpar solve models.llama:llama2_7b`):
     f32 parameters, bf16 compute, AdamW, `batch_size` sequences of 4096 tokens."""
     return setup(batch_size, LLAMA2_7B, abstract=True)
+
+
+def llama2_7b_512(batch_size: int = 64) -> Workload:
+    """Llama-2-7B's shapes at 512 tokens a sequence, abstract: a 7B model whose
+    activations fit a 16 GB device's pipeline stage, so that its state decides where
+    it fits (`examples/clusters/v100_offload_6.yaml`: only with host offload)."""
+    return setup(batch_size, replace(LLAMA2_7B, seq_len=512), abstract=True)

@@ -48,6 +48,9 @@ FRAGMENTATION_HEADROOM = 0.10
 
 REMAT_POLICIES = ("", "full", "dots")  # none, nothing saved, dots without batch dims saved
 ZERO_STAGES = (0, 1, 2, 3)  # 0 replicated; 1 optimizer state sharded over data; 2 + gradients; 3 + parameters
+# Where a stage keeps its optimizer state between steps: "" on its devices; "host" in its nodes'
+# host memory, streamed to the device for the update and back (ZeRO-Offload's split).
+OFFLOAD_TIERS = ("", "host")
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,9 @@ class DeviceMemory:
     optimizer_state: float
     activations: float  # kept for the backward (all microbatches in flight) and the backward's recomputation
     workspace: float = 0.0  # temporaries: a gathered ZeRO-3 layer, a program's scratch
+    # Host memory this device's share of the stage keeps there (offloaded optimizer state):
+    # not in `total`, which is device memory; checked against the node's host memory apart.
+    host: float = 0.0
 
     @property
     def state(self) -> float:
@@ -67,6 +73,18 @@ class DeviceMemory:
     @property
     def total(self) -> float:
         return self.state + self.activations + self.workspace
+
+
+def offloaded(memory: DeviceMemory, tier: str, streamed: float | np.ndarray = 0.0) -> DeviceMemory:
+    """`memory` with its optimizer state kept in host memory (`tier` "host"): the device
+    holds none of it between steps, only `streamed` while the update runs (the largest
+    layer's share, streamed in and out one layer at a time, as ZeRO-Offload does)."""
+    if tier not in OFFLOAD_TIERS:
+        raise ValueError(f"unknown offload tier {tier!r}; use one of {OFFLOAD_TIERS}")
+    if not tier:
+        return memory
+    return DeviceMemory(memory.parameters, memory.gradients, 0.0 * memory.optimizer_state, memory.activations,
+                        memory.workspace + streamed, memory.host + memory.optimizer_state)
 
 
 @dataclass(frozen=True)
@@ -137,4 +155,4 @@ def stage_memory(state: DeviceMemory, per_microbatch: StageActivations, held: in
     """A device's whole need: its (sharded) state, the activations the schedule and
     recomputation keep, and `workspace` (e.g. the largest gathered ZeRO-3 layer)."""
     return DeviceMemory(state.parameters, state.gradients, state.optimizer_state,
-                        activation_bytes(per_microbatch, held, remat, fused), state.workspace + workspace)
+                        activation_bytes(per_microbatch, held, remat, fused), state.workspace + workspace, state.host)

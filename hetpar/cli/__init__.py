@@ -78,6 +78,9 @@ def parser() -> argparse.ArgumentParser:
                    "(default: the planner's choice)")
     p.add_argument("--zero", type=int, help="ZeRO stage over every stage's data axis: 0 replicated state, 1 optimizer "
                    "state sharded, 2 + gradients, 3 + parameters (default: chosen per parameter, by memory)")
+    p.add_argument("--offload", choices=("host", "none"), help="where every stage keeps its optimizer state between "
+                   "steps: host (host memory, moved to the devices for the update) or none (the devices); default: the "
+                   "planner offloads a stage only where it fits no other way or is faster for it")
     p.add_argument("--profile", help="a `hetpar profile` file: its measured figures price the device kinds it has, "
                    "in place of the catalog's")
     p.add_argument("--use-all-kinds", action="store_true", help="only plans that give every device kind of the cluster "

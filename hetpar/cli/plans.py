@@ -27,7 +27,8 @@ def solve(args: argparse.Namespace) -> int:
                          num_stages=args.stages, num_replicas=args.replicas, num_layers=args.layers, schedule=args.schedule,
                          use_all_kinds=args.use_all_kinds, profile=args.profile,
                          chunks=args.chunks, sharding_option=ShardingOption(zero=args.zero),
-                         stage_option=StageOption(time_limit_s=args.time_limit))
+                         stage_option=StageOption(time_limit_s=args.time_limit,
+                                                  offload={"host": "host", "none": ""}.get(getattr(args, "offload", None))))
     save_plan(plan, args.output)
     _print_plan(plan)
     print(f"wrote {args.output}")
@@ -99,6 +100,13 @@ def simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _host(stage) -> str:  # noqa: ANN001
+    """A stage's host memory per device: its offloaded optimizer state, or '-' where it keeps it on the devices."""
+    if not stage.offload:
+        return "-"
+    return f"{_size(stage.host_bytes)} ({stage.offload})" if stage.host_bytes else f"- ({stage.offload})"
+
+
 def _print_plan(plan, shardings: bool = False) -> None:  # noqa: ANN001
     from rich.table import Table
 
@@ -109,7 +117,8 @@ def _print_plan(plan, shardings: bool = False) -> None:  # noqa: ANN001
     out = console()
     table = Table(title=f"hetpar plan: {plan.num_stages} stage(s) on {plan.describe_devices()}, {plan.num_microbatches} microbatch(es), {plan.schedule}"
                   + (f", {plan.chunks} chunks per device group" if plan.chunks > 1 else ""))
-    for col in ("stage", "replica", "layers", "modules", "device", "devices", "mesh", "DP x TP", "batch", "fwd/mb", "bwd/mb", "memory / capacity"):
+    for col in ("stage", "replica", "layers", "modules", "device", "devices", "mesh", "DP x TP", "batch", "fwd/mb", "bwd/mb",
+                "memory / capacity", "host memory"):
         table.add_column(col, justify="left" if col in ("modules", "device") else "right")
     for s in plan.stages:
         memory = f"{_size(s.memory_bytes)} / {s.memory_capacity / 2**30:.1f} GiB" if s.memory_bytes else (
@@ -117,7 +126,7 @@ def _print_plan(plan, shardings: bool = False) -> None:  # noqa: ANN001
         table.add_row(
             str(s.index), str(s.replica), f"{s.layer_start}-{s.layer_end - 1}", s.layer_names, s.device_type, str(s.num_devices),
             "x".join(map(str, s.mesh_shape or (s.num_devices,))), f"{s.data_parallel or s.num_devices} x {s.tensor_parallel}" + (f", ZeRO-{s.zero}" if s.zero else ""),
-            f"{s.batch_share:.0%}", fmt_time(s.forward_s), fmt_time(s.backward_s), memory,
+            f"{s.batch_share:.0%}", fmt_time(s.forward_s), fmt_time(s.backward_s), memory, _host(s),
         )
     out.print(table)
     specs = [(s.index, path, spec_text(spec)) for s in plan.stages for path, spec in s.param_specs]

@@ -57,6 +57,9 @@ class DeviceType:
     # context, library workspaces): `hetpar.cluster.memory`.
     process_reserve_bytes: float = 0.0
     sources: tuple[tuple[str, str], ...] = ()  # figure -> where it comes from
+    # The device's link to its host's memory (PCIe), one direction: what offloaded
+    # optimizer state crosses. None: `hetpar.cluster.groups.HOST_LINK` (PCIe 4.0 x16).
+    host_link: Link | None = None
 
     def flops(self, dtype: str = "fp32") -> float:
         """Peak FLOP/s for a catalog dtype key (fp32, tf32, bf16, fp16, fp8); a dtype the
@@ -145,6 +148,8 @@ def _parsed(name: str, spec: dict) -> DeviceType:
         matmul_half_flops=float(spec.get("matmul_half_flops", 2e9 if spec["platform"] != "cpu" else 1e6)),
         process_reserve_bytes=float(spec.get("process_reserve_bytes", 0.0)),
         sources=sources,
+        host_link=Link(spec["host_link"]["name"], float(spec["host_link"]["bandwidth"]), float(spec["host_link"]["latency"]))
+        if "host_link" in spec else None,
     )
 
 

@@ -9,6 +9,7 @@ between groups; where two kinds of device cannot talk directly, through the host
 from __future__ import annotations
 
 import numbers
+import os
 
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
@@ -57,9 +58,10 @@ class Cluster:
                 f"on CPU, set jax.config.update('jax_num_cpu_devices', {wanted}) before JAX starts"
             )
         groups, start = [], 0
+        host = host_memory_bytes() / wanted  # the devices are this machine's: each its share of its memory
         for name, count in counts.items():
             ids = tuple(range(start, start + count))
-            groups.append(DeviceGroup(name, ids, name=name, nodes=1, devices_per_node=count))
+            groups.append(DeviceGroup(name, ids, name=name, nodes=1, devices_per_node=count, host_memory_bytes=host * count))
             start += count
         return Cluster(tuple(groups), name="virtual")
 
@@ -71,7 +73,9 @@ class Cluster:
         by_kind: dict[str, list[int]] = {}
         for position, d in enumerate(local_devices(include_cpu)):
             by_kind.setdefault(_type_of(d), []).append(position)
-        return Cluster(tuple(DeviceGroup(k, tuple(ids), name=k) for k, ids in by_kind.items()), name="local")
+        host = host_memory_bytes() / sum(len(ids) for ids in by_kind.values())
+        return Cluster(tuple(DeviceGroup(k, tuple(ids), name=k, host_memory_bytes=host * len(ids)) for k, ids in by_kind.items()),
+                       name="local")
 
     @staticmethod
     def from_file(path: str) -> "Cluster":
@@ -130,6 +134,15 @@ class Cluster:
 
     def describe(self) -> str:
         return " + ".join(f"{g.size}x{g.type_name}" for g in self.groups)
+
+
+def host_memory_bytes() -> float:
+    """This machine's physical memory (0 where the system does not say): what the
+    devices of a virtual or local cluster, all in this process, share as host memory."""
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0.0
 
 
 def _type_of(device: Any) -> str:

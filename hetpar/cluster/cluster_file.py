@@ -162,7 +162,7 @@ def _reduction(loc: _Located, what: str, link_bandwidth: float) -> SwitchReducti
 
 
 # A group's single values, checked by schema.GroupFields; its mappings are read apart.
-_GROUP_SCALARS = ("nodes", "devices_per_node", "nics_per_node", "peer_to_peer", "host_bandwidth", "memory_gib",
+_GROUP_SCALARS = ("nodes", "devices_per_node", "nics_per_node", "peer_to_peer", "host_bandwidth", "host_memory_gib", "memory_gib",
                   "memory_bandwidth", "efficiency", "memory_fraction", "process_reserve_gib")
 _GROUP_KEYS = {"name", "device", "intra_node", "inter_node", "flops", *_GROUP_SCALARS}
 
@@ -208,6 +208,7 @@ def _group(loc: _Located) -> DeviceGroup:
         nics_per_node=group.nics_per_node,
         peer_to_peer=group.peer_to_peer,
         host_bandwidth=group.host_bandwidth if group.host_bandwidth is not None else HOST_LINK.bandwidth,
+        host_memory_bytes=group.host_memory_gib * gib if group.host_memory_gib is not None else 0.0,
     )
 
 

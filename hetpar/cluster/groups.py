@@ -62,6 +62,7 @@ class DeviceGroup:
     nics_per_node: int = 0  # NICs a node's devices share to reach other nodes; 0: one per device
     peer_to_peer: bool = True  # False: device-to-device copies in a node go through host memory
     host_bandwidth: float = HOST_LINK.bandwidth  # bytes/s the host moves for copies staged through it, all devices together
+    host_memory_bytes: float = 0.0  # a node's host memory for offloaded state; 0: unknown (nothing is offloaded)
 
     @property
     def spec(self) -> DeviceType:
@@ -106,6 +107,17 @@ class DeviceGroup:
             return LinkCost(link.bandwidth, link.latency, overlaps=link.overlaps, reduction=link.reduction)
         staged = self.host_bandwidth / 2  # no switch between the devices sums what the host stages
         return LinkCost(min(link.bandwidth, staged), link.latency + 2 * HOST_LINK.latency, shared=staged, overlaps=link.overlaps)
+
+    def host_cost(self) -> LinkCost:
+        """One device's link to its host's memory as the cost model sees it: its own
+        PCIe link (the catalog's `host_link`), all the node's devices' copies sharing
+        what the host moves (`host_bandwidth`), as host-staged copies do."""
+        link = self.spec.host_link or HOST_LINK
+        return LinkCost(link.bandwidth, link.latency, shared=self.host_bandwidth)
+
+    def host_memory_per_device(self) -> float:
+        """A device's share of its node's host memory (0: unknown)."""
+        return self.host_memory_bytes / self.per_node
 
     def inter_cost(self) -> LinkCost:
         """The link between this group's nodes: one NIC's bandwidth per flow, and all

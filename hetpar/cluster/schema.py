@@ -102,6 +102,9 @@ class GroupFields(GroupCounts):
                                                "all its devices together (default 25e9, one PCIe 4.0 x16 root)",
                                                default=None, gt=0, le=1e15)]
     memory_gib: Annotated[float | None, _f("GiB", "device memory", default=None, gt=0, le=1e6)]
+    host_memory_gib: Annotated[float | None, _f("GiB", "host memory per node that offloaded optimizer state may fill "
+                                                "(default: unknown, so the planner offloads nothing there)",
+                                                default=None, gt=0, le=1e9)]
     memory_bandwidth: Annotated[float | None, _f("bytes/s", "device memory bandwidth", default=None, gt=0, le=1e15)]
     flops: FlopsFields | None = _f("mapping", "peak dense FLOP/s per dtype (keys below)", default=None)
     efficiency: Annotated[float | None, _f("fraction", "of peak that large matmuls reach", default=None, gt=0, le=1)]

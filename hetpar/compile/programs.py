@@ -31,6 +31,9 @@ from hetpar.trace.microbatch import MicrobatchAnalysis
 from hetpar.trace.opgraph import OpGraph
 
 
+HOST_MEMORY = "pinned_host"  # the memory kind offloaded state lives in (JAX's page-locked host memory)
+
+
 def stage_mesh(device_ids: tuple[int, ...], shape: tuple[int, ...] = ()) -> Mesh:
     """A 1-D data-parallel mesh, or `data` x `model` when `shape` has two dimensions,
     `data` x `model` x `model2` when it has three (3D tensor parallelism). Auto axes:
@@ -107,6 +110,7 @@ def compile_task(
     task: Task, graph: OpGraph, constants: dict[int, Any], analysis: MicrobatchAnalysis, mesh: Mesh, num_microbatches: int,
     mean_weight: float | None = None, specs: dict[int, tuple] | None = None,
     operand_specs: dict[int, tuple[tuple, tuple]] | None = None, gathered: dict[int, tuple] | None = None,
+    host: frozenset[int] = frozenset(),
 ) -> Program:
     """`graph` is the trace at the shapes this program runs with (one microbatch);
     `constants` are the full-batch trace's, so means divide by the full batch
@@ -124,12 +128,15 @@ def compile_task(
     dots are plain layout changes, which it gets right.
     `gathered` (ZeRO-3: parameter -> its layout while in use) gathers each parameter
     that arrives sharded over `data` where a forward or backward program reads it;
-    the once-per-step update keeps working on the shards."""
+    the once-per-step update keeps working on the shards. `host` (host offload) names
+    the values that live in host memory between steps: they arrive and leave in
+    their layout's `pinned_host` memory kind and are moved to the devices where the
+    program reads them."""
     if task.kind == "pre" and analysis.whole_batch and not analysis.marked:
         # Once-per-step work before the microbatches sees the whole batch (whole_batch.py);
         # everything else in it is batch-independent, the same in both traces.
         graph = analysis.full
-    body = _Body(task, graph, constants, analysis, mesh, num_microbatches, mean_weight, specs, operand_specs, gathered)
+    body = _Body(task, graph, constants, analysis, mesh, num_microbatches, mean_weight, specs, operand_specs, gathered, host)
 
     def run(acc: tuple, *args: Any) -> tuple[tuple, tuple]:
         env = body.evaluate(args)
@@ -226,7 +233,7 @@ def compile_fused(
     task: Task, post: Task, graph: OpGraph, constants: dict[int, Any], analysis: MicrobatchAnalysis, mesh: Mesh,
     num_microbatches: int, keep: set[int], mean_weight: float | None = None, specs: dict[int, tuple] | None = None,
     operand_specs: dict[int, tuple[tuple, tuple]] | None = None, gathered: dict[int, tuple] | None = None,
-    pre: Task | None = None,
+    pre: Task | None = None, host: frozenset[int] = frozenset(),
 ) -> FusedProgram:
     """`task`'s last microbatch with `post` after it (see FusedProgram), and `pre`
     before it where given (one microbatch only: its outputs must be read by `task`
@@ -234,14 +241,15 @@ def compile_fused(
     than `post` reads (a later post phase, a step output): they are returned; the
     others live only inside the program. The shardings are the ones the programs
     would have had apart."""
-    body = _Body(task, graph, constants, analysis, mesh, num_microbatches, mean_weight, specs, operand_specs, gathered)
-    after = _Body(post, graph, constants, analysis, mesh, num_microbatches, mean_weight, specs, operand_specs, gathered)
+    body = _Body(task, graph, constants, analysis, mesh, num_microbatches, mean_weight, specs, operand_specs, gathered, host)
+    after = _Body(post, graph, constants, analysis, mesh, num_microbatches, mean_weight, specs, operand_specs, gathered, host)
     before = None
     if pre is not None:
         if num_microbatches != 1:
             raise ValueError("pre work is folded into a stage's last microbatch only when it is the only one")
         pre_graph = analysis.full if analysis.whole_batch and not analysis.marked else graph  # as compile_task
-        before = _Body(pre, pre_graph, constants, analysis, mesh, num_microbatches, mean_weight, specs, operand_specs, gathered)
+        before = _Body(pre, pre_graph, constants, analysis, mesh, num_microbatches, mean_weight, specs, operand_specs, gathered,
+                       host)
     folded = fusion(task, post, keep, num_microbatches, pre)
     inputs, post_inputs, kept, accumulates = list(folded.inputs), folded.post_inputs, folded.reductions, folded.accumulates
 
@@ -282,8 +290,10 @@ class _Body:
 
     def __init__(self, task: Task, graph: OpGraph, constants: dict[int, Any], analysis: MicrobatchAnalysis, mesh: Mesh,
                  num_microbatches: int, mean_weight: float | None, specs: dict[int, tuple] | None,
-                 operand_specs: dict[int, tuple[tuple, tuple]] | None, gathered: dict[int, tuple] | None = None):
+                 operand_specs: dict[int, tuple[tuple, tuple]] | None, gathered: dict[int, tuple] | None = None,
+                 host: frozenset[int] = frozenset()):
         self.task, self.graph, self.analysis, self.mesh = task, graph, analysis, mesh
+        self.host = host  # values kept in host memory between steps (host offload)
         self.specs = specs or {}
         self.operand_specs = operand_specs or {}
         self.ops = [graph.ops[i] for i in task.ops]
@@ -312,6 +322,8 @@ class _Body:
         graph, mesh = self.graph, self.mesh
         env = dict(self.consts)
         env.update(zip(self.task.inputs, args))
+        for v in self.host.intersection(self.task.inputs):  # offloaded state: to the devices for the update
+            env[v] = jax.device_put(env[v], self.sharding(v, on_device=True))
         for v, spec in self.gather.items():
             env[v] = jax.lax.with_sharding_constraint(env[v], spec_sharding(mesh, graph.avals[v], spec))
         for op in self.ops:
@@ -329,6 +341,8 @@ class _Body:
             for v in op.outputs:
                 if v in self.specs:
                     env[v] = jax.lax.with_sharding_constraint(env[v], spec_sharding(mesh, graph.avals[v], self.specs[v]))
+        for v in self.host.intersection(self.task.outputs):  # the new offloaded state: back to host memory
+            env[v] = jax.device_put(env[v], self.sharding(v))
         return env
 
     def scaled(self, env: dict[int, Any]) -> tuple:
@@ -353,10 +367,14 @@ class _Body:
             out.append(x.astype(a.dtype))
         return tuple(out)
 
-    def sharding(self, v: int) -> NamedSharding:
+    def sharding(self, v: int, on_device: bool = False) -> NamedSharding:
+        """`v`'s layout on the mesh; in host memory (`pinned_host`) for an offloaded
+        value unless `on_device`."""
         if v in self.specs:
-            return spec_sharding(self.mesh, self.graph.avals[v], self.specs[v])
-        return value_sharding(self.mesh, self.graph.avals[v], self.analysis.batch_axis.get(v))
+            out = spec_sharding(self.mesh, self.graph.avals[v], self.specs[v])
+        else:
+            out = value_sharding(self.mesh, self.graph.avals[v], self.analysis.batch_axis.get(v))
+        return out.with_memory_kind(HOST_MEMORY) if v in self.host and not on_device else out
 
     def _spec(self, v: int) -> tuple:
         """`v`'s layout as a tuple of mesh axes, one per dimension."""

@@ -86,9 +86,12 @@ def compile_tasks(
 
 def stage_layouts(plan: Plan) -> dict[int, dict[str, dict]]:
     """Per stage, the layouts its programs apply, as `compile_task`'s keywords: the
-    intra-op shardings, the matmul operand pins, and the ZeRO-3 gathered layouts."""
+    intra-op shardings, the matmul operand pins, the ZeRO-3 gathered layouts, and the
+    values kept in host memory (host offload: each state the step reads and the new
+    state it returns for it)."""
     return {
-        s.index: {"specs": dict(s.shardings), "operand_specs": dict(s.operand_shardings), "gathered": dict(s.gathered)}
+        s.index: {"specs": dict(s.shardings), "operand_specs": dict(s.operand_shardings), "gathered": dict(s.gathered),
+                  "host": frozenset(v for pair in s.offloaded for v in pair)}
         for s in plan.stages
     }
 

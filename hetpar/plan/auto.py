@@ -36,6 +36,9 @@ class SearchOptions:
     # ZeRO stages a data-parallel stage may use (solver.planner.Problem prices each): a
     # stage takes the fastest that fits, and the sharding pass lays out the one it took.
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    # Where a stage may keep its optimizer state (solver.memory.OFFLOAD_TIERS): the planner
+    # offloads to host memory only where a stage fits no other way; ("host",) forces it.
+    offload_tiers: tuple[str, ...] = ("", "host")
     allow_replicas: bool = True
     dtype: str = "float32"
     top_k: int = 5
@@ -78,7 +81,8 @@ def device_kinds(cluster: Cluster, dtype: str = "float32", layer_overhead_s: flo
             g.label, g.size, per_node, flops, spec.memory_bytes, bandwidth,
             intra, g.inter_cost() if g.size > per_node else intra, layer_overhead_s, spec.matmul_flops(dtype),
             half, measured=seen is not None, memory_fraction=g.client_memory().fraction,
-            process_reserve_bytes=spec.process_reserve_bytes,
+            process_reserve_bytes=spec.process_reserve_bytes, host_link=g.host_cost(),
+            host_memory_bytes=g.host_memory_per_device(),
         ))
     return tuple(kinds)
 
@@ -112,7 +116,7 @@ def problem_for(layers: Layers, cluster: Cluster, batch_size: int, tokens_per_ex
         batch_size, group_links(cluster),
         tokens_per_example=tokens_per_example, microbatches=options.microbatches, schedules=options.schedules, chunks=options.chunks,
         max_tp=options.max_tp, allow_remat=options.allow_remat, force_remat=options.force_remat, allow_replicas=options.allow_replicas,
-        zero_stages=options.zero_stages, use_all_kinds=options.use_all_kinds,
+        zero_stages=options.zero_stages, use_all_kinds=options.use_all_kinds, offload_tiers=options.offload_tiers,
         min_microbatch=options.min_microbatch,
         memory_reserve=options.memory_reserve,
     )
@@ -164,7 +168,7 @@ def to_plan(choice: PlanChoice, layers: Layers, cluster: Cluster, bound_ratio: f
             data_parallel=s.dp, tensor_parallel=s.tp, batch_share=share, forward_s=s.forward_s, backward_s=s.backward_s,
             send_s=s.send_s, sync_s=s.sync_s + choice.cross_sync_s, optimizer_s=s.optimizer_s, memory_bytes=s.memory_bytes,
             memory_capacity=s.memory_capacity, replica=s.replica, chunk=position // per_replica,
-            remat="full" if s.remat else "", zero=s.zero,
+            remat="full" if s.remat else "", zero=s.zero, offload=s.offload,
         ))
     return Plan(
         tuple(stages), choice.num_microbatches, layers.num_layers, cluster.describe(), choice.schedule,

@@ -28,7 +28,7 @@ def decisions(plan: Plan, dots_bytes: dict[int, float] | None = None) -> Decisio
     dots_bytes = dots_bytes or {}
     stages = tuple(
         StageDecision(s.group or s.device_type, *_mesh(s), s.layer_start, s.layer_end, s.remat, s.zero, s.replica,
-                      dots_bytes.get(s.index, 0.0))
+                      dots_bytes.get(s.index, 0.0), s.offload)
         for s in plan.stages
     )
     batch = plan.replica_batch or (plan.cost_inputs.batch_size,)
@@ -63,7 +63,7 @@ def priced(plan: Plan, dots_bytes: dict[int, float] | None = None) -> Plan:
     stages = tuple(
         replace(s, forward_s=c.forward_s, backward_s=c.backward_s, send_s=c.send_s, sync_s=c.sync_s,
                 optimizer_s=c.optimizer_s, predicted_time_s=m * (c.forward_s + c.backward_s),
-                memory_bytes=int(c.group_memory_bytes), memory_capacity=c.capacity)
+                memory_bytes=int(c.group_memory_bytes), memory_capacity=c.capacity, host_bytes=int(c.group_host_bytes))
         for s, c in zip(plan.stages, cost.stages)
     )
     return replace(plan, stages=stages, predicted_step_time_s=cost.step_s, model_flops=cost.model_flops,
@@ -74,7 +74,7 @@ def unpriced(plan: Plan) -> Plan:
     """`plan` with every predicted figure cleared: what a plan without cost inputs
     honestly says."""
     stages = tuple(replace(s, forward_s=0.0, backward_s=0.0, send_s=0.0, sync_s=0.0, optimizer_s=0.0, predicted_time_s=0.0,
-                           memory_bytes=0) for s in plan.stages)
+                           memory_bytes=0, host_bytes=0) for s in plan.stages)
     return replace(plan, stages=stages, predicted_step_time_s=0.0)
 
 
@@ -84,6 +84,14 @@ def fit_problems(plan: Plan, cost: PlanCost) -> list[str]:
     seen: set[tuple[int, ...]] = set()
     for p in cost.overflows():
         s, c = plan.stages[p], cost.stages[p]
+        if not c.fits_host:
+            out.append(f"stage {s.index} keeps {_bytes(c.group_host_bytes)} of optimizer state per device in host memory, "
+                       f"and each {s.device_type}'s share of its node's host memory is {_bytes(c.host_capacity)}"
+                       + ("" if c.host_capacity else " (unknown: give host_memory_gib in the cluster file's group)")
+                       + "; to fit: more host memory (host_memory_gib), ZeRO over more data-parallel devices (each keeps "
+                       "its share), or offload fewer stages (StageOption.offload=None lets the planner choose)")
+        if c.fits_device:
+            continue
         if s.device_ids in seen:
             continue
         seen.add(s.device_ids)
@@ -95,6 +103,10 @@ def fit_problems(plan: Plan, cost: PlanCost) -> list[str]:
         out.append(f"{who} needs {c.group_memory_bytes / 2**30:.2f} GiB per {s.device_type}, which has {memory / 2**30:.0f} GiB "
                    f"({c.capacity / 2**30:.2f} GiB to use beside XLA's workspace{_client_share(plan, kind, c)}): {parts} GiB")
     return out
+
+
+def _bytes(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.3g} MiB"
 
 
 def _client_share(plan: Plan, kind, cost) -> str:  # noqa: ANN001

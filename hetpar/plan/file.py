@@ -17,6 +17,7 @@ from hetpar.plan.costs import priced
 from hetpar.plan.model import ClusterGroup, Plan, ProgramSignature, StagePlan
 from hetpar.plan.schema import PLAN_VERSION, check_plan_json
 from solver import schedules
+from solver.memory import OFFLOAD_TIERS
 from solver.cost.problem import Problem
 from solver.cost.estimate import ESTIMATOR_VERSION
 
@@ -135,6 +136,13 @@ def _check_shardings(stage: StagePlan, label: str) -> None:
                             f"over this stage's axes {sorted(axes)}")
     if stage.zero not in (0, 1, 2, 3):
         raise PlanError(f"{label}: zero is {stage.zero!r}; the ZeRO stage is 0 (replicated state), 1, 2 or 3")
+    if stage.offload not in OFFLOAD_TIERS:
+        raise PlanError(f"{label}: offload is {stage.offload!r}; use one of {', '.join(repr(t) for t in OFFLOAD_TIERS)}")
+    if stage.offloaded and stage.offload != "host":
+        raise PlanError(f"{label}: the stage lists values kept in host memory (offloaded) but offload is {stage.offload!r}; "
+                        "set offload to \"host\" or drop offloaded")
+    if any(len(pair) != 2 or not all(isinstance(v, int) and v >= 0 for v in pair) for pair in stage.offloaded):
+        raise PlanError(f"{label}: offloaded lists [state value id, new state value id] pairs of non-negative integers")
     if stage.gathered and stage.zero != 3:
         raise PlanError(f"{label}: the stage lists parameters to gather (gathered) but zero is {stage.zero}; only ZeRO-3 "
                         f"stores parameters sharded: set zero to 3 or drop gathered")

@@ -64,6 +64,13 @@ class StagePlan:
     # its inputs); "dots" keeps matmul results without batch dimensions, as
     # jax.checkpoint_policies.dots_with_no_batch_dims_saveable does.
     remat: str = ""
+    # Where the stage keeps its optimizer state between steps (solver.memory.OFFLOAD_TIERS):
+    # "" on its devices; "host" in host memory (JAX's pinned_host memory kind), moved to the
+    # devices for the update and the new state back. `offloaded` lists the values so kept:
+    # (value id of the state the step reads, value id of the new state it returns).
+    offload: str = ""
+    offloaded: tuple[tuple[int, int], ...] = ()
+    host_bytes: int = 0  # predicted host memory per device (offloaded state), all chunks of its device group
 
     @property
     def num_layers(self) -> int:

@@ -79,6 +79,9 @@ class StageSchema(_Strict):
     zero: Annotated[int, Field(ge=0, le=3)] = 0  # ZeRO stage over the data axis
     gathered: tuple[tuple[Count, Spec], ...] = ()  # ZeRO-3: (value id, PartitionSpec while in use)
     remat: Literal["", "full", "dots"] = ""
+    offload: Literal["", "host"] = ""  # where the optimizer state lives between steps
+    offloaded: tuple[tuple[Count, Count], ...] = ()  # (state value id read, new state value id returned)
+    host_bytes: Count = 0
 
     @model_validator(mode="after")
     def _shape(self) -> "StageSchema":
@@ -91,6 +94,9 @@ class StageSchema(_Strict):
             )
         if len(set(self.device_ids)) != len(self.device_ids):
             raise ValueError("device_ids names a device twice")
+        if self.offloaded and self.offload != "host":
+            raise ValueError(f"the stage lists values kept in host memory (offloaded) but offload is {self.offload!r}; "
+                             "set offload to \"host\" or drop offloaded")
         return self
 
 

@@ -18,7 +18,7 @@ from hetpar.plan import Plan
 from hetpar.predict.programs import ProgramEstimate, share
 from hetpar.compile.compiled import CompiledStep
 from hetpar.trace.microbatch import input_roles
-from solver.memory import StageActivations, in_flight, sharded_state, stage_memory as device_memory
+from solver.memory import StageActivations, in_flight, offloaded, sharded_state, stage_memory as device_memory
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,8 @@ def stage_memory(
         opt = sum(graph.nbytes(v) for v in reads if roles.get(v) == "optimizer_state") / tp
         grads = sum(graph.nbytes(v) for p, _ in programs if p.task.per_microbatch for v in p.task.reductions) / tp
         state = sharded_state(params, grads, opt, stage.data_parallel or k, stage.zero)
+        if stage.offload:  # the optimizer state in host memory: on the devices one array of it at a time, in the update
+            state = offloaded(state, stage.offload, max((graph.nbytes(v) for v, _ in stage.offloaded), default=0) / tp)
         forward = [p for p, _ in programs if p.task.kind == "fwd"]
         backward = {v for p, _ in programs if p.task.kind == "bwd" for v in p.task.inputs}
         kept = [v for p in forward for v in p.task.outputs if v in backward]

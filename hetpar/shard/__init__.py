@@ -14,7 +14,7 @@ from hetpar.options import ShardingOption
 from hetpar.plan import Plan, StagePlan
 from hetpar.plan.costs import estimate_plan
 from hetpar.shard.strategies import AXES, Spec, tensor_parallel, to_source, stage_problem
-from hetpar.shard.zero import apply_zero, stage_params, zero_items
+from hetpar.shard.zero import apply_zero, offloaded_state, stage_params, zero_items
 from hetpar.trace.flops import op_costs
 from hetpar.trace.layers import Layers, compute_dtype
 from hetpar.trace.traced_step import TracedStep
@@ -50,8 +50,9 @@ def shard_stages(traced: TracedStep, layers: Layers, plan: Plan, option: Shardin
         mesh = mesh_axes(stage)
         specs, _, operands = solver.solve(stage, mesh) if tensor_parallel(mesh) else ({}, 0.0, {})
         specs, zero, gathered = _zero(traced, layers, plan, stage, specs, mesh, option, solver.link(stage))
+        kept = offloaded_state(traced, plan, stage) if stage.offload else ()
         stages.append(replace(stage, shardings=tuple(sorted(specs.items())), operand_shardings=tuple(sorted(operands.items())),
-                              zero=zero, gathered=tuple(sorted(gathered.items()))))
+                              zero=zero, gathered=tuple(sorted(gathered.items())), offloaded=kept))
     return replace(plan, stages=tuple(stages))
 
 
@@ -72,8 +73,10 @@ def _zero(traced: TracedStep, layers: Layers, plan: Plan, stage: StagePlan, spec
         if not stage.memory_capacity:
             return specs, 0, {}
         budget = memory_share(stage, plan) - kept_bytes(plan, stage)
-        levels = choose_zero(zero_items(traced, params, specs, mesh), dp, Topology(1, dp, link, link),
-                             plan.num_microbatches, budget)
+        items = zero_items(traced, params, specs, mesh)
+        if stage.offload:  # the optimizer state lives in host memory: ZeRO frees no device memory of it
+            items = [replace(item, opt_bytes=0.0) for item in items]
+        levels = choose_zero(items, dp, Topology(1, dp, link, link), plan.num_microbatches, budget)
     specs, zero, gathered = apply_zero(traced, params, levels, specs, dp)
     if zero:
         log.info("stage %d: ZeRO-%d over its %d-way data axis (%d of %d parameters sharded)", stage.index, zero, dp,
@@ -111,11 +114,12 @@ def matmul_speed(device_type_name: str, dtype: str) -> tuple[float, float]:
     return spec.sustained_matmul_flops(dtype), spec.matmul_half_flops
 
 
-def state_factor(zero: int, dp: int) -> float:
+def state_factor(zero: int, dp: int, offload: str = "") -> float:
     """Bytes of parameter, gradient and Adam state per parameter byte that a device of
     a `dp`-wide data axis holds at ZeRO stage `zero` (solver.memory's split): what
-    the sharding ILP charges each weight byte against the stage's memory budget."""
-    held = sharded_state(1.0, 1.0, 2.0, dp, zero)
+    the sharding ILP charges each weight byte against the stage's memory budget. A
+    stage that keeps its optimizer state in host memory (`offload`) holds none of it."""
+    held = sharded_state(1.0, 1.0, 0.0 if offload else 2.0, dp, zero)
     return held.parameters + held.gradients + held.optimizer_state
 
 
@@ -201,11 +205,11 @@ class _StageSolver:
         sustained, half = self.speed(stage)
         link = self.link(stage)
         zero = self.option.zero if self.option.zero is not None else stage.zero
-        factor = state_factor(zero, mesh.get("data", 1))
+        factor = state_factor(zero, mesh.get("data", 1), stage.offload)
         build = lambda budget: stage_problem(traced.full, ops, batch_free, mesh, sustained, link,  # noqa: E731
                                              budget, factor, batch_axis=traced.analysis.batch_axis,
                                              op_layer=self.layers.op_layer,
-                                             data_state_factor=state_factor(0, mesh.get("data", 1)),
+                                             data_state_factor=state_factor(0, mesh.get("data", 1), stage.offload),
                                              matmul_half_flops=half)
         problem = build(None)
         if problem is None:

@@ -169,6 +169,18 @@ def apply_zero(traced: TracedStep, params: list[ParamState], levels: list[int], 
     return specs, top, gathered
 
 
+def offloaded_state(traced: TracedStep, plan, stage) -> tuple[tuple[int, int], ...]:  # noqa: ANN001 (hetpar.plan types)
+    """Host offload of `stage` (a StagePlan of `plan`): its parameters' optimizer state,
+    found as ZeRO finds it (`stage_params`), each as (the state the step reads, the
+    new state it returns in its place), the pairs the stage's programs keep in host
+    memory between steps."""
+    graph = traced.full
+    params = stage_params(traced, plan.stage_of_operators(stage.replica), stage.index)
+    new_of = {old: new for new, old in zip(graph.outvars, graph.invars)
+              if getattr(graph.avals[new], "shape", None) == graph.avals[old].shape}
+    return tuple(sorted((o, new_of[o]) for p in params for o in p.opt if o in new_of and new_of[o] not in graph.invars))
+
+
 def to_value(spec: Spec, dims: tuple[int, ...], ndim: int) -> Spec:
     """A parameter's layout carried to a value whose dimension dims[i] is its i."""
     out: list[str | None] = [None] * ndim

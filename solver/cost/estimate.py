@@ -20,7 +20,7 @@ from functools import cached_property
 
 import numpy as np
 
-from solver.memory import DeviceMemory, in_flight
+from solver.memory import OFFLOAD_TIERS, DeviceMemory, in_flight
 from solver.pipeline_sim import MAX_SIMULATED_MICROBATCHES, Simulation, pipeline_time, simulate, step_time
 from solver.cost.problem import PlanningError, Problem
 from solver.cost.stage_costs import StageConfig, StageCosts
@@ -45,6 +45,7 @@ class StageDecision:
     zero: int = 0
     replica: int = 0
     dots_bytes: float = 0.0  # per example: the matmul results a "dots" stage keeps besides its input
+    offload: str = ""  # where its optimizer state lives between steps: "" its devices, "host" host memory
 
     @property
     def devices(self) -> int:
@@ -77,14 +78,24 @@ class StageCost:
     capacity: int  # bytes a device may use (its memory less the problem's reserve)
     group_memory_bytes: float  # per device of the stage's device group: all its chunks together
     overlapped_s: float = 0.0  # the step's gradient reduction hidden under the last backward (not in sync_s)
+    group_host_bytes: float = 0.0  # host memory per device of the device group (offloaded state), all chunks
+    host_capacity: float = 0.0  # host memory a device may fill (its share of its node's); 0: unknown
 
     @property
     def times(self) -> StageTimes:
         return StageTimes(self.forward_s, self.backward_s, self.send_s, self.sync_s, self.optimizer_s, self.overlapped_s)
 
     @property
-    def fits(self) -> bool:
+    def fits_device(self) -> bool:
         return self.group_memory_bytes <= self.capacity
+
+    @property
+    def fits_host(self) -> bool:
+        return self.group_host_bytes <= self.host_capacity if self.group_host_bytes else True
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_device and self.fits_host
 
 
 @dataclass(frozen=True)
@@ -175,18 +186,20 @@ def estimate(problem: Problem, decisions: Decisions, costs: StageCosts | None = 
         raw = []
         for p, (s, cfg) in enumerate(zip(stages, configs)):
             held = in_flight(d.schedule, m, p, n, d.chunks)
-            v = costs.variant(cfg, b, held, p == n - 1, s.zero, s.remat, s.dots_bytes)
+            v = costs.variant(cfg, b, held, p == n - 1, s.zero, s.remat, s.dots_bytes, s.offload)
             i, j = s.layer_start, s.layer_end
             at = lambda x: float(np.broadcast_to(x, v.forward.shape)[i, j])  # noqa: E731
             send = float(costs.sends(cfg, configs[p + 1], b)[j]) if p + 1 < n else 0.0
             memory = DeviceMemory(at(v.memory.parameters), at(v.memory.gradients), at(v.memory.optimizer_state),
-                                  at(v.memory.activations), at(v.memory.workspace))
+                                  at(v.memory.activations), at(v.memory.workspace), at(v.memory.host))
             raw.append((s, at(v.forward), at(v.backward), send, at(v.sync), at(v.tail) - at(v.sync), memory,
                         costs.capacity(s.kind), at(v.hidden)))
         group_total = [sum(raw[q][6].total for q in range(g, n, groups)) for g in range(groups)]
+        group_host = [sum(raw[q][6].host for q in range(g, n, groups)) for g in range(groups)]
         raw = _blocking_sends(problem, raw)
         for p, (s, fwd, bwd, send, sync, opt, memory, capacity, hidden) in enumerate(raw):
-            priced[index[id(s)]] = StageCost(fwd, bwd, send, sync + cross, opt, memory, capacity, group_total[p % groups], hidden)
+            priced[index[id(s)]] = StageCost(fwd, bwd, send, sync + cross, opt, memory, capacity, group_total[p % groups], hidden,
+                                             group_host[p % groups], costs.host_capacity(s.kind))
     stage_costs = tuple(c for c in priced if c is not None)  # every stage: each replica's were priced
     per_replica = [[c.times for c, s in zip(stage_costs, d.stages) if s.replica == r] for r in range(len(d.replica_batch))]
     closed = max(pipeline_time(t, m, d.schedule, d.chunks) for t in per_replica)
@@ -239,6 +252,10 @@ def _check(problem: Problem, d: Decisions) -> None:
             raise PlanningError(f"stage {i} runs on {s.kind!r}, which the cost model does not know; known: {', '.join(sorted(known))}")
         if not 0 <= s.replica < len(d.replica_batch):
             raise PlanningError(f"stage {i} belongs to replica {s.replica}; the plan has {len(d.replica_batch)} replica(s)")
+        if s.offload not in OFFLOAD_TIERS:
+            raise PlanningError(f"stage {i} offloads to {s.offload!r}; use one of {', '.join(repr(t) for t in OFFLOAD_TIERS)}")
+        if s.offload and not problem.training:
+            raise PlanningError(f"stage {i} offloads its optimizer state, but the function has no update (no optimizer state)")
         if not 0 <= s.layer_start < s.layer_end <= len(problem.layers):
             raise PlanningError(f"stage {i} holds layers {s.layer_start}..{s.layer_end - 1}; the model has {len(problem.layers)}")
     for r, examples in enumerate(d.replica_batch):

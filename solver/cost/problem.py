@@ -70,6 +70,12 @@ class DeviceKind:
     # what one process keeps of that beside the arrays (runtime context, library workspaces).
     memory_fraction: float = 1.0
     process_reserve_bytes: float = 0.0
+    # The link between one device and its host's memory (PCIe): what an offloaded optimizer state
+    # crosses every step (`shared`: the node's host memory, all its devices' copies together).
+    host_link: LinkCost = LinkCost(25e9, 10e-6)
+    # Host memory per device (the node's divided among its devices) for offloaded state; 0: unknown,
+    # and nothing is offloaded to it.
+    host_memory_bytes: float = 0.0
 
     @property
     def usable_bytes(self) -> float:
@@ -123,6 +129,10 @@ class Problem:
     layer_checkpoints: bool = False
     force_remat: bool = False  # every stage recomputes its forward in the backward (Megatron's full recomputation)
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)  # ZeRO stages a data-parallel stage may use (solver.memory.ZERO_STAGES)
+    # Where a stage may keep its optimizer state (solver.memory.OFFLOAD_TIERS): "" on its devices,
+    # "host" in host memory. The planner offloads only a range that fits no other way (offloading
+    # only adds time); ("host",) forces it on every stage.
+    offload_tiers: tuple[str, ...] = ("", "host")
     allow_replicas: bool = True  # pipelines of different kinds side by side, splitting the batch
     use_all_kinds: bool = False  # only plans that give every kind work
     min_examples: int = 1  # per microbatch on each data-parallel device
@@ -157,5 +167,8 @@ class Problem:
             raise PlanningError(f"chunk counts must be positive, got {self.chunks}")
         if bad := [z for z in self.zero_stages if z not in (0, 1, 2, 3)]:
             raise PlanningError(f"unknown ZeRO stage {bad[0]}; use 0 (replicated), 1 (optimizer state sharded), 2 (+ gradients) or 3 (+ parameters)")
+        if bad := [t for t in self.offload_tiers if t not in ("", "host")] or not self.offload_tiers:
+            raise PlanningError(f"unknown offload tier {bad[0] if bad else None!r}; use '' (optimizer state on the devices) "
+                                "or 'host' (in host memory)")
         if not self.microbatch_counts():
             raise PlanningError(f"none of the microbatch counts {self.microbatches} divides the batch of {self.batch_size}")

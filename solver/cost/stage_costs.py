@@ -19,7 +19,8 @@ import numpy as np
 
 from solver.collectives import Topology, best, fastest_times
 from solver.efficiency import matmul_rate
-from solver.memory import DeviceMemory, StageActivations, in_flight, model_split_bytes, sharded_state, stage_memory
+from solver.memory import (OFFLOAD_TIERS, DeviceMemory, StageActivations, in_flight, model_split_bytes, offloaded,
+                           sharded_state, stage_memory)
 from solver.cost.problem import DeviceKind, Problem
 from solver.zero import zero_time
 
@@ -77,6 +78,7 @@ class StageTable:
     sync: np.ndarray
     capacity: int
     zero: np.ndarray | None = None  # int: the range's ZeRO stage; None: 0 everywhere
+    offload: np.ndarray | None = None  # int: the range's place in solver.memory.OFFLOAD_TIERS; None: "" everywhere
 
     @cached_property
     def time(self) -> np.ndarray:
@@ -151,6 +153,31 @@ class StageCosts:
         choosing ZeRO and recomputation."""
         return self._tables(cfg, b, in_flight, last, m)
 
+    def may_offload(self, kind: DeviceKind) -> bool:
+        """Whether a stage of `kind` may keep its optimizer state in host memory: the
+        problem allows it, there is state to keep, and the host's memory is known."""
+        return "host" in self.problem.offload_tiers and self.problem.training and kind.host_memory_bytes > 0
+
+    def offload_tiers(self, cfg: StageConfig) -> list[str]:
+        """Where the stage's optimizer state may live (solver.memory.OFFLOAD_TIERS)."""
+        tiers = [t for t in self.problem.offload_tiers if t == "" or self.problem.training]
+        return tiers or [""]
+
+    def host_capacity(self, kind: str) -> float:
+        """Host memory a device of `kind` may fill with offloaded state (its share of its
+        node's); 0 where unknown."""
+        return float(self.kinds[kind].host_memory_bytes)
+
+    def host_transfer_s(self, cfg: StageConfig, nbytes: np.ndarray | float) -> np.ndarray | float:
+        """Seconds to stream `nbytes` of offloaded state per device to the device and the
+        updated state back, every step: each byte crosses the host link once each way,
+        the two directions at once (PCIe is full duplex), the node's devices sharing
+        its host memory. Not hidden under the update's compute: the update waits for
+        its state."""
+        kind = self.kinds[cfg.kind]
+        link = kind.host_link.per_flow(min(cfg.devices, kind.devices_per_node))
+        return link.latency + np.asarray(nbytes, dtype=float) / link.bandwidth
+
     def capacity(self, kind: str) -> int:
         """Bytes a stage may use on each device: what the JAX client leaves a
         process's arrays (`DeviceKind.usable_bytes`) less the problem's reserve."""
@@ -183,6 +210,7 @@ class StageCosts:
         shard = per_device / cfg.tp  # activations split over tensor-parallel devices too (sequence parallel)
         params = self.tp_params(cfg.tp)
         state = self._state(params, cfg.dp, max(self.zero_stages(cfg)))
+        held = state.state - (state.optimizer_state if self.may_offload(kind) else 0.0)  # the least on the device
         trains = float(self.problem.training)  # a forward-only function has no backward
         # memory-bound operators: their bytes, split like the activations where tensor parallelism splits them
         streaming = per_device * (self.elementwise_split / cfg.tp + 1 - self.elementwise_split) / kind.memory_bandwidth
@@ -190,7 +218,7 @@ class StageCosts:
             forward=self.fwd_flops * per_device / speed + tp_comm + kind.layer_overhead_s / 3 + self.elementwise * streaming,
             backward=trains * ((self.flops - self.fwd_flops + self.recompute_flops) * per_device / bwd_speed + tp_comm
                                + 2 * kind.layer_overhead_s / 3 + self.bwd_elementwise * streaming),
-            state=state.state,
+            state=held,
             saved=self.saved * shard,
             inputs=self.inputs * shard,
             recomputed=self.recomputed * shard,
@@ -214,28 +242,48 @@ class StageCosts:
         remats = ["full"] if p.force_remat else [""] + (["full"] if p.allow_remat else [])  # large runs recompute always
         shape = (self.n + 1, self.n + 1)
         best = np.full(shape, INF)
-        out = {name: np.zeros(shape) for name in ("forward", "backward", "memory", "tail", "sync", "zero", "remat")}
-        for zero in self.zero_stages(cfg):
-            for remat in remats:
-                v = self.variant(cfg, b, held, last, zero, remat)
-                cost = np.where(v.memory.total <= capacity, m * (v.forward + v.backward) + v.tail, INF)
-                better = cost < best
-                best = np.where(better, cost, best)
-                for name, value in (("forward", v.forward), ("backward", v.backward), ("memory", v.memory.total),
-                                    ("tail", v.tail), ("sync", v.sync), ("zero", zero), ("remat", bool(remat))):
-                    out[name] = np.where(better, value, out[name])
+        out = {name: np.zeros(shape) for name in ("forward", "backward", "memory", "tail", "sync", "zero", "remat", "offload")}
+        upper = np.triu(np.ones(shape, dtype=bool), k=1)
+        for offload in self.offload_tiers(cfg):
+            # Offloading only adds time: it is tried where some range fits no other way.
+            host = self.host_capacity(cfg.kind)
+            if offload and (not host or "" in self.problem.offload_tiers and (best[upper] < INF).all()):
+                continue
+            for zero in self.zero_stages(cfg):
+                for remat in remats:
+                    v = self.variant(cfg, b, held, last, zero, remat, offload=offload)
+                    fits = (v.memory.total <= capacity) & (np.asarray(v.memory.host) <= host if offload else True)
+                    cost = np.where(fits, m * (v.forward + v.backward) + v.tail, INF)
+                    better = cost < best
+                    best = np.where(better, cost, best)
+                    for name, value in (("forward", v.forward), ("backward", v.backward), ("memory", v.memory.total),
+                                        ("tail", v.tail), ("sync", v.sync), ("zero", zero), ("remat", bool(remat)),
+                                        ("offload", OFFLOAD_TIERS.index(offload))):
+                        out[name] = np.where(better, value, out[name])
         ok = np.triu(best < INF, k=1)
         return StageTable(np.where(ok, out["forward"], INF), np.where(ok, out["backward"], INF), (out["remat"] > 0) & ok,
-                          out["memory"], out["tail"], out["sync"], capacity, out["zero"].astype(int))
+                          out["memory"], out["tail"], out["sync"], capacity, out["zero"].astype(int), out["offload"].astype(int))
 
     def variant(self, cfg: StageConfig, b: int, held: int, last: bool, zero: int, remat: str,
-                dots: float = 0.0) -> StageVariant:
+                dots: float = 0.0, offload: str = "") -> StageVariant:
         """Stage `cfg` on microbatches of `b` examples holding `held` of them, under one
         ZeRO stage and recomputation policy, for every layer range: what the planner's
         tables choose among and what the estimator (`solver.cost.estimate`) reads for a
         plan whose choices are made. One function, so the two cannot disagree.
         `dots`: per example, the matmul results a "dots" policy keeps besides the
-        stage's input (the planner never chooses it; a user may)."""
+        stage's input (the planner never chooses it; a user may). `offload` "host": the
+        optimizer state lives in host memory (`solver.memory.offloaded`) and the tail
+        streams it in and out (`host_transfer_s`)."""
+        v = self._variant(cfg, b, held, last, zero, remat, dots)
+        if not offload:
+            return v
+        opt_bytes = v.memory.optimizer_state
+        per_layer = self._params_max(cfg.tp) * max(self.problem.state_factor - 2, 0.0) / (cfg.dp if zero >= 1 else 1)
+        return StageVariant(v.forward, v.backward, offloaded(v.memory, offload, per_layer),
+                            v.tail + self.host_transfer_s(cfg, opt_bytes), v.sync, v.hidden)
+
+    def _variant(self, cfg: StageConfig, b: int, held: int, last: bool, zero: int, remat: str,
+                 dots: float = 0.0) -> StageVariant:
         f, bw, saved, grads = self._ranges(cfg, b)
         inputs = np.broadcast_to((self.inputs * (b / cfg.dp / cfg.tp)).tolist() + [0.0], f.shape).T  # a stage keeps its own input
         shard = b / cfg.dp / cfg.tp  # activations split over all the stage's devices

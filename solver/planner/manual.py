@@ -116,7 +116,8 @@ def choice_of(problem: Problem, cost: PlanCost) -> PlanChoice:
     d = cost.decisions
     stages = tuple(
         StageChoice(s.kind, s.dp, s.tp, s.layer_start, s.layer_end, bool(s.remat), c.forward_s, c.backward_s, c.send_s,
-                    c.sync_s - cost.cross_sync_s, c.optimizer_s, int(c.group_memory_bytes), c.capacity, s.replica, s.zero)
+                    c.sync_s - cost.cross_sync_s, c.optimizer_s, int(c.group_memory_bytes), c.capacity, s.replica, s.zero,
+                    s.offload)
         for s, c in zip(d.stages, cost.stages)
     )
     return PlanChoice(stages, d.num_microbatches, d.schedule, cost.step_s, d.replica_batch, cost.cross_sync_s,

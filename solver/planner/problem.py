@@ -29,6 +29,7 @@ class StageChoice:
     memory_capacity: int
     replica: int = 0
     zero: int = 0  # ZeRO stage over the data-parallel devices (solver.memory)
+    offload: str = ""  # where its optimizer state lives: "" its devices, "host" host memory (solver.memory.OFFLOAD_TIERS)
 
     @property
     def devices(self) -> int:
@@ -70,7 +71,7 @@ class PlanChoice:
         for r, share in enumerate(self.replica_batch):
             stages = [s for s in self.stages if s.replica == r]
             body = " | ".join(
-                f"{s.kind} dp{s.dp}tp{s.tp} L{s.layer_start}-{s.layer_end - 1}{' remat' if s.remat else ''}{f' zero{s.zero}' if s.zero else ''}" for s in stages
+                f"{s.kind} dp{s.dp}tp{s.tp} L{s.layer_start}-{s.layer_end - 1}{' remat' if s.remat else ''}{f' zero{s.zero}' if s.zero else ''}{f' offload:{s.offload}' if s.offload else ''}" for s in stages
             )
             parts.append(f"[{share} ex] {body}" if len(self.replica_batch) > 1 else body)
         schedule = f"{self.schedule} x{self.chunks}" if self.chunks > 1 else self.schedule

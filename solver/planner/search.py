@@ -44,6 +44,7 @@ from solver.planner.layer_split import best_split, score
 from solver.planner.problem import PlanChoice, PlanningError, Problem, SearchResult, StageChoice
 from solver.cost.stage_costs import INF, StageConfig, StageCosts, in_flight
 from solver.cost.problem import memory_note
+from solver.memory import OFFLOAD_TIERS
 from solver.planner.step import rank
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,7 @@ class Planner:
                 c.kind, c.dp, c.tp, i, j, bool(t.remat[i, j]), float(t.forward[i, j]), float(t.backward[i, j]),
                 float(sends[p][j]) if p < len(sends) else 0.0, float(t.sync[i, j]), float(t.tail[i, j] - t.sync[i, j]),
                 int(t.memory[i, j]), t.capacity, zero=int(t.zero[i, j]) if t.zero is not None else 0,
+                offload=OFFLOAD_TIERS[int(t.offload[i, j])] if t.offload is not None else "",
             )
             for p, (c, t, (i, j)) in enumerate(zip(configs, tables, bounds))
         )
@@ -346,12 +348,18 @@ class Planner:
         blocked = self._why_no_shape_runs()
         if blocked:
             return blocked
-        need = float(self.costs.params.sum()) * p.state_factor
+        offload = all(self.costs.may_offload(k) for k in p.kinds)  # the optimizer state may go to host memory
+        need = float(self.costs.params.sum()) * (2.0 if offload else p.state_factor)
         have = sum(k.count * k.usable_bytes * (1 - p.memory_reserve) for k in p.kinds)
         gib = 2**30
         if need > have:
             notes = "".join(f" ({n})" for n in (memory_note(k) for k in p.kinds) if n)
-            return (f"no plan fits: parameters, gradients and optimizer state need {need / gib:.1f} GiB and the cluster has "
+            held = "parameters and gradients (the optimizer state in host memory)" if offload else \
+                "parameters, gradients and optimizer state"
+            if not offload and "host" in p.offload_tiers:
+                notes += ("; with host_memory_gib in the cluster file's groups the optimizer state could be kept in host "
+                          "memory") if not any(k.host_memory_bytes for k in p.kinds) else ""
+            return (f"no plan fits: {held} need {need / gib:.1f} GiB and the cluster has "
                     f"{have / gib:.1f} GiB in all{notes}; add devices (at least {math.ceil(need / have * sum(k.count for k in p.kinds))} "
                     "like these in all) or use a smaller model")
         fixes = []

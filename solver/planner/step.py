@@ -22,7 +22,8 @@ from solver.schedules import StageTimes
 def decisions(choice: PlanChoice) -> Decisions:
     """What a planner's choice decides, as the estimator reads it."""
     return Decisions(
-        tuple(StageDecision(s.kind, s.dp, s.tp, s.layer_start, s.layer_end, "full" if s.remat else "", s.zero, s.replica)
+        tuple(StageDecision(s.kind, s.dp, s.tp, s.layer_start, s.layer_end, "full" if s.remat else "", s.zero, s.replica,
+                            offload=s.offload)
               for s in choice.stages),
         choice.num_microbatches, choice.schedule, choice.replica_batch, choice.chunks,
     )
