@@ -59,6 +59,7 @@ class Measured:
     matmul_half_flops: float
     memory_bandwidth: float
     intra: LinkCost | None = None
+    shared_host: bool = False  # CPU virtual devices: one host's cores (solver DeviceKind.shared_host)
 
 
 def device_kinds(cluster: Cluster, dtype: str = "float32", layer_overhead_s: float = 50e-6,
@@ -78,7 +79,7 @@ def device_kinds(cluster: Cluster, dtype: str = "float32", layer_overhead_s: flo
             g.label, g.size, per_node, flops, spec.memory_bytes, bandwidth,
             intra, g.inter_cost() if g.size > per_node else intra, layer_overhead_s, spec.matmul_flops(dtype),
             half, measured=seen is not None, memory_fraction=g.client_memory().fraction,
-            process_reserve_bytes=spec.process_reserve_bytes,
+            process_reserve_bytes=spec.process_reserve_bytes, shared_host=seen is not None and seen.shared_host,
         ))
     return tuple(kinds)
 
