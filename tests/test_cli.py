@@ -44,11 +44,11 @@ def test_profile_calibrates_on_a_models_layers(tmp_path):
 
 def test_profile_layers_times_each_distinct_layer_of_a_step(tmp_path):
     path = tmp_path / "layers.json"
-    result = _hetpar("profile", "-o", str(path), "--cpu-devices", "2", "--layers", "mlp", "--microbatch-sizes", "1,2",
+    result = _hetpar("profile", "-o", str(path), "--cpu-devices", "2", "--layers", "mlp", "--microbatch-sizes", "2,4",
                      "--data-parallel", "1,2", "--rounds", "1", "--no-remat")
     records = Profile.load(path).layers
     assert records and {r.dp for r in records} == {1, 2} and all(r.device_kind == "cpu" for r in records)
-    assert all([p.examples for p in r.points] == [1, 2] and r.points[0].forward_s > 0 for r in records)
+    assert all([p.examples for p in r.points] == [2, 4] and r.points[0].forward_s > 0 for r in records)
     assert len({r.signature for r in records}) == len(records) // 2  # each distinct layer once per degree
     assert "layer " in result.stdout
 

@@ -152,12 +152,15 @@ def test_plans_and_show_say_which_layers_were_measured(workload, tmp_path, capsy
 
 
 def test_profiling_a_steps_layers_records_each_distinct_layer(workload):
-    records = measure_layers(workload.step, (workload.state, workload.batch), [0, 1], "cpu", examples=(1, 2),
+    with pytest.raises(HetparError, match="one example"):
+        measure_layers(workload.step, (workload.state, workload.batch), [0, 1], "cpu", examples=(1, 2), data_parallel=(1,))
+    records = measure_layers(workload.step, (workload.state, workload.batch), [0, 1], "cpu", examples=(2, 4),
                              data_parallel=(1, 2), num_layers=6, remat=True, rounds=1)
     assert len(records) == 6  # 3 distinct layers (embedding, block, head) x 2 data-parallel degrees
     assert {r.dp for r in records} == {1, 2} and all(r.shared_host and r.dtype == "float32" for r in records)
     for r in records:
-        assert [p.examples for p in r.points] == [1, 2]
+        assert [p.examples for p in r.points] == [2, 4]
+        assert r.program_s > 0 and r.once_programs >= 1
         assert all(p.forward_s > 0 and p.backward_s > 0 and p.once_s > 0 and p.peak_bytes > 0 for p in r.points)
     block = next(r for r in records if r.name == "Block_0" and r.dp == 1)
     assert all(p.backward_remat_s > 0 for p in block.points)

@@ -63,7 +63,7 @@ def parser() -> argparse.ArgumentParser:
         "examples per device on meshes of --data-parallel devices; `hetpar solve --profile` then prices those layers "
         "from the measurement",
     )
-    p.add_argument("--microbatch-sizes", default="1,2,4", help="with --layers: examples per device to time (default 1,2,4)")
+    p.add_argument("--microbatch-sizes", default="2,4,8", help="with --layers: examples per device to time (default 2,4,8)")
     p.add_argument("--data-parallel", default="1",
                    help="with --layers: data-parallel degrees to time each layer on, e.g. 1,2,4 (default 1)")
     p.add_argument("--no-remat", action="store_true", help="with --layers: skip the recomputing backward")

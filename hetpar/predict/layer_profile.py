@@ -163,6 +163,9 @@ def measure_layers(
     if bad := [d for d in data_parallel if not 0 < d <= len(device_ids)]:
         raise HetparError(f"cannot profile layers on {bad[0]} devices: {len(device_ids)} {device_kind} devices here; "
                           f"pass data-parallel degrees up to {len(device_ids)}")
+    if min(examples) * min(data_parallel) < 2:
+        raise HetparError("a microbatch of one example traces apart from larger ones (hetpar runs none): profile at "
+                          "least 2 examples per microbatch, e.g. --microbatch-sizes 2,4 on one device or 1,2 on two")
     shared = jax_devices(device_ids[:1])[0].platform == "cpu"
     layers: list[_Layer] = []
     for dp in dict.fromkeys(data_parallel):
@@ -204,7 +207,9 @@ def _layer_runs(fn: Callable, args: tuple, batch_argnum: int, device_ids: Sequen
     from hetpar.trace.layers import block_count, build_layers, compute_dtype
     from hetpar.trace.traced_step import trace_step
 
-    traced = trace_step(fn, with_batch(args, batch_argnum, examples * dp), batch_argnum, 1)
+    # Two microbatches of `examples * dp`: the per-microbatch programs run at that size, accumulating
+    # gradients as a pipeline's do (and a batch of one example would trace apart from larger ones).
+    traced = trace_step(fn, with_batch(args, batch_argnum, 2 * examples * dp), batch_argnum, 2)
     flops = [c.flops for c in op_costs(traced.full)]
     layers = build_layers(traced.full, traced.analysis, flops, num_layers or block_count(traced.full, traced.analysis, flops))
     signatures = layer_signatures(traced.full, traced.analysis, layers)

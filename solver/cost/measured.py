@@ -108,7 +108,3 @@ def lookup(measured: tuple[MeasuredLayer, ...], kind: str, layer: int, tp: int, 
                       None if rerun is None else max(0.0, rerun * scale - backward), max(0.0, once - record.once_programs * launch),
                       record.dp == dp, launch, record.once_programs)
 
-
-def measured_layers(measured: tuple[MeasuredLayer, ...], kind: str) -> list[int]:
-    """The layers measured on `kind` (any degree), sorted."""
-    return sorted({m.layer for m in measured if m.kind == kind})

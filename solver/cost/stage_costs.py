@@ -224,9 +224,13 @@ class StageCosts:
         each measured layer's own once-per-step time) and the gradient bytes the data
         axis still has to reduce (a layer measured on this data-parallel degree
         reduced its own in the measured time)."""
+        prices = self.measured(cfg, 1.0)
+        if not prices and not kind.shared_host:  # the roofline's alone, as every unprofiled plan is priced
+            grads = self._grads(cfg.tp)
+            return grads * self.problem.optimizer_traffic / kind.memory_bandwidth, grads
         params = self.tp_params(cfg.tp)
         once, unsynced, modelled = np.zeros(self.n), params.copy(), np.ones(self.n)
-        for layer, price in self.measured(cfg, 1.0).items():
+        for layer, price in prices.items():
             once[layer], modelled[layer] = price.once_s, 0.0
             if price.includes_sync:
                 unsynced[layer] = 0.0
