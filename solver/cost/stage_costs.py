@@ -133,6 +133,7 @@ class StageCosts:
         self.elementwise_split = np.array([layer.elementwise_split for layer in layers], dtype=float)
         self.kinds = {k.name: k for k in problem.kinds}
         self._tables = lru_cache(maxsize=None)(self._table)
+        self._measured = lru_cache(maxsize=None)(self._measured_uncached)
         self._ranges = lru_cache(maxsize=None)(self._ranges_uncached)
         self._params_max = lru_cache(maxsize=None)(lambda tp: _range_max(self.tp_params(tp)))
         self._grads = lru_cache(maxsize=None)(lambda tp: _span(_cumsum(self.tp_params(tp))))
@@ -209,9 +210,13 @@ class StageCosts:
 
     def measured(self, cfg: StageConfig, per_device: float) -> dict[int, LayerPrice]:
         """The layers `Problem.measured_layers` prices on this stage config, at
-        `per_device` examples per device and microbatch (solver.cost.measured)."""
+        `per_device` examples per device and microbatch (solver.cost.measured); cached,
+        as the search asks for the same stage many times."""
         if not self.problem.measured_layers:
             return {}
+        return self._measured(cfg, float(per_device))
+
+    def _measured_uncached(self, cfg: StageConfig, per_device: float) -> dict[int, LayerPrice]:
         out = {}
         for layer in range(self.n):
             price = lookup(self.problem.measured_layers, cfg.kind, layer, cfg.tp, cfg.dp, per_device)
