@@ -212,6 +212,7 @@ def parallelize(
     static_argnums: int | tuple[int, ...] | None = None,
     donate_argnums: int | tuple[int, ...] | None = None,
     like: ParallelFunction | None = None,
+    profile: str | Path | None = None,
 ) -> Any:
     """Parallelizes a train step `fn(state, batch)` over `cluster`.
 
@@ -233,6 +234,9 @@ def parallelize(
       2-D mesh, its operators sharded over it by the intra-op ILP; `(data, model,
       model2)`: a 3-axis mesh, where a matmul may be split over all three (3D tensor
       parallelism);
+    - `profile`: a `hetpar profile` file whose measured figures (device kinds, and with
+      `--layers` each distinct layer's times) price the plan where they apply: they
+      change which plan is chosen and its predicted figures, never how a plan runs;
     - `runtime="ray"`: every device group (its stages, and their chunks) in its own Ray
       actor (see `hetpar.init`).
 
@@ -270,6 +274,7 @@ def parallelize(
     stage, sharding, runtime_opt = build_options(
         stage_option, sharding_option, runtime_option, num_stages=num_stages, num_replicas=num_replicas,
         num_layers=num_layers, schedule=schedule, chunks=chunks, mesh_shape=mesh_shape, runtime=runtime,
+        profile=str(profile) if profile is not None else None,
     )
     options = Options(cluster=cluster, plan=plan, num_microbatches=num_microbatches, batch_argnum=batch_argnum,
                       stage=stage, sharding=sharding, runtime=runtime_opt,

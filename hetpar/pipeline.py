@@ -23,6 +23,7 @@ from hetpar.plan.costs import estimate_plan, fit_problems, priced, unpriced
 from hetpar.plan.manual import assign_replicas, assign_stages
 from hetpar.plan.model import Plan, Spec, StagePlan, runs
 from hetpar.plan.runnable import check_runnable, runnable_problems
+from hetpar.predict.layer_profile import dtype_policy, layer_signatures, problem_layers
 from hetpar.predict.profile import Profile
 from hetpar.shard import mesh_axes, shard_stages
 from hetpar.trace.fingerprint import differences, signature
@@ -78,6 +79,8 @@ def solve(traced: TracedStep, cluster: Cluster, stage_option: StageOption = Stag
     layers = layers_pass(traced, cluster, stage_option, auto)
     options = search_options(traced, stage_option, search_microbatches, zero=sharding_option.zero)
     inputs = problem_for(layers, cluster, traced.batch_size, tokens_per_example(traced), options)
+    if stage_option.profile:
+        inputs = with_measured_layers(inputs, traced, layers, cluster, Profile.load(stage_option.profile))
     plan = stage_pass(traced, layers, cluster, stage_option, sharding_option, auto, options, inputs)
     plan = replace(plan, operator_stages=_operator_stages(traced, layers, plan), cost_inputs=inputs)
     per_node = {g.label: g.devices_per_node or g.size for g in cluster.groups} if auto else None
@@ -286,9 +289,28 @@ def measured_devices(path: str) -> tuple[tuple[str, Measured], ...]:
     for name, entry in sorted(profile.devices.items()):
         c = entry.compute
         link = LinkCost(entry.allreduce_bandwidth, entry.allreduce_latency_s) if entry.allreduce_bandwidth > 0 else None
-        out.append((name, Measured(c.matmul_flops, c.half_flops, c.memory_bandwidth, link)))
+        out.append((name, Measured(c.matmul_flops, c.half_flops, c.memory_bandwidth, link, entry.shared_host)))
     log.info("priced with measured figures for %s (profile %s)", ", ".join(n for n, _ in out) or "no device", path)
     return tuple(out)
+
+
+def with_measured_layers(inputs: Problem, traced: TracedStep, layers: Layers, cluster: Cluster, profile: Profile) -> Problem:
+    """`inputs` with the layers `profile` measured (`hetpar profile --layers`) for this
+    step's layers (by signature and dtype) on the cluster's device kinds: the
+    estimator prices those from the measurement, the rest from the model. A kind
+    measured on a shared host (CPU virtual devices) is priced as one."""
+    if not profile.layers:
+        return inputs
+    flops = [c.flops for c in op_costs(traced.full)]
+    signatures = layer_signatures(traced.full, traced.analysis, layers)
+    measured = problem_layers(profile.layers, signatures, dtype_policy(compute_dtype(traced.full, flops)),
+                              [(g.label, g.type_name) for g in cluster.groups])
+    shared = {m.kind for m in measured if m.shared_host}
+    kinds = tuple(replace(k, shared_host=True) if k.name in shared else k for k in inputs.kinds)
+    for kind in inputs.kinds:
+        got = sorted({m.layer for m in measured if m.kind == kind.name})
+        log.info("%s: layers %s measured (profile), %d modelled", kind.name, got or "none", layers.num_layers - len(got))
+    return replace(inputs, kinds=kinds, measured_layers=measured)
 
 
 def tokens_per_example(traced: TracedStep) -> int:

@@ -32,7 +32,7 @@ def test_profile_writes_a_profile_the_predictor_reads(tmp_path):
 
 def test_profile_calibrates_on_a_models_layers(tmp_path):
     path = tmp_path / "profile.json"
-    result = _hetpar("profile", "-o", str(path), "--cpu-devices", "2", "--model", "mlp", "--batch-sizes", "8", "--layers", "2",
+    result = _hetpar("profile", "-o", str(path), "--cpu-devices", "2", "--model", "mlp", "--batch-sizes", "8", "--num-layers", "2",
                      "--mesh-sizes", "1")
     assert "calibrated on" in result.stdout and "on 1 devices" in result.stdout
     cpu = json.loads(path.read_text())["devices"]["cpu"]
@@ -40,6 +40,17 @@ def test_profile_calibrates_on_a_models_layers(tmp_path):
     (size, one), = cpu["meshes"]  # the 1-device mesh, calibrated on the layers too
     assert size == 1 and one["calibrated"] and one["matmul_flops"] > 0
     assert Profile.load(path).devices["cpu"].model_for(1) == ComputeModel(**one)
+
+
+def test_profile_layers_times_each_distinct_layer_of_a_step(tmp_path):
+    path = tmp_path / "layers.json"
+    result = _hetpar("profile", "-o", str(path), "--cpu-devices", "2", "--layers", "mlp", "--microbatch-sizes", "2,4",
+                     "--data-parallel", "1,2", "--rounds", "1", "--no-remat")
+    records = Profile.load(path).layers
+    assert records and {r.dp for r in records} == {1, 2} and all(r.device_kind == "cpu" for r in records)
+    assert all([p.examples for p in r.points] == [2, 4] and r.points[0].forward_s > 0 for r in records)
+    assert len({r.signature for r in records}) == len(records) // 2  # each distinct layer once per degree
+    assert "layer " in result.stdout
 
 
 def test_profile_of_an_unknown_model_is_one_clear_line(tmp_path):

@@ -54,7 +54,23 @@ def parser() -> argparse.ArgumentParser:
         "a reference model (gpt, mlp) or MODULE:FUNCTION returning (step, args) or a workload",
     )
     p.add_argument("--batch-sizes", default="8,16", help="batch sizes to time the layers at (default 8,16)")
-    p.add_argument("--layers", type=int, default=4, help="how many layers to cut the model into (default 4)")
+    p.add_argument("--num-layers", type=int, help="how many layers to cut the model (--model) or the step (--layers) "
+                   "into (default: 4 for --model; the planner's cut for --layers, one per repeated block plus the rest)")
+    p.add_argument(
+        "--layers", metavar="STEP",
+        help="time each distinct layer of this step (a reference model, MODULE:FUNCTION or file.py:FUNCTION) "
+        "on this machine: forward, backward with and without recomputation, and the update, at --microbatch-sizes "
+        "examples per device on meshes of --data-parallel devices; `hetpar solve --profile` then prices those layers "
+        "from the measurement",
+    )
+    p.add_argument("--microbatch-sizes", default="2,4,8", help="with --layers: examples per device to time (default 2,4,8)")
+    p.add_argument("--data-parallel", default="1",
+                   help="with --layers: data-parallel degrees to time each layer on, e.g. 1,2,4 (default 1)")
+    p.add_argument("--no-remat", action="store_true", help="with --layers: skip the recomputing backward")
+    p.add_argument("--rounds", type=int, default=7, help="with --layers: timed rounds per program (the median is kept)")
+    p.add_argument("--merge", nargs="+", default=[], metavar="PROFILE",
+                   help="write the union of these profiles (made on machines with other device kinds; one per kind) "
+                   "to -o, measuring nothing")
     p.set_defaults(run=machines.profile)
 
     p = sub.add_parser(

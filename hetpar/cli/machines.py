@@ -71,6 +71,8 @@ def validate(args: argparse.Namespace) -> int:
 def profile(args: argparse.Namespace) -> int:
     import jax
 
+    if args.merge:
+        return merge_profiles(args)
     if args.cpu_devices:
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
     from hetpar.predict.profile import LayerWorkload, profile_local
@@ -80,9 +82,11 @@ def profile(args: argparse.Namespace) -> int:
     if args.model:
         for size in ints(args.batch_sizes, "--batch-sizes"):
             w = load_workload(args.model, batch_size=size)
-            layers.append(LayerWorkload(f"{args.model} batch {size}", w.step, w.args, args.layers))
+            layers.append(LayerWorkload(f"{args.model} batch {size}", w.step, w.args, args.num_layers or 4))
     sizes = ints(args.mesh_sizes, "--mesh-sizes") if args.mesh_sizes else []
     result = profile_local(mesh_size=args.mesh_size, device_type=args.device_type, layers=layers, mesh_sizes=sizes)
+    if args.layers:
+        result.layers = profile_layers(args)
     result.save(args.output)
     for name, d in result.devices.items():
         c = d.compute
@@ -112,3 +116,34 @@ def ints(text: str, flag: str) -> list[int]:
     if not values or min(values) < 1:
         raise HetparError(f"{flag} needs positive numbers, got {text!r}")
     return values
+
+
+def profile_layers(args: argparse.Namespace) -> list:
+    """`hetpar profile --layers STEP`: each distinct layer of STEP timed on every
+    device kind of this process (predict/layer_profile.py)."""
+    from hetpar.cluster.cluster import Cluster
+    from hetpar.predict.layer_profile import measure_layers
+    from hetpar.workloads import load_workload
+
+    workload = load_workload(args.layers)
+    records = []
+    for group in Cluster.local().groups:
+        kind = args.device_type or group.type_name
+        records += measure_layers(workload.step, workload.args, group.device_ids, kind,
+                                  ints(args.microbatch_sizes, "--microbatch-sizes"), ints(args.data_parallel, "--data-parallel"),
+                                  num_layers=args.num_layers, remat=not args.no_remat, rounds=args.rounds)
+    for r in records:
+        sizes = ", ".join(f"{p.examples}: {p.forward_s * 1e3:.3g}/{p.backward_s * 1e3:.3g} ms" for p in r.points)
+        print(f"  layer {r.name} [{r.signature}] on {r.dp}x{r.device_kind} ({r.dtype}), fwd/bwd per examples {sizes}")
+    return records
+
+
+def merge_profiles(args: argparse.Namespace) -> int:
+    """`hetpar profile --merge A B -o out`: profiles of other machines' device kinds as one file."""
+    from hetpar.predict.profile import Profile
+
+    merged = Profile.merge([(path, Profile.load(path)) for path in args.merge])
+    merged.save(args.output)
+    kinds = sorted(set(merged.devices) | {r.device_kind for r in merged.layers})
+    print(f"wrote {args.output}: {', '.join(kinds) or 'nothing'} ({len(merged.layers)} layer records)")
+    return 0

@@ -71,8 +71,17 @@ class ProfileOptions(_Options):
     output: str
     mesh_size: Count | None = None
     cpu_devices: Count | None = None
-    layers: Count = 4
+    num_layers: Count | None = None
     device_type: str | None = None
+    merge: list[str] = []
+
+    @field_validator("merge")
+    @classmethod
+    def _profiles(cls, paths: list[str]) -> list[str]:
+        for path in paths:
+            if not Path(path).is_file():
+                raise ValueError(f"{path!r} is not a file; make one with `hetpar profile -o {path}` on the machine with those devices")
+        return paths
 
     _output = field_validator("output")(lambda cls, v: _writable(v, ".json"))
 

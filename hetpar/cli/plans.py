@@ -157,6 +157,8 @@ def _print_plan(plan, shardings: bool = False) -> None:  # noqa: ANN001
     if plan.cost_inputs is not None:
         out.print("priced from: " + ", ".join(f"{k.name} {'measured (profile)' if k.measured else 'catalog'}"
                                              for k in plan.cost_inputs.kinds))
+        for line in layer_sources(plan):
+            out.print(line)
     for note in plan.notes:
         out.print(f"note: {note}")
 
@@ -188,18 +190,38 @@ def _print_collectives(plan) -> None:  # noqa: ANN001
     console().print(table)
 
 
-def _ranges(values: list[int]) -> str:
-    """0, 1, 2, 5 -> "0-2, 5"."""
-    parts, start = [], values[0]
-    for a, b in zip(values, values[1:] + [None]):
-        if b != a + 1:
-            parts.append(str(start) if start == a else f"{start}-{a}")
-            start = b
-    return ", ".join(parts)
-
-
 def _bytes(nbytes: float) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= size:
             return f"{nbytes / size:.1f} {unit}"
     return f"{nbytes:.0f} B"
+
+
+def layer_sources(plan) -> list[str]:  # noqa: ANN001
+    """Per device kind the plan runs on: which of its layers are priced from a
+    measured layer profile and which from the model (`hetpar profile --layers`)."""
+    inputs = plan.cost_inputs
+    if inputs is None or not inputs.measured_layers:
+        return []
+    measured: dict[str, set[int]] = {}
+    modelled: dict[str, set[int]] = {}
+    for s in plan.stages:
+        kind = s.group or s.device_type
+        have = {m.layer for m in inputs.measured_layers if m.kind == kind and m.tp == s.tensor_parallel}
+        for layer in range(s.layer_start, s.layer_end):
+            (measured if layer in have else modelled).setdefault(kind, set()).add(layer)
+    return [f"layers on {kind}: measured (profile) {_ranges(sorted(measured.get(kind, ())))}; "
+            f"modelled {_ranges(sorted(modelled.get(kind, ())))}"
+            for kind in dict.fromkeys(s.group or s.device_type for s in plan.stages)]
+
+
+def _ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 5] as "0-2, 5"; "none" for none."""
+    if not layers:
+        return "none"
+    out, start = [], layers[0]
+    for a, b in zip(layers, layers[1:] + [None]):
+        if b != a + 1:
+            out.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return ", ".join(out)

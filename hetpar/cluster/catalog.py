@@ -71,8 +71,9 @@ class DeviceType:
     def matmul_flops(self, dtype: str = "float32") -> float:
         """Peak for matmuls in `dtype` (a numpy dtype name). JAX's default precision
         runs float32 matmuls as TF32 on tensor-core GPUs from Ampere on, so float32 maps
-        to tf32 (the fp32 rate on a device without TF32, such as a V100)."""
-        key = DTYPE_KEYS.get(dtype, "fp8" if dtype.startswith("float8") else "fp32")
+        to tf32 (the fp32 rate on a device without TF32, such as a V100), unless
+        `jax_default_matmul_precision` asks for more (`float32_matmul_key`)."""
+        key = float32_matmul_key() if dtype == "float32" else DTYPE_KEYS.get(dtype, "fp8" if dtype.startswith("float8") else "fp32")
         if key == "fp8" and "fp8" not in self.peak_flops:
             key = "bf16"  # no fp8 units: XLA computes fp8 dots in a wider type
         return self.flops(key)
@@ -81,6 +82,23 @@ class DeviceType:
         """What large matmuls in `dtype` reach: the peak times `efficiency`. The rate
         `solver.efficiency`'s size curve approaches, for the planner and the sharding ILP."""
         return self.matmul_flops(dtype) * self.efficiency
+
+
+def float32_matmul_key(precision: str | None = None) -> str:
+    """The catalog rate a float32 matmul runs at under `precision` (default: this
+    process's `jax_default_matmul_precision`, read when asked, so the plan is priced
+    with the setting the step runs under): "tf32" under JAX's default (XLA picks TF32
+    on Ampere and later; the catalog's tf32 is the fp32 rate on devices without it);
+    "fp32" where full float32 is asked for ("highest", "float32"). "high" (bf16_3x or
+    TF32, as the backend chooses) is priced as TF32."""
+    if precision is None:
+        try:
+            import jax
+
+            precision = jax.config.jax_default_matmul_precision
+        except ImportError:  # no JAX here: JAX's default
+            precision = None
+    return "fp32" if str(precision).lower() in ("highest", "float32") else "tf32"
 
 
 # numpy dtype name -> the catalog's key for its matmul rate.

@@ -62,6 +62,7 @@ class Measured:
     matmul_half_flops: float
     memory_bandwidth: float
     intra: LinkCost | None = None
+    shared_host: bool = False  # CPU virtual devices: one host's cores (solver DeviceKind.shared_host)
 
 
 def device_kinds(cluster: Cluster, dtype: str = "float32", layer_overhead_s: float = 50e-6,
@@ -82,7 +83,7 @@ def device_kinds(cluster: Cluster, dtype: str = "float32", layer_overhead_s: flo
             intra, g.inter_cost() if g.size > per_node else intra, layer_overhead_s, spec.matmul_flops(dtype),
             half, measured=seen is not None, memory_fraction=g.client_memory().fraction,
             process_reserve_bytes=spec.process_reserve_bytes, host_link=g.host_cost(),
-            host_memory_bytes=g.host_memory_per_device(),
+            host_memory_bytes=g.host_memory_per_device(), shared_host=seen is not None and seen.shared_host,
         ))
     return tuple(kinds)
 

@@ -27,11 +27,12 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from hetpar.errors import HetparError
 from hetpar.predict.calibrate import LayerProgram, LayerSample, calibrated, layer_programs, layer_samples
+from hetpar.predict.layer_profile import LayerRecord, merge_records
 from hetpar.predict.timing import steady_time, steady_times
 from hetpar.predict.compute import ComputeModel
 
 log = logging.getLogger("hetpar.profile")
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: measured layers (`Profile.layers`, predict/layer_profile.py); version 1 files still read
 
 
 @dataclass
@@ -73,6 +74,7 @@ class DeviceProfile:
 class Profile:
     devices: dict[str, DeviceProfile]
     version: int = PROFILE_VERSION
+    layers: list[LayerRecord] = field(default_factory=list)  # each distinct layer of a step, timed (layer_profile.py)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2))
@@ -83,17 +85,32 @@ class Profile:
             raw = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise HetparError(f"cannot read profile {path}: {e}") from None
-        if raw.get("version") != PROFILE_VERSION:
-            raise HetparError(f"profile {path} has version {raw.get('version')}; this hetpar reads version {PROFILE_VERSION}")
+        if raw.get("version") not in (1, PROFILE_VERSION):
+            raise HetparError(f"profile {path} has version {raw.get('version')}; this hetpar reads versions 1 to {PROFILE_VERSION}")
         devices = {}
-        for name, d in raw["devices"].items():
+        for name, d in raw.get("devices", {}).items():
             d = dict(d)
             d["compute"] = ComputeModel(**d["compute"])
             d["matmul_samples"] = [tuple(s) for s in d["matmul_samples"]]
             d["layer_samples"] = [LayerSample(**s) for s in d.get("layer_samples", ())]
             d["meshes"] = [(int(size), ComputeModel(**c)) for size, c in d.get("meshes", ())]
             devices[name] = DeviceProfile(**d)
-        return Profile(devices)
+        return Profile(devices, layers=[LayerRecord.from_dict(r) for r in raw.get("layers", ())])
+
+    @staticmethod
+    def merge(profiles: Sequence[tuple[str, "Profile"]]) -> "Profile":
+        """Profiles made on several machines (name, profile) as one: one per device
+        kind, made wherever that kind is. Two that measured the same kind are refused
+        with both names."""
+        devices: dict[str, DeviceProfile] = {}
+        owner: dict[str, str] = {}
+        for name, profile in profiles:
+            for kind, entry in profile.devices.items():
+                if kind in owner:
+                    raise HetparError(f"both {owner[kind]} and {name} measured {kind}: merge one profile per device kind "
+                                      "(leave one of the two out)")
+                owner[kind], devices[kind] = name, entry
+        return Profile(devices, layers=merge_records([(name, p.layers) for name, p in profiles]))
 
     def compute_model(self, device_type: str) -> ComputeModel | None:
         entry = self.devices.get(device_type)

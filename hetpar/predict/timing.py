@@ -76,3 +76,29 @@ def steady_times(runs: Sequence[Callable[[], Any]], repeats: int = 3, rounds: in
                 took = clock() - start
                 least[i], spent, count = min(least[i], took), spent + took, count + 1
     return least
+
+
+def median_times(runs: Sequence[Callable[[], Any]], rounds: int = 7, warmup: int = WARMUP,
+                 clock: Callable[[], float] | None = None) -> list[float]:
+    """Per run, the median of `rounds` timed runs on `clock` (`busy_clock()` by
+    default), interleaved: each round runs every one of `runs` once, in an order
+    rotated by a place each round, so no run always follows the same neighbour and
+    all of them see the same moments of a shared machine. A median rather than the
+    least (`steady_times`): what layer profiles record and what the
+    predicted-against-measured benchmark compares them with are medians of
+    undisturbed and disturbed runs alike, so the two agree on the statistic."""
+    import statistics
+
+    clock = clock or busy_clock()
+    for run in runs:
+        for _ in range(max(1, warmup)):
+            jax.block_until_ready(run())
+    seen: list[list[float]] = [[] for _ in runs]
+    n = len(runs)
+    for r in range(max(1, rounds)):
+        for k in range(n):
+            i = (k + r) % n
+            start = clock()
+            jax.block_until_ready(runs[i]())
+            seen[i].append(clock() - start)
+    return [statistics.median(s) for s in seen]

@@ -28,7 +28,8 @@ from solver.schedules import StageTimes
 
 # Bumped whenever a change to the cost model changes a price: a plan file that keeps
 # figures as a cache records the version they were made with.
-ESTIMATOR_VERSION = 2  # 2: shared NICs, host-staged links, blocking sends, the JAX client's memory share
+ESTIMATOR_VERSION = 3  # 2: shared NICs, host-staged links, blocking sends, the JAX client's memory share;
+# 3: measured layer profiles (solver.cost.measured), devices sharing one host run one after another
 
 
 @dataclass(frozen=True)
@@ -202,12 +203,24 @@ def estimate(problem: Problem, decisions: Decisions, costs: StageCosts | None = 
                                              group_host[p % groups], costs.host_capacity(s.kind))
     stage_costs = tuple(c for c in priced if c is not None)  # every stage: each replica's were priced
     per_replica = [[c.times for c, s in zip(stage_costs, d.stages) if s.replica == r] for r in range(len(d.replica_batch))]
-    closed = max(pipeline_time(t, m, d.schedule, d.chunks) for t in per_replica)
-    step = max(step_time(t, m, d.schedule, d.chunks) for t in per_replica) if simulate_step else closed
+    if all(problem.kind(s.kind).shared_host for s in d.stages):
+        closed = step = serial_step_s(stage_costs, m, cross)
+    else:
+        closed = max(pipeline_time(t, m, d.schedule, d.chunks) for t in per_replica)
+        step = max(step_time(t, m, d.schedule, d.chunks) for t in per_replica) if simulate_step else closed
     examples = sum(d.replica_batch)
     peak = sum(s.devices * (problem.kind(s.kind).peak_flops or problem.kind(s.kind).flops) for s in d.stages) / d.chunks
     return PlanCost(stage_costs, d, step, closed, cross, float(costs.flops.sum()) * examples, peak,
                     examples * problem.tokens_per_example)
+
+
+def serial_step_s(stages: tuple[StageCost, ...], m: int, cross: float) -> float:
+    """A step on devices that are one host's cores (`DeviceKind.shared_host`): no
+    stage runs beside another, so the step is all of their work one after another,
+    every microbatch's forward, backward and send, each stage's once-per-step tail,
+    and the cross-replica sum once (each stage's `sync_s` carries it)."""
+    work = sum(m * (c.forward_s + c.backward_s + c.send_s) + c.sync_s - cross + c.optimizer_s + c.overlapped_s for c in stages)
+    return work + cross
 
 
 def _blocking_sends(problem: Problem, raw: list[tuple]) -> list[tuple]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from solver import schedules
 from solver.collectives import LinkCost
+from solver.cost.measured import MeasuredLayer
 
 
 class PlanningError(ValueError):
@@ -76,6 +77,10 @@ class DeviceKind:
     # Host memory per device (the node's divided among its devices) for offloaded state; 0: unknown,
     # and nothing is offloaded to it.
     host_memory_bytes: float = 0.0
+    # The kind's devices are one host's cores (CPU virtual devices): nothing on them runs side by side,
+    # so a step costs the host every stage's work one after another (`solver.cost.estimate`), and a
+    # stage's modelled layer times are its devices' work added up.
+    shared_host: bool = False
 
     @property
     def usable_bytes(self) -> float:
@@ -138,6 +143,9 @@ class Problem:
     min_examples: int = 1  # per microbatch on each data-parallel device
     min_microbatch: int = 1  # examples in any pipeline's microbatch (a replica's share included)
     replica_units: int = 64  # the replica batch split is searched in steps of batch/(m x this) at most
+    # Layers measured on real devices (`hetpar profile --layers`, solver.cost.measured): priced from the
+    # measurement for the kinds and degrees it has, from the roofline everywhere else.
+    measured_layers: tuple[MeasuredLayer, ...] = ()
 
     def link(self, a: str, b: str) -> LinkCost:
         if a == b:

@@ -21,6 +21,7 @@ from solver.collectives import Topology, best, fastest_times
 from solver.efficiency import matmul_rate
 from solver.memory import (OFFLOAD_TIERS, DeviceMemory, StageActivations, in_flight, model_split_bytes, offloaded,
                            sharded_state, stage_memory)
+from solver.cost.measured import LayerPrice, lookup
 from solver.cost.problem import DeviceKind, Problem
 from solver.zero import zero_time
 
@@ -48,6 +49,7 @@ class PerLayer:
     saved: np.ndarray  # bytes of activations kept for the backward
     inputs: np.ndarray  # bytes of the layer's input (all that remat keeps)
     recomputed: np.ndarray  # bytes of `saved` a backward rerunning the forward holds (solver.memory)
+    rerun: np.ndarray  # seconds a backward that recomputes adds: the forward again, or as measured
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,7 @@ class StageCosts:
         self.elementwise_split = np.array([layer.elementwise_split for layer in layers], dtype=float)
         self.kinds = {k.name: k for k in problem.kinds}
         self._tables = lru_cache(maxsize=None)(self._table)
+        self._measured = lru_cache(maxsize=None)(self._measured_uncached)
         self._ranges = lru_cache(maxsize=None)(self._ranges_uncached)
         self._params_max = lru_cache(maxsize=None)(lambda tp: _range_max(self.tp_params(tp)))
         self._grads = lru_cache(maxsize=None)(lambda tp: _span(_cumsum(self.tp_params(tp))))
@@ -214,15 +217,69 @@ class StageCosts:
         trains = float(self.problem.training)  # a forward-only function has no backward
         # memory-bound operators: their bytes, split like the activations where tensor parallelism splits them
         streaming = per_device * (self.elementwise_split / cfg.tp + 1 - self.elementwise_split) / kind.memory_bandwidth
+        forward = self.fwd_flops * per_device / speed + tp_comm + kind.layer_overhead_s / 3 + self.elementwise * streaming
+        backward = trains * ((self.flops - self.fwd_flops + self.recompute_flops) * per_device / bwd_speed + tp_comm
+                             + 2 * kind.layer_overhead_s / 3 + self.bwd_elementwise * streaming)
+        if kind.shared_host:  # one host's cores run every device's share, one after another
+            forward, backward = forward * cfg.devices, backward * cfg.devices
+        rerun = np.array(forward, dtype=float)
+        for layer, price in self.measured(cfg, per_device).items():  # measured beats modelled
+            forward[layer], backward[layer] = price.forward_s, trains * price.backward_s
+            rerun[layer] = price.forward_s if price.rerun_s is None else price.rerun_s
         return PerLayer(
-            forward=self.fwd_flops * per_device / speed + tp_comm + kind.layer_overhead_s / 3 + self.elementwise * streaming,
-            backward=trains * ((self.flops - self.fwd_flops + self.recompute_flops) * per_device / bwd_speed + tp_comm
-                               + 2 * kind.layer_overhead_s / 3 + self.bwd_elementwise * streaming),
+            forward=forward,
+            backward=backward,
             state=held,
             saved=self.saved * shard,
             inputs=self.inputs * shard,
             recomputed=self.recomputed * shard,
+            rerun=rerun,
         )
+
+    def measured(self, cfg: StageConfig, per_device: float) -> dict[int, LayerPrice]:
+        """The layers `Problem.measured_layers` prices on this stage config, at
+        `per_device` examples per device and microbatch (solver.cost.measured); cached,
+        as the search asks for the same stage many times."""
+        if not self.problem.measured_layers:
+            return {}
+        return self._measured(cfg, float(per_device))
+
+    def _measured_uncached(self, cfg: StageConfig, per_device: float) -> dict[int, LayerPrice]:
+        out = {}
+        for layer in range(self.n):
+            price = lookup(self.problem.measured_layers, cfg.kind, layer, cfg.tp, cfg.dp, per_device)
+            if price is not None:
+                out[layer] = price
+        return out
+
+    def _optimizer(self, kind: DeviceKind, cfg: StageConfig) -> tuple[np.ndarray, np.ndarray]:
+        """Per layer range: the update's seconds (the roofline's for modelled layers,
+        each measured layer's own once-per-step time) and the gradient bytes the data
+        axis still has to reduce (a layer measured on this data-parallel degree
+        reduced its own in the measured time)."""
+        prices = self.measured(cfg, 1.0)
+        if not prices and not kind.shared_host:  # the roofline's alone, as every unprofiled plan is priced
+            grads = self._grads(cfg.tp)
+            return grads * self.problem.optimizer_traffic / kind.memory_bandwidth, grads
+        params = self.tp_params(cfg.tp)
+        once, unsynced, modelled = np.zeros(self.n), params.copy(), np.ones(self.n)
+        for layer, price in prices.items():
+            once[layer], modelled[layer] = price.once_s, 0.0
+            if price.includes_sync:
+                unsynced[layer] = 0.0
+        per_device = params * modelled * self.problem.optimizer_traffic / kind.memory_bandwidth
+        if kind.shared_host:
+            per_device = per_device * cfg.devices
+        launch, programs = self.launches(cfg)
+        return _span(_cumsum(per_device + once)) + programs * launch, _span(_cumsum(unsynced))
+
+    def launches(self, cfg: StageConfig) -> tuple[float, int]:
+        """(seconds to launch one program, once-per-step programs) on this stage's
+        mesh, as its measured layers were timed with: taken out of each measured
+        layer's times (`solver.cost.measured.lookup`) and paid once per stage program
+        here. (0, 0) where no layer of the stage config was measured."""
+        prices = self.measured(cfg, 1.0).values()
+        return max((p.program_s for p in prices), default=0.0), max((p.once_programs for p in prices), default=0)
 
     def matmul_rates(self, kind: DeviceKind, cfg: StageConfig, per_device: float, flops: np.ndarray,
                      matmuls: np.ndarray) -> np.ndarray:
@@ -284,7 +341,7 @@ class StageCosts:
 
     def _variant(self, cfg: StageConfig, b: int, held: int, last: bool, zero: int, remat: str,
                  dots: float = 0.0) -> StageVariant:
-        f, bw, saved, grads = self._ranges(cfg, b)
+        f, bw, saved, grads, rerun = self._ranges(cfg, b)
         inputs = np.broadcast_to((self.inputs * (b / cfg.dp / cfg.tp)).tolist() + [0.0], f.shape).T  # a stage keeps its own input
         shard = b / cfg.dp / cfg.tp  # activations split over all the stage's devices
         activations = StageActivations(saved, inputs, dots=dots * b / cfg.dp / cfg.tp, largest=self.largest_max * shard,
@@ -301,8 +358,9 @@ class StageCosts:
         if self.problem.overlap_comm and self.problem.training and cfg.dp > 1:
             return self._overlapped(cfg, b, zero, remat, f, bw, memory)
         extra_f, extra_b, step_sync, tail = self.step_costs(cfg, zero)
-        forward = f + extra_f
-        backward = bw + extra_b + (forward if remat else 0.0)
+        launch = self.launches(cfg)[0]  # measured layers: one program's launch per stage program
+        forward = f + extra_f + launch
+        backward = bw + extra_b + launch + (rerun + extra_f if remat else 0.0)
         return StageVariant(np.broadcast_to(forward, f.shape), np.broadcast_to(backward, f.shape), memory,
                             np.broadcast_to(tail, f.shape), np.broadcast_to(step_sync, f.shape))
 
@@ -331,7 +389,7 @@ class StageCosts:
         buckets = {c: _span(_cumsum(t)) for c, t in self._buckets(cfg).items()}
         first = {c: _first(t) for c, t in self._buckets(cfg).items()}  # the bucket of a range's first layer
         fwd_last, bwd_first = _last(layer.forward), _first(layer.backward)
-        optimizer = grads * self.problem.optimizer_traffic / kind.memory_bandwidth
+        optimizer = self._optimizer(kind, cfg)[0]
         forward = f
         if zero >= 3:  # each layer's parameters gathered while the layer before it computes
             forward = f + exposed(buckets["all_gather"], first["all_gather"], f, fwd_last)
@@ -363,7 +421,7 @@ class StageCosts:
         kind, grads = self.kinds[cfg.kind], self._grads(cfg.tp)
         if not self.problem.training:
             return 0.0, 0.0, np.zeros_like(grads), np.zeros_like(grads)
-        optimizer = grads * self.problem.optimizer_traffic / kind.memory_bandwidth
+        optimizer, unsynced = self._optimizer(kind, cfg)
         if self.problem.overlap_comm and cfg.dp > 1:
             # what `_overlapped` charges at the least, whatever the compute hiding the rest: the
             # updated shards' all-gather and the optimizer (the planner's bounds must stay below it)
@@ -372,14 +430,15 @@ class StageCosts:
         if zero:
             comm = zero_time(grads, grads, zero, self.dp_topology(kind, cfg))
             return comm.forward, comm.backward, comm.step, comm.step + optimizer / cfg.dp
-        sync = self._sync(kind, cfg, grads)
+        sync = self._sync(kind, cfg, unsynced)
         return 0.0, 0.0, sync, sync + optimizer
 
     def _ranges_uncached(self, cfg: StageConfig, b: int) -> tuple[np.ndarray, ...]:
         """What does not depend on the stage's place in the pipeline: times and
         activations of one microbatch, the gradient bytes."""
         layer = self.per_layer(cfg, b)
-        return _span(_cumsum(layer.forward)), _span(_cumsum(layer.backward)), _span(_cumsum(layer.saved)), self._grads(cfg.tp)
+        return (_span(_cumsum(layer.forward)), _span(_cumsum(layer.backward)), _span(_cumsum(layer.saved)), self._grads(cfg.tp),
+                _span(_cumsum(layer.rerun)))
 
     def tp_allreduce(self, kind: DeviceKind, tp: int, nbytes: np.ndarray, count: np.ndarray) -> np.ndarray:
         """Seconds of one pass's tensor-parallel all-reduces per layer: `count` sums

@@ -1,0 +1,143 @@
+"""Plans predicted from measured layer profiles against the same plans run.
+
+1. Layer profiles made here (`hetpar.predict.layer_profile.measure_layers`, what
+   `hetpar profile --layers` runs): each distinct layer of the benchmark GPT
+   (benchmarks/step_timing.gpt_benchmark: d_model 128, 4 heads, 64 tokens, 4 blocks,
+   cut into 6 layers: embedding, 4 blocks, head) timed on meshes of the data-parallel
+   degrees the plans use, at the examples per device they run.
+2. Plans fixed by hand on a virtual cluster of two device groups ("a": devices 0-3,
+   "b": 4-7, both this host's CPU): 1F1B and interleaved, 2 to 4 stages, data-parallel
+   pipelines side by side, several microbatch counts. Each is made by
+   `hetpar.parallelize(..., profile=F)` and priced by the one estimator
+   (`plan.predicted_step_time_s`); the same decisions are priced again without the
+   layer records (the roofline and the catalog's CPU figures, pipeline stages side by
+   side) for comparison.
+3. Every plan is run and timed: after warm-up, rounds in which each plan runs a few
+   steps in turn (order rotated every round: benchmarks/step_timing.interleaved_rounds),
+   the median over rounds of each round's median.
+
+Which clock: CPU virtual devices are this host's cores, shared with whatever else runs
+here. The profile and the steps are timed on the same clock, the process's CPU time
+(all its threads: every virtual device's work; hetpar.predict.timing explains why wall
+time on a loaded 2-core host mostly measures the neighbours). A shared host runs its
+devices' work one after another, so the estimator prices a step there as the sum of
+its stages' work (`solver.cost.estimate.serial_step_s`). Wall times are printed beside
+the CPU times for reference only, with `uptime`'s load.
+
+Ends with: RESULT median_abs_err=<x> max_abs_err=<y> plans=<n>  (relative errors of the
+profile-priced prediction against the measured CPU time)
+Run: PYTHONPATH=. .venv/bin/python benchmarks/predict_vs_measured.py
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import hetpar  # noqa: E402
+from hetpar.cluster.cluster import Cluster  # noqa: E402
+from hetpar.cluster.groups import DeviceGroup  # noqa: E402
+from hetpar.plan.costs import estimate_plan  # noqa: E402
+from hetpar.predict.layer_profile import measure_layers  # noqa: E402
+from hetpar.predict.profile import Profile  # noqa: E402
+from step_timing import Stepper, gpt_benchmark, interleaved_rounds  # noqa: E402
+
+NUM_LAYERS = 6  # embedding, 4 blocks, head
+# (label, options for hetpar.parallelize)
+PLANS = [
+    ("2 stages 1F1B m=4", dict(num_stages=2, num_microbatches=4, schedule="1f1b")),
+    ("2 stages 1F1B m=2", dict(num_stages=2, num_microbatches=2, schedule="1f1b")),
+    ("2 stages 1F1B m=8", dict(num_stages=2, num_microbatches=8, schedule="1f1b")),
+    ("4 stages 1F1B m=4", dict(num_stages=4, num_microbatches=4, schedule="1f1b")),
+    ("4 stages interleaved (2 groups x 2 chunks) m=4", dict(num_stages=2, num_microbatches=4, schedule="interleaved", chunks=2)),
+    ("4 stages interleaved (2 groups x 2 chunks) m=8", dict(num_stages=2, num_microbatches=8, schedule="interleaved", chunks=2)),
+    ("2 data-parallel pipelines x 1 stage m=2", dict(num_replicas=2, num_stages=1, num_microbatches=2)),
+    ("2 data-parallel pipelines x 2 stages m=2", dict(num_replicas=2, num_stages=2, num_microbatches=2, schedule="1f1b")),
+    ("3 stages 1F1B m=4", dict(num_stages=3, num_microbatches=4, schedule="1f1b")),
+]
+
+
+def two_groups() -> Cluster:
+    """This host's 8 CPU devices as two device groups of 4."""
+    groups = (DeviceGroup("cpu", (0, 1, 2, 3), name="a", devices_per_node=4),
+              DeviceGroup("cpu", (4, 5, 6, 7), name="b", devices_per_node=4))
+    return Cluster(groups, name="virtual")
+
+
+def without_layers(plan):  # noqa: ANN001, ANN201
+    """`plan`'s decisions priced by the estimator without the layer records."""
+    inputs = plan.cost_inputs
+    kinds = tuple(replace(k, shared_host=False) for k in inputs.kinds)
+    return estimate_plan(replace(plan, cost_inputs=replace(inputs, measured_layers=(), kinds=kinds))).step_s
+
+
+def main() -> None:
+    args, w = gpt_benchmark(__doc__.splitlines()[0], iters=3, rounds=7)
+    cluster = two_groups()
+    batch = args.batch_size
+    print(f"load before: {os.getloadavg()}")
+
+    # 1. Which (data-parallel degree, examples per device) the plans run: a plan on the
+    # cluster is made first without a profile, only to read its meshes and microbatch.
+    shapes = set()
+    for _, options in PLANS:
+        plan = hetpar.make_plan(w.step, (w.state, w.batch), cluster, num_layers=NUM_LAYERS, **options)
+        for s in plan.stages:
+            share = sum(plan.replica_batch) and plan.replica_batch[s.replica] or batch
+            shapes.add((s.num_devices, share // plan.num_microbatches // s.num_devices))
+    dps = sorted({dp for dp, _ in shapes})
+    examples = sorted({e for _, e in shapes})
+    print(f"profiling layers on meshes of {dps} devices at {examples} examples per device")
+    start = time.perf_counter()
+    records = measure_layers(w.step, (w.state, w.batch), list(range(8)), "cpu", examples, dps, NUM_LAYERS,
+                             remat=False, rounds=args.rounds)
+    print(f"profile: {len(records)} records in {time.perf_counter() - start:.0f} s")
+    for r in records:
+        points = "; ".join(f"{p.examples}/dev {p.forward_s * 1e3:.2f}+{p.backward_s * 1e3:.2f} ms" for p in r.points)
+        print(f"  {r.name:<12} on {r.dp} devices: launch {r.program_s * 1e3:.2f} ms, once {r.points[0].once_s * 1e3:.2f} ms "
+              f"({r.once_programs} programs); fwd+bwd {points}")
+    path = Path(tempfile.mkdtemp()) / "layers.json"
+    Profile({}, layers=records).save(path)
+
+    # 2. The plans, priced with the profile (and the same decisions without it).
+    steppers, rows = {}, []
+    for label, options in PLANS:
+        step = hetpar.parallelize(w.step, cluster=cluster, num_layers=NUM_LAYERS, profile=str(path), **options)
+        stepper = Stepper(step, w.state, w.batch)
+        stepper.warm_up(3)
+        plan = step.plan
+        steppers[label] = stepper
+        rows.append((label, plan.predicted_step_time_s, without_layers(plan),
+                     " | ".join(f"{s.group}:{s.layer_start}-{s.layer_end - 1}x{s.num_devices}" for s in plan.stages)))
+
+    # 3. Run and time, interleaved.
+    loads = [os.getloadavg()[0]]
+    rounds = interleaved_rounds(steppers, args.rounds, args.iters)
+    loads.append(os.getloadavg()[0])
+
+    errors = []
+    print(f"{'plan':<48} {'with profile':>12} {'without':>10} {'measured':>10} {'err':>7} {'wall':>9}  stages")
+    for label, predicted, modelled, stages in rows:
+        cpu = statistics.median(rounds.cpu[label])
+        wall = statistics.median(rounds.wall[label])
+        err = (predicted - cpu) / cpu
+        errors.append(abs(err))
+        print(f"{label:<48} {predicted * 1e3:>9.1f} ms {modelled * 1e3:>7.1f} ms {cpu * 1e3:>7.1f} ms {err:>+7.1%} "
+              f"{wall * 1e3:>6.1f} ms  {stages}")
+    print(f"uptime load average during timing: {statistics.mean(loads):.2f} (2 cores); after: {os.getloadavg()}")
+    print(f"RESULT median_abs_err={statistics.median(errors):.3f} max_abs_err={max(errors):.3f} plans={len(errors)}")
+
+
+if __name__ == "__main__":
+    main()

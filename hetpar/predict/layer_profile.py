@@ -1,0 +1,312 @@
+"""Measured layer profiles: each distinct layer of a traced step timed on real devices.
+
+The operator roofline (predict/compute.py, `solver.cost.stage_costs`) prices a layer
+from its FLOPs and bytes; what a device really does with it (kernel choice, unfused
+elementwise work, the precision XLA picks, dispatch) it can only guess. So
+`hetpar profile --layers STEP` runs each distinct layer of the step on the local
+devices, alone (each layer its own pipeline stage, `compile_layer_stages`): its
+forward program, its backward program with and without recomputation, and its
+once-per-step programs (the update; on a mesh of several devices the gradient
+reduction too), at several microbatch sizes and data-parallel degrees, and records
+time and peak memory. Planning then prices each layer it finds in the profile from
+the measurement (`solver.cost.measured`) and every other one from the model.
+
+A record is keyed by:
+- `signature`: a hash of the layer's operators (forward and backward), their operand
+  and result shapes and dtypes, with the batch dimension left out, so that identical
+  blocks share one record and a record fits the layer at any batch size;
+- `device_kind`: the catalog name of the devices it was measured on;
+- `dtype`: the step's dtype policy: its compute dtype, and for float32 the matmul
+  precision it ran under where not JAX's default (`dtype_policy`);
+- `tp` and `dp`: the tensor- and data-parallel degrees of the mesh (this profiler
+  measures tp 1: a layer alone has no intra-op layouts to split it by);
+and holds one point per microbatch size (`examples`: per data-parallel device).
+
+Times are seconds of `timing.busy_clock()` (wall time on accelerators; on CPU virtual
+devices the process's CPU time, all the mesh's devices' work: `shared_host`), the
+median of interleaved rounds (`timing.median_times`). The last layer's forward and
+backward are one program (hetpar.compile.tasks), split between the two by FLOPs.
+Peak memory is XLA's `memory_analysis()` of the layer's largest program (arguments +
+outputs + temporaries - aliased), per device.
+
+The JSON is part of a `hetpar profile` file (`Profile.layers`, predict/profile.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import jax
+
+from hetpar.errors import HetparError
+from solver.cost.measured import LayerPoint, MeasuredLayer
+
+log = logging.getLogger("hetpar.profile")
+
+
+@dataclass(frozen=True)
+class LayerPointRecord:
+    """One microbatch size of one layer, as measured."""
+
+    examples: int  # per data-parallel device, per microbatch
+    forward_s: float
+    backward_s: float
+    backward_remat_s: float = -1.0  # < 0: recomputation not measured
+    once_s: float = 0.0  # the layer's once-per-step programs (update; gradient reduction at dp > 1)
+    peak_bytes: int = 0  # per device, the layer's largest program
+
+
+@dataclass
+class LayerRecord:
+    signature: str
+    name: str  # the layer's modules, for people (e.g. "Block_0")
+    device_kind: str
+    dtype: str
+    tp: int
+    dp: int
+    shared_host: bool
+    points: list[LayerPointRecord] = field(default_factory=list)
+    program_s: float = 0.0  # one near-empty program's launch on the same mesh, timed with the layers
+    once_programs: int = 0  # how many programs `once_s` adds up
+
+    @property
+    def key(self) -> tuple[str, str, str, int, int]:
+        return (self.signature, self.device_kind, self.dtype, self.tp, self.dp)
+
+    @staticmethod
+    def from_dict(raw: dict) -> "LayerRecord":
+        raw = dict(raw)
+        raw["points"] = [LayerPointRecord(**p) for p in raw.get("points", ())]
+        return LayerRecord(**raw)
+
+
+def dtype_policy(compute_dtype: str) -> str:
+    """The key a record's times hold for: the compute dtype, and for float32 the
+    matmul precision when `jax_default_matmul_precision` asks for full float32
+    (times under TF32 and under float32 differ several times on Ampere and later)."""
+    from hetpar.cluster.catalog import float32_matmul_key
+
+    return "float32/highest" if compute_dtype == "float32" and float32_matmul_key() == "fp32" else compute_dtype
+
+
+def _type(aval: Any, axis: int | None) -> str:
+    dims = [("B" if i == axis else str(d)) for i, d in enumerate(getattr(aval, "shape", ()))]
+    return f"{getattr(aval, 'dtype', type(aval).__name__)}[{','.join(dims)}]"
+
+
+def layer_signatures(graph: Any, analysis: Any, layers: Any) -> list[str]:
+    """Each layer's signature: a hash of its operators in program order with their
+    operand and result types, the batch dimension written `B`."""
+    axes = analysis.batch_axis
+    hashes = [hashlib.sha256() for _ in range(layers.num_layers)]
+    for index in sorted(layers.op_layer):
+        op = graph.ops[index]
+        ins = ";".join(_type(graph.avals[v], axes.get(v)) for v in op.inputs)
+        outs = ";".join(_type(graph.avals[v], axes.get(v)) for v in op.outputs)
+        hashes[layers.op_layer[index]].update(f"{op.name}({ins})->{outs}\n".encode())
+    return [h.hexdigest()[:16] for h in hashes]
+
+
+def with_batch(args: tuple, batch_argnum: int, examples: int) -> tuple:
+    """`args` as abstract values (`jax.ShapeDtypeStruct`), the batch's leading
+    dimension set to `examples`: the layer programs run on zeros, so only shapes count."""
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x, args)
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((examples, *x.shape[1:]), x.dtype) if getattr(x, "shape", ()) else x,
+                         abstract[batch_argnum])
+    return (*abstract[:batch_argnum], batch, *abstract[batch_argnum + 1:])
+
+
+@dataclass
+class _Layer:
+    """One distinct layer at one (dp, examples): its programs' runs, to time."""
+
+    record: LayerRecord
+    examples: int
+    forward: Callable[[], Any]
+    backward: Callable[[], Any] | None
+    backward_remat: Callable[[], Any] | None
+    once: list[Callable[[], Any]]
+    forward_share: float  # of the fused last layer's program: the forward's FLOPs share
+    peak_bytes: int
+
+
+def measure_layers(
+    fn: Callable,
+    args: tuple,
+    device_ids: Sequence[int],
+    device_kind: str,
+    examples: Sequence[int] = (1, 2, 4),
+    data_parallel: Sequence[int] = (1,),
+    num_layers: int | None = None,
+    batch_argnum: int = 1,
+    remat: bool = True,
+    rounds: int = 7,
+    back_to_back: int = 4,
+) -> list[LayerRecord]:
+    """Times each distinct layer of `fn(*args)` on meshes of the first `dp` of
+    `device_ids` for each `dp` in `data_parallel`, at `examples` per device and
+    microbatch; `num_layers`: the cut (default: the planner's, one layer per repeated
+    block plus what comes before and after). All programs of all sizes are timed in
+    one interleaved pool (`timing.median_times`). Each timed run dispatches a program
+    `back_to_back` times and waits once, as a pipeline's runtime dispatches a stage's
+    programs one after another without waiting: a program timed alone and waited on
+    also pays the devices going idle after it (on CPU, XLA's worker threads spinning
+    before they sleep, which a later program queued behind it does not see)."""
+    from hetpar.cluster.cluster import jax_devices
+    from hetpar.predict.timing import busy_clock, median_times
+
+    if not examples or min(examples) < 1:
+        raise HetparError(f"microbatch sizes to profile must be positive, got {list(examples)}")
+    if bad := [d for d in data_parallel if not 0 < d <= len(device_ids)]:
+        raise HetparError(f"cannot profile layers on {bad[0]} devices: {len(device_ids)} {device_kind} devices here; "
+                          f"pass data-parallel degrees up to {len(device_ids)}")
+    if min(examples) * min(data_parallel) < 2:
+        raise HetparError("a microbatch of one example traces apart from larger ones (hetpar runs none): profile at "
+                          "least 2 examples per microbatch, e.g. --microbatch-sizes 2,4 on one device or 1,2 on two")
+    shared = jax_devices(device_ids[:1])[0].platform == "cpu"
+    layers: list[_Layer] = []
+    for dp in dict.fromkeys(data_parallel):
+        for e in dict.fromkeys(examples):
+            layers += _layer_runs(fn, args, batch_argnum, device_ids[:dp], device_kind, e, dp, num_layers, remat, shared)
+    launches = {dp: _launch_run(device_ids[:dp]) for dp in dict.fromkeys(data_parallel)}
+    runs: list[Callable[[], Any]] = list(launches.values())
+    for layer in layers:
+        runs += [layer.forward, *(r for r in (layer.backward, layer.backward_remat) if r is not None), *layer.once]
+    log.info("timing %d layer programs (%d distinct layers x sizes)", len(runs), len(layers))
+    k = max(1, back_to_back)
+    runs = [_repeated(run, k) for run in runs]
+    times = iter(t / k for t in median_times(runs, rounds=rounds, clock=busy_clock(jax_devices(device_ids[:1])[0].platform)))
+    launch_s = {dp: next(times) for dp in launches}
+    records: dict[tuple, LayerRecord] = {}
+    for layer in layers:
+        forward = next(times)
+        backward = next(times) if layer.backward is not None else None
+        remat_s = next(times) if layer.backward_remat is not None else -1.0
+        once = sum(next(times) for _ in layer.once)
+        if backward is None:  # the last layer: forward and backward are one program
+            forward, backward = forward * layer.forward_share, forward * (1 - layer.forward_share)
+            remat_s = -1.0
+        record = records.setdefault(layer.record.key, layer.record)
+        record.program_s, record.once_programs = launch_s[record.dp], len(layer.once)
+        record.points.append(LayerPointRecord(layer.examples, forward, backward, remat_s, once, layer.peak_bytes))
+    for record in records.values():
+        record.points.sort(key=lambda p: p.examples)
+    return list(records.values())
+
+
+def _layer_runs(fn: Callable, args: tuple, batch_argnum: int, device_ids: Sequence[int], device_kind: str, examples: int,
+                dp: int, num_layers: int | None, remat: bool, shared: bool) -> list[_Layer]:
+    """The programs of each distinct layer, compiled alone on one mesh of `device_ids`."""
+    from hetpar.compile.programs import stage_mesh
+    from hetpar.compile.step import compile_layer_stages
+    from hetpar.predict.calibrate import program_inputs, program_run
+    from hetpar.trace.flops import op_costs
+    from hetpar.trace.layers import block_count, build_layers, compute_dtype
+    from hetpar.trace.traced_step import trace_step
+
+    # Two microbatches of `examples * dp`: the per-microbatch programs run at that size, accumulating
+    # gradients as a pipeline's do (and a batch of one example would trace apart from larger ones).
+    traced = trace_step(fn, with_batch(args, batch_argnum, 2 * examples * dp), batch_argnum, 2)
+    flops = [c.flops for c in op_costs(traced.full)]
+    layers = build_layers(traced.full, traced.analysis, flops, num_layers or block_count(traced.full, traced.analysis, flops))
+    signatures = layer_signatures(traced.full, traced.analysis, layers)
+    dtype = dtype_policy(compute_dtype(traced.full, flops))
+    mesh = stage_mesh(tuple(device_ids))
+    stages = list(range(layers.num_layers))
+    meshes = {i: mesh for i in stages}
+    plain = compile_layer_stages(traced, layers, stages, meshes)
+    rerun = compile_layer_stages(traced, layers, stages, meshes, remat="full") if remat else None
+    out, seen = [], set()
+    for layer, signature in enumerate(signatures):
+        if signature in seen:
+            continue
+        seen.add(signature)
+        mine = [p for p in plain.programs if p.task.stage == layer]
+        fwd = next(p for p in mine if p.task.kind == "fwd")
+        bwd = next((p for p in mine if p.task.kind == "bwd"), None)
+        redo = next((p for p in rerun.programs if p.task.stage == layer and p.task.kind == "bwd"), None) if rerun else None
+        once = [p for p in mine if not p.task.per_microbatch]
+        record = LayerRecord(signature, layers.names[layer], device_kind, dtype, 1, dp, shared)
+        share = layers.forward_flops[layer] / layers.flops[layer] if layers.forward_flops and layers.flops[layer] else 1 / 3
+        out.append(_Layer(
+            record, examples, program_run(fwd, plain.graph), program_run(bwd, plain.graph) if bwd else None,
+            program_run(redo, rerun.graph) if redo else None, [program_run(p, plain.graph) for p in once], share,
+            max(_peak_bytes(p, plain.graph, program_inputs) for p in mine),
+        ))
+    return out
+
+
+def _repeated(run: Callable[[], Any], times: int) -> Callable[[], Any]:
+    """`run` dispatched `times` times in a row; the last result (to wait on)."""
+    def repeated() -> Any:
+        out = None
+        for _ in range(times):
+            out = run()
+        return out
+    return repeated
+
+
+def _launch_run(device_ids: Sequence[int]) -> Callable[[], Any]:
+    """A program that does next to nothing on a mesh of `device_ids`: what launching
+    any program there costs (dispatch, and on CPU the devices' threads waking)."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from hetpar.compile.programs import stage_mesh
+
+    mesh = stage_mesh(tuple(device_ids))
+    split = NamedSharding(mesh, PartitionSpec(mesh.axis_names[0]))
+    x = jax.device_put(jnp.zeros((len(device_ids), 8), jnp.float32), split)
+    fn = jax.jit(lambda x: x + 1, out_shardings=split)
+    return lambda: fn(x)
+
+
+def _peak_bytes(program: Any, graph: Any, inputs: Callable) -> int:
+    """XLA's memory analysis of one program, per device (0 where the backend gives none)."""
+    try:
+        stats = program.fn.lower(program.init_acc() if program.init_acc else (), *inputs(program, graph)).compile().memory_analysis()
+    except Exception as e:  # noqa: BLE001 - a backend without memory analysis: the record says 0
+        log.info("no memory analysis for %s: %s", program.task.name, e)
+        return 0
+    if stats is None:
+        return 0
+    return int(stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
+
+
+def merge_records(groups: Sequence[tuple[str, Sequence[LayerRecord]]]) -> list[LayerRecord]:
+    """The layer records of several profiles (name, records) as one: one profile per
+    device kind, so two that measured the same kind are refused (which to keep is
+    the user's choice, not a silent last-one-wins)."""
+    owner: dict[str, str] = {}
+    out: list[LayerRecord] = []
+    for name, records in groups:
+        for kind in sorted({r.device_kind for r in records}):
+            if kind in owner and owner[kind] != name:
+                raise HetparError(f"both {owner[kind]} and {name} hold layer profiles of {kind}: merge one profile per "
+                                  f"device kind (profile {kind} on one machine, or leave one of the two files out)")
+            owner[kind] = name
+        out += records
+    return out
+
+
+def problem_layers(records: Sequence[LayerRecord], signatures: Sequence[str], dtype: str,
+                   kinds: Sequence[tuple[str, str]]) -> tuple[MeasuredLayer, ...]:
+    """The records that fit the step being planned, as the estimator reads them: for
+    every device kind of the problem (label, catalog name) and every layer whose
+    signature and dtype a record of that device kind has, one `MeasuredLayer` per
+    measured mesh degree."""
+    by_key: dict[tuple[str, str], list[LayerRecord]] = {}
+    for r in records:
+        if r.dtype == dtype:
+            by_key.setdefault((r.signature, r.device_kind), []).append(r)
+    out = []
+    for label, device_kind in kinds:
+        for layer, signature in enumerate(signatures):
+            for r in by_key.get((signature, device_kind), ()):
+                points = tuple(LayerPoint(p.examples, p.forward_s, p.backward_s, p.backward_remat_s, p.once_s) for p in r.points)
+                if points:
+                    out.append(MeasuredLayer(label, layer, r.tp, r.dp, points, r.shared_host, r.program_s, r.once_programs))
+    return tuple(out)

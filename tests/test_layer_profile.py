@@ -1,0 +1,182 @@
+"""Measured layer profiles (`hetpar profile --layers`): the JSON round trip and merge,
+interpolation between microbatch sizes, a layer priced from its measurement beside
+one priced from the model, and `show` saying which is which. Correctness only: no
+test here depends on how fast anything runs."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+import hetpar
+from hetpar.cli import main
+from hetpar.errors import HetparError
+from hetpar.pipeline import layers_of
+from hetpar.plan.file import load_plan, save_plan
+from hetpar.predict.layer_profile import LayerPointRecord, LayerRecord, layer_signatures, measure_layers
+from hetpar.predict.profile import Profile
+from hetpar.trace.traced_step import trace_step
+from models import gpt
+from solver.collectives import LinkCost
+from solver.cost.estimate import ESTIMATOR_VERSION, Decisions, StageDecision, estimate
+from solver.cost.measured import LayerPoint, MeasuredLayer, interpolate, lookup
+from solver.cost.problem import DeviceKind, LayerCost, Problem
+from solver.cost.stage_costs import StageConfig, StageCosts
+
+LINK = LinkCost(1e10, 1e-6)
+
+
+def _record(kind: str = "A100", signature: str = "abc", dp: int = 1, scale: float = 1.0) -> LayerRecord:
+    points = [LayerPointRecord(e, 1e-3 * e * scale, 2e-3 * e * scale, 3e-3 * e * scale, 5e-4, 1000 * e) for e in (1, 2, 4)]
+    return LayerRecord(signature, "Block_0", kind, "float32", 1, dp, False, points)
+
+
+def test_profile_json_round_trip_keeps_layer_records(tmp_path):
+    profile = Profile({}, layers=[_record(), _record(dp=2, scale=0.6)])
+    profile.save(tmp_path / "p.json")
+    raw = json.loads((tmp_path / "p.json").read_text())
+    assert raw["version"] == 2 and raw["layers"][0]["signature"] == "abc" and raw["layers"][1]["dp"] == 2
+    back = Profile.load(tmp_path / "p.json")
+    assert back.layers == profile.layers
+
+
+def test_a_version_1_profile_still_loads(tmp_path):
+    (tmp_path / "old.json").write_text(json.dumps({"version": 1, "devices": {}}))
+    assert Profile.load(tmp_path / "old.json").layers == []
+
+
+def test_profiles_of_several_machines_merge_one_per_kind(tmp_path):
+    Profile({}, layers=[_record("A100")]).save(tmp_path / "a.json")
+    Profile({}, layers=[_record("V100", scale=3.0)]).save(tmp_path / "v.json")
+    assert main(["profile", "--merge", str(tmp_path / "a.json"), str(tmp_path / "v.json"), "-o", str(tmp_path / "m.json")]) == 0
+    merged = Profile.load(tmp_path / "m.json")
+    assert sorted(r.device_kind for r in merged.layers) == ["A100", "V100"]
+    with pytest.raises(HetparError, match="A100"):  # the same kind from two files: which to keep is the user's choice
+        Profile.merge([("a.json", Profile.load(tmp_path / "a.json")), ("again.json", Profile.load(tmp_path / "a.json"))])
+
+
+def test_interpolation_between_and_beyond_measured_sizes():
+    xs, ys = np.array([1.0, 2.0, 4.0]), np.array([1.0, 3.0, 4.0])
+    assert interpolate(xs, ys, 1.5) == pytest.approx(2.0)
+    assert interpolate(xs, ys, 3.0) == pytest.approx(3.5)
+    assert interpolate(xs, ys, 8.0) == pytest.approx(6.0)  # along the last segment
+    assert interpolate(xs, ys, 0.0) == 0.0  # never below zero
+    assert interpolate(np.array([2.0]), np.array([4.0]), 3.0) == pytest.approx(6.0)  # one point: proportional
+
+
+def test_lookup_prefers_the_stages_own_data_parallel_degree():
+    one = MeasuredLayer("k", 0, 1, 1, (LayerPoint(2, 1.0, 2.0, 3.0, 0.5),))
+    four = MeasuredLayer("k", 0, 1, 4, (LayerPoint(2, 0.7, 1.4, -1.0, 0.9),))
+    price = lookup((one, four), "k", 0, 1, 4, 2)
+    assert (price.forward_s, price.backward_s, price.rerun_s, price.includes_sync) == (0.7, 1.4, None, True)
+    price = lookup((one,), "k", 0, 1, 2, 2)  # another degree: one device's times, the reduction still to add
+    assert (price.forward_s, price.rerun_s, price.includes_sync) == (1.0, 1.0, False)
+    shared = replace(one, shared_host=True)  # a shared host: two devices' work on the same cores
+    assert lookup((shared,), "k", 0, 1, 2, 2).forward_s == pytest.approx(2.0)
+    assert lookup((one,), "k", 0, 2, 1, 2) is None  # no record for that tensor-parallel degree
+    assert lookup((one,), "other", 0, 1, 1, 2) is None
+
+
+def _problem(measured=()) -> Problem:
+    layers = tuple(LayerCost(6e9, 2e9, 10**6, 1e5, 1e4, matmuls=4) for _ in range(3))
+    kinds = (DeviceKind("A100", 4, 4, 1e14, 40 * 2**30, 1e12, LINK, LINK),)
+    return Problem(layers, kinds, batch_size=8, measured_layers=tuple(measured))
+
+
+def test_a_measured_layer_is_priced_from_its_profile_and_the_rest_from_the_model():
+    measured = MeasuredLayer("A100", 1, 1, 2, (LayerPoint(1, 0.010, 0.030, 0.045, 0.002), LayerPoint(4, 0.040, 0.120, 0.18, 0.002)))
+    model = StageCosts(_problem()).per_layer(StageConfig("A100", 2, 1), 4)
+    priced = StageCosts(_problem([measured])).per_layer(StageConfig("A100", 2, 1), 4)  # 2 examples per device
+    assert priced.forward[1] == pytest.approx(0.020) and priced.backward[1] == pytest.approx(0.060)
+    assert priced.rerun[1] == pytest.approx(0.090 - 0.060)  # recomputation as measured
+    for layer in (0, 2):
+        assert priced.forward[layer] == model.forward[layer] and priced.backward[layer] == model.backward[layer]
+    # The estimator's plan price follows: the measured layer is far slower than the roofline says.
+    decisions = Decisions((StageDecision("A100", 2, 1, 0, 3),), 2, "1f1b", (8,))
+    slow = estimate(_problem([measured]), decisions)
+    assert slow.stages[0].forward_s == pytest.approx(model.forward[0] + 0.020 + model.forward[2])
+    assert slow.step_s > estimate(_problem(), decisions).step_s
+
+
+def test_a_shared_host_runs_its_stages_one_after_another():
+    problem = _problem()
+    shared = replace(problem, kinds=tuple(replace(k, shared_host=True) for k in problem.kinds))
+    decisions = Decisions((StageDecision("A100", 2, 1, 0, 1), StageDecision("A100", 2, 1, 1, 3)), 4, "1f1b", (8,))
+    cost = estimate(shared, decisions)
+    work = sum(4 * (c.forward_s + c.backward_s + c.send_s) + c.sync_s + c.optimizer_s for c in cost.stages)
+    assert cost.step_s == pytest.approx(work)
+
+
+@pytest.fixture(scope="module")
+def workload():
+    return gpt.setup(batch_size=8)
+
+
+def _signatures(workload, num_layers: int) -> list[str]:
+    traced = trace_step(workload.step, (workload.state, workload.batch), 1, 1)
+    return layer_signatures(traced.full, traced.analysis, layers_of(traced, num_layers))
+
+
+def test_identical_blocks_share_a_signature_at_any_batch(workload):
+    signatures = _signatures(workload, 6)  # embedding, 4 blocks, head
+    assert len(set(signatures[1:5])) == 1 and len(set(signatures)) == 3
+    other = gpt.setup(batch_size=4)
+    assert _signatures(other, 6) == signatures  # the batch dimension is not part of a layer's signature
+
+
+def test_plans_and_show_say_which_layers_were_measured(workload, tmp_path, capsys):
+    block = _signatures(workload, 6)[1]
+    slow = [LayerPointRecord(e, 0.05 * e, 0.1 * e, -1.0, 0.01) for e in (1, 2)]
+    Profile({}, layers=[LayerRecord(block, "Block_0", "A100", "float32", 1, 2, False, slow)]).save(tmp_path / "p.json")
+    cluster = hetpar.Cluster.virtual({"A100": 4, "V100": 4})
+    args = (workload.state, workload.batch)
+    options = dict(num_microbatches=2, num_stages=2, num_layers=6)
+    plain = hetpar.make_plan(workload.step, args, cluster, **options)
+    plan = hetpar.make_plan(workload.step, args, cluster, profile=str(tmp_path / "p.json"), **options)
+    measured = plan.cost_inputs.measured_layers
+    assert {m.layer for m in measured} == {1, 2, 3, 4} and {m.kind for m in measured} == {"A100"}
+    a100 = next(s for s in plan.stages if s.device_type == "A100")
+    assert a100.forward_s > next(s for s in plain.stages if s.device_type == "A100").forward_s
+    save_plan(plan, tmp_path / "plan.json")
+    assert json.loads((tmp_path / "plan.json").read_text())["estimator_version"] == ESTIMATOR_VERSION
+    assert load_plan(tmp_path / "plan.json").cost_inputs.measured_layers == measured
+    assert main(["show", str(tmp_path / "plan.json")]) == 0
+    out = capsys.readouterr().out
+    blocks = [layer for layer in range(a100.layer_start, a100.layer_end) if layer in (1, 2, 3, 4)]
+    assert blocks, "the A100 stage holds blocks"
+    assert f"layers on A100: measured (profile) {blocks[0]}-{blocks[-1]}" in out
+    assert "layers on V100: measured (profile) none" in out
+
+
+def test_profiling_a_steps_layers_records_each_distinct_layer(workload):
+    with pytest.raises(HetparError, match="one example"):
+        measure_layers(workload.step, (workload.state, workload.batch), [0, 1], "cpu", examples=(1, 2), data_parallel=(1,))
+    records = measure_layers(workload.step, (workload.state, workload.batch), [0, 1], "cpu", examples=(2, 4),
+                             data_parallel=(1, 2), num_layers=6, remat=True, rounds=1)
+    assert len(records) == 6  # 3 distinct layers (embedding, block, head) x 2 data-parallel degrees
+    assert {r.dp for r in records} == {1, 2} and all(r.shared_host and r.dtype == "float32" for r in records)
+    for r in records:
+        assert [p.examples for p in r.points] == [2, 4]
+        assert r.program_s > 0 and r.once_programs >= 1
+        assert all(p.forward_s > 0 and p.backward_s > 0 and p.once_s > 0 and p.peak_bytes > 0 for p in r.points)
+    block = next(r for r in records if r.name == "Block_0" and r.dp == 1)
+    assert all(p.backward_remat_s > 0 for p in block.points)
+
+
+def test_float32_matmuls_are_priced_at_the_precision_jax_runs_them():
+    import jax
+
+    from hetpar.cluster.catalog import device_type
+    from hetpar.predict.layer_profile import dtype_policy
+
+    a100, v100 = device_type("A100"), device_type("V100")
+    assert a100.matmul_flops("float32") == a100.flops("tf32") > a100.flops("fp32")  # JAX's default: TF32 on Ampere
+    assert v100.matmul_flops("float32") == v100.flops("fp32")  # no TF32 units
+    assert dtype_policy("float32") == "float32"
+    with jax.default_matmul_precision("highest"):
+        assert a100.matmul_flops("float32") == a100.flops("fp32")
+        assert dtype_policy("float32") == "float32/highest"  # a profile taken at full precision keys apart
+    assert a100.matmul_flops("bfloat16") == a100.flops("bf16")
