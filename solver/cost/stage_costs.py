@@ -213,20 +213,19 @@ class StageCosts:
         capacity = self.capacity(cfg.kind)
         remats = ["full"] if p.force_remat else [""] + (["full"] if p.allow_remat else [])  # large runs recompute always
         shape = (self.n + 1, self.n + 1)
-        best = np.full(shape, INF)
-        out = {name: np.zeros(shape) for name in ("forward", "backward", "memory", "tail", "sync", "zero", "remat")}
-        for zero in self.zero_stages(cfg):
-            for remat in remats:
-                v = self.variant(cfg, b, held, last, zero, remat)
-                cost = np.where(v.memory.total <= capacity, m * (v.forward + v.backward) + v.tail, INF)
-                better = cost < best
-                best = np.where(better, cost, best)
-                for name, value in (("forward", v.forward), ("backward", v.backward), ("memory", v.memory.total),
-                                    ("tail", v.tail), ("sync", v.sync), ("zero", zero), ("remat", bool(remat))):
-                    out[name] = np.where(better, value, out[name])
-        ok = np.triu(best < INF, k=1)
-        return StageTable(np.where(ok, out["forward"], INF), np.where(ok, out["backward"], INF), (out["remat"] > 0) & ok,
-                          out["memory"], out["tail"], out["sync"], capacity, out["zero"].astype(int))
+        choices = [(zero, remat) for zero in self.zero_stages(cfg) for remat in remats]
+        variants = [self.variant(cfg, b, held, last, zero, remat) for zero, remat in choices]
+        fields = {name: np.stack([_full(getattr(v, name), shape) for v in variants]) for name in ("forward", "backward", "tail", "sync")}
+        fields["memory"] = np.stack([_full(v.memory.total, shape) for v in variants])
+        cost = np.where(fields["memory"] <= capacity, m * (fields["forward"] + fields["backward"]) + fields["tail"], INF)
+        pick = cost.argmin(axis=0)[None]  # the first of the fastest, in the order above (ties keep the simpler choice)
+        out = {name: np.take_along_axis(value, pick, 0)[0] for name, value in fields.items()}
+        ok = np.triu(np.take_along_axis(cost, pick, 0)[0] < INF, k=1)
+        zero = np.array([z for z, _ in choices])[pick[0]]
+        remat = np.array([bool(r) for _, r in choices])[pick[0]]
+        return StageTable(np.where(ok, out["forward"], INF), np.where(ok, out["backward"], INF), remat & ok,
+                          np.where(ok, out["memory"], 0.0), np.where(ok, out["tail"], 0.0), np.where(ok, out["sync"], 0.0),
+                          capacity, np.where(ok, zero, 0))
 
     def variant(self, cfg: StageConfig, b: int, held: int, last: bool, zero: int, remat: str,
                 dots: float = 0.0) -> StageVariant:
@@ -255,8 +254,7 @@ class StageCosts:
         extra_f, extra_b, step_sync, tail = self.step_costs(cfg, zero)
         forward = f + extra_f
         backward = bw + extra_b + (forward if remat else 0.0)
-        return StageVariant(np.broadcast_to(forward, f.shape), np.broadcast_to(backward, f.shape), memory,
-                            np.broadcast_to(tail, f.shape), np.broadcast_to(step_sync, f.shape))
+        return StageVariant(_full(forward, f.shape), _full(backward, f.shape), memory, _full(tail, f.shape), _full(step_sync, f.shape))
 
     def _buckets(self, cfg: StageConfig) -> dict[str, np.ndarray]:
         """Per layer (one gradient bucket each, as DDP and Megatron bucket them): the
@@ -405,6 +403,14 @@ def _last(values: np.ndarray) -> np.ndarray:
 def all_reduce_times(topo: Topology, nbytes: np.ndarray) -> np.ndarray:
     """The fastest all-reduce for every size in `nbytes` at once (0 for nothing)."""
     return fastest_times("all_reduce", topo, nbytes)
+
+
+def _full(values: np.ndarray | float, shape: tuple[int, ...]) -> np.ndarray:
+    """`values` as an array of `shape` (a read-only view where it must broadcast); an
+    array already of that shape as it is (tables are built by the thousand)."""
+    if isinstance(values, np.ndarray) and values.shape == shape:
+        return values
+    return np.broadcast_to(values, shape)
 
 
 def _cumsum(values: np.ndarray) -> np.ndarray:
