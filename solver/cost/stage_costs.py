@@ -132,6 +132,7 @@ class StageCosts:
         self.kinds = {k.name: k for k in problem.kinds}
         self._tables = lru_cache(maxsize=None)(self._table)
         self._ranges = lru_cache(maxsize=None)(self._ranges_uncached)
+        self.per_layer = lru_cache(maxsize=None)(self._per_layer)  # the stage tables and the planner's bounds both read it
         self._params_max = lru_cache(maxsize=None)(lambda tp: _range_max(self.tp_params(tp)))
         self._grads = lru_cache(maxsize=None)(lambda tp: _span(_cumsum(self.tp_params(tp))))
         # ZeRO's collectives and the tail depend on the stage alone, not on its
@@ -171,7 +172,7 @@ class StageCosts:
             return sharded_state(params, 0.0 * params, 0.0 * params, dp, 0)
         return sharded_state(params, params, params * (self.problem.state_factor - 2), dp, zero)
 
-    def per_layer(self, cfg: StageConfig, b: int) -> PerLayer:
+    def _per_layer(self, cfg: StageConfig, b: int) -> PerLayer:
         """Each layer alone on one of these stages: the numbers every range sums, and
         what the planner's lower bounds take the least of (`state`: under the ZeRO
         stage that shards the most, so a bound never says too few layers fit)."""

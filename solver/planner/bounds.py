@@ -93,9 +93,12 @@ def _floor(runs: np.ndarray) -> np.ndarray:
 
 
 def _least_runs(values: np.ndarray) -> np.ndarray:
-    """[n - 1]: the least sum of any n consecutive entries of `values` (a span matrix)."""
+    """[n - 1]: the least sum of any n consecutive entries of `values` (a span matrix):
+    the least of its n-th diagonal above the main one, all diagonals at once."""
     n = values.shape[0] - 1
-    return np.array([np.diagonal(values, offset=k).min() for k in range(1, n + 1)])
+    first, length = np.arange(n)[None, :], np.arange(1, n + 1)[:, None]
+    last = first + length
+    return np.where(last <= n, values[first, np.minimum(last, n)], INF).min(axis=1)
 
 
 def _longest(runs: np.ndarray, limits: np.ndarray) -> np.ndarray:
@@ -120,9 +123,10 @@ class LowerBounds:
         self._groups: dict[tuple, _Group] = {}
         self._held: dict[tuple[str, int, int], tuple[int, ...]] = {}
         self._sends: dict[tuple[StageConfig, StageConfig, int], float] = {}
-        self._kinds: dict[tuple[tuple[KindLayout, ...], int], _KindArrays] = {}
-        self._grids: dict[int, np.ndarray] = {}
+        self._kinds: dict[tuple[tuple[KindLayout, ...], int, tuple[str, ...]], _KindArrays] = {}
+        self._grids: dict[tuple[int, tuple[str, ...]], np.ndarray] = {}
         self._tail_values: np.ndarray | None = None
+        self._held_tails: dict[StageConfig, np.ndarray] = {}
 
     def bound(self, layouts: tuple[KindLayout, ...], m: int, b: int, schedule: str) -> float:
         """No split of any order of these stages is faster than this under `schedule`
@@ -151,13 +155,14 @@ class LowerBounds:
         layers = self.costs.n
         if not per_kind or not all(per_kind):
             return np.zeros(0), np.zeros((len(per_kind), 0), dtype=int)
-        arrays = [self._kind_arrays(tuple(lays), b) for lays in per_kind]
+        kinds = tuple(sorted({lay.kind for lays in per_kind for lay in lays}))
+        arrays = [self._kind_arrays(tuple(lays), b, kinds) for lays in per_kind]
         index = np.indices([len(lays) for lays in per_kind]).reshape(len(per_kind), -1)
         stages = sum(a.counts[i] for a, i in zip(arrays, index))
         index = index[:, stages <= layers]
         if not index.shape[1]:
             return np.zeros(0), index
-        grid = self._time_grid(b)
+        grid = self._time_grid(b, kinds)
         at = _first_enough([a.rooms for a in arrays], index, len(grid), layers)
         bottleneck = np.where(at < len(grid), (m - 1) * grid[np.minimum(at, len(grid) - 1)], INF)
         # The summed stage times with memory alone limiting each stage.
@@ -178,15 +183,15 @@ class LowerBounds:
         keep = np.nonzero(lower < INF)[0]
         return lower[keep], index[:, keep]
 
-    def _kind_arrays(self, layouts: tuple[KindLayout, ...], b: int) -> _KindArrays:
-        """What each of one kind's layouts contributes to `product_table`, on the
-        microbatch size's grid of candidate times (one microbatch in flight: the
-        best case of every position)."""
-        key = (layouts, b)
+    def _kind_arrays(self, layouts: tuple[KindLayout, ...], b: int, kinds: tuple[str, ...]) -> _KindArrays:
+        """What each of one kind's layouts contributes to `product_table`, on the grid
+        of candidate times of `kinds` at microbatch size `b` (one microbatch in flight:
+        the best case of every position)."""
+        key = (layouts, b, kinds)
         if key not in self._kinds:
             if any(b % lay.dp for lay in layouts):
                 raise ValueError(f"a layout's data-parallel degree does not divide the microbatch of {b}: no pipeline runs it")
-            grid, tail_grid, layers = self._time_grid(b), self._tail_grid(), self.costs.n
+            grid, tail_grid, layers = self._time_grid(b, kinds), self._tail_grid(), self.costs.n
             counts = np.array([lay.stages for lay in layouts], dtype=float)
             runs = [self._stage_runs(lay.config, b) for lay in layouts]
             fitting = np.array([self._layers_fitting(lay, b, 1) for lay in layouts], dtype=float).reshape(-1, 2)
@@ -196,7 +201,7 @@ class LowerBounds:
                 # The least time at which one stage has room for q layers, plain or recomputing.
                 least = np.minimum(np.where(q <= fit, _floor(r.time), INF), np.where(q <= fit_remat, _floor(r.remat), INF))
                 rooms.append(lay.stages * np.searchsorted(least, grid * _TOL, side="right"))
-                held.append(lay.stages * _longest(self._stage_tails(lay.config), tail_grid))
+                held.append(lay.stages * self._tail_rooms(lay.config))
             plain = fitting[:, 0] >= 1  # a stage that cannot hold one layer without recomputing recomputes
             self._kinds[key] = _KindArrays(
                 counts, np.array(rooms).reshape(len(layouts), len(grid)), np.array(held).reshape(len(layouts), len(tail_grid)),
@@ -206,14 +211,13 @@ class LowerBounds:
             )
         return self._kinds[key]
 
-    def _time_grid(self, b: int) -> np.ndarray:
-        """Every least run time of every layout (of every kind) that runs microbatches
-        of `b`: the bottleneck of any combination is one of them."""
-        if b not in self._grids:
-            runs = [self._stage_runs(lay.config, b) for k in self.problem.kinds for lay in kind_layouts(self.problem, k.name)
-                    if b % lay.dp == 0]
-            self._grids[b] = np.unique(np.concatenate([np.concatenate([r.time, r.remat]) for r in runs]))
-        return self._grids[b]
+    def _time_grid(self, b: int, kinds: tuple[str, ...]) -> np.ndarray:
+        """Every least run time of every layout of `kinds` that runs microbatches of
+        `b`: the bottleneck of any combination of them is one of these."""
+        if (b, kinds) not in self._grids:
+            runs = [self._stage_runs(lay.config, b) for k in kinds for lay in kind_layouts(self.problem, k) if b % lay.dp == 0]
+            self._grids[b, kinds] = np.unique(np.concatenate([np.concatenate([r.time, r.remat]) for r in runs]))
+        return self._grids[b, kinds]
 
     def _tail_grid(self) -> np.ndarray:
         """Every least tail of every layout: the tail bound of any combination is one of them."""
@@ -307,11 +311,16 @@ class LowerBounds:
         """The least u such that stages whose every run costs at most u in tail (and
         per-microbatch ZeRO collectives, which a stage pays at least once) can hold
         all the layers: the slowest tail is at least that."""
-        tails = {lay: self._stage_tails(lay.config) for lay in layouts}
-        candidates = np.unique(np.concatenate(list(tails.values())))
-        held = sum(lay.stages * _longest(t, candidates) for lay, t in tails.items())
+        candidates = self._tail_grid()
+        held = sum(lay.stages * self._tail_rooms(lay.config) for lay in layouts)
         enough = np.nonzero(held >= self.costs.n)[0]
         return float(candidates[enough[0]]) if enough.size else 0.0
+
+    def _tail_rooms(self, cfg: StageConfig) -> np.ndarray:
+        """Per candidate tail (`_tail_grid`), the most layers one such stage holds within it."""
+        if cfg not in self._held_tails:
+            self._held_tails[cfg] = _longest(self._stage_tails(cfg), self._tail_grid())
+        return self._held_tails[cfg]
 
     def _stage_tails(self, cfg: StageConfig) -> np.ndarray:
         """[n - 1]: over runs of n consecutive layers and ZeRO stages, the least tail

@@ -65,6 +65,8 @@ class Planner:
         self.top_k = top_k
         self.finalists = max(top_k, finalists)  # plans the search keeps for the estimator to rank
         self.total_flops = float(self.costs.flops.sum())
+        # FLOPs a device computes per example, at the least (a forward-only function runs no backward)
+        self.work_flops = self.total_flops if problem.training else float(self.costs.fwd_flops.sum())
         self._single: dict[tuple[str, int, int], tuple[PlanChoice | None, float]] = {}  # and the bound it was searched under
         self._pipelines: dict[tuple, tuple[PlanChoice | None, float]] = {}  # `pipeline`'s, and the beat it was searched under
 
@@ -172,7 +174,7 @@ class Planner:
     def _replica_floor(self) -> float:
         """No replica plan beats perfect use of every device plus the cheapest gradient sum."""
         p = self.problem
-        ideal = self.total_flops * p.batch_size / sum(k.count * k.flops for k in p.kinds)
+        ideal = self.work_flops * p.batch_size / sum(k.count * k.flops for k in p.kinds)
         names = [k.name for k in p.kinds]
         return ideal + min(self._cross_sync(s) for r in range(2, len(names) + 1) for s in itertools.combinations(names, r))
 
@@ -289,7 +291,7 @@ class Planner:
             for r in range(max(2, self._fewest_kinds(tuple(names))), len(names) + 1):
                 for subset in itertools.combinations(names, r):
                     cross = self._cross_sync(subset)
-                    ideal = self.total_flops * p.batch_size / sum(p.kind(k).count * p.kind(k).flops for k in subset)
+                    ideal = self.work_flops * p.batch_size / sum(p.kind(k).count * p.kind(k).flops for k in subset)
                     if cross + ideal >= beat:
                         continue  # even perfect use of these devices would not beat the best found
                     plan = self._best_shares(subset, m, per_mb, step, cross, beat)
@@ -330,6 +332,8 @@ class Planner:
         for shares in choices:
             if shares is None:
                 continue
+            if max(self._ideal_s(kind, b * m) for kind, b in zip(kinds, shares)) + cross >= best_value:
+                continue  # a kind's share alone, at its devices' full speed, takes too long
             parts = []
             for kind, b in zip(kinds, shares):
                 plan = self._single_kind(kind, m, b, beat - cross)
@@ -341,6 +345,12 @@ class Planner:
                 stages = tuple(StageChoice(**{**s.__dict__, "replica": r}) for r, c in enumerate(parts) for s in c.stages)
                 best_plan = self._choice(stages, m, parts[0].schedule, best_value, tuple(c.replica_batch[0] for c in parts), cross)
         return best_plan
+
+    def _ideal_s(self, kind: str, examples: int) -> float:
+        """No pipeline of `kind` runs `examples` per step faster than all its devices
+        at full speed: its busiest stage does at least their average work."""
+        k = self.problem.kind(kind)
+        return self.work_flops * examples / (k.count * k.flops)
 
     def _balanced(self, kinds: tuple[str, ...], m: int, per_mb: int, grid: list[int]) -> tuple[int, ...] | None:
         """Shares in proportion to each kind's throughput on the whole microbatch (a
