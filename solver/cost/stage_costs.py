@@ -133,6 +133,11 @@ class StageCosts:
         self._tables = lru_cache(maxsize=None)(self._table)
         self._ranges = lru_cache(maxsize=None)(self._ranges_uncached)
         self.per_layer = lru_cache(maxsize=None)(self._per_layer)  # the stage tables and the planner's bounds both read it
+        # A stage's times do not depend on where it sits nor on what it holds, its memory's
+        # parts not on how many microbatches it holds: each priced once, not once per table.
+        self._times = lru_cache(maxsize=None)(self._times_uncached)
+        self._table_times = lru_cache(maxsize=None)(self._table_times_uncached)
+        self._held_memory = lru_cache(maxsize=None)(self._held_memory_uncached)
         self._params_max = lru_cache(maxsize=None)(lambda tp: _range_max(self.tp_params(tp)))
         self._grads = lru_cache(maxsize=None)(lambda tp: _span(_cumsum(self.tp_params(tp))))
         # ZeRO's collectives and the tail depend on the stage alone, not on its
@@ -210,15 +215,12 @@ class StageCosts:
     def _table(self, cfg: StageConfig, b: int, held: int, last: bool, m: int) -> StageTable:
         """Every (ZeRO stage, recomputation) the problem allows, priced by `variant`;
         per range the fastest that fits."""
-        p = self.problem
         capacity = self.capacity(cfg.kind)
-        remats = ["full"] if p.force_remat else [""] + (["full"] if p.allow_remat else [])  # large runs recompute always
         shape = (self.n + 1, self.n + 1)
-        choices = [(zero, remat) for zero in self.zero_stages(cfg) for remat in remats]
-        variants = [self.variant(cfg, b, held, last, zero, remat) for zero, remat in choices]
-        fields = {name: np.stack([_full(getattr(v, name), shape) for v in variants]) for name in ("forward", "backward", "tail", "sync")}
-        fields["memory"] = np.stack([_full(v.memory.total, shape) for v in variants])
-        cost = np.where(fields["memory"] <= capacity, m * (fields["forward"] + fields["backward"]) + fields["tail"], INF)
+        choices, fields, time_cost = self._table_times(cfg, b, m)
+        memory = np.stack([_full(self.variant(cfg, b, held, last, zero, remat).memory.total, shape) for zero, remat in choices])
+        fields = {**fields, "memory": memory}
+        cost = np.where(memory <= capacity, time_cost, INF)
         pick = cost.argmin(axis=0)[None]  # the first of the fastest, in the order above (ties keep the simpler choice)
         out = {name: np.take_along_axis(value, pick, 0)[0] for name, value in fields.items()}
         ok = np.triu(np.take_along_axis(cost, pick, 0)[0] < INF, k=1)
@@ -228,6 +230,16 @@ class StageCosts:
                           np.where(ok, out["memory"], 0.0), np.where(ok, out["tail"], 0.0), np.where(ok, out["sync"], 0.0),
                           capacity, np.where(ok, zero, 0))
 
+    def _table_times_uncached(self, cfg: StageConfig, b: int, m: int) -> tuple[list[tuple[int, str]], dict[str, np.ndarray], np.ndarray]:
+        """The (ZeRO stage, recomputation) choices a table picks from, their times
+        stacked, and what each costs a step of `m` microbatches (memory aside)."""
+        p = self.problem
+        remats = ["full"] if p.force_remat else [""] + (["full"] if p.allow_remat else [])  # large runs recompute always
+        choices = [(zero, remat) for zero in self.zero_stages(cfg) for remat in remats]
+        times = [self._times(cfg, b, zero, remat) for zero, remat in choices]
+        fields = {name: np.stack([t[i] for t in times]) for i, name in enumerate(("forward", "backward", "tail", "sync"))}
+        return choices, fields, m * (fields["forward"] + fields["backward"]) + fields["tail"]
+
     def variant(self, cfg: StageConfig, b: int, held: int, last: bool, zero: int, remat: str,
                 dots: float = 0.0) -> StageVariant:
         """Stage `cfg` on microbatches of `b` examples holding `held` of them, under one
@@ -236,8 +248,18 @@ class StageCosts:
         plan whose choices are made. One function, so the two cannot disagree.
         `dots`: per example, the matmul results a "dots" policy keeps besides the
         stage's input (the planner never chooses it; a user may)."""
-        f, bw, saved, grads = self._ranges(cfg, b)
-        inputs = np.broadcast_to((self.inputs * (b / cfg.dp / cfg.tp)).tolist() + [0.0], f.shape).T  # a stage keeps its own input
+        state, activations, fused, workspace = self._held_memory(cfg, b, last, zero, remat, dots)
+        memory = stage_memory(state, activations, held, remat, fused=fused, workspace=workspace)
+        forward, backward, tail, sync, hidden = self._times(cfg, b, zero, remat)
+        return StageVariant(forward, backward, memory, tail, sync, hidden)
+
+    def _held_memory_uncached(self, cfg: StageConfig, b: int, last: bool, zero: int, remat: str,
+                              dots: float) -> tuple[DeviceMemory, StageActivations, bool, np.ndarray | float]:
+        """What `variant`'s memory is made of whatever the microbatches in flight: the
+        state, one microbatch's activations, whether forward and backward are one
+        program, the workspace."""
+        _, _, saved, grads = self._ranges(cfg, b)
+        inputs = np.broadcast_to((self.inputs * (b / cfg.dp / cfg.tp)).tolist() + [0.0], saved.shape).T  # a stage keeps its own input
         shard = b / cfg.dp / cfg.tp  # activations split over all the stage's devices
         activations = StageActivations(saved, inputs, dots=dots * b / cfg.dp / cfg.tp, largest=self.largest_max * shard,
                                        recomputed=self._recomputed_span * shard,
@@ -249,13 +271,19 @@ class StageCosts:
             activations = StageActivations(saved, self._inputs_span * shard, largest=self.largest_max * shard,
                                            recomputed=0.0, rerun_working=self._layer_rerun_max * shard)
             fused = False  # the last stage recomputes too: its program still frees each layer's activations
-        memory = stage_memory(state, activations, held, remat, fused=fused, workspace=gathered if zero >= 3 else 0.0)
+        return state, activations, fused, gathered if zero >= 3 else 0.0
+
+    def _times_uncached(self, cfg: StageConfig, b: int, zero: int, remat: str) -> tuple[np.ndarray, ...]:
+        """`variant`'s times (forward, backward, tail, sync, hidden), the same wherever
+        the stage sits and however many microbatches it holds."""
+        f, bw, _, _ = self._ranges(cfg, b)
         if self.problem.overlap_comm and self.problem.training and cfg.dp > 1:
-            return self._overlapped(cfg, b, zero, remat, f, bw, memory)
+            v = self._overlapped(cfg, b, zero, remat, f, bw)
+            return v.forward, v.backward, v.tail, v.sync, _full(v.hidden, f.shape)
         extra_f, extra_b, step_sync, tail = self.step_costs(cfg, zero)
         forward = f + extra_f
         backward = bw + extra_b + (forward if remat else 0.0)
-        return StageVariant(_full(forward, f.shape), _full(backward, f.shape), memory, _full(tail, f.shape), _full(step_sync, f.shape))
+        return _full(forward, f.shape), _full(backward, f.shape), _full(tail, f.shape), _full(step_sync, f.shape), 0.0
 
     def _buckets(self, cfg: StageConfig) -> dict[str, np.ndarray]:
         """Per layer (one gradient bucket each, as DDP and Megatron bucket them): the
@@ -264,8 +292,7 @@ class StageCosts:
         topo = self.dp_topology(kind, cfg)
         return {c: fastest_times(c, topo, params) for c in ("all_reduce", "reduce_scatter", "all_gather")}
 
-    def _overlapped(self, cfg: StageConfig, b: int, zero: int, remat: str, f: np.ndarray, bw: np.ndarray,
-                    memory: DeviceMemory) -> StageVariant:
+    def _overlapped(self, cfg: StageConfig, b: int, zero: int, remat: str, f: np.ndarray, bw: np.ndarray) -> StageVariant:
         """`variant`'s times when the data axis's collectives overlap compute
         (`Problem.overlap_comm`): gradients are reduced bucket by bucket (a layer each)
         while the backward of earlier layers still runs, and ZeRO-3's all-gathers are
@@ -301,7 +328,7 @@ class StageCosts:
         sync = reduce + post
         tail = sync + (optimizer / cfg.dp if zero else optimizer)
         shape = f.shape
-        return StageVariant(np.broadcast_to(forward, shape), np.broadcast_to(backward, shape), memory,
+        return StageVariant(np.broadcast_to(forward, shape), np.broadcast_to(backward, shape), None,  # type: ignore[arg-type]
                             np.broadcast_to(tail, shape), np.broadcast_to(sync, shape), np.broadcast_to(hidden, shape))
 
     def _step_costs(self, cfg: StageConfig, zero: int) -> tuple[np.ndarray | float, np.ndarray | float, np.ndarray, np.ndarray]:
