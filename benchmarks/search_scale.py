@@ -8,8 +8,8 @@ specs, nodes of 8 GPUs):
   the cluster), with 10 and 34 layers (Metis counts the embedding and the head as
   layers; here they ride on the first and last block), fp16 as Metis's Megatron
   runs it, on 16, 64 and 256 GPUs of two kinds (A100 + V100, half each) and three
-  kinds (A100 + V100 + T4 in whole nodes, as even as they go; 16 GPUs: 8 A100 and
-  a 4-GPU node each of V100 and T4);
+  kinds (A100 + V100 + T4: half A100, a quarter each of V100 and T4; 16 GPUs: 8
+  A100 and a 4-GPU node each of V100 and T4);
 - HETHUB's scale with three kinds: an 80-layer Llama-style 140B model (one planning
   layer per block) on 256 H100 + 256 A100 + 256 V100 (examples/clusters/
   three_types_768.yaml), bf16.
@@ -81,16 +81,11 @@ class Scenario:
 
 
 def _metis(layers: int, gpus: int, kinds: int) -> Scenario:
-    """Two kinds: half A100, half V100. Three: A100, V100 and T4 in whole 8-GPU
-    nodes as evenly as they go, the first kinds taking the odd nodes (16 GPUs: one
-    A100 node and a 4-GPU node each of V100 and T4)."""
-    if kinds == 2:
-        split = {"a100": gpus // 2, "v100": gpus // 2}
-    elif gpus == 16:
-        split = {"a100": 8, "v100": 4, "t4": 4}
-    else:
-        nodes = gpus // 8
-        split = {kind: 8 * (nodes // 3 + (i < nodes % 3)) for i, kind in enumerate(("a100", "v100", "t4"))}
+    """Two kinds: half A100, half V100. Three: half A100, a quarter each V100 and T4
+    (16 GPUs: 8 A100 and a 4-GPU node each of V100 and T4). Power-of-two counts: a
+    kind's stages use all its devices, and a data-parallel degree must divide the
+    microbatch (88 GPUs of a kind could only run data-parallel degrees of 11 x 2^k)."""
+    split = {"a100": gpus // 2, "v100": gpus // 2} if kinds == 2 else {"a100": gpus // 2, "v100": gpus // 4, "t4": gpus // 4}
     model = Transformer(layers=layers, **METIS_GPT)
     return Scenario(f"gpt{layers}_{gpus}_{kinds}t", model, batch=8 * gpus, gpus=split)
 
