@@ -13,7 +13,8 @@ Search is branch and bound: every layout gets a lower bound (`bounds.py`: first 
 computed for a whole product of layouts at once, tightened to the layout's own and
 then per order of kinds as it reaches the front of the line), layouts are scored
 exactly in the order of their bounds, and the search stops when the next bound
-cannot beat the k-th best plan found. Pipelines are therefore the model's optimum; replica batch shares
+cannot beat the k-th best plan found (k: `FINALISTS`, whose closed forms the estimator
+then replaces by its simulated step to choose). Pipelines are therefore the model's optimum; replica batch shares
 are too on grids of up to 16 steps, and found by proportional split and local
 descent beyond. With a time limit, the best plan so far comes back with its gap.
 
