@@ -163,6 +163,12 @@ def _swept(row: _Row, t_values: np.ndarray, going: Callable[[float], bool], bloc
     start = 0
     while start < len(t_values):
         ts = t_values[start : start + block]
+        ahead = 0  # the bottlenecks still in the running now (fewer can be, later): only theirs are priced
+        while ahead < len(ts) and going(float(ts[ahead])):
+            ahead += 1
+        if not ahead:
+            return
+        ts = ts[:ahead]
         for t_max, sum_t in zip(ts, row.least_sums(ts)):
             if not going(float(t_max)):
                 return
