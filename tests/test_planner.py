@@ -12,7 +12,7 @@ from solver.collectives import LinkCost, Topology, affine_costs, best
 from solver.planner import DeviceKind, LayerCost, PlanningError, Problem, plan
 from solver.planner.layer_split import score
 from solver.planner.bounds import kind_layouts
-from solver.planner.search import FINALISTS, Planner
+from solver.planner.search import FINALISTS, Planner, _schedule_choices
 from solver.cost.stage_costs import INF, StageCosts, in_flight
 from solver.planner.step import closed_form_step_s, simulated_step_s
 
@@ -247,8 +247,8 @@ def every_pipeline(problem: Problem, planner: Planner) -> list:
         for r in range(1, len(names) + 1):
             for subset in itertools.permutations(names, r):
                 for order in itertools.product(*(kind_layouts(problem, k) for k in subset)):
-                    for schedule in problem.schedules:
-                        found = planner.pipeline(order, m, b, schedule)
+                    for schedule, chunks in _schedule_choices(problem):  # as the search tries them (no dominated one)
+                        found = planner.pipeline(order, m, b, schedule, chunks=chunks)
                         if found is not None:
                             out.append(found)
     return out
