@@ -44,11 +44,17 @@ MICROBATCHES = (16, 32, 64, 128, 256, 512)
 
 def problem_for(name: str) -> Problem:
     model, cluster_file, batch = SCENARIOS[name]
-    cluster = Cluster.from_file(str(CLUSTERS / cluster_file))
+    return problem_on(model, Cluster.from_file(str(CLUSTERS / cluster_file)), batch, microbatches=MICROBATCHES)
+
+
+def problem_on(model: Transformer, cluster: Cluster, batch: int, dtype: str = "bfloat16",
+               microbatches: tuple[int, ...] | None = None) -> Problem:
+    """A model on paper on a cluster, trained in `dtype` (16-bit) with mixed-precision
+    Adam; `microbatches` None: any count dividing the batch, as `hetpar solve` searches."""
     return Problem(
-        model.layer_costs(), device_kinds(cluster, "bfloat16"), batch, group_links(cluster), tokens_per_example=model.seq,
-        state_factor=8.0,  # bf16 parameters: + bf16 gradients + fp32 master copy and two moments = 16 bytes / 2
-        optimizer_traffic=14.0, memory_reserve=0.1, microbatches=MICROBATCHES, max_tp=8, allow_remat=True,
+        model.layer_costs(), device_kinds(cluster, dtype), batch, group_links(cluster), tokens_per_example=model.seq,
+        state_factor=8.0,  # 16-bit parameters: + 16-bit gradients + fp32 master copy and two moments = 16 bytes / 2
+        optimizer_traffic=14.0, memory_reserve=0.1, microbatches=microbatches, max_tp=8, allow_remat=True,
     )
 
 

@@ -19,6 +19,7 @@ Events are structured (stage, chunk, device group, microbatch, kind); `lane` and
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Sequence
 
 from solver.schedules import DEFAULT, StageTimes, get, names
@@ -78,50 +79,79 @@ class Simulation:
 def simulate(stages: Sequence[StageTimes], num_microbatches: int, schedule: str = DEFAULT, chunks: int = 1) -> Simulation:
     """`stages` are the virtual stages in pipeline order; with `chunks` = v, stage s
     runs on device group s mod (len(stages) / v)."""
-    plan = get(schedule)
+    events: list[Event] = []
+    step, busy = _run(stages, num_microbatches, schedule, chunks, events)
+    events.sort(key=lambda e: (e.start_s, e.device, e.kind == "transfer"))
+    return Simulation(tuple(events), step, busy)
+
+
+def _run(stages: Sequence[StageTimes], num_microbatches: int, schedule: str, chunks: int,
+         events: list[Event] | None) -> tuple[float, tuple[float, ...]]:
+    """The simulation itself: the step and each group's busy time, and (where
+    `events` is a list) every event appended to it. Without events it is what the
+    planner's finalists are ranked by, thousands of times a search: the work runs
+    over plain lists indexed by stage and microbatch."""
     n, m = len(stages), num_microbatches
     if n == 0 or m < 1 or chunks < 1 or n % chunks:
         raise ValueError(f"a pipeline needs at least one stage and one microbatch, and a whole number of stages per chunk "
                          f"(got {n} stages, {m} microbatches, {chunks} chunks)")
     d = n // chunks
-    plan.validate(d, m, chunks)
-    orders = [plan.device_order(g, d, m, chunks) for g in range(d)]
-    done: dict[tuple[str, int, int], float] = {}  # (kind, stage, microbatch) -> finish time
-    arrived: dict[tuple[str, int, int], float] = {}  # activation/gradient available at a stage
+    orders = _orders(schedule, d, m, chunks)
+    forward = [s.forward_s for s in stages]
+    backward = [s.backward_s for s in stages]
+    sends = [s.send_s for s in stages]
+    f_done: list[list[float | None]] = [[None] * m for _ in range(n)]  # finish of stage s's forward of microbatch j
+    f_in: list[list[float | None]] = [[None] * m for _ in range(n)]  # its activation's arrival at stage s
+    b_in: list[list[float | None]] = [[None] * m for _ in range(n)]  # the gradient's arrival at stage s
+    for j in range(m):
+        f_in[0][j] = 0.0
     free = [0.0] * d
     link_free: dict[tuple[int, int], float] = {}
     cursor = [0] * d
-    events: list[Event] = []
     busy = [0.0] * d
-
-    def ready(kind: str, s: int, j: int) -> float | None:
-        if kind == "F":
-            return 0.0 if s == 0 else arrived.get(("F", s, j))
-        if ("F", s, j) not in done:
-            return None
-        return done[("F", s, j)] if s == n - 1 else arrived.get(("B", s, j))
-
     progressed = True
     while progressed:
         progressed = False
         for g in range(d):
-            while cursor[g] < len(orders[g]):
-                work = orders[g][cursor[g]]
-                s, j = work.stage(g, d), work.microbatch
-                at = ready(work.kind, s, j)
-                if at is None:
-                    break
-                length = stages[s].forward_s if work.kind == "F" else stages[s].backward_s
-                start = max(at, free[g])
+            order, c = orders[g], cursor[g]
+            while c < len(order):
+                is_forward, s, j, chunk = order[c]
+                if is_forward:
+                    at = f_in[s][j]
+                    if at is None:
+                        break
+                    length = forward[s]
+                else:
+                    at = f_done[s][j]
+                    if at is None:
+                        break
+                    if s != n - 1:
+                        at = b_in[s][j]
+                        if at is None:
+                            break
+                    length = backward[s]
+                start = at if at > free[g] else free[g]
                 end = free[g] = start + length
                 busy[g] += length
-                done[(work.kind, s, j)] = end
-                events.append(Event("forward" if work.kind == "F" else "backward", j, start, end, g, s, work.chunk))
-                to = s + 1 if work.kind == "F" else s - 1
+                if is_forward:
+                    f_done[s][j] = end
+                if events is not None:
+                    events.append(Event("forward" if is_forward else "backward", j, start, end, g, s, chunk))
+                to = s + 1 if is_forward else s - 1
                 if 0 <= to < n:
-                    arrived[(work.kind, to, j)] = _send(events, link_free, stages[min(s, to)].send_s, end, g, to % d, work, s)
-                cursor[g] += 1
+                    dst = to % d
+                    if dst == g:
+                        arrival = end
+                    else:  # the link between the groups carries one transfer at a time each way
+                        send_s = sends[min(s, to)]
+                        t0 = max(end, link_free.get((g, dst), 0.0))
+                        arrival = link_free[(g, dst)] = t0 + send_s
+                        if events is not None and send_s > 0:
+                            events.append(Event("transfer", j, t0, arrival, g, s, chunk, dst, "F" if is_forward else "B"))
+                    (f_in if is_forward else b_in)[to][j] = arrival
+                c += 1
                 progressed = True
+            cursor[g] = c
     if any(c < len(o) for c, o in zip(cursor, orders)):
         raise RuntimeError(f"the {schedule} schedule deadlocked: a device group waits on work that never runs")
 
@@ -130,28 +160,25 @@ def simulate(stages: Sequence[StageTimes], num_microbatches: int, schedule: str 
         t = free[g]
         mine = [stages[s] for s in range(g, n, d)]
         hidden = sum(x.overlapped_s for x in mine)
-        if hidden > 0:  # on its own track, ending as the last backward does (it ran under it)
+        if hidden > 0 and events is not None:  # on its own track, ending as the last backward does (it ran under it)
             events.append(Event("overlap", None, t - hidden, t, g))
         for kind, length in (("sync", sum(x.sync_s for x in mine)), ("optimizer", sum(x.optimizer_s for x in mine))):
             if length > 0:
-                events.append(Event(kind, None, t, t + length, g))
+                if events is not None:
+                    events.append(Event(kind, None, t, t + length, g))
                 t += length
         step = max(step, t)
-    events.sort(key=lambda e: (e.start_s, e.device, e.kind == "transfer"))
-    return Simulation(tuple(events), step, tuple(busy))
+    return step, tuple(busy)
 
 
-def _send(events: list[Event], link_free: dict[tuple[int, int], float], send_s: float, end: float, src: int, dst: int,
-          work, stage: int) -> float:  # noqa: ANN001
-    """When a value leaving `stage` (on group `src`) reaches group `dst`: at once on
-    the same group, else after the link is free and the transfer done."""
-    if src == dst:
-        return end
-    t0 = max(end, link_free.get((src, dst), 0.0))
-    link_free[(src, dst)] = t0 + send_s
-    if send_s > 0:
-        events.append(Event("transfer", work.microbatch, t0, t0 + send_s, src, stage, work.chunk, dst, work.kind))
-    return t0 + send_s
+@lru_cache(maxsize=256)
+def _orders(schedule: str, d: int, m: int, chunks: int) -> tuple[tuple[tuple[bool, int, int, int], ...], ...]:
+    """Each device group's work in its schedule's order, as (forward?, virtual stage,
+    microbatch, chunk): the same for every pipeline of this shape."""
+    plan = get(schedule)
+    plan.validate(d, m, chunks)
+    return tuple(tuple((w.kind == "F", w.stage(g, d), w.microbatch, w.chunk) for w in plan.device_order(g, d, m, chunks))
+                 for g in range(d))
 
 
 def pipeline_time(stages: Sequence[StageTimes], num_microbatches: int, schedule: str = DEFAULT, chunks: int = 1) -> float:
@@ -164,4 +191,4 @@ def step_time(stages: Sequence[StageTimes], num_microbatches: int, schedule: str
     closed form past it (so any plan answers in milliseconds)."""
     if num_microbatches > MAX_SIMULATED_MICROBATCHES:
         return pipeline_time(stages, num_microbatches, schedule, chunks)
-    return simulate(stages, num_microbatches, schedule, chunks).step_s
+    return _run(stages, num_microbatches, schedule, chunks, None)[0]

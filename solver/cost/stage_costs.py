@@ -137,6 +137,12 @@ class StageCosts:
         self._tables = lru_cache(maxsize=None)(self._table)
         self._measured = lru_cache(maxsize=None)(self._measured_uncached)
         self._ranges = lru_cache(maxsize=None)(self._ranges_uncached)
+        self.per_layer = lru_cache(maxsize=None)(self._per_layer)  # the stage tables and the planner's bounds both read it
+        # A stage's times do not depend on where it sits nor on what it holds, its memory's
+        # parts not on how many microbatches it holds: each priced once, not once per table.
+        self._times = lru_cache(maxsize=None)(self._times_uncached)
+        self._table_times = lru_cache(maxsize=None)(self._table_times_uncached)
+        self._held_memory = lru_cache(maxsize=None)(self._held_memory_uncached)
         self._params_max = lru_cache(maxsize=None)(lambda tp: _range_max(self.tp_params(tp)))
         self._grads = lru_cache(maxsize=None)(lambda tp: _span(_cumsum(self.tp_params(tp))))
         # ZeRO's collectives and the tail depend on the stage alone, not on its
@@ -201,7 +207,7 @@ class StageCosts:
             return sharded_state(params, 0.0 * params, 0.0 * params, dp, 0)
         return sharded_state(params, params, params * (self.problem.state_factor - 2), dp, zero)
 
-    def per_layer(self, cfg: StageConfig, b: int) -> PerLayer:
+    def _per_layer(self, cfg: StageConfig, b: int) -> PerLayer:
         """Each layer alone on one of these stages: the numbers every range sums, and
         what the planner's lower bounds take the least of (`state`: under the ZeRO
         stage that shards the most, so a bound never says too few layers fit)."""
@@ -294,32 +300,49 @@ class StageCosts:
     def _table(self, cfg: StageConfig, b: int, held: int, last: bool, m: int) -> StageTable:
         """Every (ZeRO stage, recomputation) the problem allows, priced by `variant`;
         per range the fastest that fits."""
-        p = self.problem
         capacity = self.capacity(cfg.kind)
-        remats = ["full"] if p.force_remat else [""] + (["full"] if p.allow_remat else [])  # large runs recompute always
         shape = (self.n + 1, self.n + 1)
-        best = np.full(shape, INF)
-        out = {name: np.zeros(shape) for name in ("forward", "backward", "memory", "tail", "sync", "zero", "remat", "offload")}
+        choices, fields, time_cost = self._table_times(cfg, b, m)
+        tiers = self.offload_tiers(cfg)
+        rows: list[tuple[int, str, str]] = []  # (ZeRO stage, recomputation, offload tier) per stacked row
+        stacked: dict[str, list[np.ndarray]] = {name: [] for name in (*fields, "memory")}
+        costs: list[np.ndarray] = []
         upper = np.triu(np.ones(shape, dtype=bool), k=1)
-        for offload in self.offload_tiers(cfg):
+        host = self.host_capacity(cfg.kind)
+        for offload in tiers:
             # Offloading only adds time: it is tried where some range fits no other way.
-            host = self.host_capacity(cfg.kind)
-            if offload and (not host or "" in self.problem.offload_tiers and (best[upper] < INF).all()):
+            if offload and (not host or "" in tiers and costs and (np.min(costs, axis=0)[upper] < INF).all()):
                 continue
-            for zero in self.zero_stages(cfg):
-                for remat in remats:
-                    v = self.variant(cfg, b, held, last, zero, remat, offload=offload)
-                    fits = (v.memory.total <= capacity) & (np.asarray(v.memory.host) <= host if offload else True)
-                    cost = np.where(fits, m * (v.forward + v.backward) + v.tail, INF)
-                    better = cost < best
-                    best = np.where(better, cost, best)
-                    for name, value in (("forward", v.forward), ("backward", v.backward), ("memory", v.memory.total),
-                                        ("tail", v.tail), ("sync", v.sync), ("zero", zero), ("remat", bool(remat)),
-                                        ("offload", OFFLOAD_TIERS.index(offload))):
-                        out[name] = np.where(better, value, out[name])
-        ok = np.triu(best < INF, k=1)
-        return StageTable(np.where(ok, out["forward"], INF), np.where(ok, out["backward"], INF), (out["remat"] > 0) & ok,
-                          out["memory"], out["tail"], out["sync"], capacity, out["zero"].astype(int), out["offload"].astype(int))
+            for i, (zero, remat) in enumerate(choices):
+                v = self.variant(cfg, b, held, last, zero, remat, offload=offload)
+                fits = (v.memory.total <= capacity) & (np.asarray(v.memory.host) <= host if offload else True)
+                tail = _full(v.tail, shape) if offload else fields["tail"][i]
+                for name in fields:
+                    stacked[name].append(tail if name == "tail" else fields[name][i])
+                stacked["memory"].append(_full(v.memory.total, shape))
+                cost = time_cost[i] if not offload else m * (fields["forward"][i] + fields["backward"][i]) + tail
+                costs.append(np.where(_full(fits, shape), cost, INF))
+                rows.append((zero, remat, offload))
+        cost = np.stack(costs)
+        pick = cost.argmin(axis=0)[None]  # the first of the fastest, in the order above (ties keep the simpler choice)
+        out = {name: np.take_along_axis(np.stack(value), pick, 0)[0] for name, value in stacked.items()}
+        ok = np.triu(np.take_along_axis(cost, pick, 0)[0] < INF, k=1)
+        zero = np.array([z for z, _, _ in rows])[pick[0]]
+        remat = np.array([bool(r) for _, r, _ in rows])[pick[0]]
+        offload = np.array([OFFLOAD_TIERS.index(o) for _, _, o in rows])[pick[0]]
+        return StageTable(np.where(ok, out["forward"], INF), np.where(ok, out["backward"], INF), remat & ok,
+                          np.where(ok, out["memory"], 0.0), np.where(ok, out["tail"], 0.0), np.where(ok, out["sync"], 0.0),
+                          capacity, np.where(ok, zero, 0), np.where(ok, offload, 0))
+
+    def _table_times_uncached(self, cfg: StageConfig, b: int, m: int) -> tuple[list[tuple[int, str]], dict[str, np.ndarray], np.ndarray]:
+        """The (ZeRO stage, recomputation) choices a table picks from, their times
+        stacked, and what each costs a step of `m` microbatches (memory aside)."""
+        p = self.problem
+        remats = ["full"] if p.force_remat else [""] + (["full"] if p.allow_remat else [])  # large runs recompute always
+        choices = [(zero, remat) for zero in self.zero_stages(cfg) for remat in remats]
+        times = [self._times(cfg, b, zero, remat) for zero, remat in choices]
+        fields = {name: np.stack([t[i] for t in times]) for i, name in enumerate(("forward", "backward", "tail", "sync"))}
+        return choices, fields, m * (fields["forward"] + fields["backward"]) + fields["tail"]
 
     def variant(self, cfg: StageConfig, b: int, held: int, last: bool, zero: int, remat: str,
                 dots: float = 0.0, offload: str = "") -> StageVariant:
@@ -331,18 +354,22 @@ class StageCosts:
         stage's input (the planner never chooses it; a user may). `offload` "host": the
         optimizer state lives in host memory (`solver.memory.offloaded`) and the tail
         streams it in and out (`host_transfer_s`)."""
-        v = self._variant(cfg, b, held, last, zero, remat, dots)
+        state, activations, fused, workspace = self._held_memory(cfg, b, last, zero, remat, dots)
+        memory = stage_memory(state, activations, held, remat, fused=fused, workspace=workspace)
+        forward, backward, tail, sync, hidden = self._times(cfg, b, zero, remat)
         if not offload:
-            return v
-        opt_bytes = v.memory.optimizer_state
+            return StageVariant(forward, backward, memory, tail, sync, hidden)
         per_layer = self._params_max(cfg.tp) * max(self.problem.state_factor - 2, 0.0) / (cfg.dp if zero >= 1 else 1)
-        return StageVariant(v.forward, v.backward, offloaded(v.memory, offload, per_layer),
-                            v.tail + self.host_transfer_s(cfg, opt_bytes), v.sync, v.hidden)
+        return StageVariant(forward, backward, offloaded(memory, offload, per_layer),
+                            tail + self.host_transfer_s(cfg, memory.optimizer_state), sync, hidden)
 
-    def _variant(self, cfg: StageConfig, b: int, held: int, last: bool, zero: int, remat: str,
-                 dots: float = 0.0) -> StageVariant:
-        f, bw, saved, grads, rerun = self._ranges(cfg, b)
-        inputs = np.broadcast_to((self.inputs * (b / cfg.dp / cfg.tp)).tolist() + [0.0], f.shape).T  # a stage keeps its own input
+    def _held_memory_uncached(self, cfg: StageConfig, b: int, last: bool, zero: int, remat: str,
+                              dots: float) -> tuple[DeviceMemory, StageActivations, bool, np.ndarray | float]:
+        """What `variant`'s memory is made of whatever the microbatches in flight: the
+        state, one microbatch's activations, whether forward and backward are one
+        program, the workspace."""
+        _, _, saved, grads, _ = self._ranges(cfg, b)
+        inputs = np.broadcast_to((self.inputs * (b / cfg.dp / cfg.tp)).tolist() + [0.0], saved.shape).T  # a stage keeps its own input
         shard = b / cfg.dp / cfg.tp  # activations split over all the stage's devices
         activations = StageActivations(saved, inputs, dots=dots * b / cfg.dp / cfg.tp, largest=self.largest_max * shard,
                                        recomputed=self._recomputed_span * shard,
@@ -354,15 +381,20 @@ class StageCosts:
             activations = StageActivations(saved, self._inputs_span * shard, largest=self.largest_max * shard,
                                            recomputed=0.0, rerun_working=self._layer_rerun_max * shard)
             fused = False  # the last stage recomputes too: its program still frees each layer's activations
-        memory = stage_memory(state, activations, held, remat, fused=fused, workspace=gathered if zero >= 3 else 0.0)
+        return state, activations, fused, gathered if zero >= 3 else 0.0
+
+    def _times_uncached(self, cfg: StageConfig, b: int, zero: int, remat: str) -> tuple[np.ndarray, ...]:
+        """`variant`'s times (forward, backward, tail, sync, hidden), the same wherever
+        the stage sits and however many microbatches it holds."""
+        f, bw, _, _, rerun = self._ranges(cfg, b)
         if self.problem.overlap_comm and self.problem.training and cfg.dp > 1:
-            return self._overlapped(cfg, b, zero, remat, f, bw, memory)
+            v = self._overlapped(cfg, b, zero, remat, f, bw)
+            return v.forward, v.backward, v.tail, v.sync, _full(v.hidden, f.shape)
         extra_f, extra_b, step_sync, tail = self.step_costs(cfg, zero)
         launch = self.launches(cfg)[0]  # measured layers: one program's launch per stage program
         forward = f + extra_f + launch
         backward = bw + extra_b + launch + (rerun + extra_f if remat else 0.0)
-        return StageVariant(np.broadcast_to(forward, f.shape), np.broadcast_to(backward, f.shape), memory,
-                            np.broadcast_to(tail, f.shape), np.broadcast_to(step_sync, f.shape))
+        return _full(forward, f.shape), _full(backward, f.shape), _full(tail, f.shape), _full(step_sync, f.shape), 0.0
 
     def _buckets(self, cfg: StageConfig) -> dict[str, np.ndarray]:
         """Per layer (one gradient bucket each, as DDP and Megatron bucket them): the
@@ -371,8 +403,7 @@ class StageCosts:
         topo = self.dp_topology(kind, cfg)
         return {c: fastest_times(c, topo, params) for c in ("all_reduce", "reduce_scatter", "all_gather")}
 
-    def _overlapped(self, cfg: StageConfig, b: int, zero: int, remat: str, f: np.ndarray, bw: np.ndarray,
-                    memory: DeviceMemory) -> StageVariant:
+    def _overlapped(self, cfg: StageConfig, b: int, zero: int, remat: str, f: np.ndarray, bw: np.ndarray) -> StageVariant:
         """`variant`'s times when the data axis's collectives overlap compute
         (`Problem.overlap_comm`): gradients are reduced bucket by bucket (a layer each)
         while the backward of earlier layers still runs, and ZeRO-3's all-gathers are
@@ -408,7 +439,7 @@ class StageCosts:
         sync = reduce + post
         tail = sync + (optimizer / cfg.dp if zero else optimizer)
         shape = f.shape
-        return StageVariant(np.broadcast_to(forward, shape), np.broadcast_to(backward, shape), memory,
+        return StageVariant(np.broadcast_to(forward, shape), np.broadcast_to(backward, shape), None,  # type: ignore[arg-type]
                             np.broadcast_to(tail, shape), np.broadcast_to(sync, shape), np.broadcast_to(hidden, shape))
 
     def _step_costs(self, cfg: StageConfig, zero: int) -> tuple[np.ndarray | float, np.ndarray | float, np.ndarray, np.ndarray]:
@@ -523,6 +554,14 @@ def _last(values: np.ndarray) -> np.ndarray:
 def all_reduce_times(topo: Topology, nbytes: np.ndarray) -> np.ndarray:
     """The fastest all-reduce for every size in `nbytes` at once (0 for nothing)."""
     return fastest_times("all_reduce", topo, nbytes)
+
+
+def _full(values: np.ndarray | float, shape: tuple[int, ...]) -> np.ndarray:
+    """`values` as an array of `shape` (a read-only view where it must broadcast); an
+    array already of that shape as it is (tables are built by the thousand)."""
+    if isinstance(values, np.ndarray) and values.shape == shape:
+        return values
+    return np.broadcast_to(values, shape)
 
 
 def _cumsum(values: np.ndarray) -> np.ndarray:

@@ -76,16 +76,34 @@ class _Group(NamedTuple):
     tail: float  # the least slowest tail
 
 
+class _KindArrays(NamedTuple):
+    """Per layout of one kind (a row each), what `product_table` sums over a product."""
+
+    counts: np.ndarray  # stages
+    rooms: np.ndarray  # [layout, t]: layers all its stages have room for within the t-th candidate time
+    held: np.ndarray  # [layout, u]: layers its stages hold within the u-th candidate tail
+    firsts: np.ndarray  # its stages' least time, one layer each
+    rates: np.ndarray  # the least increment per further layer
+    extra: np.ndarray  # further layers its stages have memory for (beyond one each)
+
+
+def _floor(runs: np.ndarray) -> np.ndarray:
+    """`runs` made nondecreasing from above: entry n - 1 is the least run of n or more layers."""
+    return np.minimum.accumulate(runs[::-1])[::-1]
+
+
 def _least_runs(values: np.ndarray) -> np.ndarray:
-    """[n - 1]: the least sum of any n consecutive entries of `values` (a span matrix)."""
+    """[n - 1]: the least sum of any n consecutive entries of `values` (a span matrix):
+    the least of its n-th diagonal above the main one, all diagonals at once."""
     n = values.shape[0] - 1
-    return np.array([np.diagonal(values, offset=k).min() for k in range(1, n + 1)])
+    first, length = np.arange(n)[None, :], np.arange(1, n + 1)[:, None]
+    last = first + length
+    return np.where(last <= n, values[first, np.minimum(last, n)], INF).min(axis=1)
 
 
 def _longest(runs: np.ndarray, limits: np.ndarray) -> np.ndarray:
     """Per limit, the most layers n whose least run `runs[n - 1]` stays within it."""
-    floor = np.minimum.accumulate(runs[::-1])[::-1]  # nondecreasing; the same answer as `runs`
-    return np.searchsorted(floor, limits * _TOL, side="right")
+    return np.searchsorted(_floor(runs), limits * _TOL, side="right")  # nondecreasing; the same answer as `runs`
 
 
 def _least_step(runs: np.ndarray) -> float:
@@ -105,6 +123,10 @@ class LowerBounds:
         self._groups: dict[tuple, _Group] = {}
         self._held: dict[tuple[str, int, int], tuple[int, ...]] = {}
         self._sends: dict[tuple[StageConfig, StageConfig, int], float] = {}
+        self._kinds: dict[tuple[tuple[KindLayout, ...], int, tuple[str, ...]], _KindArrays] = {}
+        self._grids: dict[tuple[int, tuple[str, ...]], np.ndarray] = {}
+        self._tail_values: np.ndarray | None = None
+        self._held_tails: dict[StageConfig, np.ndarray] = {}
 
     def bound(self, layouts: tuple[KindLayout, ...], m: int, b: int, schedule: str) -> float:
         """No split of any order of these stages is faster than this under `schedule`
@@ -116,51 +138,93 @@ class LowerBounds:
                            m, b, schedule, 0.0, INF)
 
     def product_bounds(self, per_kind: list[list[KindLayout]], m: int, b: int, schedule: str) -> list[tuple[float, tuple[KindLayout, ...]]]:
+        """`product_table`'s bounds with their layouts, for every combination that can fit."""
+        lower, index = self.product_table(per_kind, m, b, schedule)
+        return [(float(lower[j]), tuple(lays[i] for lays, i in zip(per_kind, index[:, j]))) for j in range(len(lower))]
+
+    def product_table(self, per_kind: list[list[KindLayout]], m: int, b: int, schedule: str) -> tuple[np.ndarray, np.ndarray]:
         """A first bound, looser than `bound`, for every combination of one layout per
         kind at once (numpy over the product; the search has tens of thousands): the
         least bottleneck at which the stages have room for every layer, times m - 1,
         plus the summed stage times' floor where memory alone limits each stage, plus
-        the tail's bound. Combinations with more stages than layers, or where the
-        layers cannot fit, are left out."""
+        the tail's bound. Returns the finite bounds and, per kind (a row), the index of
+        each combination's layout in that kind's list: combinations with more stages
+        than layers, or where the layers cannot fit, are left out. What each layout
+        contributes is computed once per microbatch size (`_kind_arrays`), so a call
+        is a few array operations over the product whatever the number of layouts."""
         layers = self.costs.n
         if not per_kind or not all(per_kind):
-            return []
+            return np.zeros(0), np.zeros((len(per_kind), 0), dtype=int)
+        kinds = tuple(sorted({lay.kind for lays in per_kind for lay in lays}))
+        arrays = [self._kind_arrays(tuple(lays), b, kinds) for lays in per_kind]
         index = np.indices([len(lays) for lays in per_kind]).reshape(len(per_kind), -1)
-        counts = [np.array([lay.stages for lay in lays], dtype=float) for lays in per_kind]
-        total = sum(c[i] for c, i in zip(counts, index))
-        index = index[:, total <= layers]
+        stages = sum(a.counts[i] for a, i in zip(arrays, index))
+        index = index[:, stages <= layers]
         if not index.shape[1]:
-            return []
-        runs = [[self._stage_runs(lay.config, b) for lay in lays] for lays in per_kind]
-        fitting = [np.array([self._layers_fitting(lay, b, 1) for lay in lays], dtype=float) for lays in per_kind]
-        grid = np.unique(np.concatenate([np.concatenate([r.time, r.remat]) for rs in runs for r in rs]))
-        rooms = [c[:, None] * np.maximum(np.minimum(np.array([_longest(r.time, grid) for r in rs]), f[:, :1]),
-                                         np.minimum(np.array([_longest(r.remat, grid) for r in rs]), f[:, 1:]))
-                 for c, rs, f in zip(counts, runs, fitting)]
-        at = _first_enough(rooms, index, len(grid), layers)
+            return np.zeros(0), index
+        grid = self._time_grid(b, kinds)
+        at = _first_enough([a.rooms for a in arrays], index, len(grid), layers)
         bottleneck = np.where(at < len(grid), (m - 1) * grid[np.minimum(at, len(grid) - 1)], INF)
         # The summed stage times with memory alone limiting each stage.
-        plain = [f[:, 0] >= 1 for f in fitting]
-        firsts = [np.where(ok, [r.time[0] for r in rs], [r.remat[0] for r in rs]) for ok, rs in zip(plain, runs)]
-        rates = np.stack([np.where(ok, [r.step for r in rs], [r.step_remat for r in rs])[i]
-                          for ok, rs, i in zip(plain, runs, index)], axis=1)
-        extra = np.stack([(c * (np.maximum(f[:, 0], f[:, 1]) - 1))[i] for c, f, i in zip(counts, fitting, index)], axis=1)
-        budget = layers - sum(c[i] for c, i in zip(counts, index))
+        rates = np.stack([a.rates[i] for a, i in zip(arrays, index)], axis=1)
+        extra = np.stack([a.extra[i] for a, i in zip(arrays, index)], axis=1)
+        budget = layers - sum(a.counts[i] for a, i in zip(arrays, index))
         order = np.argsort(rates, axis=1, kind="stable")
         extra, rates = np.take_along_axis(extra, order, 1), np.take_along_axis(rates, order, 1)
         before = np.cumsum(extra, axis=1) - extra
         take = np.clip(budget[:, None] - before, 0, extra)
-        sums = sum(c[i] * fs[i] for c, fs, i in zip(counts, firsts, index)) + (take * rates).sum(axis=1)
+        sums = sum(a.firsts[i] for a, i in zip(arrays, index)) + (take * rates).sum(axis=1)
         sums = np.where((extra.min(axis=1) < 0) | (extra.sum(axis=1) < budget), INF, sums)
         tail = np.zeros(index.shape[1])
         if not registry.get(schedule).interleaved:
-            tails = [[self._stage_tails(lay.config) for lay in lays] for lays in per_kind]
-            tail_grid = np.unique(np.concatenate([t for ts in tails for t in ts]))
-            held = [c[:, None] * np.array([_longest(t, tail_grid) for t in ts]) for c, ts in zip(counts, tails)]
-            tail = tail_grid[np.minimum(_first_enough(held, index, len(tail_grid), layers), len(tail_grid) - 1)]
+            tail_grid = self._tail_grid()
+            tail = tail_grid[np.minimum(_first_enough([a.held for a in arrays], index, len(tail_grid), layers), len(tail_grid) - 1)]
         lower = bottleneck + sums + tail
         keep = np.nonzero(lower < INF)[0]
-        return [(float(lower[j]), tuple(lays[i] for lays, i in zip(per_kind, index[:, j]))) for j in keep]
+        return lower[keep], index[:, keep]
+
+    def _kind_arrays(self, layouts: tuple[KindLayout, ...], b: int, kinds: tuple[str, ...]) -> _KindArrays:
+        """What each of one kind's layouts contributes to `product_table`, on the grid
+        of candidate times of `kinds` at microbatch size `b` (one microbatch in flight:
+        the best case of every position)."""
+        key = (layouts, b, kinds)
+        if key not in self._kinds:
+            if any(b % lay.dp for lay in layouts):
+                raise ValueError(f"a layout's data-parallel degree does not divide the microbatch of {b}: no pipeline runs it")
+            grid, tail_grid, layers = self._time_grid(b, kinds), self._tail_grid(), self.costs.n
+            counts = np.array([lay.stages for lay in layouts], dtype=float)
+            runs = [self._stage_runs(lay.config, b) for lay in layouts]
+            fitting = np.array([self._layers_fitting(lay, b, 1) for lay in layouts], dtype=float).reshape(-1, 2)
+            q = np.arange(1, layers + 1)
+            rooms, held = [], []
+            for lay, r, (fit, fit_remat) in zip(layouts, runs, fitting):
+                # The least time at which one stage has room for q layers, plain or recomputing.
+                least = np.minimum(np.where(q <= fit, _floor(r.time), INF), np.where(q <= fit_remat, _floor(r.remat), INF))
+                rooms.append(lay.stages * np.searchsorted(least, grid * _TOL, side="right"))
+                held.append(lay.stages * self._tail_rooms(lay.config))
+            plain = fitting[:, 0] >= 1  # a stage that cannot hold one layer without recomputing recomputes
+            self._kinds[key] = _KindArrays(
+                counts, np.array(rooms).reshape(len(layouts), len(grid)), np.array(held).reshape(len(layouts), len(tail_grid)),
+                counts * np.where(plain, [r.time[0] for r in runs], [r.remat[0] for r in runs]),
+                np.where(plain, [r.step for r in runs], [r.step_remat for r in runs]),
+                counts * (fitting.max(axis=1) - 1),
+            )
+        return self._kinds[key]
+
+    def _time_grid(self, b: int, kinds: tuple[str, ...]) -> np.ndarray:
+        """Every least run time of every layout of `kinds` that runs microbatches of
+        `b`: the bottleneck of any combination of them is one of these."""
+        if (b, kinds) not in self._grids:
+            runs = [self._stage_runs(lay.config, b) for k in kinds for lay in kind_layouts(self.problem, k) if b % lay.dp == 0]
+            self._grids[b, kinds] = np.unique(np.concatenate([np.concatenate([r.time, r.remat]) for r in runs]))
+        return self._grids[b, kinds]
+
+    def _tail_grid(self) -> np.ndarray:
+        """Every least tail of every layout: the tail bound of any combination is one of them."""
+        if self._tail_values is None:
+            self._tail_values = np.unique(np.concatenate([self._stage_tails(lay.config) for k in self.problem.kinds
+                                                          for lay in kind_layouts(self.problem, k.name)]))
+        return self._tail_values
 
     def order_bound(self, order: tuple[KindLayout, ...], m: int, b: int, schedule: str, beat: float = INF) -> float:
         """`bound` for one order of the kinds, and tighter: each stage holds only as many
@@ -247,11 +311,16 @@ class LowerBounds:
         """The least u such that stages whose every run costs at most u in tail (and
         per-microbatch ZeRO collectives, which a stage pays at least once) can hold
         all the layers: the slowest tail is at least that."""
-        tails = {lay: self._stage_tails(lay.config) for lay in layouts}
-        candidates = np.unique(np.concatenate(list(tails.values())))
-        held = sum(lay.stages * _longest(t, candidates) for lay, t in tails.items())
+        candidates = self._tail_grid()
+        held = sum(lay.stages * self._tail_rooms(lay.config) for lay in layouts)
         enough = np.nonzero(held >= self.costs.n)[0]
         return float(candidates[enough[0]]) if enough.size else 0.0
+
+    def _tail_rooms(self, cfg: StageConfig) -> np.ndarray:
+        """Per candidate tail (`_tail_grid`), the most layers one such stage holds within it."""
+        if cfg not in self._held_tails:
+            self._held_tails[cfg] = _longest(self._stage_tails(cfg), self._tail_grid())
+        return self._held_tails[cfg]
 
     def _stage_tails(self, cfg: StageConfig) -> np.ndarray:
         """[n - 1]: over runs of n consecutive layers and ZeRO stages, the least tail

@@ -17,7 +17,7 @@ bubble term dominates and moves little between neighbouring bounds.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -76,6 +76,28 @@ class _Row:
             cuts.append(j)
         return value, tuple(reversed(cuts))
 
+    def least_sums(self, t_maxes: np.ndarray) -> np.ndarray:
+        """`least_sum(t_max)`'s value for each of `t_maxes` at once (the same sums in
+        the same order, so the same figures), without the cuts."""
+        limits = t_maxes[:, None]
+        best = np.where(self.times[0][0][None, :] <= limits, self.times[0][0][None, :], INF)
+        for p in range(1, len(self.times)):
+            send = self.sends[p - 1][None, :]
+            start = best + 2 * np.where(send <= limits, send, INF)
+            cost = np.where(self.times[p][None] <= limits[:, :, None], self.times[p][None], INF)
+            best = (start[:, :, None] + cost).min(axis=1)
+        return best[:, self.n]
+
+    def least_tails(self, t_maxes: np.ndarray) -> np.ndarray:
+        """`least_max(t_max, of_tails=True)` for each of `t_maxes` at once (the same figures)."""
+        limits = t_maxes[:, None]
+        best = np.where(self.times[0][0][None, :] <= limits, self.tails[0][0][None, :], INF)
+        for p in range(1, len(self.times)):
+            start = np.where(self.sends[p - 1][None, :] <= limits, best, INF)
+            cost = np.where(self.times[p][None] <= limits[:, :, None], self.tails[p][None], INF)
+            best = np.maximum(start[:, :, None], cost).min(axis=1)
+        return best[:, self.n]
+
     def least_max(self, t_max: float = INF, of_tails: bool = False) -> float:
         """The least possible largest stage time (or tail, among splits whose stage and
         send times stay within `t_max`): a bottleneck path, min over cuts of the max."""
@@ -123,11 +145,10 @@ def best_split(
     # What the sweep prunes against: the best objective (one chunk), or the best 1F1B
     # form seen (interleaved: its objective is not the form the sweep bounds).
     best_value = min(best.objective_s, beat) if v == 1 else _flow_shop(tables, sends, m, cuts0)
-    for t_max in t_values[np.searchsorted(t_values, t_lo):]:
-        if sum0 + (m - 1) * t_max + u_floor >= best_value:
-            break
-        sum_t, _ = row.least_sum(t_max=t_max)
-        u_lo = row.least_max(t_max, of_tails=True)
+    swept = _swept(row, t_values[np.searchsorted(t_values, t_lo):], lambda t: sum0 + (m - 1) * t + u_floor < best_value)
+    for t_max, sum_t, u_lo in swept:
+        if sum_t + (m - 1) * t_max + u_floor >= best_value:
+            continue  # no tail bound can make this bottleneck win (the loop below would stop at once)
         for u_max in u_values[np.searchsorted(u_values, u_lo):]:
             if sum_t + (m - 1) * t_max + u_max >= best_value:
                 break
@@ -142,6 +163,28 @@ def best_split(
             if value <= sum_t:
                 break  # a looser tail bound cannot shorten the sum further
     return best if best.objective_s < beat else None
+
+
+def _swept(row: _Row, t_values: np.ndarray, going: Callable[[float], bool],
+           block: int = 4) -> Iterator[tuple[float, float, float]]:
+    """(t, least sum of stage times within t, least slowest tail within t) for each
+    bottleneck t in order while `going(t)` (asked afresh for each, as the best split
+    improves), priced a block of bottlenecks at a time (growing: most sweeps stop early,
+    long ones go far): most bottlenecks only need their sum to be ruled out."""
+    start = 0
+    while start < len(t_values):
+        ts = t_values[start : start + block]
+        ahead = 0  # the bottlenecks still in the running now (fewer can be, later): only theirs are priced
+        while ahead < len(ts) and going(float(ts[ahead])):
+            ahead += 1
+        if not ahead:
+            return
+        ts = ts[:ahead]
+        for t_max, sum_t, u_lo in zip(ts, row.least_sums(ts), row.least_tails(ts)):
+            if not going(float(t_max)):
+                return
+            yield float(t_max), float(sum_t), float(u_lo)
+        start, block = start + len(ts), min(2 * block, 64)
 
 
 def _flow_shop(tables: Sequence[StageTable], sends: Sequence[np.ndarray], m: int, cuts: Sequence[int]) -> float:

@@ -13,7 +13,8 @@ Search is branch and bound: every layout gets a lower bound (`bounds.py`: first 
 computed for a whole product of layouts at once, tightened to the layout's own and
 then per order of kinds as it reaches the front of the line), layouts are scored
 exactly in the order of their bounds, and the search stops when the next bound
-cannot beat the k-th best plan found. Pipelines are therefore the model's optimum; replica batch shares
+cannot beat the k-th best plan found (k: `FINALISTS`, whose closed forms the estimator
+then replaces by its simulated step to choose). Pipelines are therefore the model's optimum; replica batch shares
 are too on grids of up to 16 steps, and found by proportional split and local
 descent beyond. With a time limit, the best plan so far comes back with its gap.
 
@@ -48,10 +49,16 @@ from solver.memory import OFFLOAD_TIERS
 from solver.planner.step import rank
 
 log = logging.getLogger(__name__)
+# The search's best plans by its closed form that the estimator ranks. On the benchmark
+# scenarios (benchmarks/search_scale.py) ten times as many choose the same plans; ten
+# did not (on three kinds an interleaved plan the estimator prefers is only tried on an
+# order whose plain pipeline makes the finalists, which took 50 on 64 and 256 GPUs).
+FINALISTS = 50
+_STREAM = None  # a queue entry that stands for a stream's next combination, not yet drawn
 
 
 class Planner:
-    def __init__(self, problem: Problem, top_k: int = 5, time_limit_s: float | None = None):
+    def __init__(self, problem: Problem, top_k: int = 5, time_limit_s: float | None = None, finalists: int = FINALISTS):
         problem.check()
         self.problem = problem
         self.time_limit_s = time_limit_s
@@ -60,8 +67,12 @@ class Planner:
         self.costs = StageCosts(problem)
         self.bounds = LowerBounds(problem, self.costs)
         self.top_k = top_k
+        self.finalists = max(top_k, finalists)  # plans the search keeps for the estimator to rank
         self.total_flops = float(self.costs.flops.sum())
+        # FLOPs a device computes per example, at the least (a forward-only function runs no backward)
+        self.work_flops = self.total_flops if problem.training else float(self.costs.fwd_flops.sum())
         self._single: dict[tuple[str, int, int], tuple[PlanChoice | None, float]] = {}  # and the bound it was searched under
+        self._pipelines: dict[tuple, tuple[PlanChoice | None, float]] = {}  # `pipeline`'s, and the beat it was searched under
 
     # --- one pipeline -------------------------------------------------------------
 
@@ -69,7 +80,20 @@ class Planner:
                  chunks: int = 1) -> PlanChoice | None:
         """The best split of the layers over these stages, if it fits and beats `beat`.
         With `chunks` = v > 1 each stage is a device group holding v chunks: the
-        layers are split over the row of stages repeated v times."""
+        layers are split over the row of stages repeated v times. Remembered: the
+        searches for the bound and for replicas meet the same pipelines again (a
+        split found is the best whatever the beat; none found stays none below it)."""
+        key = (layouts, m, b, schedule, chunks)
+        plan, searched_below = self._pipelines.get(key, (None, -INF))
+        if plan is not None:
+            return plan if plan.step_s < beat else None
+        if beat <= searched_below:
+            return None
+        plan = self._split(layouts, m, b, schedule, beat, chunks)
+        self._pipelines[key] = (plan, beat)
+        return plan
+
+    def _split(self, layouts: tuple[KindLayout, ...], m: int, b: int, schedule: str, beat: float, chunks: int) -> PlanChoice | None:
         groups = [lay.config for lay in layouts for _ in range(lay.stages)]
         configs = groups * chunks
         if len(configs) > self.costs.n or b < self.problem.min_microbatch or any(
@@ -125,17 +149,20 @@ class Planner:
         started = time.perf_counter()
         if self.time_limit_s is not None:
             self.deadline = started + self.time_limit_s
-        found = self._search(tuple(k.name for k in self.problem.kinds), self.top_k)
+        found = self._search(tuple(k.name for k in self.problem.kinds), self.finalists)
         if self.problem.allow_replicas and len(self.problem.kinds) > 1:
             if time.perf_counter() < self.deadline:
-                found = sorted(found + self._replica_plans(found[-1].step_s if len(found) >= self.top_k else INF), key=lambda c: c.step_s)
+                found = sorted(found + self._replica_plans(found[-1].step_s if len(found) >= self.finalists else INF),
+                               key=lambda c: c.step_s)
             else:
                 self.unexplored = min(self.unexplored, self._replica_floor())
         if not found:
             if self.unexplored < INF:
                 raise PlanningError(f"no plan found within the time limit of {self.time_limit_s} s; allow more time")
             raise PlanningError(self._why_nothing_fits())
-        found = rank(self.problem, found[: self.top_k], self.costs)  # the finalists by the figure show/simulate report, not the search's closed form
+        # The finalists by the figure show/simulate report (the estimator's simulated
+        # step), not the search's closed form, which is exact for some shapes only.
+        found = rank(self.problem, found[: self.finalists], self.costs)
         self.deadline = INF  # the bound's own searches run to the end
         per_kind = tuple((k.name, (rank(self.problem, self._search((k.name,), 1), self.costs) or [None])[0]) for k in self.problem.kinds)
         bound = sum(c.throughput for _, c in per_kind if c is not None)
@@ -152,7 +179,7 @@ class Planner:
     def _replica_floor(self) -> float:
         """No replica plan beats perfect use of every device plus the cheapest gradient sum."""
         p = self.problem
-        ideal = self.total_flops * p.batch_size / sum(k.count * k.flops for k in p.kinds)
+        ideal = self.work_flops * p.batch_size / sum(k.count * k.flops for k in p.kinds)
         names = [k.name for k in p.kinds]
         return ideal + min(self._cross_sync(s) for r in range(2, len(names) + 1) for s in itertools.combinations(names, r))
 
@@ -170,7 +197,16 @@ class Planner:
         # plain schedule allowed (`--schedule interleaved`) there is none to wait for,
         # and every order is tried interleaved.
         scouted = any(chunks == 1 for _, chunks in schedules)
-        candidates = []
+        # Branch and bound with lazily tightened bounds. Each (microbatch count, set of
+        # kinds) is a stream of layout combinations sorted by their first bound (a
+        # product's, computed for all at once); a combination leaves its stream only
+        # when it reaches the front of the line, where it is bounded on its own (still
+        # ignoring where its stages sit) and goes back in line; at the front again it is
+        # re-bounded per order of its kinds (activations in flight depend on the
+        # position) and goes back once more.
+        streams: list[tuple[np.ndarray, np.ndarray, list[list[KindLayout]]]] = []
+        queue: list[tuple] = []  # (lower bound, tie-break, m, layouts or (stream, position), orders or _STREAM)
+        counter = itertools.count()
         for m in counts or p.microbatch_counts():
             if batch % m:
                 continue
@@ -178,17 +214,15 @@ class Planner:
             usable = {name: [lay for lay in per_kind[name] if not b % lay.dp and b // lay.dp >= p.min_examples] for name in kinds}
             for r in range(self._fewest_kinds(kinds), len(kinds) + 1):
                 for subset in itertools.combinations(kinds, r):
-                    for lower, layouts in self.bounds.product_bounds([usable[name] for name in subset], m, b, bound_schedule):
-                        if lower < beat:
-                            candidates.append((lower, m, layouts))
-        # Branch and bound with lazily tightened bounds: a layout's first bound ignores
-        # where its stages sit and how the layers' times add up; when it reaches the
-        # front it is re-bounded per order of its kinds (activations in flight depend on
-        # the position) and goes back in line.
-        queue = [(lower, i, m, layouts, None) for i, (lower, m, layouts) in enumerate(candidates)]
+                    lists = [usable[name] for name in subset]
+                    lower, index = self.bounds.product_table(lists, m, b, bound_schedule)
+                    chosen = np.nonzero(lower < beat)[0]
+                    if chosen.size:
+                        chosen = chosen[np.argsort(lower[chosen], kind="stable")]
+                        streams.append((lower[chosen], index[:, chosen], lists))
+                        queue.append((float(lower[chosen[0]]), next(counter), m, (len(streams) - 1, 0), _STREAM))
         heapq.heapify(queue)
         heap: list[tuple[float, int, PlanChoice]] = []  # the top_k best, worst on top (negated)
-        counter = itertools.count(len(queue))
         while queue:
             lower, _, m, layouts, orders = heapq.heappop(queue)
             worst = -heap[0][0] if len(heap) >= top_k else beat
@@ -198,7 +232,12 @@ class Planner:
                 self.unexplored = min(self.unexplored, lower)
                 break
             b = batch // m
-            if orders is None:  # the product's first bound: tighten to the layout's own
+            if orders is _STREAM:  # the stream's next combination: tighten to the layout's own bound
+                stream, position = layouts
+                lows, index, lists = streams[stream]
+                if position + 1 < len(lows):
+                    heapq.heappush(queue, (float(lows[position + 1]), next(counter), m, (stream, position + 1), _STREAM))
+                layouts = tuple(lays[i] for lays, i in zip(lists, index[:, position]))
                 tighter = self.bounds.bound(layouts, m, b, bound_schedule)
                 if tighter < INF:
                     heapq.heappush(queue, (max(tighter, lower), next(counter), m, layouts, ()))
@@ -257,13 +296,13 @@ class Planner:
             for r in range(max(2, self._fewest_kinds(tuple(names))), len(names) + 1):
                 for subset in itertools.combinations(names, r):
                     cross = self._cross_sync(subset)
-                    ideal = self.total_flops * p.batch_size / sum(p.kind(k).count * p.kind(k).flops for k in subset)
+                    ideal = self.work_flops * p.batch_size / sum(p.kind(k).count * p.kind(k).flops for k in subset)
                     if cross + ideal >= beat:
                         continue  # even perfect use of these devices would not beat the best found
                     plan = self._best_shares(subset, m, per_mb, step, cross, beat)
                     if plan is not None:
                         out.append(plan)
-                        beat = min(beat, plan.step_s) if len(out) >= self.top_k else beat
+                        beat = min(beat, plan.step_s) if len(out) >= self.finalists else beat
         return out
 
     def _single_kind(self, kind: str, m: int, b: int, beat: float = INF) -> PlanChoice | None:
@@ -286,14 +325,20 @@ class Planner:
         faster with more examples (true up to which data-parallel degrees divide them)."""
         grid = list(range(step, per_mb, step))
         if len(grid) <= 16:
-            splits = (s for s in itertools.product(grid, repeat=len(kinds) - 1) if per_mb - sum(s) >= 1)
-            choices = ((*s, per_mb - sum(s)) for s in splits)
+            splits = [(*s, per_mb - sum(s)) for s in itertools.product(grid, repeat=len(kinds) - 1) if per_mb - sum(s) >= 1]
+            # Nearest the split by peak speed first: a good plan found early lets the
+            # other splits' searches stop at their first bound.
+            speed = np.array([self.problem.kind(k).count * self.problem.kind(k).flops for k in kinds])
+            ideal = per_mb * speed / speed.sum()
+            choices = sorted(splits, key=lambda shares: float(np.abs(np.array(shares) - ideal).sum()))
         else:
             choices = [self._balanced(kinds, m, per_mb, grid)]
         best_plan, best_value = None, beat
         for shares in choices:
             if shares is None:
                 continue
+            if max(self._ideal_s(kind, b * m) for kind, b in zip(kinds, shares)) + cross >= best_value:
+                continue  # a kind's share alone, at its devices' full speed, takes too long
             parts = []
             for kind, b in zip(kinds, shares):
                 plan = self._single_kind(kind, m, b, beat - cross)
@@ -306,14 +351,21 @@ class Planner:
                 best_plan = self._choice(stages, m, parts[0].schedule, best_value, tuple(c.replica_batch[0] for c in parts), cross)
         return best_plan
 
+    def _ideal_s(self, kind: str, examples: int) -> float:
+        """No pipeline of `kind` runs `examples` per step faster than all its devices
+        at full speed: its busiest stage does at least their average work."""
+        k = self.problem.kind(kind)
+        return self.work_flops * examples / (k.count * k.flops)
+
     def _balanced(self, kinds: tuple[str, ...], m: int, per_mb: int, grid: list[int]) -> tuple[int, ...] | None:
         """Shares in proportion to each kind's throughput on the whole microbatch (a
         pipeline twice as fast takes twice the examples), then moved one grid step at
         a time from the slowest pipeline to the fastest while that shortens the step."""
         step = grid[0]
 
-        def time_of(kind: str, b: int) -> float:
-            plan = self._single_kind(kind, m, b) if b >= 1 else None
+        def time_of(kind: str, b: int, beat: float = INF) -> float:
+            """Its best pipeline's step (inf: none, or none faster than `beat`)."""
+            plan = self._single_kind(kind, m, b, beat) if b >= 1 else None
             return plan.step_s if plan else INF
 
         rates = [per_mb / time_of(k, per_mb) if time_of(k, per_mb) < INF else 0.0 for k in kinds]
@@ -331,7 +383,7 @@ class Planner:
             moved = list(shares)
             moved[slow] -= step
             moved[fast] += step
-            if max(time_of(k, b) for k, b in zip(kinds, moved)) >= max(times):
+            if max(time_of(k, b, max(times)) for k, b in zip(kinds, moved)) >= max(times):
                 break
             shares = moved
         return tuple(shares)
@@ -430,7 +482,8 @@ def _chunks_fit(tables, cuts: tuple[int, ...], groups: int) -> bool:  # noqa: AN
     return all(u <= tables[g].capacity for g, u in enumerate(used))
 
 
-def plan(problem: Problem, top_k: int = 5, time_limit_s: float | None = None) -> SearchResult:
-    """The best plan for `problem` and the next `top_k - 1`. With a time limit, the
+def plan(problem: Problem, top_k: int = 5, time_limit_s: float | None = None, finalists: int = FINALISTS) -> SearchResult:
+    """The best plan for `problem` and the next `top_k - 1`, of the `finalists` best by
+    the search's closed form ranked by the estimator. With a time limit, the
     best found by then, and (in `gap`) how much faster the best possible might be."""
-    return Planner(problem, top_k, time_limit_s).solve()
+    return Planner(problem, top_k, time_limit_s, finalists).solve()
