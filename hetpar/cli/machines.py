@@ -78,6 +78,9 @@ def profile(args: argparse.Namespace) -> int:
     from hetpar.predict.profile import LayerWorkload, profile_local
     from hetpar.workloads import load_workload
 
+    # The step's module first: it may set JAX's CPU device count, which only works
+    # before anything (the device profile below) starts JAX's backend.
+    step = load_workload(args.layers) if args.layers else None
     layers = []
     if args.model:
         for size in ints(args.batch_sizes, "--batch-sizes"):
@@ -86,7 +89,7 @@ def profile(args: argparse.Namespace) -> int:
     sizes = ints(args.mesh_sizes, "--mesh-sizes") if args.mesh_sizes else []
     result = profile_local(mesh_size=args.mesh_size, device_type=args.device_type, layers=layers, mesh_sizes=sizes)
     if args.layers:
-        result.layers = profile_layers(args)
+        result.layers = profile_layers(args, step)
     result.save(args.output)
     for name, d in result.devices.items():
         c = d.compute
@@ -118,14 +121,12 @@ def ints(text: str, flag: str) -> list[int]:
     return values
 
 
-def profile_layers(args: argparse.Namespace) -> list:
-    """`hetpar profile --layers STEP`: each distinct layer of STEP timed on every
-    device kind of this process (predict/layer_profile.py)."""
+def profile_layers(args: argparse.Namespace, workload) -> list:  # noqa: ANN001
+    """`hetpar profile --layers STEP`: each distinct layer of STEP (`workload`, loaded)
+    timed on every device kind of this process (predict/layer_profile.py)."""
     from hetpar.cluster.cluster import Cluster
     from hetpar.predict.layer_profile import measure_layers
-    from hetpar.workloads import load_workload
 
-    workload = load_workload(args.layers)
     records = []
     for group in Cluster.local().groups:
         kind = args.device_type or group.type_name
