@@ -29,7 +29,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from hetpar.compile.layouts import DATA_AXIS as DATA, spec_sharding
+from hetpar.compile.layouts import DATA_AXIS as DATA, REPLICA_AXIS, ZERO_AXIS, data_size, spec_sharding
 
 from hetpar.trace import jaxpr_ir
 from hetpar.trace.microbatch import MicrobatchAnalysis
@@ -43,7 +43,7 @@ def partial_ops(ops: list[Op], reductions: list[int], graph: OpGraph, analysis: 
     """Operator index -> its operands' example axes, for each operator of `ops` that
     makes one of `reductions` and can leave it as per-data-shard partial sums.
     `skip`: operators already handled otherwise (ZeRO-2's explicit reduce-scatter)."""
-    dp = mesh.shape.get(DATA, 1)
+    dp = data_size(mesh)
     if dp == 1 or analysis.marked or analysis.single:
         return {}
     out: dict[int, Partial] = {}
@@ -51,7 +51,7 @@ def partial_ops(ops: list[Op], reductions: list[int], graph: OpGraph, analysis: 
         if op.index in skip or len(op.outputs) != 1:
             continue
         v = op.outputs[0]
-        if v not in reductions or analysis.reductions.get(v) != "sum" or DATA in tuple(specs.get(v, ())):
+        if v not in reductions or analysis.reductions.get(v) != "sum" or {DATA, ZERO_AXIS} & set(specs.get(v, ())):
             continue
         axes = tuple(analysis.batch_axis.get(x) for x in op.inputs)
         if all(a is None for a in axes) or any(
@@ -70,7 +70,8 @@ def stacked_spec(spec: tuple, ndim: int) -> tuple:
 def _without_data(spec: tuple, ndim: int) -> list:
     """`spec` padded to `ndim` entries, with `data` taken out of every entry."""
     entries = [*tuple(spec)[:ndim], *[None] * max(0, ndim - len(tuple(spec)))]
-    return [None if a == DATA or (isinstance(a, tuple) and DATA in a) else a for a in entries]
+    data = {DATA, REPLICA_AXIS, ZERO_AXIS}  # a hybrid mesh's data axis is `replica` x `zero`
+    return [None if a in data or (isinstance(a, tuple) and data & set(a)) else a for a in entries]
 
 
 def partial_sums(op: Op, args: list[Any], axes: Partial, operand_specs: list[tuple], out_spec: tuple,

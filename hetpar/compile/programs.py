@@ -22,7 +22,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from hetpar.cluster.cluster import jax_devices
 from hetpar.compile.once import CompiledOnce
-from hetpar.compile.layouts import DATA_AXIS, MODEL2_AXIS, MODEL_AXIS, spec_sharding
+from hetpar.compile.layouts import DATA_AXIS, MODEL2_AXIS, MODEL_AXIS, REPLICA_AXIS, ZERO_AXIS, data_entry, data_size, spec_sharding
 from hetpar.compile.partials import partial_ops, partial_sums, stacked_spec
 from hetpar.compile.scatter import reduce_scatter, scatter_ops
 from hetpar.compile.tasks import Task
@@ -34,24 +34,31 @@ from hetpar.trace.opgraph import OpGraph
 HOST_MEMORY = "pinned_host"  # the memory kind offloaded state lives in (JAX's page-locked host memory)
 
 
-def stage_mesh(device_ids: tuple[int, ...], shape: tuple[int, ...] = ()) -> Mesh:
+def stage_mesh(device_ids: tuple[int, ...], shape: tuple[int, ...] = (), zero_group: int = 0) -> Mesh:
     """A 1-D data-parallel mesh, or `data` x `model` when `shape` has two dimensions,
     `data` x `model` x `model2` when it has three (3D tensor parallelism). Auto axes:
-    the traced step is mesh-agnostic, shardings are steered from outside."""
+    the traced step is mesh-agnostic, shardings are steered from outside.
+    `zero_group` (hybrid sharding, `StagePlan.zero_group`): a divisor of the data
+    axis below it splits that axis into `replica` x `zero`, consecutive devices (one
+    node's) on `zero`, where ZeRO shards; layouts' `data` spans both (layouts.py)."""
     devices = np.array(jax_devices(device_ids))
-    if len(shape) == 3:
-        return Mesh(devices.reshape(shape), (DATA_AXIS, MODEL_AXIS, MODEL2_AXIS), axis_types=(AxisType.Auto,) * 3)
-    if len(shape) == 2 and shape[1] > 1:
-        return Mesh(devices.reshape(shape), (DATA_AXIS, MODEL_AXIS), axis_types=(AxisType.Auto, AxisType.Auto))
-    return Mesh(devices, (DATA_AXIS,), axis_types=(AxisType.Auto,))
+    shape = tuple(shape) or (len(device_ids),)
+    names = (DATA_AXIS, MODEL_AXIS, MODEL2_AXIS)[: len(shape)]
+    if len(shape) == 2 and shape[1] == 1:
+        shape, names = shape[:1], names[:1]
+    if 0 < zero_group < shape[0]:
+        if shape[0] % zero_group:
+            raise ValueError(f"zero_group {zero_group} does not divide the data axis of {shape[0]} devices")
+        shape, names = (shape[0] // zero_group, zero_group, *shape[1:]), (REPLICA_AXIS, ZERO_AXIS, *names[1:])
+    return Mesh(devices.reshape(shape), names, axis_types=(AxisType.Auto,) * len(shape))
 
 
 def value_sharding(mesh: Mesh, aval: Any, batch_axis: int | None) -> NamedSharding:
     ndim = len(getattr(aval, "shape", ()))
-    size = mesh.shape[DATA_AXIS]
+    size = data_size(mesh)
     if batch_axis is not None and size > 1 and aval.shape[batch_axis] % size == 0:
-        spec = [None] * ndim
-        spec[batch_axis] = DATA_AXIS
+        spec: list = [None] * ndim
+        spec[batch_axis] = data_entry(mesh)
         return NamedSharding(mesh, PartitionSpec(*spec))
     return NamedSharding(mesh, PartitionSpec())
 
@@ -306,7 +313,7 @@ class _Body:
         # of the GPT step's CPU time, benchmarks/overhead.py).
         self.partial = partial_ops(self.ops, task.reductions, graph, analysis, self.specs, mesh, set(self.scatter)) \
             if task.per_microbatch and num_microbatches > 1 else {}
-        self.dp = mesh.shape.get(DATA_AXIS, 1)
+        self.dp = data_size(mesh)
         self.stacked = {op.outputs[0] for op in self.ops if op.index in self.partial}
         needed = {v for op in self.ops for v in op.inputs if v in graph.constants}
         source = graph.constants if analysis.marked else constants

@@ -32,10 +32,21 @@ class StageConfig:
     kind: str
     dp: int
     tp: int
+    zero_group: int = 0  # hybrid sharding: ZeRO over this many of the data axis's devices (a node's); 0: all
 
     @property
     def devices(self) -> int:
         return self.dp * self.tp
+
+    @property
+    def hybrid(self) -> bool:
+        """ZeRO shards within groups of the data axis and replicates across them."""
+        return 0 < self.zero_group < self.dp
+
+    @property
+    def zero_shards(self) -> int:
+        """The devices a ZeRO stage splits the state over: the group, or the whole data axis."""
+        return self.zero_group if self.hybrid else self.dp
 
 
 @dataclass(frozen=True)
@@ -278,7 +289,7 @@ class StageCosts:
         if not offload:
             return v
         opt_bytes = v.memory.optimizer_state
-        per_layer = self._params_max(cfg.tp) * max(self.problem.state_factor - 2, 0.0) / (cfg.dp if zero >= 1 else 1)
+        per_layer = self._params_max(cfg.tp) * max(self.problem.state_factor - 2, 0.0) / (cfg.zero_shards if zero >= 1 else 1)
         return StageVariant(v.forward, v.backward, offloaded(v.memory, offload, per_layer),
                             v.tail + self.host_transfer_s(cfg, opt_bytes), v.sync, v.hidden)
 
@@ -291,7 +302,7 @@ class StageCosts:
                                        recomputed=self._recomputed_span * shard,
                                        rerun_working=self.rerun_working_max * shard)
         gathered = self._params_max(cfg.tp)  # ZeRO-3: one layer's parameters gathered at a time
-        state = self._state(grads, cfg.dp, zero)
+        state = self._state(grads, cfg.zero_shards, zero)
         fused = last
         if remat == "full" and self.problem.layer_checkpoints:  # each layer's input kept, one layer rerun at a time
             activations = StageActivations(saved, self._inputs_span * shard, largest=self.largest_max * shard,
@@ -306,11 +317,12 @@ class StageCosts:
         return StageVariant(np.broadcast_to(forward, f.shape), np.broadcast_to(backward, f.shape), memory,
                             np.broadcast_to(tail, f.shape), np.broadcast_to(step_sync, f.shape))
 
-    def _buckets(self, cfg: StageConfig) -> dict[str, np.ndarray]:
+    def _buckets(self, cfg: StageConfig, zero: int = 0) -> dict[str, np.ndarray]:
         """Per layer (one gradient bucket each, as DDP and Megatron bucket them): the
-        data axis's all-reduce, reduce-scatter and all-gather of that layer's bytes."""
+        data axis's all-reduce, reduce-scatter and all-gather of that layer's bytes
+        (under ZeRO on a hybrid stage, over its in-node shard group)."""
         kind, params = self.kinds[cfg.kind], self.tp_params(cfg.tp)
-        topo = self.dp_topology(kind, cfg)
+        topo = self.zero_topology(kind, cfg, zero)
         return {c: fastest_times(c, topo, params) for c in ("all_reduce", "reduce_scatter", "all_gather")}
 
     def _overlapped(self, cfg: StageConfig, b: int, zero: int, remat: str, f: np.ndarray, bw: np.ndarray,
@@ -328,8 +340,8 @@ class StageCosts:
         Tensor-parallel collectives stay on the critical path (in `per_layer`)."""
         layer = self.per_layer(cfg, b)
         kind, grads = self.kinds[cfg.kind], self._grads(cfg.tp)
-        buckets = {c: _span(_cumsum(t)) for c, t in self._buckets(cfg).items()}
-        first = {c: _first(t) for c, t in self._buckets(cfg).items()}  # the bucket of a range's first layer
+        buckets = {c: _span(_cumsum(t)) for c, t in self._buckets(cfg, zero).items()}
+        first = {c: _first(t) for c, t in self._buckets(cfg, zero).items()}  # the bucket of a range's first layer
         fwd_last, bwd_first = _last(layer.forward), _first(layer.backward)
         optimizer = grads * self.problem.optimizer_traffic / kind.memory_bandwidth
         forward = f
@@ -346,9 +358,9 @@ class StageCosts:
             full = buckets[name]
             reduce = exposed(full, first[name], backward_compute, bwd_first)
             hidden = full - reduce
-            post = fastest_times("all_gather", self.dp_topology(kind, cfg), grads) if zero else 0.0 * grads
-        sync = reduce + post
-        tail = sync + (optimizer / cfg.dp if zero else optimizer)
+            post = fastest_times("all_gather", self.zero_topology(kind, cfg, zero), grads) if zero else 0.0 * grads
+        sync = reduce + post + (self.across_nodes(kind, cfg, grads) if zero else 0.0)
+        tail = sync + (optimizer / cfg.zero_shards if zero else optimizer)
         shape = f.shape
         return StageVariant(np.broadcast_to(forward, shape), np.broadcast_to(backward, shape), memory,
                             np.broadcast_to(tail, shape), np.broadcast_to(sync, shape), np.broadcast_to(hidden, shape))
@@ -367,11 +379,12 @@ class StageCosts:
         if self.problem.overlap_comm and cfg.dp > 1:
             # what `_overlapped` charges at the least, whatever the compute hiding the rest: the
             # updated shards' all-gather and the optimizer (the planner's bounds must stay below it)
-            post = fastest_times("all_gather", self.dp_topology(kind, cfg), grads) if zero in (1, 2) else 0.0 * grads
-            return 0.0, 0.0, post, post + (optimizer / cfg.dp if zero else optimizer)
+            post = fastest_times("all_gather", self.zero_topology(kind, cfg, zero), grads) if zero in (1, 2) else 0.0 * grads
+            return 0.0, 0.0, post, post + (optimizer / cfg.zero_shards if zero else optimizer)
         if zero:
-            comm = zero_time(grads, grads, zero, self.dp_topology(kind, cfg))
-            return comm.forward, comm.backward, comm.step, comm.step + optimizer / cfg.dp
+            comm = zero_time(grads, grads, zero, self.zero_topology(kind, cfg, zero))
+            step = comm.step + self.across_nodes(kind, cfg, grads)
+            return comm.forward, comm.backward, step, step + optimizer / cfg.zero_shards
         sync = self._sync(kind, cfg, grads)
         return 0.0, 0.0, sync, sync + optimizer
 
@@ -403,6 +416,30 @@ class StageCosts:
         # The tp groups of a node reduce side by side: their flows share its NICs and host memory.
         groups = min(cfg.tp, kind.devices_per_node)
         return Topology(nodes, min(per_node, cfg.dp), kind.intra.shared_by(groups), kind.inter.shared_by(groups))
+
+    def zero_topology(self, kind: DeviceKind, cfg: StageConfig, zero: int) -> Topology:
+        """The devices ZeRO's collectives (stage `zero`) run over: the data axis, or on a
+        hybrid stage its in-node shard group, `zero_group` ranks of one node (the
+        node's other tp groups and shard groups reducing side by side)."""
+        if not (zero and cfg.hybrid):
+            return self.dp_topology(kind, cfg)
+        groups = min(cfg.tp, kind.devices_per_node)
+        return Topology(1, cfg.zero_group, kind.intra.shared_by(groups), kind.inter.shared_by(groups))
+
+    def across_topology(self, kind: DeviceKind, cfg: StageConfig) -> Topology:
+        """A hybrid stage's replicas as the gradient all-reduce between them sees them:
+        one device on each of `dp / zero_group` nodes, every device of a node running
+        its own shard's all-reduce over the node's NICs at once."""
+        flows = min(cfg.zero_group * cfg.tp, kind.devices_per_node)
+        return Topology(cfg.dp // cfg.zero_group, 1, kind.intra, kind.inter.shared_by(flows))
+
+    def across_nodes(self, kind: DeviceKind, cfg: StageConfig, grads: np.ndarray) -> np.ndarray | float:
+        """A hybrid stage's once-per-step traffic across nodes: each device's shard of
+        the gradient (1/zero_group of it, after the in-node reduce-scatter) all-reduced
+        with its counterparts on the other replicas. 0 for any other stage."""
+        if not cfg.hybrid:
+            return 0.0 * grads
+        return fastest_times("all_reduce", self.across_topology(kind, cfg), grads / cfg.zero_group)
 
     def _sync(self, kind: DeviceKind, cfg: StageConfig, grads: np.ndarray) -> np.ndarray:
         """ZeRO-0's gradient all-reduce, once per step (`solver.zero.zero_time`)."""
