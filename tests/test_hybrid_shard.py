@@ -126,3 +126,19 @@ def test_zero_group_at_or_above_the_data_axis_is_plain_zero(tmp_path):
     plan = _plan(tmp_path, zero_group=8)
     assert plan.stages[0].zero_group == 0 and plan.stages[0].zero == 3
     assert dataclasses.replace(plan.stages[0]).shardings == plan.stages[0].shardings
+
+
+def test_hybrid_priced_with_overlapped_communication(tmp_path):
+    """Under `overlap_comm` (gradients reduced a layer at a time under the backward) a
+    hybrid stage's across-node all-reduce is priced too, as exposed plus hidden time."""
+    from hetpar.plan.costs import estimate_plan
+
+    hybrid = _plan(tmp_path)
+    overlapped = dataclasses.replace(hybrid, cost_inputs=dataclasses.replace(hybrid.cost_inputs, overlap_comm=True))
+    stage = estimate_plan(overlapped).stages[0]
+    problem = overlapped.cost_inputs
+    costs = StageCosts(problem)
+    cfg = decisions(overlapped).stages[0].config
+    across = float(costs.across_nodes(costs.kinds[cfg.kind], cfg, costs.tp_params(1)).sum())
+    assert cfg.hybrid and across > 0
+    assert stage.sync_s + stage.overlapped_s >= across * 0.999  # every layer's shard all-reduce, shown or hidden

@@ -359,7 +359,13 @@ class StageCosts:
             reduce = exposed(full, first[name], backward_compute, bwd_first)
             hidden = full - reduce
             post = fastest_times("all_gather", self.zero_topology(kind, cfg, zero), grads) if zero else 0.0 * grads
-        sync = reduce + post + (self.across_nodes(kind, cfg, grads) if zero else 0.0)
+        if zero and cfg.hybrid:
+            # A hybrid stage's shards all-reduced across nodes a layer at a time, once per
+            # step, under the last microbatch's backward: what it does not hide is exposed.
+            across = fastest_times("all_reduce", self.across_topology(kind, cfg), self.tp_params(cfg.tp) / cfg.zero_group)
+            shown = exposed(_span(_cumsum(across)), _first(across), backward_compute, bwd_first)
+            reduce, hidden = reduce + shown, hidden + _span(_cumsum(across)) - shown
+        sync = reduce + post
         tail = sync + (optimizer / cfg.zero_shards if zero else optimizer)
         shape = f.shape
         return StageVariant(np.broadcast_to(forward, shape), np.broadcast_to(backward, shape), memory,
