@@ -142,3 +142,34 @@ def test_hybrid_priced_with_overlapped_communication(tmp_path):
     across = float(costs.across_nodes(costs.kinds[cfg.kind], cfg, costs.tp_params(1)).sum())
     assert cfg.hybrid and across > 0
     assert stage.sync_s + stage.overlapped_s >= across * 0.999  # every layer's shard all-reduce, shown or hidden
+
+
+def _all_reduces(text: str) -> list[tuple[list[str], str]]:
+    """Each all-reduce of a compiled program: its result types and the mesh axes its
+    replica groups span (as XLA prints a named mesh's groups, e.g. {'replica'})."""
+    import re
+
+    out = []
+    for line in text.splitlines():
+        found = re.search(r"= (.+?) all-reduce(?:-start)?\(.*replica_groups=mesh\[[^\]]*\] \{([^}]*)\}", line)
+        if found:
+            out.append((re.findall(r"\w+\[[\d,]*\]", found.group(1)), found.group(2)))
+    return out
+
+
+def test_hybrid_compiled_programs_cross_nodes_once_with_shards(tmp_path):
+    """Two microbatches: every microbatch reduces its gradients within the node; only
+    the last microbatch's fused update all-reduces across nodes, once, and only
+    node-shards (the hidden 64x64 weight's gradient as 64x16), never a whole gradient."""
+    workload = mlp.setup(batch_size=16, hidden=64, depth=2)
+    par = hetpar.parallelize(workload.step, cluster=_cluster(tmp_path), num_stages=1, num_microbatches=2, mesh_shape=(8, 1),
+                             sharding_option=ShardingOption(zero=3, zero_group=4))
+    par(workload.state, workload.batch)
+    step = par.compiled()
+    programs = [p for p in (*step.programs, *step.fused.values()) if p is not None]
+    across = [(type(p).__name__, types) for p in programs
+              for types, axes in _all_reduces(p.lower().compile().as_text()) if axes == "'replica'"]
+    assert any(type(p).__name__ == "Program" for p in programs)  # the first microbatch's, which stays in the node
+    ((kind, shards),) = across  # one all-reduce across nodes per step
+    assert kind == "FusedProgram"
+    assert "f32[64,16]" in shards and "f32[64,64]" not in shards, shards

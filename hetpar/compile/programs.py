@@ -23,7 +23,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from hetpar.cluster.cluster import jax_devices
 from hetpar.compile.once import CompiledOnce
 from hetpar.compile.layouts import DATA_AXIS, MODEL2_AXIS, MODEL_AXIS, REPLICA_AXIS, ZERO_AXIS, data_entry, data_size, spec_sharding
-from hetpar.compile.partials import partial_ops, partial_sums, stacked_spec
+from hetpar.compile.partials import partial_ops, partial_sums, stack_axis, stacked_spec
 from hetpar.compile.scatter import reduce_scatter, scatter_ops
 from hetpar.compile.tasks import Task
 from hetpar.trace import jaxpr_ir
@@ -341,7 +341,8 @@ class _Body:
             scatter = self.scatter.get(op.index)
             if op.index in self.partial:
                 pins = self.operand_specs.get(op.index) or [self._spec(v) for v in op.inputs]
-                stack = partial_sums(op, ins, self.partial[op.index], list(pins), self._spec(op.outputs[0]), mesh, self.dp)
+                axis, size = stack_axis(mesh, self._spec(op.outputs[0]))
+                stack = partial_sums(op, ins, self.partial[op.index], list(pins), self._spec(op.outputs[0]), mesh, size, axis)
                 env[op.outputs[0]] = stack
                 continue
             env.update(zip(op.outputs, reduce_scatter(op, ins, mesh, scatter) if scatter is not None else jaxpr_ir.bind(op, ins)))
@@ -391,11 +392,12 @@ class _Body:
     def acc_shardings(self) -> tuple[NamedSharding, ...]:
         """The accumulators' layouts: a reduction's own, or its stack of partials over `data`."""
         return tuple(
-            spec_sharding(self.mesh, t, stacked_spec(self._spec(v), t.ndim - 1)) if v in self.stacked else self.sharding(v)
+            spec_sharding(self.mesh, t, stacked_spec(self._spec(v), t.ndim - 1, stack_axis(self.mesh, self._spec(v))[0]))
+            if v in self.stacked else self.sharding(v)
             for v, t in zip(self.task.reductions, self._acc_avals()))
 
     def _acc_avals(self) -> list[jax.ShapeDtypeStruct]:
-        return [jax.ShapeDtypeStruct(((self.dp,) if v in self.stacked else ()) + a.shape, d)
+        return [jax.ShapeDtypeStruct(((stack_axis(self.mesh, self._spec(v))[1],) if v in self.stacked else ()) + a.shape, d)
                 for v, a, d in zip(self.task.reductions, self.reduction_avals, self.acc_dtypes)]
 
     def shardings(self, values: Sequence[int]) -> tuple[NamedSharding, ...]:
