@@ -173,3 +173,19 @@ def test_hybrid_compiled_programs_cross_nodes_once_with_shards(tmp_path):
     ((kind, shards),) = across  # one all-reduce across nodes per step
     assert kind == "FusedProgram"
     assert "f32[64,16]" in shards and "f32[64,64]" not in shards, shards
+
+
+def test_hybrid_beside_model_axis_parity(tmp_path):
+    """A 4 x 2 (data x model) stage on two nodes of four: ZeRO-3 over two data ranks
+    of a node (each with its two model devices), two replicas across the nodes: the
+    ILP's layouts over `data` x `model` (examples over both halves of `data`) beside
+    ZeRO's over `zero`."""
+    from models import gpt
+
+    plan = run_parity(gpt.setup(batch_size=8), _cluster(tmp_path), steps=2, num_stages=1, num_microbatches=2, mesh_shape=(4, 2),
+                      sharding_option=ShardingOption(zero=3, zero_group=2))
+    (stage,) = plan.stages
+    assert stage.mesh_shape == (4, 2) and stage.zero == 3 and stage.zero_group == 2
+    specs = [spec for _, spec in stage.shardings]
+    assert any("data" in spec and "model" in spec for spec in specs), "the model axis is not used"
+    assert any("zero" in spec for spec in specs) and not any("data" in spec and "zero" in spec for spec in specs)
