@@ -189,3 +189,17 @@ def test_hybrid_beside_model_axis_parity(tmp_path):
     specs = [spec for _, spec in stage.shardings]
     assert any("data" in spec and "model" in spec for spec in specs), "the model axis is not used"
     assert any("zero" in spec for spec in specs) and not any("data" in spec and "zero" in spec for spec in specs)
+
+
+def test_replicas_inside_one_node_do_not_cross_nodes(tmp_path):
+    """Groups of four on a node of eight: the replicas meet over the node's own link,
+    and no byte is priced across nodes; on nodes of four, one group per node."""
+    from solver.cost.stage_costs import StageConfig
+
+    problem = _plan(tmp_path).cost_inputs
+    (kind,) = problem.kinds
+    for per_node, nodes in ((8, 1), (4, 2)):
+        wide = dataclasses.replace(problem, kinds=(dataclasses.replace(kind, devices_per_node=per_node),))
+        costs = StageCosts(wide)
+        topology = costs.across_topology(costs.kinds[kind.name], StageConfig(kind.name, 8, 1, 4))
+        assert (topology.nodes, topology.size) == (nodes, 2)

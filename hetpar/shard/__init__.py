@@ -213,7 +213,7 @@ class _StageSolver:
     def solve(self, stage: StagePlan, mesh: dict[str, int]) -> tuple[dict[int, Spec], float, dict[int, tuple[Spec, Spec]]]:
         """Value id -> layout (weights, matmul results), the predicted time, and
         operator index -> its two operands' layouts (what compile pins)."""
-        key = (stage.index, tuple(mesh.items()))
+        key = (stage.index, tuple(mesh.items()), stage.zero_group)  # the group sets the state ZeRO leaves per device
         if key not in self._solved:
             self._solved[key] = self._solve(stage, mesh)
         return self._solved[key]

@@ -93,7 +93,7 @@ def _stage_collectives(costs: StageCosts, p: int, s: StageDecision, b: int, m: i
             out.append(_use(p, "parameters before use", "all_gather", topology, grads, 2 * scattered))
         if s.zero and cfg.hybrid:
             shard = float(layers.sum()) / cfg.zero_group
-            out.append(_use(p, "gradient shards across nodes", "all_reduce", costs.across_topology(kind, cfg), shard))
+            out.append(_use(p, "gradient shards across replicas", "all_reduce", costs.across_topology(kind, cfg), shard))
     return out
 
 

@@ -429,15 +429,17 @@ class StageCosts:
         node's other tp groups and shard groups reducing side by side)."""
         if not (zero and cfg.hybrid):
             return self.dp_topology(kind, cfg)
-        groups = min(cfg.tp, kind.devices_per_node)
-        return Topology(1, cfg.zero_group, kind.intra.shared_by(groups), kind.inter.shared_by(groups))
+        return self.dp_topology(kind, StageConfig(cfg.kind, cfg.zero_group, cfg.tp))  # a group as a data axis of its own
 
     def across_topology(self, kind: DeviceKind, cfg: StageConfig) -> Topology:
         """A hybrid stage's replicas as the gradient all-reduce between them sees them:
-        one device on each of `dp / zero_group` nodes, every device of a node running
-        its own shard's all-reduce over the node's NICs at once."""
-        flows = min(cfg.zero_group * cfg.tp, kind.devices_per_node)
-        return Topology(cfg.dp // cfg.zero_group, 1, kind.intra, kind.inter.shared_by(flows))
+        one device of each of `dp / zero_group` groups (one group per node when a group
+        fills a node; several of a node's groups meet over its own link), every device
+        of a group running its own shard's all-reduce at once, sharing the links."""
+        replicas, group = cfg.dp // cfg.zero_group, cfg.zero_group * cfg.tp
+        per_node = max(1, min(kind.devices_per_node // group, replicas))
+        flows = min(group, kind.devices_per_node)
+        return Topology(max(1, replicas // per_node), per_node, kind.intra.shared_by(flows), kind.inter.shared_by(flows))
 
     def across_nodes(self, kind: DeviceKind, cfg: StageConfig, grads: np.ndarray) -> np.ndarray | float:
         """A hybrid stage's once-per-step traffic across nodes: each device's shard of
