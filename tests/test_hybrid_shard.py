@@ -203,3 +203,22 @@ def test_replicas_inside_one_node_do_not_cross_nodes(tmp_path):
         costs = StageCosts(wide)
         topology = costs.across_topology(costs.kinds[kind.name], StageConfig(kind.name, 8, 1, 4))
         assert (topology.nodes, topology.size) == (nodes, 2)
+
+
+def test_auto_group_takes_a_node_where_the_estimator_prices_it_faster(tmp_path):
+    """zero_group="auto": on two nodes joined by a slow network, ZeRO-3 over the whole
+    8-device axis gathers across nodes every microbatch; the estimator prices the
+    node's group faster, so the pass takes it, and the plan is the cheaper one."""
+    from hetpar.plan.costs import estimate_plan
+
+    auto = _plan(tmp_path, zero_group="auto")
+    whole = _plan(tmp_path, zero_group=0)
+    assert auto.stages[0].zero_group == 4 and whole.stages[0].zero_group == 0
+    assert estimate_plan(auto).step_s < estimate_plan(whole).step_s
+    workload = _mlp()  # one node: nothing to gain, the whole axis stays
+    single = hetpar.make_plan(workload.step, (workload.state, workload.batch), hetpar.Cluster.virtual({"A100": 8}),
+                              num_stages=1, num_microbatches=1, mesh_shape=(8, 1),
+                              sharding_option=ShardingOption(zero=3, zero_group="auto"))
+    assert single.stages[0].zero_group == 0 and single.stages[0].zero == 3
+    with pytest.raises(PlanError, match="ShardingOption.zero_group"):
+        _plan(tmp_path, zero_group="node")

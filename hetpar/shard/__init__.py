@@ -58,7 +58,7 @@ def shard_stages(traced: TracedStep, layers: Layers, plan: Plan, option: Shardin
         if devices_per_node is not None:
             stage = _best_mesh(solver, plan, stage, traced.batch_size, devices_per_node.get(stage.group, stage.num_devices))
         mesh = mesh_axes(stage)
-        stage = replace(stage, zero_group=zero_group(stage, mesh, option))
+        stage = replace(stage, zero_group=zero_group(stage, mesh, option, plan))
         specs, _, operands = solver.solve(stage, mesh) if tensor_parallel(mesh) else ({}, 0.0, {})
         specs, zero, gathered = _zero(traced, layers, plan, stage, specs, mesh, option, solver.link(stage))
         kept = offloaded_state(traced, plan, stage) if stage.offload else ()
@@ -68,12 +68,15 @@ def shard_stages(traced: TracedStep, layers: Layers, plan: Plan, option: Shardin
     return replace(plan, stages=tuple(stages))
 
 
-def zero_group(stage: StagePlan, mesh: dict[str, int], option: ShardingOption) -> int:
+def zero_group(stage: StagePlan, mesh: dict[str, int], option: ShardingOption, plan: Plan | None = None) -> int:
     """The stage's hybrid-sharding group (StagePlan.zero_group): the user's
-    `option.zero_group` where it splits the data axis, else the stage's own (a plan's
-    decision); 0 where ZeRO spans the whole data axis. A group that does not divide
-    the data axis is refused, naming the stage and the sizes that would."""
+    `option.zero_group` where it splits the data axis ("auto": `_auto_group`), else
+    the stage's own (a plan's decision); 0 where ZeRO spans the whole data axis. A
+    group that does not divide the data axis is refused, naming the stage and the
+    sizes that would."""
     dp = mesh.get("data", 1)
+    if option.zero_group == "auto":
+        return _auto_group(plan, stage, mesh, option)
     group = option.zero_group if option.zero_group else stage.zero_group
     if not group or group >= dp:
         return 0
@@ -82,6 +85,32 @@ def zero_group(stage: StagePlan, mesh: dict[str, int], option: ShardingOption) -
         raise PlanError(f"stage {stage.index}: zero_group {group} does not divide its data axis of {dp} devices; "
                         f"use one of {divisors} (the devices of a node) or 0 to shard over all of them")
     return group
+
+
+def _auto_group(plan: Plan | None, stage: StagePlan, mesh: dict[str, int], option: ShardingOption) -> int:
+    """`zero_group="auto"`: a stage whose ZeRO stage is known (forced, or the
+    planner's) and whose data axis spans several nodes shards within a node (its data
+    ranks there) where the estimator prices that step faster, or where only it fits;
+    otherwise over the whole data axis."""
+    level = option.zero if option.zero is not None else stage.zero
+    dp = mesh.get("data", 1)
+    inputs = plan.cost_inputs if plan is not None else None
+    kind = next((k for k in inputs.kinds if k.name == stage.group), None) if inputs is not None else None
+    if not level or kind is None:
+        return 0
+    group = kind.devices_per_node // (stage.num_devices // dp)
+    if group < 2 or group >= dp or dp % group:
+        return 0
+    priced = {}
+    for g in (0, group):
+        trial = replace(stage, zero=level, zero_group=g)
+        cost = estimate_plan(replace(plan, stages=tuple(trial if s.index == stage.index else s for s in plan.stages)))
+        priced[g] = (not cost.stages[stage.index].fits, cost.step_s)
+    chosen = min(priced, key=lambda g: priced[g])
+    log.info("stage %d: ZeRO-%d over %s (estimated %.4g s against %.4g s)", stage.index, level,
+             f"groups of {group} (a node's data ranks)" if chosen else "the whole data axis", priced[chosen][1],
+             priced[group if not chosen else 0][1])
+    return chosen
 
 
 def zero_shards(stage: StagePlan, mesh: dict[str, int]) -> tuple[int, str]:
