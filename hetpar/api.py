@@ -169,7 +169,7 @@ class ParallelFunction:
             return plan, compiled
         with timer("compile"):
             order = [d for g in cluster.groups for d in g.device_ids]  # plans name devices by position
-            meshes = {s.index: stage_mesh(tuple(order[p] for p in s.device_ids), s.mesh_shape) for s in plan.stages}
+            meshes = {s.index: stage_mesh(tuple(order[p] for p in s.device_ids), s.mesh_shape, s.zero_group) for s in plan.stages}
             graphs = microbatch_graphs(fn, args, batch_argnum, traced, plan)
             compiled = compile_step(traced, plan, meshes, graphs)
             # Every program the step dispatches, compiled now (once, for the plan's

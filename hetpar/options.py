@@ -82,6 +82,13 @@ class ShardingOption:
     # its devices' memory (Alpa's force_zero_stage_3 is zero=3); 0-3 forces that
     # stage on every stage.
     zero: int | None = None
+    # Hybrid sharding (HSDP, see StagePlan.zero_group): ZeRO over groups of this many
+    # consecutive devices of each stage's data axis (a node's), replicated across the
+    # groups, so only one group-shard's gradient all-reduce crosses nodes. Must divide
+    # every ZeRO stage's data axis; None or 0: over the whole data axis. "auto": the
+    # sharding pass takes a node's data ranks for a stage whose ZeRO stage is known and
+    # whose data axis spans nodes, where the estimator prices that faster (or only it fits).
+    zero_group: int | str | None = None
 
 
 @dataclass(frozen=True)
@@ -138,6 +145,10 @@ def check_options(stage: StageOption, sharding: ShardingOption, runtime: Runtime
         raise PlanError(f"ShardingOption.time_limit_s must be positive, got {sharding.time_limit_s}")
     if sharding.zero is not None and sharding.zero not in (0, 1, 2, 3):
         raise PlanError(f"ShardingOption.zero is the ZeRO stage 0, 1, 2 or 3 (or None: chosen per parameter), got {sharding.zero!r}")
+    if sharding.zero_group not in (None, "auto") and (isinstance(sharding.zero_group, bool)
+                                                      or not isinstance(sharding.zero_group, int) or sharding.zero_group < 0):
+        raise PlanError(f"ShardingOption.zero_group is how many devices of a stage's data axis ZeRO shards over (a node's), "
+                        f"a whole number at least 0 (0 or None: all of them), or \"auto\", got {sharding.zero_group!r}")
     if not 0 <= sharding.model_axis_margin < 1:
         raise PlanError(f"ShardingOption.model_axis_margin is a fraction in [0, 1), got {sharding.model_axis_margin}")
     if runtime.runtime not in RUNTIMES:

@@ -25,7 +25,7 @@ from hetpar.plan.model import Plan, Spec, StagePlan, runs
 from hetpar.plan.runnable import check_runnable, runnable_problems
 from hetpar.predict.layer_profile import dtype_policy, layer_signatures, problem_layers
 from hetpar.predict.profile import Profile
-from hetpar.shard import mesh_axes, shard_stages
+from hetpar.shard import layout_axes, shard_stages
 from hetpar.trace.fingerprint import differences, signature
 from hetpar.trace.flops import op_costs
 from hetpar.trace.layers import Layers, block_count, build_layers, compute_dtype, structure_of
@@ -413,7 +413,7 @@ def _placed_params(traced: TracedStep, plan: Plan) -> list[tuple[tuple[str, Spec
             if spec is None:
                 out[stage].append((name, (), traced.full.nbytes(v), role))
             else:
-                mesh = mesh_axes(plan.stages[stage])
+                mesh = layout_axes(plan.stages[stage])
                 shards = math.prod(mesh[a] for a in spec if a is not None)
                 out[stage].append((name, tuple(spec), traced.full.nbytes(v) // shards, role))
     return [tuple(specs) for specs in out]

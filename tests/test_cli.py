@@ -114,6 +114,15 @@ def test_solve_with_zero_writes_it_into_the_plan(tmp_path):
     assert "ZeRO-3" in result.stdout
 
 
+def test_solve_with_zero_group_writes_hybrid_sharding(tmp_path):
+    """--zero-group: ZeRO over groups of two of each 4-device stage's data axis."""
+    plan, result = _solved(tmp_path, "--stages", "2", "--zero", "3", "--zero-group", "2")
+    stages = json.loads(plan.read_text())["stages"]
+    hybrid = [s for s in stages if s["zero"] == 3 and (s["mesh_shape"] or [len(s["device_ids"])])[0] > 2]
+    assert hybrid and all(s["zero_group"] == 2 for s in hybrid)
+    assert "gradient shards across replicas" in result.stdout
+
+
 def test_solve_and_simulate_an_interleaved_plan(tmp_path):
     plan, result = _solved(tmp_path, "--schedule", "interleaved", "--chunks", "2", "--stages", "2")
     raw = json.loads(plan.read_text())

@@ -94,6 +94,10 @@ def parser() -> argparse.ArgumentParser:
                    "(default: the planner's choice)")
     p.add_argument("--zero", type=int, help="ZeRO stage over every stage's data axis: 0 replicated state, 1 optimizer "
                    "state sharded, 2 + gradients, 3 + parameters (default: chosen per parameter, by memory)")
+    p.add_argument("--zero-group", type=lambda v: v if v == "auto" else int(v), metavar="N|auto",
+                   help="hybrid sharding: ZeRO over groups of N devices of each stage's data axis (a node's: e.g. 4), "
+                   "replicated across the groups, so only one group-shard's gradient all-reduce crosses nodes; auto: a "
+                   "node's where the estimator prices it faster (default: the whole data axis)")
     p.add_argument("--offload", choices=("host", "none"), help="where every stage keeps its optimizer state between "
                    "steps: host (host memory, moved to the devices for the update) or none (the devices); default: the "
                    "planner offloads a stage only where it fits no other way or is faster for it")

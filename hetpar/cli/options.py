@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -39,6 +39,7 @@ class SolveOptions(_Options):
     layers: Count | None = None
     replicas: Count | None = None
     zero: Annotated[int, Field(ge=0, le=3)] | None = None  # None: chosen per parameter
+    zero_group: Annotated[int, Field(ge=0)] | Literal["auto"] | None = None  # hybrid sharding: ZeRO's devices per group
     batch_argnum: Annotated[int, Field(ge=0, le=1000)] = 1
     time_limit: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None  # seconds
     manual: list[str] = []
@@ -106,7 +107,7 @@ class SimulateOptions(_Options):
 _SCHEMAS = {"solve": SolveOptions, "profile": ProfileOptions, "simulate": SimulateOptions}
 _FLAGS = {"output": "-o/--output", "batch_argnum": "--batch-argnum", "batch_size": "--batch-size",
           "mesh_size": "--mesh-size", "cpu_devices": "--cpu-devices", "device_type": "--device-type",
-          "zero": "--zero"}
+          "zero": "--zero", "zero_group": "--zero-group"}
 
 
 def check_options(args: argparse.Namespace) -> None:

@@ -26,7 +26,7 @@ def solve(args: argparse.Namespace) -> int:
         plan = make_plan(workload.step, workload.args, cluster, num_microbatches=args.microbatches, batch_argnum=args.batch_argnum,
                          num_stages=args.stages, num_replicas=args.replicas, num_layers=args.layers, schedule=args.schedule,
                          use_all_kinds=args.use_all_kinds, profile=args.profile,
-                         chunks=args.chunks, sharding_option=ShardingOption(zero=args.zero),
+                         chunks=args.chunks, sharding_option=ShardingOption(zero=args.zero, zero_group=getattr(args, "zero_group", None)),
                          stage_option=StageOption(time_limit_s=args.time_limit,
                                                   offload={"host": "host", "none": ""}.get(getattr(args, "offload", None))))
     save_plan(plan, args.output)
@@ -125,7 +125,8 @@ def _print_plan(plan, shardings: bool = False) -> None:  # noqa: ANN001
             f"- / {s.memory_capacity / 2**30:.0f} GiB" if s.memory_capacity else "-")
         table.add_row(
             str(s.index), str(s.replica), f"{s.layer_start}-{s.layer_end - 1}", s.layer_names, s.device_type, str(s.num_devices),
-            "x".join(map(str, s.mesh_shape or (s.num_devices,))), f"{s.data_parallel or s.num_devices} x {s.tensor_parallel}" + (f", ZeRO-{s.zero}" if s.zero else ""),
+            "x".join(map(str, s.mesh_shape or (s.num_devices,))), f"{s.data_parallel or s.num_devices} x {s.tensor_parallel}" + (f", ZeRO-{s.zero}" if s.zero else "")
+            + (f" in groups of {s.zero_group}" if s.zero and s.zero_group else ""),
             f"{s.batch_share:.0%}", fmt_time(s.forward_s), fmt_time(s.backward_s), memory, _host(s),
         )
     out.print(table)

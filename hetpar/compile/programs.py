@@ -22,8 +22,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from hetpar.cluster.cluster import jax_devices
 from hetpar.compile.once import CompiledOnce
-from hetpar.compile.layouts import DATA_AXIS, MODEL2_AXIS, MODEL_AXIS, spec_sharding
-from hetpar.compile.partials import partial_ops, partial_sums, stacked_spec
+from hetpar.compile.layouts import DATA_AXIS, MODEL2_AXIS, MODEL_AXIS, REPLICA_AXIS, ZERO_AXIS, data_entry, data_size, spec_sharding
+from hetpar.compile.partials import partial_ops, partial_sums, stack_axis, stacked_spec
 from hetpar.compile.scatter import reduce_scatter, scatter_ops
 from hetpar.compile.tasks import Task
 from hetpar.trace import jaxpr_ir
@@ -34,24 +34,31 @@ from hetpar.trace.opgraph import OpGraph
 HOST_MEMORY = "pinned_host"  # the memory kind offloaded state lives in (JAX's page-locked host memory)
 
 
-def stage_mesh(device_ids: tuple[int, ...], shape: tuple[int, ...] = ()) -> Mesh:
+def stage_mesh(device_ids: tuple[int, ...], shape: tuple[int, ...] = (), zero_group: int = 0) -> Mesh:
     """A 1-D data-parallel mesh, or `data` x `model` when `shape` has two dimensions,
     `data` x `model` x `model2` when it has three (3D tensor parallelism). Auto axes:
-    the traced step is mesh-agnostic, shardings are steered from outside."""
+    the traced step is mesh-agnostic, shardings are steered from outside.
+    `zero_group` (hybrid sharding, `StagePlan.zero_group`): a divisor of the data
+    axis below it splits that axis into `replica` x `zero`, consecutive devices (one
+    node's) on `zero`, where ZeRO shards; layouts' `data` spans both (layouts.py)."""
     devices = np.array(jax_devices(device_ids))
-    if len(shape) == 3:
-        return Mesh(devices.reshape(shape), (DATA_AXIS, MODEL_AXIS, MODEL2_AXIS), axis_types=(AxisType.Auto,) * 3)
-    if len(shape) == 2 and shape[1] > 1:
-        return Mesh(devices.reshape(shape), (DATA_AXIS, MODEL_AXIS), axis_types=(AxisType.Auto, AxisType.Auto))
-    return Mesh(devices, (DATA_AXIS,), axis_types=(AxisType.Auto,))
+    shape = tuple(shape) or (len(device_ids),)
+    names = (DATA_AXIS, MODEL_AXIS, MODEL2_AXIS)[: len(shape)]
+    if len(shape) == 2 and shape[1] == 1:
+        shape, names = shape[:1], names[:1]
+    if 0 < zero_group < shape[0]:
+        if shape[0] % zero_group:
+            raise ValueError(f"zero_group {zero_group} does not divide the data axis of {shape[0]} devices")
+        shape, names = (shape[0] // zero_group, zero_group, *shape[1:]), (REPLICA_AXIS, ZERO_AXIS, *names[1:])
+    return Mesh(devices.reshape(shape), names, axis_types=(AxisType.Auto,) * len(shape))
 
 
 def value_sharding(mesh: Mesh, aval: Any, batch_axis: int | None) -> NamedSharding:
     ndim = len(getattr(aval, "shape", ()))
-    size = mesh.shape[DATA_AXIS]
+    size = data_size(mesh)
     if batch_axis is not None and size > 1 and aval.shape[batch_axis] % size == 0:
-        spec = [None] * ndim
-        spec[batch_axis] = DATA_AXIS
+        spec: list = [None] * ndim
+        spec[batch_axis] = data_entry(mesh)
         return NamedSharding(mesh, PartitionSpec(*spec))
     return NamedSharding(mesh, PartitionSpec())
 
@@ -306,7 +313,7 @@ class _Body:
         # of the GPT step's CPU time, benchmarks/overhead.py).
         self.partial = partial_ops(self.ops, task.reductions, graph, analysis, self.specs, mesh, set(self.scatter)) \
             if task.per_microbatch and num_microbatches > 1 else {}
-        self.dp = mesh.shape.get(DATA_AXIS, 1)
+        self.dp = data_size(mesh)
         self.stacked = {op.outputs[0] for op in self.ops if op.index in self.partial}
         needed = {v for op in self.ops for v in op.inputs if v in graph.constants}
         source = graph.constants if analysis.marked else constants
@@ -334,7 +341,8 @@ class _Body:
             scatter = self.scatter.get(op.index)
             if op.index in self.partial:
                 pins = self.operand_specs.get(op.index) or [self._spec(v) for v in op.inputs]
-                stack = partial_sums(op, ins, self.partial[op.index], list(pins), self._spec(op.outputs[0]), mesh, self.dp)
+                axis, size = stack_axis(mesh, self._spec(op.outputs[0]))
+                stack = partial_sums(op, ins, self.partial[op.index], list(pins), self._spec(op.outputs[0]), mesh, size, axis)
                 env[op.outputs[0]] = stack
                 continue
             env.update(zip(op.outputs, reduce_scatter(op, ins, mesh, scatter) if scatter is not None else jaxpr_ir.bind(op, ins)))
@@ -384,11 +392,12 @@ class _Body:
     def acc_shardings(self) -> tuple[NamedSharding, ...]:
         """The accumulators' layouts: a reduction's own, or its stack of partials over `data`."""
         return tuple(
-            spec_sharding(self.mesh, t, stacked_spec(self._spec(v), t.ndim - 1)) if v in self.stacked else self.sharding(v)
+            spec_sharding(self.mesh, t, stacked_spec(self._spec(v), t.ndim - 1, stack_axis(self.mesh, self._spec(v))[0]))
+            if v in self.stacked else self.sharding(v)
             for v, t in zip(self.task.reductions, self._acc_avals()))
 
     def _acc_avals(self) -> list[jax.ShapeDtypeStruct]:
-        return [jax.ShapeDtypeStruct(((self.dp,) if v in self.stacked else ()) + a.shape, d)
+        return [jax.ShapeDtypeStruct(((stack_axis(self.mesh, self._spec(v))[1],) if v in self.stacked else ()) + a.shape, d)
                 for v, a, d in zip(self.task.reductions, self.reduction_avals, self.acc_dtypes)]
 
     def shardings(self, values: Sequence[int]) -> tuple[NamedSharding, ...]:

@@ -28,7 +28,7 @@ def decisions(plan: Plan, dots_bytes: dict[int, float] | None = None) -> Decisio
     dots_bytes = dots_bytes or {}
     stages = tuple(
         StageDecision(s.group or s.device_type, *_mesh(s), s.layer_start, s.layer_end, s.remat, s.zero, s.replica,
-                      dots_bytes.get(s.index, 0.0), s.offload)
+                      dots_bytes.get(s.index, 0.0), s.offload, s.zero_group)
         for s in plan.stages
     )
     batch = plan.replica_batch or (plan.cost_inputs.batch_size,)

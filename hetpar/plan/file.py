@@ -130,6 +130,12 @@ def _check_operator_stages(plan: Plan, where: str) -> None:
 
 def _check_shardings(stage: StagePlan, label: str) -> None:
     axes = set(("data", "model", "model2")[: max(1, len(stage.mesh_shape))])  # model2: a 3-axis mesh
+    data = (stage.mesh_shape or (stage.num_devices,))[0]
+    if not isinstance(stage.zero_group, int) or stage.zero_group < 0 or stage.zero_group and data % stage.zero_group:
+        raise PlanError(f"{label}: zero_group is {stage.zero_group!r}, which does not divide the stage's data axis of {data} "
+                        f"devices; use a divisor of {data} (the devices of a node) or 0 to shard over all of them")
+    if 0 < stage.zero_group < data:
+        axes.add("zero")  # hybrid sharding: ZeRO's in-node part of the data axis
     for entry in (*stage.shardings, *stage.gathered):
         if len(entry) != 2 or not isinstance(entry[0], int) or entry[0] < 0 or any(a is not None and a not in axes for a in entry[1]):
             raise PlanError(f"{label}: the sharding {list(entry)} is not [value id, [mesh axis or null per dimension]] "

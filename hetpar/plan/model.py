@@ -56,6 +56,13 @@ class StagePlan:
     # forward and backward read them. The highest level any parameter of the stage got:
     # the layouts themselves are in `shardings` (a parameter left whole has no data axis).
     zero: int = 0
+    # Hybrid sharding (HSDP): how many of the data axis's devices ZeRO shards over,
+    # a divisor of the data axis, consecutive devices (those of a node); 0 (or the whole
+    # axis): all of them. Below the data axis, the mesh splits it into `replica` (across
+    # nodes) x `zero` (within a node): parameters and optimizer state shard over `zero`
+    # only (the layouts name it), examples over both, and only one node-shard's gradient
+    # all-reduce crosses nodes, as FSDP's hybrid shard and MaxText's in-node axis do.
+    zero_group: int = 0
     # ZeRO-3: each data-sharded parameter's layout while in use (value id, layout): the
     # stage's forward and backward programs gather it to this where they read it.
     gathered: tuple[tuple[int, Spec], ...] = ()

@@ -77,6 +77,7 @@ class StageSchema(_Strict):
     operand_shardings: tuple[tuple[Count, tuple[Spec, Spec]], ...] = ()  # (operator index, (lhs, rhs))
     chunk: Count = 0
     zero: Annotated[int, Field(ge=0, le=3)] = 0  # ZeRO stage over the data axis
+    zero_group: Count = 0  # hybrid sharding: devices of the data axis ZeRO shards over (0: all)
     gathered: tuple[tuple[Count, Spec], ...] = ()  # ZeRO-3: (value id, PartitionSpec while in use)
     remat: Literal["", "full", "dots"] = ""
     offload: Literal["", "host"] = ""  # where the optimizer state lives between steps
@@ -92,6 +93,10 @@ class StageSchema(_Strict):
                 f"mesh_shape {list(self.mesh_shape)} holds {math.prod(self.mesh_shape)} devices but the stage has "
                 f"{len(self.device_ids)}; the mesh's sides must multiply to the stage's devices"
             )
+        data = (self.mesh_shape or (len(self.device_ids),))[0]
+        if self.zero_group and data % self.zero_group:
+            raise ValueError(f"zero_group {self.zero_group} does not divide the stage's data axis of {data} devices; "
+                             f"use a divisor of {data} (the devices of a node), or 0 to shard over all of them")
         if len(set(self.device_ids)) != len(self.device_ids):
             raise ValueError("device_ids names a device twice")
         if self.offloaded and self.offload != "host":

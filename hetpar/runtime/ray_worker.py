@@ -52,7 +52,7 @@ class StageWorker:
             raise PlanError(f"stage {names}'s worker traced a different program: "
                             f"{'; '.join(differences(plan.program, signature(traced.full)))}")
         devices = tuple(range(self._num_devices))  # the first devices of this process
-        meshes = {s: stage_mesh(devices, plan.stages[s].mesh_shape) for s in stages}
+        meshes = {s: stage_mesh(devices, plan.stages[s].mesh_shape, plan.stages[s].zero_group) for s in stages}
         graphs = microbatch_graphs(fn, args, batch_argnum, traced, plan)
         step = compile_step(traced, plan, meshes, graphs, keep=lambda s: s in meshes)
         self._programs, self._fused, self._tasks = step.programs, step.fused, step.tasks

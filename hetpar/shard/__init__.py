@@ -10,6 +10,7 @@ from collections import OrderedDict
 from dataclasses import replace
 
 from hetpar.cluster.catalog import device_type
+from hetpar.errors import PlanError
 from hetpar.options import ShardingOption
 from hetpar.plan import Plan, StagePlan
 from hetpar.plan.costs import estimate_plan
@@ -33,6 +34,15 @@ def mesh_axes(stage: StagePlan) -> dict[str, int]:
     return dict(zip(AXES, shape))
 
 
+def layout_axes(stage: StagePlan) -> dict[str, int]:
+    """Every axis the stage's layouts may name, with its size: the mesh's, and on a
+    hybrid-sharded stage `zero`, ZeRO's in-node part of the data axis."""
+    axes = mesh_axes(stage)
+    if 0 < stage.zero_group < axes.get("data", 1):
+        axes["zero"] = stage.zero_group
+    return axes
+
+
 def shard_stages(traced: TracedStep, layers: Layers, plan: Plan, option: ShardingOption,
                  devices_per_node: dict[str, int] | None = None, links: dict[str, LinkCost] | None = None) -> Plan:
     """The sharding pass: every stage's shardings, written into the plan (where
@@ -48,12 +58,66 @@ def shard_stages(traced: TracedStep, layers: Layers, plan: Plan, option: Shardin
         if devices_per_node is not None:
             stage = _best_mesh(solver, plan, stage, traced.batch_size, devices_per_node.get(stage.group, stage.num_devices))
         mesh = mesh_axes(stage)
+        stage = replace(stage, zero_group=zero_group(stage, mesh, option, plan))
         specs, _, operands = solver.solve(stage, mesh) if tensor_parallel(mesh) else ({}, 0.0, {})
         specs, zero, gathered = _zero(traced, layers, plan, stage, specs, mesh, option, solver.link(stage))
         kept = offloaded_state(traced, plan, stage) if stage.offload else ()
         stages.append(replace(stage, shardings=tuple(sorted(specs.items())), operand_shardings=tuple(sorted(operands.items())),
-                              zero=zero, gathered=tuple(sorted(gathered.items())), offloaded=kept))
+                              zero=zero, zero_group=stage.zero_group if zero else 0, gathered=tuple(sorted(gathered.items())),
+                              offloaded=kept))
     return replace(plan, stages=tuple(stages))
+
+
+def zero_group(stage: StagePlan, mesh: dict[str, int], option: ShardingOption, plan: Plan | None = None) -> int:
+    """The stage's hybrid-sharding group (StagePlan.zero_group): the user's
+    `option.zero_group` where it splits the data axis ("auto": `_auto_group`), else
+    the stage's own (a plan's decision); 0 where ZeRO spans the whole data axis. A
+    group that does not divide the data axis is refused, naming the stage and the
+    sizes that would."""
+    dp = mesh.get("data", 1)
+    if option.zero_group == "auto":
+        return _auto_group(plan, stage, mesh, option)
+    group = option.zero_group if option.zero_group else stage.zero_group
+    if not group or group >= dp:
+        return 0
+    if dp % group:
+        divisors = [d for d in range(1, dp) if dp % d == 0]
+        raise PlanError(f"stage {stage.index}: zero_group {group} does not divide its data axis of {dp} devices; "
+                        f"use one of {divisors} (the devices of a node) or 0 to shard over all of them")
+    return group
+
+
+def _auto_group(plan: Plan | None, stage: StagePlan, mesh: dict[str, int], option: ShardingOption) -> int:
+    """`zero_group="auto"`: a stage whose ZeRO stage is known (forced, or the
+    planner's) and whose data axis spans several nodes shards within a node (its data
+    ranks there) where the estimator prices that step faster, or where only it fits;
+    otherwise over the whole data axis."""
+    level = option.zero if option.zero is not None else stage.zero
+    dp = mesh.get("data", 1)
+    inputs = plan.cost_inputs if plan is not None else None
+    kind = next((k for k in inputs.kinds if k.name == stage.group), None) if inputs is not None else None
+    if not level or kind is None:
+        return 0
+    group = kind.devices_per_node // (stage.num_devices // dp)
+    if group < 2 or group >= dp or dp % group:
+        return 0
+    priced = {}
+    for g in (0, group):
+        trial = replace(stage, zero=level, zero_group=g)
+        cost = estimate_plan(replace(plan, stages=tuple(trial if s.index == stage.index else s for s in plan.stages)))
+        priced[g] = (not cost.stages[stage.index].fits, cost.step_s)
+    chosen = min(priced, key=lambda g: priced[g])
+    log.info("stage %d: ZeRO-%d over %s (estimated %.4g s against %.4g s)", stage.index, level,
+             f"groups of {group} (a node's data ranks)" if chosen else "the whole data axis", priced[chosen][1],
+             priced[group if not chosen else 0][1])
+    return chosen
+
+
+def zero_shards(stage: StagePlan, mesh: dict[str, int]) -> tuple[int, str]:
+    """How many devices the stage's ZeRO shards over and the layout axis naming them:
+    its in-node group on `zero` (hybrid), else the whole data axis."""
+    dp = mesh.get("data", 1)
+    return (stage.zero_group, "zero") if 0 < stage.zero_group < dp else (dp, "data")
 
 
 def _zero(traced: TracedStep, layers: Layers, plan: Plan, stage: StagePlan, specs: dict[int, Spec], mesh: dict[str, int],
@@ -66,6 +130,7 @@ def _zero(traced: TracedStep, layers: Layers, plan: Plan, stage: StagePlan, spec
     if dp == 1 or option.zero == 0:
         return specs, 0, {}
     params = stage_params(traced, plan.stage_of_operators(stage.replica), stage.index)
+    shards, axis = zero_shards(stage, mesh)
     forced = option.zero if option.zero is not None else stage.zero  # the user's, or the planner's priced choice
     if forced:
         levels = [forced] * len(params)
@@ -73,14 +138,14 @@ def _zero(traced: TracedStep, layers: Layers, plan: Plan, stage: StagePlan, spec
         if not stage.memory_capacity:
             return specs, 0, {}
         budget = memory_share(stage, plan) - kept_bytes(plan, stage)
-        items = zero_items(traced, params, specs, mesh)
+        items = zero_items(traced, params, specs, mesh, shards)
         if stage.offload:  # the optimizer state lives in host memory: ZeRO frees no device memory of it
             items = [replace(item, opt_bytes=0.0) for item in items]
-        levels = choose_zero(items, dp, Topology(1, dp, link, link), plan.num_microbatches, budget)
-    specs, zero, gathered = apply_zero(traced, params, levels, specs, dp)
+        levels = choose_zero(items, shards, Topology(1, shards, link, link), plan.num_microbatches, budget)
+    specs, zero, gathered = apply_zero(traced, params, levels, specs, shards, axis)
     if zero:
-        log.info("stage %d: ZeRO-%d over its %d-way data axis (%d of %d parameters sharded)", stage.index, zero, dp,
-                 sum(1 for z in levels if z), len(params))
+        log.info("stage %d: ZeRO-%d over %d devices of its %d-way data axis (%d of %d parameters sharded)", stage.index, zero,
+                 shards, dp, sum(1 for z in levels if z), len(params))
     return specs, zero, gathered
 
 
@@ -177,7 +242,7 @@ class _StageSolver:
     def solve(self, stage: StagePlan, mesh: dict[str, int]) -> tuple[dict[int, Spec], float, dict[int, tuple[Spec, Spec]]]:
         """Value id -> layout (weights, matmul results), the predicted time, and
         operator index -> its two operands' layouts (what compile pins)."""
-        key = (stage.index, tuple(mesh.items()))
+        key = (stage.index, tuple(mesh.items()), stage.zero_group)  # the group sets the state ZeRO leaves per device
         if key not in self._solved:
             self._solved[key] = self._solve(stage, mesh)
         return self._solved[key]
@@ -205,7 +270,7 @@ class _StageSolver:
         sustained, half = self.speed(stage)
         link = self.link(stage)
         zero = self.option.zero if self.option.zero is not None else stage.zero
-        factor = state_factor(zero, mesh.get("data", 1), stage.offload)
+        factor = state_factor(zero, zero_shards(stage, mesh)[0], stage.offload)
         build = lambda budget: stage_problem(traced.full, ops, batch_free, mesh, sustained, link,  # noqa: E731
                                              budget, factor, batch_axis=traced.analysis.batch_axis,
                                              op_layer=self.layers.op_layer,

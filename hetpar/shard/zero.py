@@ -27,6 +27,7 @@ from hetpar.trace.traced_step import TracedStep
 from solver.zero import ZeroItem
 
 DATA = "data"
+ZERO = "zero"  # hybrid sharding: the in-node part of the data axis (StagePlan.zero_group; compile/layouts.py)
 Spec = tuple[str | None, ...]
 
 
@@ -42,17 +43,18 @@ class ParamState:
     grads: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
 
 
-def with_data(spec: Spec, shape: tuple[int, ...], dp: int) -> Spec:
-    """`spec` with the data axis on the largest dimension it leaves free that `dp`
+def with_data(spec: Spec, shape: tuple[int, ...], dp: int, axis: str = DATA) -> Spec:
+    """`spec` with the data axis (or `axis`: `zero`, its in-node part on a hybrid
+    stage) on the largest dimension it leaves free that `dp` (that axis's size)
     divides (the first among equals); unchanged when the data axis is already used or
     no dimension takes it."""
-    if DATA in spec:
+    if DATA in spec or axis in spec:
         return spec
     free = [d for d in range(len(shape)) if spec[d] is None and shape[d] % dp == 0 and shape[d] >= dp]
     if not free:
         return spec
     d = max(free, key=lambda d: (shape[d], -d))
-    return tuple(DATA if i == d else a for i, a in enumerate(spec))
+    return tuple(axis if i == d else a for i, a in enumerate(spec))
 
 
 def stage_params(traced: TracedStep, of_op: list[int], stage: int) -> list[ParamState]:
@@ -106,10 +108,12 @@ def stage_params(traced: TracedStep, of_op: list[int], stage: int) -> list[Param
     return out
 
 
-def zero_items(traced: TracedStep, params: list[ParamState], specs: dict[int, Spec], mesh: dict[str, int]) -> list[ZeroItem]:
+def zero_items(traced: TracedStep, params: list[ParamState], specs: dict[int, Spec], mesh: dict[str, int],
+               shards: int | None = None) -> list[ZeroItem]:
     """What `solver.zero` prices per parameter: whole bytes per device (after any
-    model-axis split), and whether the data axis can shard it."""
-    graph, dp = traced.full, mesh.get(DATA, 1)
+    model-axis split), and whether the data axis (`shards` of its devices: a hybrid
+    stage's group) can shard it."""
+    graph, dp = traced.full, shards or mesh.get(DATA, 1)
 
     def per_device(v: int) -> float:
         spec = specs.get(v, ())
@@ -125,9 +129,11 @@ def zero_items(traced: TracedStep, params: list[ParamState], specs: dict[int, Sp
 
 
 def apply_zero(traced: TracedStep, params: list[ParamState], levels: list[int], specs: dict[int, Spec],
-               dp: int) -> tuple[dict[int, Spec], int, dict[int, Spec]]:
+               dp: int, axis: str = DATA) -> tuple[dict[int, Spec], int, dict[int, Spec]]:
     """The stage's shardings with each parameter's ZeRO stage laid out, the stage's
-    highest level, and (ZeRO-3) each sharded parameter's layout while in use."""
+    highest level, and (ZeRO-3) each sharded parameter's layout while in use. `axis`,
+    `dp` wide: the data axis, or on a hybrid stage its in-node part `zero`, whose
+    shards every replica across nodes holds alike."""
     graph = traced.full
     specs = dict(specs)
     gathered: dict[int, Spec] = {}
@@ -138,21 +144,21 @@ def apply_zero(traced: TracedStep, params: list[ParamState], levels: list[int], 
         the sharded parameter has it, so the update pairs shards with shards; on
         another free dimension where its own layout takes that one."""
         spec = list(specs.get(v) or to_value(base, dims, len(graph.avals[v].shape)))
-        if DATA in spec:
+        if DATA in spec or axis in spec:
             return
         if spec[dims[axis_dim]] is None:
-            spec[dims[axis_dim]] = DATA
+            spec[dims[axis_dim]] = axis
             specs[v] = tuple(spec)
         else:
-            specs[v] = with_data(tuple(spec), graph.avals[v].shape, dp)
+            specs[v] = with_data(tuple(spec), graph.avals[v].shape, dp, axis)
 
     for p, level in zip(params, levels):
         shape = graph.avals[p.param].shape
         whole = specs.get(p.param) or (None,) * len(shape)
-        sharded = with_data(whole, shape, dp)
-        if level == 0 or DATA in whole or sharded == whole:
+        sharded = with_data(whole, shape, dp, axis)
+        if level == 0 or DATA in whole or axis in whole or sharded == whole:
             continue
-        axis_dim = sharded.index(DATA)
+        axis_dim = sharded.index(axis)
         same = tuple(range(len(shape)))
         for o in p.opt:
             shard(o, whole, same, axis_dim)

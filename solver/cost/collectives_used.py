@@ -33,6 +33,13 @@ class CollectiveUse:
     nbytes: float
     algorithm: str
     seconds: float
+    nodes: int = 1  # the nodes it spans: more than one, it crosses the network between them
+    calls: int = 1  # how often it runs per step
+
+    @property
+    def bytes_per_step(self) -> float:
+        """Each device's bytes of this collective per step (one call's times its calls)."""
+        return self.nbytes * self.calls
 
 
 def collectives_used(problem: Problem, decisions: Decisions, costs: StageCosts | None = None) -> tuple[CollectiveUse, ...]:
@@ -42,7 +49,7 @@ def collectives_used(problem: Problem, decisions: Decisions, costs: StageCosts |
     m = decisions.num_microbatches
     for p, s in enumerate(decisions.stages):
         b = decisions.replica_batch[s.replica] // m
-        out += _stage_collectives(costs, p, s, b)
+        out += _stage_collectives(costs, p, s, b, m)
     if len(decisions.replica_batch) > 1 and problem.training:
         kinds, streams = replica_streams(decisions)
         topology, nbytes = costs.replica_reduction(kinds, streams)
@@ -50,13 +57,20 @@ def collectives_used(problem: Problem, decisions: Decisions, costs: StageCosts |
     return tuple(u for u in out if u.nbytes > 0)
 
 
+def across_node_bytes(problem: Problem, decisions: Decisions) -> float:
+    """Per device and step, the bytes of the plan's collectives that span several
+    nodes (as priced): what a hybrid-sharded stage keeps down to one node-shard's
+    gradient all-reduce."""
+    return sum(u.bytes_per_step for u in collectives_used(problem, decisions) if u.nodes > 1)
+
+
 def algorithms_used(problem: Problem, decisions: Decisions) -> frozenset[str]:
     """The names of the algorithms the plan's collectives run."""
     return frozenset(u.algorithm for u in collectives_used(problem, decisions))
 
 
-def _stage_collectives(costs: StageCosts, p: int, s: StageDecision, b: int) -> list[CollectiveUse]:
-    kind, cfg = costs.kinds[s.kind], StageConfig(s.kind, s.dp, s.tp)
+def _stage_collectives(costs: StageCosts, p: int, s: StageDecision, b: int, m: int = 1) -> list[CollectiveUse]:
+    kind, cfg = costs.kinds[s.kind], s.config
     i, j = s.layer_start, s.layer_end
     out = []
     if s.tp > 1:
@@ -64,20 +78,25 @@ def _stage_collectives(costs: StageCosts, p: int, s: StageDecision, b: int) -> l
         each = (costs.tp_bytes[i:j] * per_device / costs.tp_count[i:j].clip(min=1.0)).max()
         out.append(_use(p, "tensor-parallel partial sums", "all_reduce", costs.tp_topology(kind, s.tp), float(each)))
     if s.dp > 1 and costs.problem.training:
-        topology = costs.dp_topology(kind, cfg)
+        topology = costs.zero_topology(kind, cfg, s.zero)
         layers = costs.tp_params(s.tp)[i:j]
         grads = float(layers.max() if costs.problem.overlap_comm else layers.sum())
+        per_step = int(layers.size) if costs.problem.overlap_comm else 1  # a bucket per layer, or the whole gradient once
+        scattered = per_step * (1 if costs.problem.overlap_comm and s.zero == 2 else m)  # ZeRO-2/3: every microbatch's
         if s.zero <= 1:
-            out.append(_use(p, "gradients", "all_reduce", topology, grads))
+            out.append(_use(p, "gradients", "all_reduce", topology, grads, per_step))
         else:
-            out.append(_use(p, "gradients", "reduce_scatter", topology, grads))
+            out.append(_use(p, "gradients", "reduce_scatter", topology, grads, scattered))
         if s.zero in (1, 2):
             out.append(_use(p, "updated parameters", "all_gather", topology, float(layers.sum())))
         if s.zero == 3:
-            out.append(_use(p, "parameters before use", "all_gather", topology, grads))
+            out.append(_use(p, "parameters before use", "all_gather", topology, grads, 2 * scattered))
+        if s.zero and cfg.hybrid:
+            shard = float(layers.sum()) / cfg.zero_group
+            out.append(_use(p, "gradient shards across replicas", "all_reduce", costs.across_topology(kind, cfg), shard))
     return out
 
 
-def _use(stage: int | None, purpose: str, collective: str, topology: Topology, nbytes: float) -> CollectiveUse:
+def _use(stage: int | None, purpose: str, collective: str, topology: Topology, nbytes: float, calls: int = 1) -> CollectiveUse:
     algorithm, seconds = best(collective, topology, nbytes)
-    return CollectiveUse(stage, purpose, collective, topology.size, nbytes, algorithm, seconds)
+    return CollectiveUse(stage, purpose, collective, topology.size, nbytes, algorithm, seconds, topology.nodes, calls)

@@ -47,6 +47,12 @@ class StageDecision:
     replica: int = 0
     dots_bytes: float = 0.0  # per example: the matmul results a "dots" stage keeps besides its input
     offload: str = ""  # where its optimizer state lives between steps: "" its devices, "host" host memory
+    zero_group: int = 0  # hybrid sharding: ZeRO over this many of the data axis's devices (a node's); 0: all
+
+    @property
+    def config(self) -> StageConfig:
+        """The stage as the cost tables see it."""
+        return StageConfig(self.kind, self.dp, self.tp, self.zero_group)
 
     @property
     def devices(self) -> int:
@@ -182,7 +188,7 @@ def estimate(problem: Problem, decisions: Decisions, costs: StageCosts | None = 
     for r, examples in enumerate(d.replica_batch):
         stages = d.replica_stages(r)
         b = examples // m
-        configs = [StageConfig(s.kind, s.dp, s.tp) for s in stages]
+        configs = [s.config for s in stages]
         n, groups = len(stages), len(stages) // d.chunks
         raw = []
         for p, (s, cfg) in enumerate(zip(stages, configs)):
@@ -269,6 +275,9 @@ def _check(problem: Problem, d: Decisions) -> None:
             raise PlanningError(f"stage {i} offloads to {s.offload!r}; use one of {', '.join(repr(t) for t in OFFLOAD_TIERS)}")
         if s.offload and not problem.training:
             raise PlanningError(f"stage {i} offloads its optimizer state, but the function has no update (no optimizer state)")
+        if s.zero_group < 0 or s.zero_group and s.dp % s.zero_group:
+            raise PlanningError(f"stage {i}'s zero_group {s.zero_group} does not divide its data axis of {s.dp} devices; "
+                                f"use a divisor of {s.dp} (the devices of a node) or 0 for all of them")
         if not 0 <= s.layer_start < s.layer_end <= len(problem.layers):
             raise PlanningError(f"stage {i} holds layers {s.layer_start}..{s.layer_end - 1}; the model has {len(problem.layers)}")
     for r, examples in enumerate(d.replica_batch):

@@ -33,10 +33,21 @@ class StageConfig:
     kind: str
     dp: int
     tp: int
+    zero_group: int = 0  # hybrid sharding: ZeRO over this many of the data axis's devices (a node's); 0: all
 
     @property
     def devices(self) -> int:
         return self.dp * self.tp
+
+    @property
+    def hybrid(self) -> bool:
+        """ZeRO shards within groups of the data axis and replicates across them."""
+        return 0 < self.zero_group < self.dp
+
+    @property
+    def zero_shards(self) -> int:
+        """The devices a ZeRO stage splits the state over: the group, or the whole data axis."""
+        return self.zero_group if self.hybrid else self.dp
 
 
 @dataclass(frozen=True)
@@ -359,7 +370,7 @@ class StageCosts:
         forward, backward, tail, sync, hidden = self._times(cfg, b, zero, remat)
         if not offload:
             return StageVariant(forward, backward, memory, tail, sync, hidden)
-        per_layer = self._params_max(cfg.tp) * max(self.problem.state_factor - 2, 0.0) / (cfg.dp if zero >= 1 else 1)
+        per_layer = self._params_max(cfg.tp) * max(self.problem.state_factor - 2, 0.0) / (cfg.zero_shards if zero >= 1 else 1)
         return StageVariant(forward, backward, offloaded(memory, offload, per_layer),
                             tail + self.host_transfer_s(cfg, memory.optimizer_state), sync, hidden)
 
@@ -375,7 +386,7 @@ class StageCosts:
                                        recomputed=self._recomputed_span * shard,
                                        rerun_working=self.rerun_working_max * shard)
         gathered = self._params_max(cfg.tp)  # ZeRO-3: one layer's parameters gathered at a time
-        state = self._state(grads, cfg.dp, zero)
+        state = self._state(grads, cfg.zero_shards, zero)
         fused = last
         if remat == "full" and self.problem.layer_checkpoints:  # each layer's input kept, one layer rerun at a time
             activations = StageActivations(saved, self._inputs_span * shard, largest=self.largest_max * shard,
@@ -396,11 +407,12 @@ class StageCosts:
         backward = bw + extra_b + launch + (rerun + extra_f if remat else 0.0)
         return _full(forward, f.shape), _full(backward, f.shape), _full(tail, f.shape), _full(step_sync, f.shape), 0.0
 
-    def _buckets(self, cfg: StageConfig) -> dict[str, np.ndarray]:
+    def _buckets(self, cfg: StageConfig, zero: int = 0) -> dict[str, np.ndarray]:
         """Per layer (one gradient bucket each, as DDP and Megatron bucket them): the
-        data axis's all-reduce, reduce-scatter and all-gather of that layer's bytes."""
+        data axis's all-reduce, reduce-scatter and all-gather of that layer's bytes
+        (under ZeRO on a hybrid stage, over its in-node shard group)."""
         kind, params = self.kinds[cfg.kind], self.tp_params(cfg.tp)
-        topo = self.dp_topology(kind, cfg)
+        topo = self.zero_topology(kind, cfg, zero)
         return {c: fastest_times(c, topo, params) for c in ("all_reduce", "reduce_scatter", "all_gather")}
 
     def _overlapped(self, cfg: StageConfig, b: int, zero: int, remat: str, f: np.ndarray, bw: np.ndarray) -> StageVariant:
@@ -417,8 +429,8 @@ class StageCosts:
         Tensor-parallel collectives stay on the critical path (in `per_layer`)."""
         layer = self.per_layer(cfg, b)
         kind, grads = self.kinds[cfg.kind], self._grads(cfg.tp)
-        buckets = {c: _span(_cumsum(t)) for c, t in self._buckets(cfg).items()}
-        first = {c: _first(t) for c, t in self._buckets(cfg).items()}  # the bucket of a range's first layer
+        buckets = {c: _span(_cumsum(t)) for c, t in self._buckets(cfg, zero).items()}
+        first = {c: _first(t) for c, t in self._buckets(cfg, zero).items()}  # the bucket of a range's first layer
         fwd_last, bwd_first = _last(layer.forward), _first(layer.backward)
         optimizer = self._optimizer(kind, cfg)[0]
         forward = f
@@ -435,9 +447,15 @@ class StageCosts:
             full = buckets[name]
             reduce = exposed(full, first[name], backward_compute, bwd_first)
             hidden = full - reduce
-            post = fastest_times("all_gather", self.dp_topology(kind, cfg), grads) if zero else 0.0 * grads
+            post = fastest_times("all_gather", self.zero_topology(kind, cfg, zero), grads) if zero else 0.0 * grads
+        if zero and cfg.hybrid:
+            # A hybrid stage's shards all-reduced across nodes a layer at a time, once per
+            # step, under the last microbatch's backward: what it does not hide is exposed.
+            across = fastest_times("all_reduce", self.across_topology(kind, cfg), self.tp_params(cfg.tp) / cfg.zero_group)
+            shown = exposed(_span(_cumsum(across)), _first(across), backward_compute, bwd_first)
+            reduce, hidden = reduce + shown, hidden + _span(_cumsum(across)) - shown
         sync = reduce + post
-        tail = sync + (optimizer / cfg.dp if zero else optimizer)
+        tail = sync + (optimizer / cfg.zero_shards if zero else optimizer)
         shape = f.shape
         return StageVariant(np.broadcast_to(forward, shape), np.broadcast_to(backward, shape), None,  # type: ignore[arg-type]
                             np.broadcast_to(tail, shape), np.broadcast_to(sync, shape), np.broadcast_to(hidden, shape))
@@ -456,11 +474,12 @@ class StageCosts:
         if self.problem.overlap_comm and cfg.dp > 1:
             # what `_overlapped` charges at the least, whatever the compute hiding the rest: the
             # updated shards' all-gather and the optimizer (the planner's bounds must stay below it)
-            post = fastest_times("all_gather", self.dp_topology(kind, cfg), grads) if zero in (1, 2) else 0.0 * grads
-            return 0.0, 0.0, post, post + (optimizer / cfg.dp if zero else optimizer)
+            post = fastest_times("all_gather", self.zero_topology(kind, cfg, zero), grads) if zero in (1, 2) else 0.0 * grads
+            return 0.0, 0.0, post, post + (optimizer / cfg.zero_shards if zero else optimizer)
         if zero:
-            comm = zero_time(grads, grads, zero, self.dp_topology(kind, cfg))
-            return comm.forward, comm.backward, comm.step, comm.step + optimizer / cfg.dp
+            comm = zero_time(grads, grads, zero, self.zero_topology(kind, cfg, zero))
+            step = comm.step + self.across_nodes(kind, cfg, grads)
+            return comm.forward, comm.backward, step, step + optimizer / cfg.zero_shards
         sync = self._sync(kind, cfg, unsynced)
         return 0.0, 0.0, sync, sync + optimizer
 
@@ -493,6 +512,32 @@ class StageCosts:
         # The tp groups of a node reduce side by side: their flows share its NICs and host memory.
         groups = min(cfg.tp, kind.devices_per_node)
         return Topology(nodes, min(per_node, cfg.dp), kind.intra.shared_by(groups), kind.inter.shared_by(groups))
+
+    def zero_topology(self, kind: DeviceKind, cfg: StageConfig, zero: int) -> Topology:
+        """The devices ZeRO's collectives (stage `zero`) run over: the data axis, or on a
+        hybrid stage its in-node shard group, `zero_group` ranks of one node (the
+        node's other tp groups and shard groups reducing side by side)."""
+        if not (zero and cfg.hybrid):
+            return self.dp_topology(kind, cfg)
+        return self.dp_topology(kind, StageConfig(cfg.kind, cfg.zero_group, cfg.tp))  # a group as a data axis of its own
+
+    def across_topology(self, kind: DeviceKind, cfg: StageConfig) -> Topology:
+        """A hybrid stage's replicas as the gradient all-reduce between them sees them:
+        one device of each of `dp / zero_group` groups (one group per node when a group
+        fills a node; several of a node's groups meet over its own link), every device
+        of a group running its own shard's all-reduce at once, sharing the links."""
+        replicas, group = cfg.dp // cfg.zero_group, cfg.zero_group * cfg.tp
+        per_node = max(1, min(kind.devices_per_node // group, replicas))
+        flows = min(group, kind.devices_per_node)
+        return Topology(max(1, replicas // per_node), per_node, kind.intra.shared_by(flows), kind.inter.shared_by(flows))
+
+    def across_nodes(self, kind: DeviceKind, cfg: StageConfig, grads: np.ndarray) -> np.ndarray | float:
+        """A hybrid stage's once-per-step traffic across nodes: each device's shard of
+        the gradient (1/zero_group of it, after the in-node reduce-scatter) all-reduced
+        with its counterparts on the other replicas. 0 for any other stage."""
+        if not cfg.hybrid:
+            return 0.0 * grads
+        return fastest_times("all_reduce", self.across_topology(kind, cfg), grads / cfg.zero_group)
 
     def _sync(self, kind: DeviceKind, cfg: StageConfig, grads: np.ndarray) -> np.ndarray:
         """ZeRO-0's gradient all-reduce, once per step (`solver.zero.zero_time`)."""
