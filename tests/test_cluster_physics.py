@@ -218,3 +218,24 @@ def test_a_hand_made_plan_past_the_share_names_the_fraction_that_would_fit(monke
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.75" in text
     wanted = float(text.split("it would fit at XLA_PYTHON_CLIENT_MEM_FRACTION=")[1].split()[0])
     assert 0.8 <= wanted <= 0.82 and not math.isnan(wanted)
+
+
+def test_measured_links_read_back_as_a_cluster_files_group(tmp_path):
+    # `hetpar profile --links`: the fields it prints, pasted under a group, are what
+    # the cluster file then prices with.
+    import jax
+    import yaml
+
+    from hetpar.predict.links import fit_line, measure_links
+
+    line = fit_line([1e6, 2e6, 4e6], [2e-6 + 1e6 / 5e9, 2e-6 + 2e6 / 5e9, 2e-6 + 4e6 / 5e9])
+    assert line.bandwidth == pytest.approx(5e9) and line.latency == pytest.approx(2e-6)
+    links = measure_links(jax.devices()[:2], "cpu", sizes=(1 << 16, 1 << 18, 1 << 20), repeats=2)
+    assert links.intra_node.bandwidth > 0 and links.host.bandwidth > 0 and links.peer_to_peer
+    group = yaml.safe_load(links.as_yaml())
+    path = tmp_path / "measured.yaml"
+    path.write_text("groups:\n  - name: here\n    device: cpu\n    nodes: 1\n    devices_per_node: 2\n"
+                    + textwrap.indent(links.as_yaml(), "    ") + "\n")
+    cluster = hetpar.Cluster.from_file(str(path))
+    assert cluster.groups[0].intra_link.bandwidth == pytest.approx(group["intra_node"]["bandwidth"])
+    assert cluster.groups[0].host_bandwidth == pytest.approx(group["host_bandwidth"])

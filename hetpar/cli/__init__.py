@@ -68,6 +68,9 @@ def parser() -> argparse.ArgumentParser:
                    help="with --layers: data-parallel degrees to time each layer on, e.g. 1,2,4 (default 1)")
     p.add_argument("--no-remat", action="store_true", help="with --layers: skip the recomputing backward")
     p.add_argument("--rounds", type=int, default=7, help="with --layers: timed rounds per program (the median is kept)")
+    p.add_argument("--links", action="store_true",
+                   help="measure this machine's links instead (device to device, device to host) and print them as "
+                   "a cluster file's group fields (intra_node, peer_to_peer, host_bandwidth)")
     p.add_argument("--merge", nargs="+", default=[], metavar="PROFILE",
                    help="write the union of these profiles (made on machines with other device kinds; one per kind) "
                    "to -o, measuring nothing")

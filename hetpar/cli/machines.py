@@ -75,6 +75,8 @@ def profile(args: argparse.Namespace) -> int:
         return merge_profiles(args)
     if args.cpu_devices:
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+    if args.links:
+        return profile_links(args)
     from hetpar.predict.profile import LayerWorkload, profile_local
     from hetpar.workloads import load_workload
 
@@ -108,6 +110,20 @@ def profile(args: argparse.Namespace) -> int:
             print(f"  on {size} devices: matmul {m.matmul_flops / 1e9:.1f} GFLOP/s per device, launch x{m.launch_scale:.2f}, "
                   f"matmul x{m.matmul_scale:.2f}, vector x{m.vector_scale:.2f}, transposes x{m.transpose_scale:.2f}, {m.op_overhead_s * 1e6:.1f} us per kernel")
     print(f"wrote {args.output}")
+    return 0
+
+
+def profile_links(args: argparse.Namespace) -> int:
+    """`hetpar profile --links`: each device kind's node links, as cluster-file fields."""
+    from hetpar.cluster.cluster import Cluster, jax_devices
+    from hetpar.predict.links import measure_links
+
+    for group in Cluster.local().groups:
+        if len(group.device_ids) < 2:
+            print(f"# {group.type_name}: one device, no link between devices to measure")
+            continue
+        links = measure_links(jax_devices(group.device_ids), args.device_type or group.type_name)
+        print(links.as_yaml())
     return 0
 
 
