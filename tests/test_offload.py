@@ -74,12 +74,18 @@ def test_offloaded_state_lives_in_host_memory():
     assert _kinds((state.opt_state[0].mu, state.opt_state[0].nu)) == {"pinned_host"} and float(loss) > 0
 
 
-def test_offload_plan_round_trip(tmp_path):
-    workload = _mlp()
+def _saved_host_plan(workload, tmp_path):
+    """A two-stage plan with both stages' optimizer state on the host, and its file."""
     plan = hetpar.make_plan(workload.step, (workload.state, workload.batch), hetpar.Cluster.virtual(TWO_TYPES),
                             num_stages=2, num_layers=4, num_microbatches=2, stage_option=HOST)
     path = tmp_path / "plan.json"
     save_plan(plan, path)
+    return plan, path
+
+
+def test_offload_plan_round_trip(tmp_path):
+    workload = _mlp()
+    plan, path = _saved_host_plan(workload, tmp_path)
     loaded = load_plan(path)
     assert [s.offload for s in loaded.stages] == ["host", "host"]
     assert [s.offloaded for s in loaded.stages] == [s.offloaded for s in plan.stages] and all(s.offloaded for s in loaded.stages)
@@ -92,10 +98,7 @@ def test_offload_plan_round_trip(tmp_path):
 
 def test_offload_plan_fields_are_checked(tmp_path):
     workload = _mlp()
-    plan = hetpar.make_plan(workload.step, (workload.state, workload.batch), hetpar.Cluster.virtual(TWO_TYPES),
-                            num_stages=2, num_layers=4, num_microbatches=2, stage_option=HOST)
-    path = tmp_path / "plan.json"
-    save_plan(plan, path)
+    plan, path = _saved_host_plan(workload, tmp_path)
     text = path.read_text()
     bad = tmp_path / "bad.json"
     bad.write_text(text.replace('"offload": "host"', '"offload": "disk"', 1))
