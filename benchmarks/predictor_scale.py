@@ -218,12 +218,12 @@ ROWS: tuple[Row, ...] = (
 class Constants:
     """The fitted constants (at most four, `names`) and the fixed ones."""
 
-    a100: float = 0.62  # A100 sustained fraction of bf16 peak, large matmuls
-    h100: float = 0.55  # H100's
-    half_flops: float = 2e9  # a matmul of this many FLOPs runs at half the sustained rate (both kinds)
+    a100: float = 0.74  # A100 sustained fraction of bf16 peak, large matmuls
+    h100: float = 0.88  # H100's
+    half_flops: float = 5e9  # a matmul of this many FLOPs runs at half the sustained rate (both kinds)
     # DeepSpeed's pipeline engine's fixed cost per microbatch per stage (forward and backward
     # together), seconds: its instruction interpreter and blocking point-to-point calls.
-    deepspeed_s: float = 0.03
+    deepspeed_s: float = 0.05  # (the defaults: the fit's start and --quick's values, its result rounded)
     bandwidth: float = 0.7  # fraction of memory bandwidth memory-bound operators reach (both kinds); fixed, not fitted
     names: tuple[str, ...] = field(default=("a100", "h100", "half_flops", "deepspeed_s"), repr=False)
 
