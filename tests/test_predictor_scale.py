@@ -33,3 +33,23 @@ def test_a_configuration_published_as_too_large_does_not_fit():
     from dataclasses import replace
 
     assert not scale.predict(replace(row, remat=""), scale.Constants(), simulate=False).fits
+
+
+def test_the_pipeline_engine_cost_falls_on_deepspeed_rows_only():
+    """`deepspeed_s` is charged once per microbatch per stage on rows DeepSpeed's
+    pipeline engine ran, and leaves Megatron's rows as they were."""
+    from dataclasses import replace
+
+    without, with_ = scale.Constants(deepspeed_s=1e-9), scale.Constants(deepspeed_s=0.05)
+    mtnlg = next(r for r in scale.ROWS if r.name.startswith("MT-NLG"))
+    megatron = next(r for r in scale.ROWS if r.name == "Narayanan 529.6B")
+    assert mtnlg.stack == "deepspeed" and megatron.stack == "megatron"
+    assert scale.predict(megatron, with_, simulate=False).step_s == scale.predict(megatron, without, simulate=False).step_s
+    slow, fast = scale.predict(mtnlg, with_, simulate=False), scale.predict(mtnlg, without, simulate=False)
+    m = slow.decisions.num_microbatches
+    # Every stage's forward plus backward grows by the engine's cost (its layers hold it all).
+    for a, b in zip(slow.stages, fast.stages):
+        assert abs((a.forward_s + a.backward_s) - (b.forward_s + b.backward_s) - 0.05) < 1e-6
+    # and the 1F1B step by that much per slot: microbatches plus the bubble's stages - 1.
+    assert abs(slow.step_s - fast.step_s - 0.05 * (m + mtnlg.pp - 1)) < 0.05 * mtnlg.pp
+    assert scale.predict(replace(mtnlg, stack="megatron"), with_, simulate=False).step_s == pytest.approx(fast.step_s, rel=1e-6)
