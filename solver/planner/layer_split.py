@@ -144,14 +144,16 @@ def best_split(
     if t_lo == INF or (m - 1) * t_lo >= beat:
         return None
     sum0, cuts0 = row.least_sum()
-    t_values = np.unique(np.concatenate([t[np.isfinite(t)] for t in row.times] + [s[1:n] for s in row.sends]))
-    u_values = np.unique(np.concatenate([u[np.isfinite(t)] for u, t in zip(row.tails, row.times)]))
-    u_floor = row.least_max(of_tails=True)
     # An interleaved pace is a device group's chunks summed: at least the groups' least
     # shared work spread evenly over them (k / v groups), which one chunk's t_lo is not.
     pace_lo = t_lo if v == 1 else max(t_lo, row.least_work() * v / k)
+    if sum0 / v + (m - 1 / v) * pace_lo >= beat:
+        return None  # before the tail's bound (tails are never negative) and the sweep's grids
+    u_floor = row.least_max(of_tails=True)
     if sum0 / v + (m - 1 / v) * pace_lo + u_floor >= beat:
         return None
+    t_values = np.unique(np.concatenate([t[np.isfinite(t)] for t in row.times] + [s[1:n] for s in row.sends]))
+    u_values = np.unique(np.concatenate([u[np.isfinite(t)] for u, t in zip(row.tails, row.times)]))
     best = Split(cuts0, score(tables, sends, m, cuts0, schedule, chunks))
     # What the sweep prunes against: the best objective (one chunk), or the best 1F1B
     # form seen (interleaved: its objective is not the form the sweep bounds).
