@@ -154,6 +154,35 @@ def test_every_bound_is_below_every_split_it_covers(seed):
                 assert order_bound <= exact * (1 + 1e-12), (order, m, order_bound, exact)
 
 
+@pytest.mark.parametrize("seed", [14, *range(8)])
+def test_interleaved_bounds_are_below_every_interleaved_pipeline(seed):
+    """With only the interleaved schedule allowed the search prunes by bounds taken
+    under it; they must not exceed any interleaved pipeline they cover (1F1B's fill
+    of m - 1 whole stage times and its microbatches in flight would: seed 14 found one
+    10% above a pipeline's step)."""
+    from dataclasses import replace
+
+    rng = np.random.default_rng(seed)
+    problem = replace(random_problem(rng, kinds=int(rng.integers(1, 4))), schedules=("interleaved",))
+    planner = Planner(problem)
+    bounds, names = planner.bounds, [k.name for k in problem.kinds]
+    for m in problem.microbatch_counts():
+        b = problem.batch_size // m
+        usable = [[lay for lay in kind_layouts(problem, k) if b % lay.dp == 0] for k in names]
+        for lower, layouts in bounds.product_bounds(usable, m, b, "interleaved"):
+            assert lower <= bounds.bound(layouts, m, b, "interleaved") * (1 + 1e-12)
+        for r in range(1, len(names) + 1):
+            for subset in itertools.permutations(names, r):
+                for order in itertools.product(*(kind_layouts(problem, k) for k in subset)):
+                    if any(b % lay.dp for lay in order):
+                        continue
+                    order_bound = bounds.order_bound(order, m, b, "interleaved")
+                    for chunks in (c for c in problem.chunks if c > 1):
+                        found = planner.pipeline(order, m, b, "interleaved", chunks=chunks)
+                        if found is not None:
+                            assert order_bound <= found.step_s * (1 + 1e-12), (order, m, chunks, order_bound, found.step_s)
+
+
 def test_alternatives_are_ordered_and_distinct():
     from dataclasses import replace
 

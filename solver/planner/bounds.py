@@ -134,6 +134,9 @@ class LowerBounds:
         position (one microbatch in flight), without the sends."""
         stages = [lay for lay in layouts for _ in range(lay.stages)]
         fitting = [self._layers_fitting(lay, b, 1) for lay in layouts]
+        if registry.get(schedule).interleaved:
+            fits = sum(lay.stages * max(fit) for lay, fit in zip(layouts, fitting)) >= self.costs.n
+            return self._work_floor(layouts, m * b) if fits else INF
         return self._bound(layouts, stages, np.repeat(np.array(fitting, dtype=float), [lay.stages for lay in layouts], axis=0),
                            m, b, schedule, 0.0, INF)
 
@@ -180,6 +183,9 @@ class LowerBounds:
             tail_grid = self._tail_grid()
             tail = tail_grid[np.minimum(_first_enough([a.held for a in arrays], index, len(tail_grid), layers), len(tail_grid) - 1)]
         lower = bottleneck + sums + tail
+        if registry.get(schedule).interleaved:  # its fit holds (one microbatch in flight), not its value
+            rate = sum(self._kind_rate(lays[0].kind) for lays in per_kind)  # one kind per list
+            lower = np.where(lower < INF, self._work_s() * m * b / rate, INF)
         keep = np.nonzero(lower < INF)[0]
         return lower[keep], index[:, keep]
 
@@ -232,6 +238,8 @@ class LowerBounds:
         that cannot hold one layer without recomputing pays the recompute, and every
         cut pays its least send both ways. Stops at `beat`: a bound that reaches it is
         as good as exact for pruning."""
+        if registry.get(schedule).interleaved:
+            return self.bound(order, m, b, schedule)
         stages = [lay for lay in order for _ in range(lay.stages)]
         held = self._in_flight(schedule, m, len(stages))
         fitting = np.array([self._layers_fitting(lay, b, k) for lay, k in zip(stages, held)], dtype=float)
@@ -295,6 +303,21 @@ class LowerBounds:
                 return float(before[losing[0]]) + offset
             best = min(float(before[-1]), float(values[-1]))
         return best + offset
+
+    def _work_s(self) -> float:
+        """Seconds of work per example at one FLOP/s: what a step's devices share."""
+        return float(self.costs.flops.sum() if self.problem.training else self.costs.fwd_flops.sum())
+
+    def _kind_rate(self, kind: str) -> float:
+        k = self.problem.kind(kind)
+        return k.count * k.flops
+
+    def _work_floor(self, layouts: tuple[KindLayout, ...], examples: int) -> float:
+        """An interleaved step's bound: no schedule beats all the layouts' devices at
+        full speed on the examples' work. (The 1F1B bounds do not hold for it: their
+        fill and microbatches in flight are one chunk per device group's, so they can
+        exceed an interleaved step, whose fill is 1/v and whose chunks hold fewer.)"""
+        return self._work_s() * examples / sum(self._kind_rate(lay.kind) for lay in layouts)
 
     def _group(self, layouts: tuple[KindLayout, ...], b: int) -> _Group:
         """Candidate step times, each layout's rooms at them, and the tail's bound:

@@ -76,6 +76,14 @@ class _Row:
             cuts.append(j)
         return value, tuple(reversed(cuts))
 
+    def least_work(self) -> float:
+        """The least summed stage time of any split, sends left out: every split's
+        device groups share at least this much compute between them."""
+        best = self.times[0][0].copy()
+        for t in self.times[1:]:
+            best = (best[:, None] + t).min(axis=0)
+        return float(best[self.n])
+
     def least_sums(self, t_maxes: np.ndarray) -> np.ndarray:
         """`least_sum(t_max)`'s value for each of `t_maxes` at once (the same sums in
         the same order, so the same figures), without the cuts."""
@@ -136,16 +144,22 @@ def best_split(
     if t_lo == INF or (m - 1) * t_lo >= beat:
         return None
     sum0, cuts0 = row.least_sum()
+    # An interleaved pace is a device group's chunks summed: at least the groups' least
+    # shared work spread evenly over them (k / v groups), which one chunk's t_lo is not.
+    pace_lo = t_lo if v == 1 else max(t_lo, row.least_work() * v / k)
+    if sum0 / v + (m - 1 / v) * pace_lo >= beat:
+        return None  # before the tail's bound (tails are never negative) and the sweep's grids
+    u_floor = row.least_max(of_tails=True)
+    if sum0 / v + (m - 1 / v) * pace_lo + u_floor >= beat:
+        return None
     t_values = np.unique(np.concatenate([t[np.isfinite(t)] for t in row.times] + [s[1:n] for s in row.sends]))
     u_values = np.unique(np.concatenate([u[np.isfinite(t)] for u, t in zip(row.tails, row.times)]))
-    u_floor = row.least_max(of_tails=True)
-    if sum0 / v + (m - 1 / v) * t_lo + u_floor >= beat:
-        return None
     best = Split(cuts0, score(tables, sends, m, cuts0, schedule, chunks))
     # What the sweep prunes against: the best objective (one chunk), or the best 1F1B
     # form seen (interleaved: its objective is not the form the sweep bounds).
     best_value = min(best.objective_s, beat) if v == 1 else _flow_shop(tables, sends, m, cuts0)
-    swept = _swept(row, t_values[np.searchsorted(t_values, t_lo):], lambda t: sum0 + (m - 1) * t + u_floor < best_value)
+    swept = _swept(row, t_values[np.searchsorted(t_values, t_lo):], lambda t: sum0 + (m - 1) * t + u_floor < best_value,
+                   lambda t, sum_t: sum_t + (m - 1) * t + u_floor < best_value)
     for t_max, sum_t, u_lo in swept:
         if sum_t + (m - 1) * t_max + u_floor >= best_value:
             continue  # no tail bound can make this bottleneck win (the loop below would stop at once)
@@ -165,12 +179,13 @@ def best_split(
     return best if best.objective_s < beat else None
 
 
-def _swept(row: _Row, t_values: np.ndarray, going: Callable[[float], bool],
+def _swept(row: _Row, t_values: np.ndarray, going: Callable[[float], bool], useful: Callable[[float, float], bool],
            block: int = 4) -> Iterator[tuple[float, float, float]]:
     """(t, least sum of stage times within t, least slowest tail within t) for each
     bottleneck t in order while `going(t)` (asked afresh for each, as the best split
     improves), priced a block of bottlenecks at a time (growing: most sweeps stop early,
-    long ones go far): most bottlenecks only need their sum to be ruled out."""
+    long ones go far): most bottlenecks only need their sum to be ruled out, and the
+    tail is priced (else inf) only where `useful(t, sum)` says the sum alone does not."""
     start = 0
     while start < len(t_values):
         ts = t_values[start : start + block]
@@ -180,7 +195,13 @@ def _swept(row: _Row, t_values: np.ndarray, going: Callable[[float], bool],
         if not ahead:
             return
         ts = ts[:ahead]
-        for t_max, sum_t, u_lo in zip(ts, row.least_sums(ts), row.least_tails(ts)):
+        sums = row.least_sums(ts)
+        # The least tails only matter where the sum leaves the bottleneck in the running.
+        tails = np.full(len(ts), INF)
+        live = np.array([useful(float(t), float(s)) for t, s in zip(ts, sums)], dtype=bool)
+        if live.any():
+            tails[live] = row.least_tails(ts[live])
+        for t_max, sum_t, u_lo in zip(ts, sums, tails):
             if not going(float(t_max)):
                 return
             yield float(t_max), float(sum_t), float(u_lo)

@@ -25,7 +25,7 @@ far. Its splits are close, not proven optimal (`layer_split`), and an order prun
 the plain schedules' bounds is not tried interleaved: the search stays exact for the
 plain schedules, and interleaving improves on the pipelines it finds. With no plain
 schedule allowed every order is tried interleaved, pruned by bounds taken under the
-interleaved schedule. Where no pipeline shape can run at all (too few layers for the
+interleaved schedule (`bounds.py`: the work floor only). Where no pipeline shape can run at all (too few layers for the
 chunks, no microbatch count the schedule accepts), the error says so rather than
 blaming memory.
 """
