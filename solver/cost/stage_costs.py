@@ -23,6 +23,8 @@ from solver.memory import (OFFLOAD_TIERS, DeviceMemory, StageActivations, in_fli
                            sharded_state, stage_memory)
 from solver.cost.measured import LayerPrice, lookup
 from solver.cost.problem import DeviceKind, Problem
+from solver.cost.ranges import cumsum as _cumsum, first as _first, full as _full, last as _last
+from solver.cost.ranges import range_max as _range_max, span as _span
 from solver.zero import zero_time
 
 INF = float("inf")
@@ -98,17 +100,6 @@ class StageTable:
         return self.forward + self.backward
 
 
-def _span(prefix: np.ndarray) -> np.ndarray:
-    """[i, j] = prefix[j] - prefix[i]; the lower triangle is never used."""
-    return prefix[None, :] - prefix[:, None]
-
-
-def _range_max(values: np.ndarray) -> np.ndarray:
-    n = len(values)
-    out = np.zeros((n + 1, n + 1))
-    for i in range(n):
-        out[i, i + 1 :] = np.maximum.accumulate(values[i:])
-    return out
 
 
 class StageCosts:
@@ -586,31 +577,11 @@ def exposed(comm: np.ndarray, comm_first: np.ndarray, compute: np.ndarray, compu
     return np.clip(np.maximum(comm_first, comm - (compute - compute_first)), 0.0, comm)
 
 
-def _first(values: np.ndarray) -> np.ndarray:
-    """[i, j] = values[i]: a range's first layer's figure."""
-    return np.concatenate([values, [0.0]])[:, None]
-
-
-def _last(values: np.ndarray) -> np.ndarray:
-    """[i, j] = values[j - 1]: a range's last layer's figure."""
-    return np.concatenate([[0.0], values])[None, :]
-
-
 def all_reduce_times(topo: Topology, nbytes: np.ndarray) -> np.ndarray:
     """The fastest all-reduce for every size in `nbytes` at once (0 for nothing)."""
     return fastest_times("all_reduce", topo, nbytes)
 
 
-def _full(values: np.ndarray | float, shape: tuple[int, ...]) -> np.ndarray:
-    """`values` as an array of `shape` (a read-only view where it must broadcast); an
-    array already of that shape as it is (tables are built by the thousand)."""
-    if isinstance(values, np.ndarray) and values.shape == shape:
-        return values
-    return np.broadcast_to(values, shape)
-
-
-def _cumsum(values: np.ndarray) -> np.ndarray:
-    return np.concatenate([[0.0], np.cumsum(values)])
 
 
 __all__ = ["INF", "StageConfig", "StageCosts", "StageTable", "StageVariant", "in_flight"]  # in_flight: solver.memory's, re-exported
