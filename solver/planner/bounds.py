@@ -26,6 +26,7 @@ import numpy as np
 
 from solver import schedules as registry
 from solver.planner.problem import Problem
+from solver.cost.ranges import cumsum, span
 from solver.cost.stage_costs import INF, StageConfig, StageCosts, in_flight
 
 _BLOCK = 16  # candidate step times order_bound prices at once
@@ -364,8 +365,8 @@ class LowerBounds:
         key = (cfg, b)
         if key not in self._runs:
             layer = self.costs.per_layer(cfg, b)
-            f = _span(layer.forward)
-            bw = _span(layer.backward)
+            f = span(cumsum(layer.forward))
+            bw = span(cumsum(layer.backward))
             plain, remat = _least_runs(f + bw), _least_runs(f + (bw + f))
             self._runs[key] = _Runs(plain, remat, _least_step(plain), _least_step(remat))
         return self._runs[key]
@@ -418,9 +419,3 @@ def _first_enough(rooms: list[np.ndarray], index: np.ndarray, size: int, layers:
         enough &= mid < size
         lo, hi = np.where(enough | (lo >= hi), lo, mid + 1), np.where(enough & (lo < hi), mid, hi)
     return lo
-
-
-def _span(values: np.ndarray) -> np.ndarray:
-    """[i, j] = the sum of values[i:j] (the lower triangle is never read)."""
-    prefix = np.concatenate([[0.0], np.cumsum(values)])
-    return prefix[None, :] - prefix[:, None]
