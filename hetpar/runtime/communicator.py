@@ -44,7 +44,7 @@ class DevicePath:
         if already_there(x, sharding):
             return x
         if isinstance(x, jax.Array) and _platform(x.devices()) != _platform(sharding.device_set):
-            return jax.device_put(np.asarray(jax.device_get(x)), sharding)
+            return _STAGED.to_mesh(x, sharding)  # no device link joins two platforms
         # A committed array that is not all here (or going elsewhere) is one global value
         # crossing processes; an uncommitted one is each process's own copy (the state
         # a script made before its first step), which `device_put` lays out as it is.
@@ -249,6 +249,9 @@ class HostStagedPath:
         first = min(sharding.device_set, key=lambda d: d.id)
         landed = [jax.device_put(np.asarray(chunk), first) for chunk in chunks]
         return jax.device_put(jax.numpy.concatenate(landed, axis=0), sharding)
+
+
+_STAGED = HostStagedPath()
 
 
 def check_host_staged(vendors: dict[int, str], devices: Any) -> None:
