@@ -20,6 +20,7 @@ import numpy as np
 from hetpar.compile.compiled import CompiledStep
 from hetpar.runtime.communicator import DevicePath, HostStagedPath
 from hetpar.runtime.interpreter import RunStats, interpret
+from hetpar.runtime.nvme_tier import has_handles, loading
 from hetpar.runtime.remote import eager
 
 __all__ = ["DeviceTransport", "RunStats", "run", "MERGE"]
@@ -96,5 +97,10 @@ class DeviceTransport:
 
 
 def run(step: CompiledStep, flat_args: Sequence[Any], stats: RunStats | None = None) -> list[Any]:
-    """Dispatches every program of one step in the schedule's order, in this process."""
-    return interpret(step, DeviceTransport(step), flat_args, stats)
+    """Dispatches every program of one step in the schedule's order, in this process.
+    State an NVMe-tier stage left on disk (handles) is read where a program first
+    wants it (runtime/nvme_tier.py)."""
+    transport = DeviceTransport(step)
+    if has_handles(flat_args):
+        transport.move = loading(transport.move)
+    return interpret(step, transport, flat_args, stats)

@@ -400,13 +400,13 @@ class Planner:
         blocked = self._why_no_shape_runs()
         if blocked:
             return blocked
-        offload = all(self.costs.may_offload(k) for k in p.kinds)  # the optimizer state may go to host memory
+        offload = all(self.costs.may_offload(k) for k in p.kinds)  # the optimizer state may leave the devices
         need = float(self.costs.params.sum()) * (2.0 if offload else p.state_factor)
         have = sum(k.count * k.usable_bytes * (1 - p.memory_reserve) for k in p.kinds)
         gib = 2**30
         if need > have:
             notes = "".join(f" ({n})" for n in (memory_note(k) for k in p.kinds) if n)
-            held = "parameters and gradients (the optimizer state in host memory)" if offload else \
+            held = "parameters and gradients (the optimizer state off the devices)" if offload else \
                 "parameters, gradients and optimizer state"
             if not offload and "host" in p.offload_tiers:
                 notes += ("; with host_memory_gib in the cluster file's groups the optimizer state could be kept in host "

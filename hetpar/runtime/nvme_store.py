@@ -1,0 +1,284 @@
+"""The NVMe tier's file store: optimizer state kept on a local disk between steps.
+
+A stage whose plan says `offload="nvme"` does not keep its optimizer state in any
+memory between steps. The step writes the new state here, array by array and
+shard by shard (each a slice of a raw memory-mapped file), and hands back, in the
+state's place, `NvmeArray` handles: a store, a generation and a key, no bytes.
+The next step reads each array from its file, shard by shard, into host memory
+(the `pinned_host` layout its update program takes, as under host offload) just
+before the stage's update needs it; the program moves it to the devices.
+
+Crash safety. A step writes its state as a new *generation*: a fresh folder
+`gen-<n>`, every file fsynced, then the folder; only then is the small manifest
+(`MANIFEST.json`, the one file a reader trusts) replaced in one `os.replace` that
+names the new generation beside the previous one, and the root folder fsynced. A
+step that dies before the switch leaves the manifest naming the generation before
+it, whose files are untouched; the half-written folder is never read (no reader
+looks at a folder the manifest does not name) and is removed by the next write.
+Every array's CRC-32 is in the manifest and checked on each read, so a file
+damaged after its commit is refused, not used. The store keeps the newest two
+generations: the state a step returned and the one it was given (a caller that
+still holds the older state can read it), and refuses older handles by name.
+
+Why raw files and not `np.save` or tensorstore: the arrays' shapes and dtypes are
+in the manifest anyway, bfloat16 has no portable `.npy` description, and a raw
+`np.memmap` reads and writes any slice of an array without a library; tensorstore
+(already installed with orbax) would add chunked formats this store does not need.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+from hetpar.errors import HetparError
+
+log = logging.getLogger("hetpar.nvme")
+
+MANIFEST = "MANIFEST.json"
+KEEP_GENERATIONS = 2  # the state a step returned and the one it was given
+_CRC_CHUNK = 64 << 20  # bytes checksummed at a time: a chunk, not the whole file, in memory
+
+
+class NvmeStateError(HetparError):
+    """State on the NVMe tier that cannot be read as valid."""
+
+
+def _dtype(name: str) -> np.dtype:
+    """A dtype from its name, including ML dtypes numpy lacks (bfloat16, float8s)."""
+    try:
+        return np.dtype(name)
+    except TypeError:
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, name))
+
+
+def _fsync_dir(path: Path) -> None:
+    """Makes a folder's entries (a new file, a rename) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _crc(flat: np.ndarray) -> int:
+    """CRC-32 of an array's bytes, C order, a chunk at a time."""
+    raw = flat.reshape(-1).view(np.uint8) if flat.size else np.zeros(0, np.uint8)
+    crc = 0
+    for start in range(0, raw.size, _CRC_CHUNK):
+        crc = zlib.crc32(raw[start:start + _CRC_CHUNK], crc)
+    return crc
+
+
+def _shards(x: Any) -> Iterable[tuple[tuple[slice, ...], Any]]:
+    """An array's distinct pieces as (index into the whole, data): a jax Array's
+    addressable shards once per index (replicas skipped), a host array whole."""
+    shards = getattr(x, "addressable_shards", None)
+    if shards is None:
+        yield (slice(None),) * np.ndim(x), x
+        return
+    if not getattr(x, "is_fully_addressable", True):
+        raise NvmeStateError("the NVMe tier keeps state of one process: this array has shards on other processes; "
+                             "use host offload (offload='host') under jax.distributed or Ray")
+    seen: set = set()
+    for shard in shards:
+        key = tuple((s.start, s.stop, s.step) for s in shard.index)
+        if key not in seen:
+            seen.add(key)
+            yield shard.index, shard.data
+
+
+@dataclass(frozen=True, eq=False)
+class NvmeArray:
+    """An array a step left on the NVMe tier: where it lies, not its bytes. A step of
+    the function that returned it reads it (`load`); `np.asarray(handle)`,
+    `hetpar.gather` and `hetpar.save_checkpoint` read it whole. JAX operations on it
+    need it read first: `jnp.asarray(handle)`."""
+
+    root: str
+    generation: int
+    key: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    def read(self) -> np.ndarray:
+        """The whole array in host memory, checked against its manifest entry."""
+        return NvmeStore(self.root).read(self.generation, self.key)
+
+    def load(self, sharding: Any) -> Any:
+        """The array as a jax Array laid out as `sharding` (its memory kind included),
+        each shard read from the file on its own."""
+        return NvmeStore(self.root).load(self.generation, self.key, sharding)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        x = self.read()
+        return x if dtype is None else x.astype(dtype)
+
+    def __repr__(self) -> str:
+        return f"NvmeArray({self.key}, shape={self.shape}, dtype={self.dtype}, generation {self.generation} at {self.root})"
+
+
+class NvmeStore:
+    """Generations of named arrays under `root`, switched by an atomic manifest."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    @staticmethod
+    def temporary() -> "NvmeStore":
+        """A store in a fresh folder of the system's temporary directory (`TMPDIR`):
+        where state goes when the user names no folder (RuntimeOption.nvme_dir)."""
+        return NvmeStore(tempfile.mkdtemp(prefix="hetpar-nvme-"))
+
+    # --- the manifest: the only thing a reader trusts -------------------------------
+
+    def manifest(self) -> dict:
+        """The committed generations: {"generation": newest, "generations": {n: {key:
+        entry}}}; an empty store has generation 0 and none."""
+        path = self.root / MANIFEST
+        if not path.exists():
+            return {"generation": 0, "generations": {}}
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise NvmeStateError(f"the NVMe store's manifest {path} cannot be read ({e}); the state in {self.root} "
+                                 "is lost: restore it from a checkpoint") from None
+        data["generations"] = {int(g): arrays for g, arrays in data["generations"].items()}
+        return data
+
+    @property
+    def generation(self) -> int:
+        return int(self.manifest()["generation"])
+
+    def handles(self, generation: int | None = None) -> dict[str, NvmeArray]:
+        """The arrays of a committed generation (default the newest) as handles: what
+        a process resuming after a crash reads its state from."""
+        m = self.manifest()
+        g = m["generation"] if generation is None else generation
+        return {k: self._handle(g, k, e) for k, e in self._entries(m, g).items()}
+
+    def _handle(self, generation: int, key: str, entry: dict) -> NvmeArray:
+        return NvmeArray(str(self.root), generation, key, tuple(entry["shape"]), _dtype(entry["dtype"]))
+
+    def _entries(self, m: dict, generation: int) -> dict:
+        if generation not in m["generations"]:
+            kept = sorted(m["generations"])
+            raise NvmeStateError(
+                f"generation {generation} of the NVMe state in {self.root} is not committed (the store holds "
+                f"{kept or 'none'}): it was superseded more than {KEEP_GENERATIONS - 1} step(s) ago, or the step that "
+                "wrote it did not finish; use the state the latest step returned")
+        return m["generations"][generation]
+
+    # --- writing a generation ----------------------------------------------------------
+
+    def write(self, arrays: dict[str, Any]) -> dict[str, NvmeArray]:
+        """Writes `arrays` (jax or numpy arrays by key) as the next generation and
+        commits it; returns their handles. Nothing is visible to readers until every
+        file is durable and the manifest is switched."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        m = self.manifest()
+        g = max([m["generation"], *m["generations"]]) + 1
+        folder = self.root / f"gen-{g:08d}"
+        if folder.exists():  # a step that died before its commit left it: never read
+            shutil.rmtree(folder)
+        folder.mkdir()
+        entries = {key: _write_array(folder, key, x) for key, x in arrays.items()}
+        _fsync_dir(folder)
+        kept = sorted([*m["generations"], g])[-KEEP_GENERATIONS:]
+        generations = {**m["generations"], g: entries}
+        new = {"version": 1, "generation": g, "generations": {str(k): generations[k] for k in kept}}
+        tmp = self.root / (MANIFEST + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(new, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.root / MANIFEST)  # the commit: one atomic rename
+        _fsync_dir(self.root)
+        self._prune(set(kept))
+        return {key: self._handle(g, key, e) for key, e in entries.items()}
+
+    def _prune(self, kept: set[int]) -> None:
+        """Removes generation folders the manifest no longer names (superseded ones,
+        and any a dead step left half written)."""
+        for child in self.root.glob("gen-*"):
+            number = child.name.removeprefix("gen-")
+            if number.isdigit() and int(number) not in kept:
+                shutil.rmtree(child, ignore_errors=True)
+
+    # --- reading ---------------------------------------------------------------------------
+
+    def _open(self, generation: int, key: str) -> tuple[np.ndarray, dict]:
+        """The array's file mapped read-only, after checking it against the manifest."""
+        entry = self._entries(self.manifest(), generation).get(key)
+        if entry is None:
+            raise NvmeStateError(f"generation {generation} of the NVMe state in {self.root} has no array {key!r}")
+        path = self.root / f"gen-{generation:08d}" / entry["file"]
+        shape, dtype = tuple(entry["shape"]), _dtype(entry["dtype"])
+        expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if not path.exists() or path.stat().st_size != expected:
+            raise NvmeStateError(f"{path} is missing or not {expected} bytes: the NVMe state of generation {generation} "
+                                 "is damaged; restore it from a checkpoint")
+        data = np.memmap(path, dtype=dtype, mode="r", shape=shape) if expected else np.zeros(shape, dtype)
+        if _crc(np.asarray(data)) != entry["crc32"]:
+            raise NvmeStateError(f"{path} does not match its checksum: the NVMe state of generation {generation} is "
+                                 "damaged; restore it from a checkpoint")
+        return data, entry
+
+    def read(self, generation: int, key: str) -> np.ndarray:
+        data, _ = self._open(generation, key)
+        return np.array(data)
+
+    def load(self, generation: int, key: str, sharding: Any) -> Any:
+        """The array laid out as `sharding`, each device's shard read from the file
+        by itself (a slice of the memory map), never the whole array at once."""
+        import jax
+
+        data, _ = self._open(generation, key)
+        return jax.make_array_from_callback(data.shape, sharding, lambda index: np.array(data[index]))
+
+
+def _write_array(folder: Path, key: str, x: Any) -> dict:
+    """One array's file in `folder`, written shard by shard and fsynced; its manifest
+    entry (file, shape, dtype, CRC-32)."""
+    shape, dtype = tuple(np.shape(x)), np.dtype(x.dtype)
+    name = f"{key}.bin"
+    path = folder / name
+    size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if size == 0:
+        path.write_bytes(b"")
+        return {"file": name, "shape": list(shape), "dtype": dtype.name, "crc32": 0}
+    out = np.memmap(path, dtype=dtype, mode="w+", shape=shape)
+    for index, data in _shards(x):
+        out[index] = np.asarray(data)
+    out.flush()
+    crc = _crc(np.asarray(out))
+    del out
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return {"file": name, "shape": list(shape), "dtype": dtype.name, "crc32": crc}
