@@ -24,7 +24,7 @@ import pytest
 import hetpar
 from hetpar.cluster.cluster import Cluster
 from hetpar.errors import PlanError
-from hetpar.options import RuntimeOption, StageOption
+from hetpar.options import RuntimeOption, ShardingOption, StageOption
 from hetpar.pipeline import layers_pass
 from hetpar.plan.auto import SearchOptions, problem_for, search
 from hetpar.plan.costs import estimate_plan
@@ -52,19 +52,29 @@ def _adam(state):
 # --- parity: the state round-trips through the files ----------------------------------------
 
 
-@pytest.mark.parametrize("stages", [1, 2])
-def test_nvme_parity(stages, tmp_path):
+@pytest.mark.parametrize("stages, zero", [(1, 0), (2, 0), (2, 1)])
+def test_nvme_parity(stages, zero, tmp_path):
     """Three steps, each reading the optimizer state the last one wrote to disk:
-    loss, gradients, parameters and optimizer state as jax.jit's on one device."""
+    loss, gradients, parameters and optimizer state as jax.jit's on one device. Under
+    ZeRO-1 each device's shard is written and read by itself."""
     cluster = hetpar.Cluster.virtual({"A100": 4} if stages == 1 else TWO_TYPES)
     plan = run_parity(_mlp(), cluster, steps=3, num_stages=stages, num_layers=4, num_microbatches=2, stage_option=NVME,
-                      runtime_option=RuntimeOption(nvme_dir=str(tmp_path / "store")))
+                      sharding_option=ShardingOption(zero=zero), runtime_option=RuntimeOption(nvme_dir=str(tmp_path / "store")))
     for stage in plan.stages:
-        assert stage.offload == "nvme" and stage.offloaded
+        assert stage.offload == "nvme" and stage.offloaded and stage.zero == zero
         assert stage.nvme_bytes > 0 and stage.host_bytes > 0  # the state on disk; host memory stages one layer's share
     store = NvmeStore(tmp_path / "store")
     assert store.generation == 3  # one generation a step
     assert sorted(p.name for p in (tmp_path / "store").glob("gen-*")) == ["gen-00000002", "gen-00000003"]
+
+
+def test_nvme_parity_on_two_replicas(tmp_path):
+    """Two data-parallel pipelines: the update runs once, on replica 0's stages, and
+    only their new state goes to disk."""
+    plan = run_parity(_mlp(), hetpar.Cluster.virtual(TWO_TYPES), steps=2, num_replicas=2, num_microbatches=2,
+                      stage_option=StageOption(offload="nvme"), runtime_option=RuntimeOption(nvme_dir=str(tmp_path)))
+    assert plan.num_replicas == 2 and all(s.offload == "nvme" for s in plan.stages)
+    assert NvmeStore(tmp_path).generation == 2
 
 
 def test_state_between_steps_is_on_disk_not_in_memory(tmp_path):

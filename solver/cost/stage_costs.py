@@ -170,8 +170,9 @@ class StageCosts:
         disk), and there is state to keep."""
         if not self.problem.training:
             return False
-        return ("host" in self.problem.offload_tiers and kind.host_memory_bytes > 0
-                or "nvme" in self.problem.offload_tiers and kind.nvme_bytes > 0)
+        if kind.host_memory_bytes <= 0:  # the disk tier stages through host memory too
+            return False
+        return "host" in self.problem.offload_tiers or "nvme" in self.problem.offload_tiers and kind.nvme_bytes > 0
 
     def offload_tiers(self, cfg: StageConfig) -> list[str]:
         """Where the stage's optimizer state may live (solver.memory.OFFLOAD_TIERS)."""
