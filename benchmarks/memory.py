@@ -223,8 +223,7 @@ def nvme_section(args: argparse.Namespace) -> str:
             device = jax.devices()[stage.device_ids[0]]
             placed[offload] = placed_bytes(state.opt_state, device)
             if offload:
-                newest = Path(folder) / f"gen-{step.nvme_store.generation:08d}"
-                disk = sum(f.stat().st_size for f in newest.iterdir())
+                disk = (Path(folder) / f"gen-{step.nvme_store.generation:08d}.bin").stat().st_size  # the step's file
             print(f"  offload={offload or 'none':5s} optimizer state on {device}: "
                   + (", ".join(f"{kind} {n:,} bytes" for kind, n in sorted(placed[offload].items())) or "none")
                   + (f"; on disk {disk:,} bytes; the plan predicts {stage.nvme_bytes:,} bytes per device on disk and "

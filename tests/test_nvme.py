@@ -65,7 +65,7 @@ def test_nvme_parity(stages, zero, tmp_path):
         assert stage.nvme_bytes > 0 and stage.host_bytes > 0  # the state on disk; host memory stages one layer's share
     store = NvmeStore(tmp_path / "store")
     assert store.generation == 3  # one generation a step
-    assert sorted(p.name for p in (tmp_path / "store").glob("gen-*")) == ["gen-00000002", "gen-00000003"]
+    assert sorted(p.name for p in (tmp_path / "store").glob("gen-*")) == ["gen-00000002.bin", "gen-00000003.bin"]
 
 
 def test_nvme_parity_on_two_replicas(tmp_path):
@@ -88,8 +88,9 @@ def test_state_between_steps_is_on_disk_not_in_memory(tmp_path):
     moments = jax.tree.leaves((_adam(state).mu, _adam(state).nu))
     assert moments and all(isinstance(x, NvmeArray) and x.generation == 1 for x in moments)
     assert all(isinstance(x, jax.Array) and x.sharding.memory_kind == "device" for x in jax.tree.leaves(state.params))
-    files = sum(os.path.getsize(p) for p in (tmp_path / "s" / "gen-00000001").iterdir())
-    assert files == sum(x.nbytes for x in moments)
+    assert sorted(x.key for x in moments) == sorted(par.nvme_store.handles())  # the whole generation, nothing else
+    assert sum(x.nbytes for x in moments) <= os.path.getsize(tmp_path / "s" / "gen-00000001.bin") \
+        <= sum(x.nbytes + 64 for x in moments)  # one file, each array at a 64-byte boundary
     reference = jax.jit(w.step)(w.state, w.batch)[0]
     assert_close(_adam(hetpar.gather(state)).mu, _adam(reference).mu, "gathered moments")
     assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(_adam(hetpar.gather(state))))
@@ -107,11 +108,11 @@ def _dying_after(n: int, monkeypatch, how=None):
     """Makes the store's array writer fail (or `how`) after `n` arrays were written."""
     real, written = nvme_store._write_array, []
 
-    def write(folder, key, x):
+    def write(region, x):
         if len(written) == n:
             (how or _raise)()
-        written.append(key)
-        return real(folder, key, x)
+        written.append(x)
+        return real(region, x)
 
     monkeypatch.setattr(nvme_store, "_write_array", write)
 
@@ -127,7 +128,7 @@ def test_write_that_dies_leaves_the_previous_generation(tmp_path, monkeypatch):
     _dying_after(1, monkeypatch)
     with pytest.raises(OSError, match="mid-write"):
         store.write({"a": first["a"] + 100, "b": first["b"] + 100})
-    assert (tmp_path / "gen-00000002" / "a.bin").exists()  # half a generation is on disk...
+    assert (tmp_path / "gen-00000002.bin").exists()  # half a generation is on disk...
     assert store.generation == 1  # ...and the manifest does not name it
     for key, value in first.items():
         np.testing.assert_array_equal(handles[key].read(), value)
@@ -148,8 +149,8 @@ def test_process_killed_mid_write_resumes_from_the_previous_generation(tmp_path)
         store = nvme_store.NvmeStore({str(tmp_path)!r})
         store.write({{"x": np.arange(1000, dtype=np.float32), "y": np.ones((10, 10))}})
         real = nvme_store._write_array
-        def dying(folder, key, x):
-            entry = real(folder, key, x)
+        def dying(region, x):
+            real(region, x)
             os._exit(9)  # killed after one file of the new generation is on disk
         nvme_store._write_array = dying
         store.write({{"x": np.zeros(1000, dtype=np.float32), "y": np.zeros((10, 10))}})
@@ -158,7 +159,7 @@ def test_process_killed_mid_write_resumes_from_the_previous_generation(tmp_path)
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 9, run.stderr[-2000:]
     store = NvmeStore(tmp_path)
-    assert store.generation == 1 and (tmp_path / "gen-00000002").exists()
+    assert store.generation == 1 and (tmp_path / "gen-00000002.bin").exists()
     state = store.handles()
     np.testing.assert_array_equal(np.asarray(state["x"]), np.arange(1000, dtype=np.float32))
     np.testing.assert_array_equal(np.asarray(state["y"]), np.ones((10, 10)))
@@ -196,7 +197,7 @@ def test_damaged_or_superseded_state_is_refused(tmp_path):
     new = store.write({"a": np.arange(8.0) + 2})["a"]
     with pytest.raises(NvmeStateError, match="generation 1 .* not committed .* the state the latest step returned"):
         old.read()
-    with open(tmp_path / "gen-00000003" / "a.bin", "r+b") as f:  # a bit flipped after the commit
+    with open(tmp_path / "gen-00000003.bin", "r+b") as f:  # a bit flipped after the commit
         f.seek(3)
         byte = f.read(1)
         f.seek(3)
