@@ -245,8 +245,12 @@ def test_7b_goes_to_nvme_only_where_host_memory_is_short(llama_7b, tmp_path):
     The same node with 512 GiB of host memory keeps the state there instead."""
     path = CLUSTERS / "v100_nvme_6.yaml"
     cluster = Cluster.from_file(str(path)).numbered()
-    with pytest.raises(PlanError, match="no plan fits"):
+    with pytest.raises(PlanError, match="no plan fits.*allow offload='nvme'"):
         _search(llama_7b, cluster, offload_tiers=("", "host"))
+    without_disk = tmp_path / "no_disk.yaml"
+    without_disk.write_text("\n".join(line for line in path.read_text().splitlines() if "nvme_gib" not in line))
+    with pytest.raises(PlanError, match="no plan fits.*give nvme_gib in the cluster file's groups"):
+        _search(llama_7b, Cluster.from_file(str(without_disk)).numbered())
     layers, (plan, _) = _search(llama_7b, cluster)
     assert all(s.offload == "nvme" for s in plan.stages)
     inputs = problem_for(layers, cluster, 64, SEQ, SearchOptions())

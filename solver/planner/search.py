@@ -423,6 +423,12 @@ class Planner:
         notes = [n for n in (memory_note(k) for k in p.kinds) if n]
         if notes:
             fixes.append("raise the memory the JAX client may use (" + "; ".join(notes) + ")")
+        if p.training and any(k.host_memory_bytes for k in p.kinds):  # the optimizer state could go to local disks
+            if "nvme" not in p.offload_tiers and "host" in p.offload_tiers:
+                fixes.append("allow offload='nvme' (the optimizer state on local disks where host memory is short)")
+            elif "nvme" in p.offload_tiers and not any(k.nvme_bytes for k in p.kinds):
+                fixes.append("give nvme_gib in the cluster file's groups (the optimizer state on local disks where host "
+                             "memory is short)")
         return (f"no plan fits in memory: the state fits in the cluster's {have / gib:.1f} GiB, but no split of the layers keeps "
                 f"every device's state and activations within its memory; to fit: {', '.join(fixes)}")
 
