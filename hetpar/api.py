@@ -36,7 +36,7 @@ from hetpar.runtime.distributed import (DistributedStep, check_cross_process, cr
 from hetpar.runtime.identity import check_same_run, run_identity
 from hetpar.runtime.executor import RunStats, run
 from hetpar.runtime.nvme_store import NvmeStore
-from hetpar.runtime.nvme_tier import NvmeOutputs, has_handles, nvme_positions, readable
+from hetpar.runtime.nvme_tier import NvmeRun, has_handles, nvme_values, readable
 from hetpar.runtime.ray_runtime import RayStep
 from hetpar.runtime.remote import has_local_devices
 from hetpar.signature import bind_call, free_donated, normalize_argnums
@@ -71,7 +71,7 @@ class ParallelFunction:
         self._metrics: dict[Any, bool] = {}  # per cache key: whether place_metrics has work to do
         self._last: Plan | None = None
         self._last_compiled: CompiledStep | RayStep | DistributedStep | None = None
-        self._nvme: dict[Any, NvmeOutputs] = {}  # per cache key with NVMe-tier stages: what goes to the store
+        self._nvme: dict[Any, frozenset[int]] = {}  # per cache key with NVMe-tier stages: the values kept on disk
         self._nvme_store: NvmeStore | None = None  # one per function: every plan's NVMe state, one generation a step
         functools.update_wrapper(self, fn)
 
@@ -115,10 +115,10 @@ class ParallelFunction:
             outputs = compiled(flat)
         elif isinstance(compiled, DistributedStep):
             outputs = compiled(flat, stats)
+        elif key in self._nvme or has_handles(flat):  # state to and from the NVMe tier's files, handles in its place
+            outputs = run(compiled, flat, stats, NvmeRun(compiled, self._nvme.get(key, frozenset()), self._nvme_store))
         else:
             outputs = run(compiled, flat, stats)
-        if key in self._nvme:  # the NVMe tier's new state to disk, handles in its place
-            outputs = self._nvme[key].commit(outputs)
         result = jax.tree.unflatten(compiled.graph.out_tree, outputs)
         if self._metrics[key]:
             result = place_metrics(result)
@@ -129,8 +129,8 @@ class ParallelFunction:
         """Notes which outputs of the plan cached at `key` go to the NVMe tier's store
         (runtime/nvme_tier.py); refuses runtimes it does not serve."""
         plan, compiled = self._cache[key]
-        positions = nvme_positions(compiled.graph.outvars, plan)
-        if not positions:
+        values = nvme_values(plan)
+        if not values:
             return
         if isinstance(compiled, RayStep | DistributedStep):
             raise HetparError("offload='nvme' keeps state in this process's file store, which the Ray and "
@@ -139,7 +139,7 @@ class ParallelFunction:
             folder = self._options.runtime.nvme_dir
             self._nvme_store = NvmeStore(folder) if folder else NvmeStore.temporary()
             log.info("hetpar keeps NVMe-tier optimizer state in %s", self._nvme_store.root)
-        self._nvme[key] = NvmeOutputs(positions, self._nvme_store)
+        self._nvme[key] = values
 
     @property
     def nvme_store(self) -> NvmeStore | None:

@@ -108,11 +108,11 @@ def _dying_after(n: int, monkeypatch, how=None):
     """Makes the store's array writer fail (or `how`) after `n` arrays were written."""
     real, written = nvme_store._write_array, []
 
-    def write(region, x):
+    def write(*args):
         if len(written) == n:
             (how or _raise)()
-        written.append(x)
-        return real(region, x)
+        written.append(args)
+        return real(*args)
 
     monkeypatch.setattr(nvme_store, "_write_array", write)
 
@@ -149,8 +149,8 @@ def test_process_killed_mid_write_resumes_from_the_previous_generation(tmp_path)
         store = nvme_store.NvmeStore({str(tmp_path)!r})
         store.write({{"x": np.arange(1000, dtype=np.float32), "y": np.ones((10, 10))}})
         real = nvme_store._write_array
-        def dying(region, x):
-            real(region, x)
+        def dying(*args):
+            real(*args)
             os._exit(9)  # killed after one file of the new generation is on disk
         nvme_store._write_array = dying
         store.write({{"x": np.zeros(1000, dtype=np.float32), "y": np.zeros((10, 10))}})

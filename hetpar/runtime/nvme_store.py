@@ -39,6 +39,7 @@ import logging
 import os
 import tempfile
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -224,32 +225,30 @@ class NvmeStore:
         """Writes `arrays` (jax or numpy arrays by key) as the next generation and
         commits it; returns their handles. Nothing is visible to readers until the
         file is durable and the manifest is switched."""
+        writer = self.begin()
+        try:
+            handles = {key: writer.add(key, x) for key, x in arrays.items()}
+        except BaseException:
+            writer.abort()
+            raise
+        writer.commit()
+        return handles
+
+    def begin(self, background: bool = False) -> "GenerationWriter":
+        """The next generation, open for arrays (`GenerationWriter.add`) until its
+        commit; with `background`, each array is written by a worker thread, so the
+        caller goes on (a step dispatching its next programs) while the disk works."""
         self.root.mkdir(parents=True, exist_ok=True)
         m = self.manifest()
-        g = max([m["generation"], *m["generations"]]) + 1
-        layout, offset = {}, 0
-        for key, x in arrays.items():
-            shape, dtype = tuple(np.shape(x)), np.dtype(x.dtype)
-            layout[key] = (offset, shape, dtype)
-            offset += -(-int(np.prod(shape, dtype=np.int64)) * dtype.itemsize // _ALIGN) * _ALIGN
-        path = self.root / _data_file(g)
-        path.unlink(missing_ok=True)  # a step that died before its commit left it: never read
-        entries = {}
-        with open(path, "w+b") as f:
-            f.truncate(offset)
-            data = np.memmap(f, dtype=np.uint8, mode="r+", shape=(offset,)) if offset else None
-            for key, x in arrays.items():
-                start, shape, dtype = layout[key]
-                size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-                region = data[start:start + size].view(dtype).reshape(shape) if size else np.zeros(shape, dtype)
-                entries[key] = {"offset": start, "shape": list(shape), "dtype": dtype.name, "crc32": _write_array(region, x)}
-            if data is not None:
-                data.flush()
-                del data
-            os.fsync(f.fileno())
-        kept = sorted([*m["generations"], g])[-KEEP_GENERATIONS:]
-        generations = {**m["generations"], g: entries}
-        new = {"version": 1, "generation": g, "generations": {str(k): generations[k] for k in kept}}
+        return GenerationWriter(self, max([m["generation"], *m["generations"]]) + 1, background)
+
+    def _commit(self, generation: int, entries: dict) -> None:
+        """Names `generation` (its file durable) in the manifest beside the one before:
+        the one atomic step that makes it what readers get."""
+        m = self.manifest()
+        kept = sorted([*m["generations"], generation])[-KEEP_GENERATIONS:]
+        generations = {**m["generations"], generation: entries}
+        new = {"version": 1, "generation": generation, "generations": {str(k): generations[k] for k in kept}}
         tmp = self.root / (MANIFEST + ".tmp")
         with open(tmp, "w") as f:
             f.write(json.dumps(new, separators=(",", ":")))  # one write: json.dump writes a piece at a time
@@ -258,7 +257,6 @@ class NvmeStore:
         os.replace(tmp, self.root / MANIFEST)  # the commit: one atomic rename
         _fsync_dir(self.root)
         self._prune(set(kept))
-        return {key: self._handle(g, key, e) for key, e in entries.items()}
 
     def _prune(self, kept: set[int]) -> None:
         """Removes generation files the manifest no longer names (superseded ones, and
@@ -310,8 +308,88 @@ class NvmeStore:
         return jax.make_array_from_callback(data.shape, sharding, lambda index: np.array(data[index]))
 
 
-def _write_array(region: np.ndarray, x: Any) -> int:
-    """One array into its region of the generation's map, shard by shard; its CRC-32."""
-    for index, data in _shards(x):
-        region[index] = np.asarray(data)
-    return _crc(region)
+class GenerationWriter:
+    """One generation being written: arrays appended to its file as they come (each at
+    a 64-byte boundary), then `commit` makes the file durable and switches the
+    manifest to it. Handles `add` returns name the generation before it is committed:
+    a reader gets them refused until then (and for good if the step dies first)."""
+
+    def __init__(self, store: NvmeStore, generation: int, background: bool = False):
+        self.store, self.generation = store, generation
+        self.path = store.root / _data_file(generation)
+        self.path.unlink(missing_ok=True)  # a step that died before its commit left it: never read
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._end = 0
+        self._entries: dict[str, dict] = {}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="hetpar-nvme") if background else None
+        self._pending: list[Future] = []
+
+    def add(self, key: str, x: Any) -> NvmeArray:
+        """Writes `x` (a jax Array, shard by shard, or a host array) into the
+        generation, now or on the worker thread; its handle."""
+        shape, dtype = tuple(np.shape(x)), np.dtype(x.dtype)
+        size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        start, self._end = self._end, self._end + -(-size // _ALIGN) * _ALIGN
+        entry = self._entries[key] = {"offset": start, "shape": list(shape), "dtype": dtype.name}
+        if self._pool is None:
+            entry["crc32"] = _write_array(self._fd, start, x)
+        else:
+            self._pending.append(self._pool.submit(lambda: entry.__setitem__("crc32", _write_array(self._fd, start, x))))
+        return NvmeArray(self.store, self.generation, key, shape, dtype)
+
+    def commit(self) -> None:
+        """Waits for every write (raising the first that failed, with nothing
+        committed), makes the file durable, and switches the manifest to it."""
+        try:
+            for f in self._pending:
+                f.result()
+            os.ftruncate(self._fd, self._end)
+            os.fsync(self._fd)
+        except BaseException:
+            self.abort()
+            raise
+        self._close()
+        self.store._commit(self.generation, self._entries)
+
+    def abort(self) -> None:
+        """Stops the generation: nothing is committed; its file is removed by the
+        next write."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        self._close()
+
+    def _close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _write_array(fd: int, start: int, x: Any) -> int:
+    """One array into the file at `start`, in C order; its CRC-32. A jax Array split
+    along its first axis only (or not at all) goes shard by shard, each a contiguous
+    range of the file; one split otherwise is read whole first (one array in host
+    memory at a time)."""
+    shape = tuple(np.shape(x))
+    pieces = list(_shards(x))
+    if len(shape) == 0 or any(any(s != slice(None) and (s.start, s.stop) != (0, n) for s, n in zip(index[1:], shape[1:]))
+                              for index, _ in pieces):
+        pieces = [((slice(None),) * len(shape), np.asarray(x))]
+    row = int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(x.dtype).itemsize if shape else 0
+    crc = 0
+    for index, data in sorted(pieces, key=lambda p: (p[0][0].start or 0) if p[0] else 0):
+        raw = np.ascontiguousarray(np.asarray(data)).reshape(-1).view(np.uint8)
+        _pwrite_all(fd, raw, start + ((index[0].start or 0) * row if index else 0))
+        crc = zlib.crc32(raw, crc)
+    return crc
+
+
+def _pwrite_all(fd: int, raw: np.ndarray, offset: int) -> None:
+    """All of `raw` at `offset`: one pwrite moves at most about 2 GiB on Linux."""
+    view = memoryview(raw)
+    while view.nbytes:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
