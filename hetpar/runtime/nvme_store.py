@@ -2,17 +2,17 @@
 
 A stage whose plan says `offload="nvme"` does not keep its optimizer state in any
 memory between steps. The step writes the new state here, array by array and
-shard by shard (each a slice of a raw memory-mapped file), and hands back, in the
-state's place, `NvmeArray` handles: a store, a generation and a key, no bytes.
+shard by shard (`pwrite` of each shard's range of a raw file), and hands back, in
+the state's place, `NvmeArray` handles: a store, a generation and a key, no bytes.
 The next step reads each array from its file, shard by shard, into host memory
 (the `pinned_host` layout its update program takes, as under host offload) just
 before the stage's update needs it; the program moves it to the devices.
 
 Crash safety. A step writes its state as a new *generation*: a fresh file
-`gen-<n>.bin` holding every array at its own aligned offset, flushed and fsynced
-once; only then is the small manifest (`MANIFEST.json`, the one file a reader
-trusts) replaced in one `os.replace` that names the new generation beside the
-previous one, and the folder fsynced. A step that dies before the switch leaves
+`gen-<n>.bin` holding every array at its own aligned offset, fsynced once; only
+then is the small manifest (`MANIFEST.json`, the one file a reader trusts)
+replaced in one `os.replace` that names the new generation beside the previous
+one, and the folder fsynced. A step that dies before the switch leaves
 the manifest naming the generation before it, whose file is untouched; the
 half-written file is never read (no reader opens a file the manifest does not
 name) and is removed by the next write. Every array's CRC-32 is in the manifest and
@@ -22,14 +22,15 @@ was given (a caller that still holds the older state can read it), and refuses
 older handles by name.
 
 One file a generation, not one an array: a step's optimizer state is hundreds of
-arrays (two Adam moments per parameter), and a file each costs a flush, an fsync
+arrays (two Adam moments per parameter), and a file each cost a flush, an fsync
 and, two steps later, an unlink apiece (about 10 ms a step per array on this
 machine's disk, measured by profiling a GPT stage), where one file costs them once.
 
 Why raw files and not `np.save` or tensorstore: the arrays' shapes and dtypes are
 in the manifest anyway, bfloat16 has no portable `.npy` description, and a raw
-`np.memmap` reads and writes any slice of an array without a library; tensorstore
-(already installed with orbax) would add chunked formats this store does not need.
+file is written with `pwrite` and read through `np.memmap`, any slice of an array,
+without a library; tensorstore (already installed with orbax) would add chunked
+formats this store does not need.
 """
 
 from __future__ import annotations
