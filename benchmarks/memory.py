@@ -34,26 +34,37 @@ memory, read from the real arrays (each shard's memory kind), not from the model
 the ratio is with offload over without. Goal: at most 0.05 (what stays on the device
 is Adam's step count).
 
+Section "nvme": the same stage with its optimizer state on the NVMe tier
+(`StageOption(offload="nvme")`: a file store, hetpar/runtime/nvme_store.py) and
+without. After a step, the optimizer-state bytes one device of the stage holds in
+device memory and in host memory, read from the real arrays, and the bytes of the
+store's newest generation, read from its files; the ratios are with the NVMe tier
+over without (on the device). Goal: device and host ratios at most 0.05 (Adam's step
+count stays on the device), and the files about one copy of the state.
+
 Each section is one function returning its RESULT figure; main prints them on one line:
 RESULT zero3_over_replicated=<ratio> remat_over_saved=<ratio> predicted_over_measured_mem=<ratio>
-predicted_over_measured_mem_as_run=<ratio> offload_device_state_ratio=<ratio> (the first two measured without
+predicted_over_measured_mem_as_run=<ratio> offload_device_state_ratio=<ratio> nvme_device_state_ratio=<ratio>
+nvme_host_state_ratio=<ratio> nvme_disk_state_ratio=<ratio> (the first two measured without
 YNNPACK, predicted_over_measured_mem_as_run with XLA:CPU's defaults)
-Run: PYTHONPATH=$PWD .venv/bin/python benchmarks/memory.py [--seq-len 128] [--sections remat,predicted,offload]
+Run: PYTHONPATH=$PWD .venv/bin/python benchmarks/memory.py [--seq-len 128] [--sections remat,predicted,offload,nvme]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 from dataclasses import replace
 from functools import lru_cache
+from pathlib import Path
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 
 import jax  # noqa: E402
 
 import hetpar  # noqa: E402
-from hetpar.options import ShardingOption, StageOption  # noqa: E402
+from hetpar.options import RuntimeOption, ShardingOption, StageOption  # noqa: E402
 from hetpar.trace.microbatch import input_roles  # noqa: E402
 from models import gpt  # noqa: E402
 
@@ -100,7 +111,7 @@ def placed_bytes(tree, device) -> dict[str, int]:  # noqa: ANN001
     """Bytes of `tree`'s arrays on `device`, by the memory kind each shard lies in."""
     out: dict[str, int] = {}
     for leaf in jax.tree.leaves(tree):
-        for shard in leaf.addressable_shards:
+        for shard in getattr(leaf, "addressable_shards", ()):  # an NVMe-tier handle has none: no memory
             if shard.device == device:
                 kind = shard.data.sharding.memory_kind or "device"
                 out[kind] = out.get(kind, 0) + shard.data.nbytes
@@ -197,6 +208,32 @@ def predicted_vs_measured_section(args: argparse.Namespace) -> str:
     return f"predicted_over_measured_mem={predicted / measured:.3f} predicted_over_measured_mem_as_run={predicted / as_run:.3f}"
 
 
+def nvme_section(args: argparse.Namespace) -> str:
+    """Optimizer-state bytes one device of a 4-device GPT stage holds in device and
+    host memory after a step, and the bytes on disk, with the NVMe tier and without."""
+    workload = gpt.setup(batch_size=args.batch_size, config=_config(args))
+    placed, disk = {}, 0
+    with tempfile.TemporaryDirectory(prefix="hetpar-nvme-bench-") as folder:
+        for offload in ("", "nvme"):
+            step = hetpar.parallelize(workload.step, cluster=hetpar.Cluster.virtual({"cpu": DEVICES}), num_stages=1,
+                                      num_microbatches=2, stage_option=StageOption(offload=offload),
+                                      runtime_option=RuntimeOption(nvme_dir=folder))
+            state, _ = step(workload.state, workload.batch)
+            stage = step.plan.stages[0]
+            device = jax.devices()[stage.device_ids[0]]
+            placed[offload] = placed_bytes(state.opt_state, device)
+            if offload:
+                disk = (Path(folder) / f"gen-{step.nvme_store.generation:08d}.bin").stat().st_size  # the step's file
+            print(f"  offload={offload or 'none':5s} optimizer state on {device}: "
+                  + (", ".join(f"{kind} {n:,} bytes" for kind, n in sorted(placed[offload].items())) or "none")
+                  + (f"; on disk {disk:,} bytes; the plan predicts {stage.nvme_bytes:,} bytes per device on disk and "
+                     f"{stage.host_bytes:,} in host memory while the update runs" if offload else ""))
+    on_device = placed[""]["device"]
+    return (f"nvme_device_state_ratio={placed['nvme'].get('device', 0) / on_device:.2g} "
+            f"nvme_host_state_ratio={placed['nvme'].get('pinned_host', 0) / on_device:.2g} "
+            f"nvme_disk_state_ratio={disk / on_device:.3g}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-size", type=int, default=8, help="zero section: the GPT stage's batch")
@@ -204,11 +241,11 @@ def main() -> None:
     parser.add_argument("--d-model", type=int, default=128, help="zero section: GPT width")
     parser.add_argument("--seq-len", type=int, default=CONFIG.seq_len, help="remat and predicted sections: GPT sequence length")
     parser.add_argument("--remat-d-model", type=int, default=CONFIG.d_model, help="remat and predicted sections: GPT width")
-    parser.add_argument("--sections", default="zero,remat,predicted,offload",
-                        help="comma-separated sections to run (zero, remat, predicted, offload); RESULT has their figures")
+    parser.add_argument("--sections", default="zero,remat,predicted,offload,nvme",
+                        help="comma-separated sections to run (zero, remat, predicted, offload, nvme); RESULT has their figures")
     args = parser.parse_args()
     sections = {"zero": zero_section, "remat": remat_section, "predicted": predicted_vs_measured_section,
-                "offload": offload_section}
+                "offload": offload_section, "nvme": nvme_section}
     chosen = args.sections.split(",")
     unknown = [name for name in chosen if name not in sections]
     if unknown:
@@ -216,7 +253,7 @@ def main() -> None:
     print(f"jax {jax.__version__}")
     figures = []
     for name in chosen:
-        if name in ("remat", "predicted") and all(n in ("zero", "offload") for n in chosen[:chosen.index(name)]):
+        if name in ("remat", "predicted") and all(n in ("zero", "offload", "nvme") for n in chosen[:chosen.index(name)]):
             print(f"GPT {_stage_config(args)}, batch {BATCH}, {MICROBATCHES} microbatches, GPipe, 2 stages of 1 device")
         figures.append(sections[name](args))
     print("RESULT " + " ".join(figures))

@@ -16,6 +16,7 @@ from hetpar.plan import Plan, StagePlan
 from hetpar.plan.file import load_plan, save_plan
 from hetpar.runtime.distributed import initialize as initialize_distributed
 from hetpar.runtime.distributed import launched_cluster, to_host
+from hetpar.runtime.nvme_store import NvmeArray, NvmeStore
 from hetpar.runtime.ray_runtime import init, shutdown
 from hetpar.pipeline import make_plan
 from hetpar.compare import compare_plans
@@ -27,6 +28,8 @@ __all__ = [
     "DeviceGroup",
     "DeviceType",
     "HetparError",
+    "NvmeArray",
+    "NvmeStore",
     "ParallelFunction",
     "Plan",
     "RuntimeOption",

@@ -35,6 +35,8 @@ from hetpar.runtime.distributed import (DistributedStep, check_cross_process, cr
                                         share_plan, stages_of_process)
 from hetpar.runtime.identity import check_same_run, run_identity
 from hetpar.runtime.executor import RunStats, run
+from hetpar.runtime.nvme_store import NvmeStore
+from hetpar.runtime.nvme_tier import NvmeRun, has_handles, nvme_values, readable
 from hetpar.runtime.ray_runtime import RayStep
 from hetpar.runtime.remote import has_local_devices
 from hetpar.signature import bind_call, free_donated, normalize_argnums
@@ -69,6 +71,8 @@ class ParallelFunction:
         self._metrics: dict[Any, bool] = {}  # per cache key: whether place_metrics has work to do
         self._last: Plan | None = None
         self._last_compiled: CompiledStep | RayStep | DistributedStep | None = None
+        self._nvme: dict[Any, frozenset[int]] = {}  # per cache key with NVMe-tier stages: the values kept on disk
+        self._nvme_store: NvmeStore | None = None  # one per function: every plan's NVMe state, one generation a step
         functools.update_wrapper(self, fn)
 
     @property
@@ -98,15 +102,21 @@ class ParallelFunction:
         flat, treedef = jax.tree.flatten(call.args)
         key = (call.static_key, treedef, tuple(map(_shape_key, flat)))
         if key not in self._cache:
-            self._cache[key] = self._same_step_like(key) or self._build(call.args, call.fn, call.batch_argnum)
+            args = call.args
+            if has_handles(flat):  # NVMe-tier state of another shape's step: the tracer needs arrays
+                args = jax.tree.unflatten(treedef, readable(flat))
+            self._cache[key] = self._same_step_like(key) or self._build(args, call.fn, call.batch_argnum)
             graph = self._cache[key][1].graph
             self._metrics[key] = several_metrics(graph.avals[v] for v in graph.outvars)
+            self._nvme_outputs(key)
         plan, compiled = self._cache[key]
         self._last, self._last_compiled = plan, compiled
         if isinstance(compiled, RayStep):
             outputs = compiled(flat)
         elif isinstance(compiled, DistributedStep):
             outputs = compiled(flat, stats)
+        elif key in self._nvme or has_handles(flat):  # state to and from the NVMe tier's files, handles in its place
+            outputs = run(compiled, flat, stats, NvmeRun(compiled, self._nvme.get(key, frozenset()), self._nvme_store))
         else:
             outputs = run(compiled, flat, stats)
         result = jax.tree.unflatten(compiled.graph.out_tree, outputs)
@@ -114,6 +124,27 @@ class ParallelFunction:
             result = place_metrics(result)
         free_donated(call.donated, result, call.kept)
         return result
+
+    def _nvme_outputs(self, key: Any) -> None:
+        """Notes which outputs of the plan cached at `key` go to the NVMe tier's store
+        (runtime/nvme_tier.py); refuses runtimes it does not serve."""
+        plan, compiled = self._cache[key]
+        values = nvme_values(plan)
+        if not values:
+            return
+        if isinstance(compiled, RayStep | DistributedStep):
+            raise HetparError("offload='nvme' keeps state in this process's file store, which the Ray and "
+                              "jax.distributed runtimes do not serve yet: use offload='host' there")
+        if self._nvme_store is None:
+            folder = self._options.runtime.nvme_dir
+            self._nvme_store = NvmeStore(folder) if folder else NvmeStore.temporary()
+            log.info("hetpar keeps NVMe-tier optimizer state in %s", self._nvme_store.root)
+        self._nvme[key] = values
+
+    @property
+    def nvme_store(self) -> NvmeStore | None:
+        """The NVMe tier's file store of this function (None until a plan uses it)."""
+        return self._nvme_store
 
     def shutdown(self) -> None:
         """Stops the workers of a Ray runtime (nothing to do in-process)."""

@@ -25,14 +25,17 @@ import orbax.checkpoint as ocp
 
 from hetpar.errors import HetparError
 from hetpar.runtime.distributed import barrier, is_multiprocess, to_host
+from hetpar.runtime.nvme_store import NvmeArray
 
 
 def save_checkpoint(path: str | Path, state: Any, *, force: bool = False) -> None:
     """Saves `state` (as a step returned it, or any pytree of arrays) to `path`.
     Every process of a job must call it; it returns when the checkpoint is
-    complete on disk. `force` replaces a checkpoint already at `path`."""
+    complete on disk. `force` replaces a checkpoint already at `path`. State on the
+    NVMe tier (`NvmeArray` handles) is read from its files into the checkpoint."""
     path = Path(path).absolute()
-    host = to_host(jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, state))
+    host = to_host(jax.tree.map(lambda x: x.read() if isinstance(x, NvmeArray) else jax.random.key_data(x) if _is_key(x) else x,
+                                state))
     if jax.process_index() == 0:
         if path.exists() and not force:
             raise HetparError(f"a checkpoint already exists at {path}: pass force=True to replace it, or another path")

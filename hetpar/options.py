@@ -61,9 +61,11 @@ class StageOption:
     # place of the catalog's (any mode: every plan is priced by the same estimator).
     profile: str | None = None
     # Where each stage keeps its optimizer state between steps: "host" in host memory on
-    # every stage (JAX's pinned_host memory kind, moved to the devices for the update), ""
-    # on the devices. None: the planner ("auto") offloads a stage only where it fits no
-    # other way; hand-made plans do not.
+    # every stage (JAX's pinned_host memory kind, moved to the devices for the update),
+    # "nvme" in a file store on the node's disk (RuntimeOption.nvme_dir, read and written
+    # around the update), "" on the devices. None: the planner ("auto") offloads a stage
+    # only where it fits no other way, to disk only where host memory is short; hand-made
+    # plans do not.
     offload: str | None = None
 
 
@@ -102,6 +104,10 @@ class RuntimeOption:
     # The Ray runtime's wait for a step or a build before it reports a stuck worker;
     # None: the HETPAR_WORKER_TIMEOUT_S environment variable, or 300 s.
     timeout_s: float | None = None
+    # The folder of the NVMe tier's file store (stages with offload="nvme" keep their
+    # optimizer state there between steps: hetpar/runtime/nvme_store.py); a local NVMe
+    # disk's. None: a fresh folder under the system's temporary directory.
+    nvme_dir: str | None = None
 
 
 def check_options(stage: StageOption, sharding: ShardingOption, runtime: RuntimeOption) -> None:
@@ -138,7 +144,7 @@ def check_options(stage: StageOption, sharding: ShardingOption, runtime: Runtime
                         f"{', '.join(repr(p) for p in REMAT_POLICIES)} (or None: the planner's choice)")
     if stage.offload is not None and stage.offload not in OFFLOAD_TIERS:
         raise PlanError(f"StageOption.offload {stage.offload!r} is not a place for optimizer state; use 'host' (host memory), "
-                        "'' (the devices) or None (the planner's choice)")
+                        "'nvme' (a file store on a local disk), '' (the devices) or None (the planner's choice)")
     if stage.max_planning_layers < 1:
         raise PlanError(f"StageOption.max_planning_layers must be at least 1, got {stage.max_planning_layers}")
     if not sharding.time_limit_s > 0:

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hetpar.runtime.communicator import DevicePath
+from hetpar.runtime.nvme_store import NvmeArray
 
 
 def _is_metric(x: Any) -> bool:
@@ -55,7 +56,8 @@ def gather(tree: Any, device: jax.Device | None = None) -> Any:
     devices for jitted computation"). Not needed to call the step again, for a
     function parallelized `like=` the step (it runs where the state lies, and gather
     would only move it away), or to save a checkpoint with orbax. It copies every
-    parameter onto one device, so that device must hold the whole state."""
+    parameter onto one device, so that device must hold the whole state. State an
+    `offload="nvme"` stage left on disk (`NvmeArray` handles) is read from its files."""
     target = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
     path = DevicePath()
 
@@ -64,6 +66,8 @@ def gather(tree: Any, device: jax.Device | None = None) -> Any:
             return path.to_mesh(x, target)
         if isinstance(x, np.ndarray):
             return jax.device_put(x, target)
+        if isinstance(x, NvmeArray):
+            return jax.device_put(x.read(), target)
         return x
 
     return jax.tree.map(one, tree)

@@ -360,7 +360,8 @@ def placement_pass(traced: TracedStep, layers: Layers, plan: Plan) -> Plan:
     cost = estimate_plan(plan, dots)
     too_big = fit_problems(plan, cost)
     if too_big and all(c.fits_device for c in cost.stages):
-        raise PlanError("the plan does not fit in host memory: " + "; ".join(too_big))
+        where = "host memory" if not all(c.fits_host for c in cost.stages) else "its nodes' disks (NVMe tier)"
+        raise PlanError(f"the plan does not fit in {where}: " + "; ".join(too_big))
     if too_big:
         raise PlanError("the plan does not fit in memory: " + "; ".join(too_big) + ". To fit: more microbatches with a "
                         f"schedule that keeps fewer activations in flight (the planner's memory model: {', '.join(schedules.names())}), "

@@ -49,8 +49,10 @@ FRAGMENTATION_HEADROOM = 0.10
 REMAT_POLICIES = ("", "full", "dots")  # none, nothing saved, dots without batch dims saved
 ZERO_STAGES = (0, 1, 2, 3)  # 0 replicated; 1 optimizer state sharded over data; 2 + gradients; 3 + parameters
 # Where a stage keeps its optimizer state between steps: "" on its devices; "host" in its nodes'
-# host memory, streamed to the device for the update and back (ZeRO-Offload's split).
-OFFLOAD_TIERS = ("", "host")
+# host memory, streamed to the device for the update and back (ZeRO-Offload's split); "nvme" in
+# a file store on its nodes' local disks, read through host memory to the devices for the
+# update and written back (ZeRO-Infinity's third tier), for where host memory is short.
+OFFLOAD_TIERS = ("", "host", "nvme")
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,9 @@ class DeviceMemory:
     # Host memory this device's share of the stage keeps there (offloaded optimizer state):
     # not in `total`, which is device memory; checked against the node's host memory apart.
     host: float = 0.0
+    # Bytes this device's share of the stage keeps on its node's local disk (NVMe-tier
+    # optimizer state): in neither memory, checked against the node's disk apart.
+    nvme: float = 0.0
 
     @property
     def state(self) -> float:
@@ -76,15 +81,21 @@ class DeviceMemory:
 
 
 def offloaded(memory: DeviceMemory, tier: str, streamed: float | np.ndarray = 0.0) -> DeviceMemory:
-    """`memory` with its optimizer state kept in host memory (`tier` "host"): the device
-    holds none of it between steps, only `streamed` while the update runs (the largest
-    layer's share, streamed in and out one layer at a time, as ZeRO-Offload does)."""
+    """`memory` with its optimizer state kept off the device: the device holds none of it
+    between steps, only `streamed` while the update runs (the largest layer's share,
+    streamed in and out one layer at a time, as ZeRO-Offload does). `tier` "host": the
+    state lives in host memory. "nvme": it lives on the node's disk, and host memory
+    holds only what is in flight between disk and device, `streamed` read in and as
+    much written out (ZeRO-Infinity's staging buffers)."""
     if tier not in OFFLOAD_TIERS:
         raise ValueError(f"unknown offload tier {tier!r}; use one of {OFFLOAD_TIERS}")
     if not tier:
         return memory
+    if tier == "nvme":
+        return DeviceMemory(memory.parameters, memory.gradients, 0.0 * memory.optimizer_state, memory.activations,
+                            memory.workspace + streamed, memory.host + 2 * streamed, memory.nvme + memory.optimizer_state)
     return DeviceMemory(memory.parameters, memory.gradients, 0.0 * memory.optimizer_state, memory.activations,
-                        memory.workspace + streamed, memory.host + memory.optimizer_state)
+                        memory.workspace + streamed, memory.host + memory.optimizer_state, memory.nvme)
 
 
 @dataclass(frozen=True)

@@ -113,7 +113,7 @@ def test_offload_option_is_checked():
     workload = _mlp()
     with pytest.raises(PlanError, match="StageOption.offload"):
         hetpar.make_plan(workload.step, (workload.state, workload.batch), hetpar.Cluster.virtual({"cpu": 2}),
-                         stage_option=StageOption(offload="nvme"))
+                         stage_option=StageOption(offload="disk"))
 
 
 def test_planner_keeps_state_on_devices_when_it_fits():

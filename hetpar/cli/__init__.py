@@ -101,9 +101,10 @@ def parser() -> argparse.ArgumentParser:
                    help="hybrid sharding: ZeRO over groups of N devices of each stage's data axis (a node's: e.g. 4), "
                    "replicated across the groups, so only one group-shard's gradient all-reduce crosses nodes; auto: a "
                    "node's where the estimator prices it faster (default: the whole data axis)")
-    p.add_argument("--offload", choices=("host", "none"), help="where every stage keeps its optimizer state between "
-                   "steps: host (host memory, moved to the devices for the update) or none (the devices); default: the "
-                   "planner offloads a stage only where it fits no other way or is faster for it")
+    p.add_argument("--offload", choices=("host", "nvme", "none"), help="where every stage keeps its optimizer state "
+                   "between steps: host (host memory, moved to the devices for the update), nvme (a file store on the "
+                   "node's local disk, read and written around the update) or none (the devices); default: the planner "
+                   "offloads a stage only where it fits no other way, to disk only where host memory is short")
     p.add_argument("--profile", help="a `hetpar profile` file: its measured figures price the device kinds it has, "
                    "in place of the catalog's")
     p.add_argument("--use-all-kinds", action="store_true", help="only plans that give every device kind of the cluster "

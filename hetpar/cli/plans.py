@@ -28,7 +28,7 @@ def solve(args: argparse.Namespace) -> int:
                          use_all_kinds=args.use_all_kinds, profile=args.profile,
                          chunks=args.chunks, sharding_option=ShardingOption(zero=args.zero, zero_group=getattr(args, "zero_group", None)),
                          stage_option=StageOption(time_limit_s=args.time_limit,
-                                                  offload={"host": "host", "none": ""}.get(getattr(args, "offload", None))))
+                                                  offload={"host": "host", "nvme": "nvme", "none": ""}.get(getattr(args, "offload", None))))
     save_plan(plan, args.output)
     _print_plan(plan)
     print(f"wrote {args.output}")
@@ -101,9 +101,12 @@ def simulate(args: argparse.Namespace) -> int:
 
 
 def _host(stage) -> str:  # noqa: ANN001
-    """A stage's host memory per device: its offloaded optimizer state, or '-' where it keeps it on the devices."""
+    """A stage's host memory per device: its offloaded optimizer state, or '-' where it keeps it on the devices;
+    for the NVMe tier, the host's staging buffers and the state's bytes on disk."""
     if not stage.offload:
         return "-"
+    if stage.offload == "nvme":
+        return f"{_size(stage.host_bytes) if stage.host_bytes else '-'} (nvme {_size(stage.nvme_bytes) if stage.nvme_bytes else '-'})"
     return f"{_size(stage.host_bytes)} ({stage.offload})" if stage.host_bytes else f"- ({stage.offload})"
 
 
@@ -119,7 +122,7 @@ def _print_plan(plan, shardings: bool = False) -> None:  # noqa: ANN001
                   + (f", {plan.chunks} chunks per device group" if plan.chunks > 1 else ""))
     for col in ("stage", "replica", "layers", "modules", "device", "devices", "mesh", "DP x TP", "batch", "fwd/mb", "bwd/mb",
                 "memory / capacity", "host memory"):
-        table.add_column(col, justify="left" if col in ("modules", "device") else "right")
+        table.add_column(col, justify="left" if col in ("modules", "device") else "right", no_wrap=col == "host memory")
     for s in plan.stages:
         memory = f"{_size(s.memory_bytes)} / {s.memory_capacity / 2**30:.1f} GiB" if s.memory_bytes else (
             f"- / {s.memory_capacity / 2**30:.0f} GiB" if s.memory_capacity else "-")

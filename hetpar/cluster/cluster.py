@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numbers
 import os
+import shutil
+import tempfile
 
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
@@ -59,9 +61,11 @@ class Cluster:
             )
         groups, start = [], 0
         host = host_memory_bytes() / wanted  # the devices are this machine's: each its share of its memory
+        disk = nvme_bytes() / wanted  # and of the disk the NVMe tier's store goes to
         for name, count in counts.items():
             ids = tuple(range(start, start + count))
-            groups.append(DeviceGroup(name, ids, name=name, nodes=1, devices_per_node=count, host_memory_bytes=host * count))
+            groups.append(DeviceGroup(name, ids, name=name, nodes=1, devices_per_node=count, host_memory_bytes=host * count,
+                                      nvme_bytes=disk * count))
             start += count
         return Cluster(tuple(groups), name="virtual")
 
@@ -74,7 +78,9 @@ class Cluster:
         for position, d in enumerate(local_devices(include_cpu)):
             by_kind.setdefault(_type_of(d), []).append(position)
         host = host_memory_bytes() / sum(len(ids) for ids in by_kind.values())
-        return Cluster(tuple(DeviceGroup(k, tuple(ids), name=k, host_memory_bytes=host * len(ids)) for k, ids in by_kind.items()),
+        disk = nvme_bytes() / sum(len(ids) for ids in by_kind.values())
+        return Cluster(tuple(DeviceGroup(k, tuple(ids), name=k, host_memory_bytes=host * len(ids), nvme_bytes=disk * len(ids))
+                             for k, ids in by_kind.items()),
                        name="local")
 
     @staticmethod
@@ -142,6 +148,16 @@ def host_memory_bytes() -> float:
     try:
         return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
+        return 0.0
+
+
+def nvme_bytes() -> float:
+    """Free space where the NVMe tier's store goes by default (the system's temporary
+    directory; 0 where the system does not say): what the devices of a virtual or local
+    cluster share as their disk."""
+    try:
+        return float(shutil.disk_usage(tempfile.gettempdir()).free)
+    except OSError:
         return 0.0
 
 

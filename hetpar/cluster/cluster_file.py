@@ -38,7 +38,7 @@ from pathlib import Path
 import yaml
 
 from hetpar.cluster.catalog import Link, catalog
-from hetpar.cluster.groups import HOST_LINK, DeviceGroup, DeviceOverrides, GroupLink
+from hetpar.cluster.groups import HOST_LINK, NVME_BANDWIDTH, DeviceGroup, DeviceOverrides, GroupLink
 from hetpar.cluster.schema import FlopsFields, GroupFields, LinkFields, ReductionFields, validated
 from hetpar.errors import ClusterError
 from solver.collectives import SwitchReduction
@@ -162,7 +162,7 @@ def _reduction(loc: _Located, what: str, link_bandwidth: float) -> SwitchReducti
 
 
 # A group's single values, checked by schema.GroupFields; its mappings are read apart.
-_GROUP_SCALARS = ("nodes", "devices_per_node", "nics_per_node", "peer_to_peer", "host_bandwidth", "host_memory_gib", "memory_gib",
+_GROUP_SCALARS = ("nodes", "devices_per_node", "nics_per_node", "peer_to_peer", "host_bandwidth", "host_memory_gib", "nvme_gib", "nvme_gib_s", "memory_gib",
                   "memory_bandwidth", "efficiency", "memory_fraction", "process_reserve_gib")
 _GROUP_KEYS = {"name", "device", "intra_node", "inter_node", "flops", *_GROUP_SCALARS}
 
@@ -209,6 +209,8 @@ def _group(loc: _Located) -> DeviceGroup:
         peer_to_peer=group.peer_to_peer,
         host_bandwidth=group.host_bandwidth if group.host_bandwidth is not None else HOST_LINK.bandwidth,
         host_memory_bytes=group.host_memory_gib * gib if group.host_memory_gib is not None else 0.0,
+        nvme_bytes=group.nvme_gib * gib if group.nvme_gib is not None else 0.0,
+        nvme_bandwidth=group.nvme_gib_s * gib if group.nvme_gib_s is not None else NVME_BANDWIDTH,
     )
 
 

@@ -19,6 +19,10 @@ from solver.collectives import LinkCost
 
 # Device <-> host copies (PCIe 4.0 x16) and a default network between groups.
 HOST_LINK = Link("PCIe 4.0 x16 to host", 25e9, 10e-6)
+# A node's local NVMe disk where the cluster file does not say (`nvme_gib_s`): 3 GiB/s, what a
+# PCIe 4.0 x4 NVMe drive sustains reading or writing large files (its peak is about 7 GB/s
+# reading, 5 GB/s writing; sustained writes past its cache run slower).
+NVME_BANDWIDTH = 3 * 2**30
 DEFAULT_NETWORK = Link("100 Gb/s Ethernet", 12.5e9, 10e-6)
 
 
@@ -63,6 +67,8 @@ class DeviceGroup:
     peer_to_peer: bool = True  # False: device-to-device copies in a node go through host memory
     host_bandwidth: float = HOST_LINK.bandwidth  # bytes/s the host moves for copies staged through it, all devices together
     host_memory_bytes: float = 0.0  # a node's host memory for offloaded state; 0: unknown (nothing is offloaded)
+    nvme_bytes: float = 0.0  # a node's local disk for NVMe-tier state; 0: none (nothing goes to disk)
+    nvme_bandwidth: float = NVME_BANDWIDTH  # bytes/s the node's disk reads or writes, its devices together
 
     @property
     def spec(self) -> DeviceType:

@@ -105,6 +105,12 @@ class GroupFields(GroupCounts):
     host_memory_gib: Annotated[float | None, _f("GiB", "host memory per node that offloaded optimizer state may fill "
                                                 "(default: unknown, so the planner offloads nothing there)",
                                                 default=None, gt=0, le=1e9)]
+    nvme_gib: Annotated[float | None, _f("GiB", "local NVMe disk per node that NVMe-tier optimizer state may fill "
+                                         "(default: none, so the planner keeps nothing on disk there)",
+                                         default=None, gt=0, le=1e9)]
+    nvme_gib_s: Annotated[float | None, _f("GiB/s", "what a node's NVMe disk reads or writes, all its devices "
+                                           "together (default 3, a PCIe 4.0 NVMe drive's sustained rate)",
+                                           default=None, gt=0, le=1e6)]
     memory_bandwidth: Annotated[float | None, _f("bytes/s", "device memory bandwidth", default=None, gt=0, le=1e15)]
     flops: FlopsFields | None = _f("mapping", "peak dense FLOP/s per dtype (keys below)", default=None)
     efficiency: Annotated[float | None, _f("fraction", "of peak that large matmuls reach", default=None, gt=0, le=1)]

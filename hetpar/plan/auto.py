@@ -37,8 +37,9 @@ class SearchOptions:
     # stage takes the fastest that fits, and the sharding pass lays out the one it took.
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     # Where a stage may keep its optimizer state (solver.memory.OFFLOAD_TIERS): the planner
-    # offloads to host memory only where a stage fits no other way; ("host",) forces it.
-    offload_tiers: tuple[str, ...] = ("", "host")
+    # offloads to host memory only where a stage fits no other way, and to a local disk only
+    # where host memory is short too; ("host",) or ("nvme",) forces that tier.
+    offload_tiers: tuple[str, ...] = ("", "host", "nvme")
     allow_replicas: bool = True
     dtype: str = "float32"
     top_k: int = 5
@@ -83,7 +84,8 @@ def device_kinds(cluster: Cluster, dtype: str = "float32", layer_overhead_s: flo
             intra, g.inter_cost() if g.size > per_node else intra, layer_overhead_s, spec.matmul_flops(dtype),
             half, measured=seen is not None, memory_fraction=g.client_memory().fraction,
             process_reserve_bytes=spec.process_reserve_bytes, host_link=g.host_cost(),
-            host_memory_bytes=g.host_memory_per_device(), shared_host=seen is not None and seen.shared_host,
+            host_memory_bytes=g.host_memory_per_device(), nvme_bandwidth=g.nvme_bandwidth,
+            nvme_bytes=g.nvme_bytes / per_node, shared_host=seen is not None and seen.shared_host,
         ))
     return tuple(kinds)
 

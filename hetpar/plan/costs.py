@@ -63,7 +63,8 @@ def priced(plan: Plan, dots_bytes: dict[int, float] | None = None) -> Plan:
     stages = tuple(
         replace(s, forward_s=c.forward_s, backward_s=c.backward_s, send_s=c.send_s, sync_s=c.sync_s,
                 optimizer_s=c.optimizer_s, predicted_time_s=m * (c.forward_s + c.backward_s),
-                memory_bytes=int(c.group_memory_bytes), memory_capacity=c.capacity, host_bytes=int(c.group_host_bytes))
+                memory_bytes=int(c.group_memory_bytes), memory_capacity=c.capacity, host_bytes=int(c.group_host_bytes),
+                nvme_bytes=int(c.group_nvme_bytes))
         for s, c in zip(plan.stages, cost.stages)
     )
     return replace(plan, stages=stages, predicted_step_time_s=cost.step_s, model_flops=cost.model_flops,
@@ -74,7 +75,7 @@ def unpriced(plan: Plan) -> Plan:
     """`plan` with every predicted figure cleared: what a plan without cost inputs
     honestly says."""
     stages = tuple(replace(s, forward_s=0.0, backward_s=0.0, send_s=0.0, sync_s=0.0, optimizer_s=0.0, predicted_time_s=0.0,
-                           memory_bytes=0, host_bytes=0) for s in plan.stages)
+                           memory_bytes=0, host_bytes=0, nvme_bytes=0) for s in plan.stages)
     return replace(plan, stages=stages, predicted_step_time_s=0.0)
 
 
@@ -90,6 +91,11 @@ def fit_problems(plan: Plan, cost: PlanCost) -> list[str]:
                        + ("" if c.host_capacity else " (unknown: give host_memory_gib in the cluster file's group)")
                        + "; to fit: more host memory (host_memory_gib), ZeRO over more data-parallel devices (each keeps "
                        "its share), or offload fewer stages (StageOption.offload=None lets the planner choose)")
+        if not c.fits_nvme:
+            out.append(f"stage {s.index} keeps {_bytes(c.group_nvme_bytes)} of optimizer state per device on its node's disk, "
+                       f"and each {s.device_type}'s share of it is {_bytes(c.nvme_capacity)}"
+                       + ("" if c.nvme_capacity else " (none declared: give nvme_gib in the cluster file's group)")
+                       + "; to fit: a larger disk (nvme_gib), ZeRO over more data-parallel devices, or offload='host'")
         if c.fits_device:
             continue
         if s.device_ids in seen:

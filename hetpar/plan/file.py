@@ -144,9 +144,9 @@ def _check_shardings(stage: StagePlan, label: str) -> None:
         raise PlanError(f"{label}: zero is {stage.zero!r}; the ZeRO stage is 0 (replicated state), 1, 2 or 3")
     if stage.offload not in OFFLOAD_TIERS:
         raise PlanError(f"{label}: offload is {stage.offload!r}; use one of {', '.join(repr(t) for t in OFFLOAD_TIERS)}")
-    if stage.offloaded and stage.offload != "host":
-        raise PlanError(f"{label}: the stage lists values kept in host memory (offloaded) but offload is {stage.offload!r}; "
-                        "set offload to \"host\" or drop offloaded")
+    if stage.offloaded and not stage.offload:
+        raise PlanError(f"{label}: the stage lists values kept off its devices (offloaded) but offload is ''; "
+                        "set offload to \"host\" or \"nvme\", or drop offloaded")
     if any(len(pair) != 2 or not all(isinstance(v, int) and v >= 0 for v in pair) for pair in stage.offloaded):
         raise PlanError(f"{label}: offloaded lists [state value id, new state value id] pairs of non-negative integers")
     if stage.gathered and stage.zero != 3:

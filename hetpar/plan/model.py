@@ -73,11 +73,14 @@ class StagePlan:
     remat: str = ""
     # Where the stage keeps its optimizer state between steps (solver.memory.OFFLOAD_TIERS):
     # "" on its devices; "host" in host memory (JAX's pinned_host memory kind), moved to the
-    # devices for the update and the new state back. `offloaded` lists the values so kept:
+    # devices for the update and the new state back; "nvme" in a file store on the node's
+    # disk between steps (hetpar/runtime/nvme_store.py), read through host memory for the
+    # update and the new state written back. `offloaded` lists the values so kept:
     # (value id of the state the step reads, value id of the new state it returns).
     offload: str = ""
     offloaded: tuple[tuple[int, int], ...] = ()
     host_bytes: int = 0  # predicted host memory per device (offloaded state), all chunks of its device group
+    nvme_bytes: int = 0  # predicted local-disk bytes per device (NVMe-tier state), all chunks of its device group
 
     @property
     def num_layers(self) -> int:

@@ -80,9 +80,10 @@ class StageSchema(_Strict):
     zero_group: Count = 0  # hybrid sharding: devices of the data axis ZeRO shards over (0: all)
     gathered: tuple[tuple[Count, Spec], ...] = ()  # ZeRO-3: (value id, PartitionSpec while in use)
     remat: Literal["", "full", "dots"] = ""
-    offload: Literal["", "host"] = ""  # where the optimizer state lives between steps
+    offload: Literal["", "host", "nvme"] = ""  # where the optimizer state lives between steps
     offloaded: tuple[tuple[Count, Count], ...] = ()  # (state value id read, new state value id returned)
     host_bytes: Count = 0
+    nvme_bytes: Count = 0
 
     @model_validator(mode="after")
     def _shape(self) -> "StageSchema":
@@ -99,9 +100,9 @@ class StageSchema(_Strict):
                              f"use a divisor of {data} (the devices of a node), or 0 to shard over all of them")
         if len(set(self.device_ids)) != len(self.device_ids):
             raise ValueError("device_ids names a device twice")
-        if self.offloaded and self.offload != "host":
-            raise ValueError(f"the stage lists values kept in host memory (offloaded) but offload is {self.offload!r}; "
-                             "set offload to \"host\" or drop offloaded")
+        if self.offloaded and not self.offload:
+            raise ValueError("the stage lists values kept off its devices (offloaded) but offload is ''; "
+                             "set offload to \"host\" or \"nvme\", or drop offloaded")
         return self
 
 

@@ -20,6 +20,7 @@ import numpy as np
 from hetpar.compile.compiled import CompiledStep
 from hetpar.runtime.communicator import DevicePath, HostStagedPath
 from hetpar.runtime.interpreter import RunStats, interpret
+from hetpar.runtime.nvme_tier import NvmeRun
 from hetpar.runtime.remote import eager
 
 __all__ = ["DeviceTransport", "RunStats", "run", "MERGE"]
@@ -95,6 +96,23 @@ class DeviceTransport:
         return outputs
 
 
-def run(step: CompiledStep, flat_args: Sequence[Any], stats: RunStats | None = None) -> list[Any]:
-    """Dispatches every program of one step in the schedule's order, in this process."""
-    return interpret(step, DeviceTransport(step), flat_args, stats)
+def run(step: CompiledStep, flat_args: Sequence[Any], stats: RunStats | None = None,
+        nvme: NvmeRun | None = None) -> list[Any]:
+    """Dispatches every program of one step in the schedule's order, in this process.
+    With `nvme`, state on the NVMe tier is read where a program first wants it and the
+    new state written as it is made, one generation committed when the step is done
+    (runtime/nvme_tier.py); a step that raises commits nothing."""
+    transport = DeviceTransport(step)
+    if nvme is None:
+        return interpret(step, transport, flat_args, stats)
+    nvme.attach(transport)
+    try:
+        outputs = interpret(step, transport, flat_args, stats)
+    except BaseException:
+        nvme.abort()
+        raise
+    try:
+        return nvme.commit(outputs)
+    except BaseException:
+        nvme.abort()
+        raise

@@ -46,7 +46,7 @@ class StageDecision:
     zero: int = 0
     replica: int = 0
     dots_bytes: float = 0.0  # per example: the matmul results a "dots" stage keeps besides its input
-    offload: str = ""  # where its optimizer state lives between steps: "" its devices, "host" host memory
+    offload: str = ""  # where its optimizer state lives between steps: "" its devices, "host" host memory, "nvme" disk
     zero_group: int = 0  # hybrid sharding: ZeRO over this many of the data axis's devices (a node's); 0: all
 
     @property
@@ -87,6 +87,8 @@ class StageCost:
     overlapped_s: float = 0.0  # the step's gradient reduction hidden under the last backward (not in sync_s)
     group_host_bytes: float = 0.0  # host memory per device of the device group (offloaded state), all chunks
     host_capacity: float = 0.0  # host memory a device may fill (its share of its node's); 0: unknown
+    group_nvme_bytes: float = 0.0  # local-disk bytes per device of the device group (NVMe-tier state), all chunks
+    nvme_capacity: float = 0.0  # disk bytes a device may fill (its share of its node's); 0: none declared
 
     @property
     def times(self) -> StageTimes:
@@ -101,8 +103,12 @@ class StageCost:
         return self.group_host_bytes <= self.host_capacity if self.group_host_bytes else True
 
     @property
+    def fits_nvme(self) -> bool:
+        return self.group_nvme_bytes <= self.nvme_capacity if self.group_nvme_bytes else True
+
+    @property
     def fits(self) -> bool:
-        return self.fits_device and self.fits_host
+        return self.fits_device and self.fits_host and self.fits_nvme
 
 
 @dataclass(frozen=True)
@@ -198,15 +204,17 @@ def estimate(problem: Problem, decisions: Decisions, costs: StageCosts | None = 
             at = lambda x: float(np.broadcast_to(x, v.forward.shape)[i, j])  # noqa: E731
             send = float(costs.sends(cfg, configs[p + 1], b)[j]) if p + 1 < n else 0.0
             memory = DeviceMemory(at(v.memory.parameters), at(v.memory.gradients), at(v.memory.optimizer_state),
-                                  at(v.memory.activations), at(v.memory.workspace), at(v.memory.host))
+                                  at(v.memory.activations), at(v.memory.workspace), at(v.memory.host), at(v.memory.nvme))
             raw.append((s, at(v.forward), at(v.backward), send, at(v.sync), at(v.tail) - at(v.sync), memory,
                         costs.capacity(s.kind), at(v.hidden)))
         group_total = [sum(raw[q][6].total for q in range(g, n, groups)) for g in range(groups)]
         group_host = [sum(raw[q][6].host for q in range(g, n, groups)) for g in range(groups)]
+        group_nvme = [sum(raw[q][6].nvme for q in range(g, n, groups)) for g in range(groups)]
         raw = _blocking_sends(problem, raw)
         for p, (s, fwd, bwd, send, sync, opt, memory, capacity, hidden) in enumerate(raw):
             priced[index[id(s)]] = StageCost(fwd, bwd, send, sync + cross, opt, memory, capacity, group_total[p % groups], hidden,
-                                             group_host[p % groups], costs.host_capacity(s.kind))
+                                             group_host[p % groups], costs.host_capacity(s.kind),
+                                             group_nvme[p % groups], costs.nvme_capacity(s.kind))
     stage_costs = tuple(c for c in priced if c is not None)  # every stage: each replica's were priced
     per_replica = [[c.times for c, s in zip(stage_costs, d.stages) if s.replica == r] for r in range(len(d.replica_batch))]
     if all(problem.kind(s.kind).shared_host for s in d.stages):

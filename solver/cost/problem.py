@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from solver import schedules
 from solver.collectives import LinkCost
 from solver.cost.measured import MeasuredLayer
+from solver.memory import OFFLOAD_TIERS
 
 
 class PlanningError(ValueError):
@@ -77,6 +78,11 @@ class DeviceKind:
     # Host memory per device (the node's divided among its devices) for offloaded state; 0: unknown,
     # and nothing is offloaded to it.
     host_memory_bytes: float = 0.0
+    # The node's local disk for NVMe-tier optimizer state: its read/write bandwidth (bytes/s, the
+    # node's devices sharing it) and the bytes per device (the node's divided among its devices);
+    # 0: none declared, and nothing goes to disk.
+    nvme_bandwidth: float = 0.0
+    nvme_bytes: float = 0.0
     # The kind's devices are one host's cores (CPU virtual devices): nothing on them runs side by side,
     # so a step costs the host every stage's work one after another (`solver.cost.estimate`), and a
     # stage's modelled layer times are its devices' work added up.
@@ -135,9 +141,10 @@ class Problem:
     force_remat: bool = False  # every stage recomputes its forward in the backward (Megatron's full recomputation)
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)  # ZeRO stages a data-parallel stage may use (solver.memory.ZERO_STAGES)
     # Where a stage may keep its optimizer state (solver.memory.OFFLOAD_TIERS): "" on its devices,
-    # "host" in host memory. The planner offloads only a range that fits no other way (offloading
-    # only adds time); ("host",) forces it on every stage.
-    offload_tiers: tuple[str, ...] = ("", "host")
+    # "host" in host memory, "nvme" on its nodes' disks. The planner offloads only a range that fits
+    # no other way (offloading only adds time), and to disk only a range host memory cannot take;
+    # ("host",) or ("nvme",) forces that tier on every stage.
+    offload_tiers: tuple[str, ...] = ("", "host", "nvme")
     allow_replicas: bool = True  # pipelines of different kinds side by side, splitting the batch
     use_all_kinds: bool = False  # only plans that give every kind work
     min_examples: int = 1  # per microbatch on each data-parallel device
@@ -175,8 +182,8 @@ class Problem:
             raise PlanningError(f"chunk counts must be positive, got {self.chunks}")
         if bad := [z for z in self.zero_stages if z not in (0, 1, 2, 3)]:
             raise PlanningError(f"unknown ZeRO stage {bad[0]}; use 0 (replicated), 1 (optimizer state sharded), 2 (+ gradients) or 3 (+ parameters)")
-        if bad := [t for t in self.offload_tiers if t not in ("", "host")] or not self.offload_tiers:
-            raise PlanningError(f"unknown offload tier {bad[0] if bad else None!r}; use '' (optimizer state on the devices) "
-                                "or 'host' (in host memory)")
+        if bad := [t for t in self.offload_tiers if t not in OFFLOAD_TIERS] or not self.offload_tiers:
+            raise PlanningError(f"unknown offload tier {bad[0] if bad else None!r}; use '' (optimizer state on the devices), "
+                                "'host' (in host memory) or 'nvme' (on the nodes' local disks)")
         if not self.microbatch_counts():
             raise PlanningError(f"none of the microbatch counts {self.microbatches} divides the batch of {self.batch_size}")

@@ -165,9 +165,14 @@ class StageCosts:
         return self._tables(cfg, b, in_flight, last, m)
 
     def may_offload(self, kind: DeviceKind) -> bool:
-        """Whether a stage of `kind` may keep its optimizer state in host memory: the
-        problem allows it, there is state to keep, and the host's memory is known."""
-        return "host" in self.problem.offload_tiers and self.problem.training and kind.host_memory_bytes > 0
+        """Whether a stage of `kind` may keep its optimizer state off its devices: the
+        problem allows a tier whose room on the node is known (host memory, a local
+        disk), and there is state to keep."""
+        if not self.problem.training:
+            return False
+        if kind.host_memory_bytes <= 0:  # the disk tier stages through host memory too
+            return False
+        return "host" in self.problem.offload_tiers or "nvme" in self.problem.offload_tiers and kind.nvme_bytes > 0
 
     def offload_tiers(self, cfg: StageConfig) -> list[str]:
         """Where the stage's optimizer state may live (solver.memory.OFFLOAD_TIERS)."""
@@ -178,6 +183,22 @@ class StageCosts:
         """Host memory a device of `kind` may fill with offloaded state (its share of its
         node's); 0 where unknown."""
         return float(self.kinds[kind].host_memory_bytes)
+
+    def nvme_capacity(self, kind: str) -> float:
+        """Disk bytes a device of `kind` may fill with NVMe-tier state (its share of its
+        node's local disk); 0 where none is declared."""
+        return float(self.kinds[kind].nvme_bytes)
+
+    def nvme_transfer_s(self, cfg: StageConfig, nbytes: np.ndarray | float) -> np.ndarray | float:
+        """Seconds to read `nbytes` of NVMe-tier state per device from the node's disk
+        and write the updated state back, every step: a disk reads and writes over one
+        bandwidth (not full duplex), shared by the node's devices that use it. On top
+        of the host link's time (`host_transfer_s`): the state crosses both."""
+        kind = self.kinds[cfg.kind]
+        if kind.nvme_bandwidth <= 0:
+            return np.asarray(nbytes, dtype=float) * np.inf
+        share = kind.nvme_bandwidth / min(cfg.devices, kind.devices_per_node)
+        return 2 * np.asarray(nbytes, dtype=float) / share
 
     def host_transfer_s(self, cfg: StageConfig, nbytes: np.ndarray | float) -> np.ndarray | float:
         """Seconds to stream `nbytes` of offloaded state per device to the device and the
@@ -310,14 +331,18 @@ class StageCosts:
         stacked: dict[str, list[np.ndarray]] = {name: [] for name in (*fields, "memory")}
         costs: list[np.ndarray] = []
         upper = np.triu(np.ones(shape, dtype=bool), k=1)
-        host = self.host_capacity(cfg.kind)
+        host, disk = self.host_capacity(cfg.kind), self.nvme_capacity(cfg.kind)
         for offload in tiers:
-            # Offloading only adds time: it is tried where some range fits no other way.
-            if offload and (not host or "" in tiers and costs and (np.min(costs, axis=0)[upper] < INF).all()):
+            # Offloading only adds time: a tier is tried where some range fits in none tried
+            # before it (host memory before disk), unless it is the only one allowed.
+            if offload and (not host or offload == "nvme" and not disk
+                            or costs and (np.min(costs, axis=0)[upper] < INF).all()):
                 continue
             for i, (zero, remat) in enumerate(choices):
                 v = self.variant(cfg, b, held, last, zero, remat, offload=offload)
                 fits = (v.memory.total <= capacity) & (np.asarray(v.memory.host) <= host if offload else True)
+                if offload == "nvme":
+                    fits = fits & (np.asarray(v.memory.nvme) <= disk)
                 tail = _full(v.tail, shape) if offload else fields["tail"][i]
                 for name in fields:
                     stacked[name].append(tail if name == "tail" else fields[name][i])
@@ -355,15 +380,18 @@ class StageCosts:
         `dots`: per example, the matmul results a "dots" policy keeps besides the
         stage's input (the planner never chooses it; a user may). `offload` "host": the
         optimizer state lives in host memory (`solver.memory.offloaded`) and the tail
-        streams it in and out (`host_transfer_s`)."""
+        streams it in and out (`host_transfer_s`); "nvme": it lives on the node's disk,
+        and the tail reads and writes it there too (`nvme_transfer_s`)."""
         state, activations, fused, workspace = self._held_memory(cfg, b, last, zero, remat, dots)
         memory = stage_memory(state, activations, held, remat, fused=fused, workspace=workspace)
         forward, backward, tail, sync, hidden = self._times(cfg, b, zero, remat)
         if not offload:
             return StageVariant(forward, backward, memory, tail, sync, hidden)
         per_layer = self._params_max(cfg.tp) * max(self.problem.state_factor - 2, 0.0) / (cfg.zero_shards if zero >= 1 else 1)
-        return StageVariant(forward, backward, offloaded(memory, offload, per_layer),
-                            tail + self.host_transfer_s(cfg, memory.optimizer_state), sync, hidden)
+        moved = self.host_transfer_s(cfg, memory.optimizer_state)
+        if offload == "nvme":
+            moved = moved + self.nvme_transfer_s(cfg, memory.optimizer_state)
+        return StageVariant(forward, backward, offloaded(memory, offload, per_layer), tail + moved, sync, hidden)
 
     def _held_memory_uncached(self, cfg: StageConfig, b: int, last: bool, zero: int, remat: str,
                               dots: float) -> tuple[DeviceMemory, StageActivations, bool, np.ndarray | float]:

@@ -400,13 +400,13 @@ class Planner:
         blocked = self._why_no_shape_runs()
         if blocked:
             return blocked
-        offload = all(self.costs.may_offload(k) for k in p.kinds)  # the optimizer state may go to host memory
+        offload = all(self.costs.may_offload(k) for k in p.kinds)  # the optimizer state may leave the devices
         need = float(self.costs.params.sum()) * (2.0 if offload else p.state_factor)
         have = sum(k.count * k.usable_bytes * (1 - p.memory_reserve) for k in p.kinds)
         gib = 2**30
         if need > have:
             notes = "".join(f" ({n})" for n in (memory_note(k) for k in p.kinds) if n)
-            held = "parameters and gradients (the optimizer state in host memory)" if offload else \
+            held = "parameters and gradients (the optimizer state off the devices)" if offload else \
                 "parameters, gradients and optimizer state"
             if not offload and "host" in p.offload_tiers:
                 notes += ("; with host_memory_gib in the cluster file's groups the optimizer state could be kept in host "
@@ -423,6 +423,12 @@ class Planner:
         notes = [n for n in (memory_note(k) for k in p.kinds) if n]
         if notes:
             fixes.append("raise the memory the JAX client may use (" + "; ".join(notes) + ")")
+        if p.training and any(k.host_memory_bytes for k in p.kinds):  # the optimizer state could go to local disks
+            if "nvme" not in p.offload_tiers and "host" in p.offload_tiers:
+                fixes.append("allow offload='nvme' (the optimizer state on local disks where host memory is short)")
+            elif "nvme" in p.offload_tiers and not any(k.nvme_bytes for k in p.kinds):
+                fixes.append("give nvme_gib in the cluster file's groups (the optimizer state on local disks where host "
+                             "memory is short)")
         return (f"no plan fits in memory: the state fits in the cluster's {have / gib:.1f} GiB, but no split of the layers keeps "
                 f"every device's state and activations within its memory; to fit: {', '.join(fixes)}")
 
