@@ -18,19 +18,29 @@ free compute, so its objective is the bytes the chosen collectives move per devi
 (all-reduce 2(a-1)/a, all-gather (a-1)/a of the message over an a-device axis: the
 bandwidth term of the fastest algorithm). Also printed: each mesh's predicted time
 for the step's matmuls and collectives under the ILP, and the weight state per device.
+Then what hetpar chooses by itself: the sharding pass's chooser
+(hetpar/shard/model_axes.py) given the 4 x 16 mesh, which solves it and its
+factorings 4 x 2 x 8 and 4 x 4 x 4 and keeps the cheapest, and the planning passes
+end to end (planner, then the sharding pass) on examples/clusters/a100_64.yaml (8
+nodes of 8 A100s): the meshes its stages get and its predicted step.
 Ends with RESULT comm_bytes_1d=<b> comm_bytes_2d=<b> comm_bytes_3d=<b> (per device,
-one step) three_d_least=<0|1>.
+one step) three_d_least=<0|1> auto_picks_3d=<0|1> (the planning passes put a stage on
+a 3-axis mesh).
 Run: .venv/bin/python benchmarks/tensor_3d.py [--tokens 16384 --hidden 16384]
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 from hetpar.cluster.catalog import device_type
+from hetpar.cluster.cluster import Cluster
+from hetpar.pipeline import solve
+from hetpar.shard.model_axes import choose_model_axes
 from hetpar.shard.strategies import stage_problem
 from hetpar.trace.traced_step import trace_step
 from solver.collectives import LinkCost
@@ -41,6 +51,7 @@ MESHES = {
     "2D": {"data": 8, "model": 8},
     "3D": {"data": 4, "model": 4, "model2": 4},
 }
+CLUSTERS = Path(__file__).resolve().parent.parent / "examples" / "clusters"
 BYTES = LinkCost(1.0, 0.0)  # seconds over it are bytes per device
 
 
@@ -96,8 +107,23 @@ def main() -> None:
               f"step {solution.cost_s * 1e3:.2f} ms predicted, weight state {state / 2**20:,.1f} MiB per device")
         print(f"   layouts: {'; '.join(layouts)}")
     least = int(result["3D"] < min(result["1D"], result["2D"]))
+
+    solved: dict[str, float] = {}
+
+    def cost_of(mesh: dict[str, int]) -> float:
+        problem = stage_problem(graph, ops, held, mesh, flops, link, batch_axis=traced.analysis.batch_axis)
+        solved["x".join(map(str, mesh.values()))] = cost = solve_intra_op(problem.problem).cost_s
+        return cost
+
+    shape, _ = choose_model_axes((4, 16), cost_of)
+    print(f"chooser, given 4x16: {'x'.join(map(str, shape))} (ILP step of the matmuls and collectives: "
+          f"{', '.join(f'{m} {c * 1e3:.2f} ms' for m, c in solved.items())})")
+    plan = solve(traced, Cluster.from_file(str(CLUSTERS / "a100_64.yaml")).numbered())
+    meshes = ", ".join(f"stage {s.index}: {'x'.join(map(str, s.mesh_shape))}" for s in plan.stages)
+    auto = int(any(len(s.mesh_shape) == 3 for s in plan.stages))
+    print(f"planned end to end on a100_64.yaml: {meshes}; step {plan.predicted_step_time_s * 1e3:.2f} ms predicted")
     print(f"RESULT comm_bytes_1d={result['1D']:.0f} comm_bytes_2d={result['2D']:.0f} comm_bytes_3d={result['3D']:.0f} "
-          f"three_d_least={least}")
+          f"three_d_least={least} auto_picks_3d={auto}")
 
 
 if __name__ == "__main__":

@@ -264,7 +264,9 @@ def parallelize(
     - `mesh_shape=(data, model)` (or one per stage): every stage's devices form that
       2-D mesh, its operators sharded over it by the intra-op ILP; `(data, model,
       model2)`: a 3-axis mesh, where a matmul may be split over all three (3D tensor
-      parallelism);
+      parallelism). Without `mesh_shape` the sharding pass chooses each stage's mesh,
+      a model axis of 4 or more also as two where the ILP prices that cheaper
+      (`ShardingOption.factor_model_axis=True` lets it factor a given `(data, model)`);
     - `profile`: a `hetpar profile` file whose measured figures (device kinds, and with
       `--layers` each distinct layer's times) price the plan where they apply: they
       change which plan is chosen and its predicted figures, never how a plan runs;

@@ -91,6 +91,11 @@ class ShardingOption:
     # sharding pass takes a node's data ranks for a stage whose ZeRO stage is known and
     # whose data axis spans nodes, where the estimator prices that faster (or only it fits).
     zero_group: int | str | None = None
+    # 3D tensor parallelism (hetpar.shard.model_axes): a stage's model axis of 4 or more
+    # devices may be laid out as two, `model` x `model2`, where the ILP prices that
+    # cheaper. None: where the sharding pass chooses the meshes (no mesh_shape given);
+    # True: a (data, model) mesh_shape given by hand too; False: never.
+    factor_model_axis: bool | None = None
 
 
 @dataclass(frozen=True)

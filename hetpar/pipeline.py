@@ -120,6 +120,8 @@ def price_like(traced: TracedStep, plan: Plan, cluster: Cluster) -> Plan:
         inputs = replace(inputs, training=False, state_factor=1.0, optimizer_traffic=0.0)
     stages = tuple(replace(s, layer_start=a, layer_end=b, zero=s.zero if training else 0, remat=s.remat if training else "",
                            offload=s.offload if training else "", offloaded=s.offloaded if training else (),
+                           # the train step's collectives name its layers, not this function's: Megatron's estimate
+                           model_collectives=(),
                            flops=sum(layers.flops[a:b]))  # the function's own: a forward-only eval's, no backward
                    for s, (a, b) in zip(plan.stages, bounds))
     return priced(replace(plan, stages=stages, num_layers=layers.num_layers, cost_inputs=inputs))

@@ -118,7 +118,7 @@ def sync_algorithms(plan: Plan) -> dict[int, str]:
 
     found: dict[int, list[str]] = {}
     for u in plan_collectives(plan):
-        if u.stage is not None and u.purpose != "tensor-parallel partial sums" and u.algorithm not in found.get(u.stage, []):
+        if u.stage is not None and not u.purpose.startswith("tensor-parallel") and u.algorithm not in found.get(u.stage, []):
             found.setdefault(u.stage, []).append(u.algorithm)
     return {stage: " + ".join(names) for stage, names in found.items()}
 

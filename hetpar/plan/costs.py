@@ -18,17 +18,20 @@ from hetpar.errors import PlanError
 from hetpar.plan.model import Plan, StagePlan
 from solver.cost.problem import PlanningError
 from solver.cost.estimate import Decisions, PlanCost, StageDecision, estimate
+from solver.cost.model_axes import ModelCollective
 
 
 def decisions(plan: Plan, dots_bytes: dict[int, float] | None = None) -> Decisions:
     """The choices of `plan` (which has cost inputs) as the estimator reads them. A
     stage runs on its cluster group's device kind (the cost inputs name kinds by
-    group) with its mesh's data and model axes; `dots_bytes` (per stage index, per
+    group) with its mesh's data and model axes, and, on two model axes, the
+    collectives its layouts run (`StagePlan.model_collectives`); `dots_bytes` (per stage index, per
     example): what a "dots" recomputation keeps."""
     dots_bytes = dots_bytes or {}
     stages = tuple(
         StageDecision(s.group or s.device_type, *_mesh(s), s.layer_start, s.layer_end, s.remat, s.zero, s.replica,
-                      dots_bytes.get(s.index, 0.0), s.offload, s.zero_group)
+                      dots_bytes.get(s.index, 0.0), s.offload, s.zero_group,
+                      tuple(ModelCollective(*c) for c in s.model_collectives))
         for s in plan.stages
     )
     batch = plan.replica_batch or (plan.cost_inputs.batch_size,)

@@ -149,6 +149,11 @@ def _check_shardings(stage: StagePlan, label: str) -> None:
                         "set offload to \"host\" or \"nvme\", or drop offloaded")
     if any(len(pair) != 2 or not all(isinstance(v, int) and v >= 0 for v in pair) for pair in stage.offloaded):
         raise PlanError(f"{label}: offloaded lists [state value id, new state value id] pairs of non-negative integers")
+    for c in stage.model_collectives:
+        if len(stage.mesh_shape) != 3 or len(c) != 7 or not stage.layer_start <= c[0] < stage.layer_end:
+            raise PlanError(f"{label}: model_collectives lists {list(c)}; they are [layer, backward, collective, devices, bytes, "
+                            f"bytes per example, count] for the layers {stage.layer_start}..{stage.layer_end - 1} of a stage on "
+                            f"a 3-axis mesh (this one's is {list(stage.mesh_shape)}): solve the plan again")
     if stage.gathered and stage.zero != 3:
         raise PlanError(f"{label}: the stage lists parameters to gather (gathered) but zero is {stage.zero}; only ZeRO-3 "
                         f"stores parameters sharded: set zero to 3 or drop gathered")

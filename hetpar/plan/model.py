@@ -81,6 +81,11 @@ class StagePlan:
     offloaded: tuple[tuple[int, int], ...] = ()
     host_bytes: int = 0  # predicted host memory per device (offloaded state), all chunks of its device group
     nvme_bytes: int = 0  # predicted local-disk bytes per device (NVMe-tier state), all chunks of its device group
+    # A stage whose tensor parallelism spans two model axes (a 3-axis mesh): the collectives
+    # its layouts run per microbatch, as the sharding pass's solver chose them, which the
+    # estimator prices in place of Megatron's (solver.cost.model_axes.ModelCollective):
+    # (layer, in the backward, collective, devices, bytes per device, bytes per example, count).
+    model_collectives: tuple[tuple[int, bool, str, int, float, float, int], ...] = ()
 
     @property
     def num_layers(self) -> int:

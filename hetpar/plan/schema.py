@@ -84,6 +84,8 @@ class StageSchema(_Strict):
     offloaded: tuple[tuple[Count, Count], ...] = ()  # (state value id read, new state value id returned)
     host_bytes: Count = 0
     nvme_bytes: Count = 0
+    # 3-axis mesh: (layer, backward, collective, devices, bytes per device, bytes per example, count)
+    model_collectives: tuple[tuple[Count, bool, Literal["all_reduce", "all_gather"], Positive, Figure, Figure, Positive], ...] = ()
 
     @model_validator(mode="after")
     def _shape(self) -> "StageSchema":

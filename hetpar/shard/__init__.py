@@ -1,11 +1,13 @@
-"""The sharding pass: each stage's operators on its `data` x `model` mesh. The
-choices (`strategies.py`), solved by `solver.intra_op`, become PartitionSpecs per
-value, written into the plan; the split of a stage's devices into those two axes is
-chosen by the same solver. Compile only reads what this pass wrote."""
+"""The sharding pass: each stage's operators on its `data` x `model` mesh (or
+`data` x `model` x `model2`). The choices (`strategies.py`), solved by
+`solver.intra_op`, become PartitionSpecs per value, written into the plan; the split
+of a stage's devices into those axes is chosen by the same solver (`_best_mesh`,
+then `model_axes.py` for a second model axis). Compile only reads what this pass wrote."""
 
 from __future__ import annotations
 
 import logging
+import math
 from collections import OrderedDict
 from dataclasses import replace
 
@@ -14,6 +16,7 @@ from hetpar.errors import PlanError
 from hetpar.options import ShardingOption
 from hetpar.plan import Plan, StagePlan
 from hetpar.plan.costs import estimate_plan
+from hetpar.shard.model_axes import model_collectives, with_model_axes
 from hetpar.shard.strategies import AXES, Spec, tensor_parallel, to_source, stage_problem
 from hetpar.shard.zero import apply_zero, offloaded_state, stage_params, zero_items
 from hetpar.trace.flops import op_costs
@@ -57,15 +60,24 @@ def shard_stages(traced: TracedStep, layers: Layers, plan: Plan, option: Shardin
     for stage in plan.stages:
         if devices_per_node is not None:
             stage = _best_mesh(solver, plan, stage, traced.batch_size, devices_per_node.get(stage.group, stage.num_devices))
+        if option.factor_model_axis or (option.factor_model_axis is None and devices_per_node is not None):
+            stage = _model_axes(solver, stage)
         mesh = mesh_axes(stage)
         stage = replace(stage, zero_group=zero_group(stage, mesh, option, plan))
-        specs, _, operands = solver.solve(stage, mesh) if tensor_parallel(mesh) else ({}, 0.0, {})
+        specs, _, operands, moved = solver.solve(stage, mesh) if tensor_parallel(mesh) else ({}, 0.0, {}, ())
         specs, zero, gathered = _zero(traced, layers, plan, stage, specs, mesh, option, solver.link(stage))
         kept = offloaded_state(traced, plan, stage) if stage.offload else ()
         stages.append(replace(stage, shardings=tuple(sorted(specs.items())), operand_shardings=tuple(sorted(operands.items())),
                               zero=zero, zero_group=stage.zero_group if zero else 0, gathered=tuple(sorted(gathered.items())),
-                              offloaded=kept))
+                              offloaded=kept, model_collectives=moved))
     return replace(plan, stages=tuple(stages))
+
+
+def _model_axes(solver: "_StageSolver", stage: StagePlan) -> StagePlan:
+    """A stage whose model axis has 4 or more devices, on one model axis or two
+    (`hetpar.shard.model_axes`), whichever its ILP prices cheaper; its degrees kept."""
+    chosen = with_model_axes(stage, lambda mesh: solver.solve(stage, mesh)[1])
+    return replace(chosen, data_parallel=chosen.mesh_shape[0], tensor_parallel=math.prod(chosen.mesh_shape[1:]))
 
 
 def zero_group(stage: StagePlan, mesh: dict[str, int], option: ShardingOption, plan: Plan | None = None) -> int:
@@ -237,11 +249,12 @@ class _StageSolver:
     def __init__(self, traced: TracedStep, layers: Layers, plan: Plan, option: ShardingOption, links: dict[str, LinkCost]):
         self.traced, self.layers, self.plan, self.option, self.links = traced, layers, plan, option, links
         self.dtype = compute_dtype(traced.full, [c.flops for c in op_costs(traced.full)])  # as the planner's
-        self._solved: dict[tuple, tuple[dict[int, Spec], float, dict[int, tuple[Spec, Spec]]]] = {}
+        self._solved: dict[tuple, tuple[dict[int, Spec], float, dict[int, tuple[Spec, Spec]], tuple]] = {}
 
-    def solve(self, stage: StagePlan, mesh: dict[str, int]) -> tuple[dict[int, Spec], float, dict[int, tuple[Spec, Spec]]]:
-        """Value id -> layout (weights, matmul results), the predicted time, and
-        operator index -> its two operands' layouts (what compile pins)."""
+    def solve(self, stage: StagePlan, mesh: dict[str, int]) -> tuple[dict[int, Spec], float, dict[int, tuple[Spec, Spec]], tuple]:
+        """Value id -> layout (weights, matmul results), the predicted time,
+        operator index -> its two operands' layouts (what compile pins), and the
+        collectives those layouts run (`StagePlan.model_collectives`'s records)."""
         key = (stage.index, tuple(mesh.items()), stage.zero_group)  # the group sets the state ZeRO leaves per device
         if key not in self._solved:
             self._solved[key] = self._solve(stage, mesh)
@@ -262,7 +275,7 @@ class _StageSolver:
             return kind.flops, kind.matmul_half_flops
         return matmul_speed(stage.device_type, self.dtype)
 
-    def _solve(self, stage: StagePlan, mesh: dict[str, int]) -> tuple[dict[int, Spec], float, dict[int, tuple[Spec, Spec]]]:
+    def _solve(self, stage: StagePlan, mesh: dict[str, int]) -> tuple[dict[int, Spec], float, dict[int, tuple[Spec, Spec]], tuple]:
         traced = self.traced
         of_op = self.plan.stage_of_operators(stage.replica)
         ops = [i for i, s in enumerate(of_op) if s == stage.index]
@@ -278,7 +291,7 @@ class _StageSolver:
                                              matmul_half_flops=half)
         problem = build(None)
         if problem is None:
-            return {}, 0.0, {}
+            return {}, 0.0, {}, ()
         solution = _solve_once(problem.problem, self.option.time_limit_s)
         problem, solution = self._within_memory(stage, build, problem, solution, factor, self._gathered(stage, zero, mesh))
         log.info("stage %d sharded on %s: %.3g s predicted (%s)", stage.index, mesh, solution.cost_s,
@@ -292,7 +305,8 @@ class _StageSolver:
         for weight, (n, pos, dims) in problem.weights.items():
             choice = problem.choices[n][solution.choice[n]]
             out[weight] = to_source((choice.lhs, choice.rhs)[pos], dims)
-        return _follow_state(traced, out), solution.cost_s, operands
+        moved = model_collectives(traced, self.layers, stage, problem, solution.choice) if AXES[2] in mesh else ()
+        return _follow_state(traced, out), solution.cost_s, operands, moved
 
 
     def _gathered(self, stage: StagePlan, zero: int, mesh: dict[str, int]) -> float:

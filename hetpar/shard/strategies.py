@@ -27,7 +27,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from hetpar.trace.opgraph import OpGraph
 from solver.collectives import LinkCost, Topology, best
@@ -49,12 +49,32 @@ class DotChoice:
     summed_over: tuple[str, ...]  # axes that split the contraction: partial sums to all-reduce
 
 
+Step = tuple[str, str, int, float]  # one collective: its name, the mesh axis it runs over, that axis's devices, each one's bytes
+
+
+@dataclass(frozen=True)
+class Move:
+    """What a node or an edge of the problem moves under a choice of every node's
+    strategy: the operator it is charged to, the value it moves (for whether its
+    bytes grow with the examples) and the collectives (`Step`s) the ILP priced."""
+
+    op: int
+    value: int
+    steps: Callable[[tuple[int, ...]], list[Step]]
+
+
 @dataclass(frozen=True)
 class StageProblem:
     problem: IntraOpProblem
     dots: tuple[int, ...]  # op index per node
     choices: tuple[tuple[DotChoice, ...], ...]  # per node, per strategy
     weights: dict[int, tuple[int, int, tuple[int, ...]]]  # weight -> (node, operand, its dims in the operand) of its first reader
+    moves: tuple[Move, ...] = ()  # every node's partial sums and every edge's resharding
+
+    def collectives(self, choice: tuple[int, ...]) -> list[tuple[int, int, Step]]:
+        """The collectives the solution `choice` runs, as the ILP priced them: (the
+        operator each is charged to, the value it moves, the collective)."""
+        return [(m.op, m.value, step) for m in self.moves for step in m.steps(choice)]
 
 
 def dot_choices(op: Any, avals: list[Any], mesh: dict[str, int], examples: tuple[int | None, int | None] = (None, None)) -> list[DotChoice]:
@@ -191,7 +211,7 @@ def stage_problem(
         return None
     batch_axis = batch_axis or {}
     position = {i: n for n, i in enumerate(dots)}
-    nodes, choices, weights = [], [], {}
+    nodes, choices, weights, moves = [], [], {}, []
     # A stage of identical blocks asks the same questions once per block: a dot's
     # choices and priced strategies depend only on its shapes (and which of its
     # operands are weights first read there), and an edge's table only on its two
@@ -220,8 +240,7 @@ def stage_problem(
             strategies = []
             for c in options:
                 devices = _shards(c.lhs, mesh) * _shards(tuple(a for a in c.rhs if a not in c.lhs), mesh)
-                partial = out_bytes / _shards(c.out, mesh)
-                comm = sum(best("all_reduce", Topology(1, mesh[a], link, link), partial)[1] for a in c.summed_over)
+                comm = _steps_s(_sum_steps(c, out_bytes, mesh), link)
                 held = sum((data_state_factor if AXES[0] in (c.lhs, c.rhs)[pos] else state_factor) * nbytes
                            / _shards((c.lhs, c.rhs)[pos], mesh) for pos, nbytes in held_here)
                 each = flops / devices
@@ -230,6 +249,7 @@ def stage_problem(
             strategies_of[key] = tuple(strategies)
         nodes.append(Node(f"{op.scope}/dot_general#{i}", strategies_of[key]))
         choices.append(options)  # shared by identical dots: edge tables are cached by its identity
+        moves.append(Move(i, op.outputs[0], lambda ch, n=n, b=out_bytes: _sum_steps(choices[n][ch[n]], b, mesh)))
     edges = []
     for n, i in enumerate(dots):
         for pos, v in enumerate(graph.ops[i].inputs):
@@ -248,23 +268,23 @@ def stage_problem(
                     continue
                 key = (id(choices[src]), id(choices[n]), how, pos, dims, nbytes)
                 if key not in tables:
-                    tables[key] = tuple(
-                        tuple(_reshard_s(have(a), to_source((b.lhs, b.rhs)[pos], dims), nbytes, mesh, link) for b in choices[n])
-                        for a in choices[src]
-                    )
+                    tables[key] = _reshard_table([have(a) for a in choices[src]],
+                                                 [to_source((b.lhs, b.rhs)[pos], dims) for b in choices[n]], nbytes, mesh, link)
                 edges.append(Edge(src, n, tables[key]))
-    edges += _update_edges(graph, position, choices, weights, mesh, link)
+                moves.append(Move(i, v, lambda ch, s=src, n=n, h=have, p=pos, d=dims, b=nbytes: _reshard_steps(
+                    h(choices[s][ch[s]]), to_source((choices[n][ch[n]].lhs, choices[n][ch[n]].rhs)[p], d), b, mesh)))
+    edges += _update_edges(graph, position, choices, weights, mesh, link, moves, dots)
     holders = tuple(sorted({node for node, _, _ in weights.values()}))
     same_as = _same_as(graph, dots, weights, batch_axis, op_layer) if op_layer else ()
     return StageProblem(
         IntraOpProblem(tuple(nodes), tuple(edges), memory_budget, (holders,) if memory_budget is not None and holders else (),
                        same_as),
-        tuple(dots), tuple(choices), weights,
+        tuple(dots), tuple(choices), weights, tuple(moves),
     )
 
 
 def _update_edges(graph: OpGraph, position: dict[int, int], choices: list, weights: dict, mesh: dict[str, int],
-                  link: LinkCost) -> list[Edge]:
+                  link: LinkCost, moves: list[Move], dots: list[int]) -> list[Edge]:
     """The optimizer update reads a weight's gradient where the weight lies, so the
     matmul that makes the gradient pays to bring it into the weight's layout (a
     gradient split over an axis the weight is not split over must be gathered). The
@@ -283,9 +303,10 @@ def _update_edges(graph: OpGraph, position: dict[int, int], choices: list, weigh
             key = (id(choices[maker]), id(choices[reader]), pos, dims, path, nbytes)
             if key not in tables:
                 lies = [to_source(to_source((c.lhs, c.rhs)[pos], dims), path) for c in choices[reader]]
-                tables[key] = tuple(tuple(_reshard_s(a.out, want, nbytes, mesh, link) for want in lies)
-                                    for a in choices[maker])
+                tables[key] = _reshard_table([a.out for a in choices[maker]], lies, nbytes, mesh, link)
             edges.append(Edge(maker, reader, tables[key]))
+            moves.append(Move(dots[maker], source, lambda ch, a=maker, r=reader, p=pos, d=dims, t=path, b=nbytes: _reshard_steps(
+                choices[a][ch[a]].out, to_source(to_source((choices[r][ch[r]].lhs, choices[r][ch[r]].rhs)[p], d), t), b, mesh)))
     return edges
 
 
@@ -316,15 +337,42 @@ def _same_as(graph: OpGraph, dots: list[int], weights: dict, batch_axis: dict[in
     return tuple(same_as)
 
 
+def _reshard_table(haves: list[Spec], wants: list[Spec], nbytes: int, mesh: dict[str, int],
+                   link: LinkCost) -> tuple[tuple[float, ...], ...]:
+    """An edge's seconds for each producer layout (row) and consumer layout (column):
+    many strategies share a layout (more so on three axes), so each distinct pair is
+    priced once."""
+    priced: dict[tuple[Spec, Spec], float] = {}
+    for have in set(haves):
+        for want in set(wants):
+            priced[have, want] = _reshard_s(have, want, nbytes, mesh, link)
+    return tuple(tuple(priced[have, want] for want in wants) for have in haves)
+
+
 def _reshard_s(have: Spec, want: Spec, nbytes: int, mesh: dict[str, int], link: LinkCost) -> float:
+    return _steps_s(_reshard_steps(have, want, nbytes, mesh), link)
+
+
+def _reshard_steps(have: Spec, want: Spec, nbytes: int, mesh: dict[str, int]) -> list[Step]:
     """Gathering every axis the producer split on that the consumer does not want on
     the same dimension; a split the consumer adds is a local slice (free)."""
-    seconds, size = 0.0, nbytes / _shards(have, mesh)
+    steps, size = [], nbytes / _shards(have, mesh)
     for d, axis in enumerate(have):
         if axis is not None and want[d] != axis:
-            seconds += best("all_gather", Topology(1, mesh[axis], link, link), size * mesh[axis])[1]
+            steps.append(("all_gather", axis, mesh[axis], size * mesh[axis]))
             size *= mesh[axis]
-    return seconds
+    return steps
+
+
+def _sum_steps(c: DotChoice, out_bytes: int, mesh: dict[str, int]) -> list[Step]:
+    """A matmul's partial sums, all-reduced over each axis that split its contraction."""
+    return [("all_reduce", a, mesh[a], out_bytes / _shards(c.out, mesh)) for a in c.summed_over]
+
+
+def _steps_s(steps: list[Step], link: LinkCost) -> float:
+    """Seconds of these collectives, each over one axis of a node's devices, as the
+    registry's fastest algorithm runs it (what the estimator charges them too)."""
+    return sum(best(name, Topology(1, devices, link, link), nbytes)[1] for name, _, devices, nbytes in steps)
 
 
 def _describe(c: DotChoice) -> str:

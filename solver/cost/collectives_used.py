@@ -73,7 +73,15 @@ def _stage_collectives(costs: StageCosts, p: int, s: StageDecision, b: int, m: i
     kind, cfg = costs.kinds[s.kind], s.config
     i, j = s.layer_start, s.layer_end
     out = []
-    if s.tp > 1:
+    if s.model_collectives:  # two model axes: the collectives its layouts run, each once per distinct message
+        seen: dict[tuple, int] = {}
+        for c in s.model_collectives:
+            key = (c.collective, c.devices, c.message_bytes(b), c.backward)
+            seen[key] = seen.get(key, 0) + c.count * m
+        for (collective, devices, nbytes, backward), calls in seen.items():
+            purpose = f"tensor-parallel {'backward' if backward else 'forward'} (as its 3-axis layouts run it)"
+            out.append(_use(p, purpose, collective, costs.tp_topology(kind, devices), nbytes, calls))
+    elif s.tp > 1:
         per_device = b / s.dp
         each = (costs.tp_bytes[i:j] * per_device / costs.tp_count[i:j].clip(min=1.0)).max()
         out.append(_use(p, "tensor-parallel partial sums", "all_reduce", costs.tp_topology(kind, s.tp), float(each)))

@@ -22,6 +22,7 @@ import numpy as np
 
 from solver.memory import OFFLOAD_TIERS, DeviceMemory, in_flight
 from solver.pipeline_sim import MAX_SIMULATED_MICROBATCHES, Simulation, pipeline_time, simulate, step_time
+from solver.cost.model_axes import ModelCollective
 from solver.cost.problem import PlanningError, Problem
 from solver.cost.stage_costs import StageConfig, StageCosts
 from solver.schedules import StageTimes
@@ -48,11 +49,13 @@ class StageDecision:
     dots_bytes: float = 0.0  # per example: the matmul results a "dots" stage keeps besides its input
     offload: str = ""  # where its optimizer state lives between steps: "" its devices, "host" host memory, "nvme" disk
     zero_group: int = 0  # hybrid sharding: ZeRO over this many of the data axis's devices (a node's); 0: all
+    # A stage whose tensor parallelism spans two model axes: the collectives its layouts run (solver.cost.model_axes)
+    model_collectives: tuple[ModelCollective, ...] = ()
 
     @property
     def config(self) -> StageConfig:
         """The stage as the cost tables see it."""
-        return StageConfig(self.kind, self.dp, self.tp, self.zero_group)
+        return StageConfig(self.kind, self.dp, self.tp, self.zero_group, self.model_collectives)
 
     @property
     def devices(self) -> int:

@@ -22,6 +22,7 @@ from solver.efficiency import matmul_rate
 from solver.memory import (OFFLOAD_TIERS, DeviceMemory, StageActivations, in_flight, model_split_bytes, offloaded,
                            sharded_state, stage_memory)
 from solver.cost.measured import LayerPrice, lookup
+from solver.cost.model_axes import ModelCollective, model_comm_s
 from solver.cost.problem import DeviceKind, Problem
 from solver.cost.ranges import cumsum as _cumsum, first as _first, full as _full, last as _last
 from solver.cost.ranges import range_max as _range_max, span as _span
@@ -36,6 +37,8 @@ class StageConfig:
     dp: int
     tp: int
     zero_group: int = 0  # hybrid sharding: ZeRO over this many of the data axis's devices (a node's); 0: all
+    # Two model axes: the collectives its sharding chose, priced in place of Megatron's (solver.cost.model_axes)
+    model_collectives: tuple[ModelCollective, ...] = ()
 
     @property
     def devices(self) -> int:
@@ -238,7 +241,9 @@ class StageCosts:
         per_device = b / cfg.dp  # examples each data-parallel slice runs
         speed = cfg.tp * self.matmul_rates(kind, cfg, per_device, self.fwd_flops, self.matmuls)
         bwd_speed = cfg.tp * self.matmul_rates(kind, cfg, per_device, self.flops - self.fwd_flops, self.bwd_matmuls)
-        tp_comm = self.tp_allreduce(kind, cfg.tp, self.tp_bytes * per_device, self.tp_count)  # forward; backward as much
+        tp_comm = bwd_comm = self.tp_allreduce(kind, cfg.tp, self.tp_bytes * per_device, self.tp_count)  # backward as much
+        if cfg.model_collectives:  # two model axes: what its layouts run, not Megatron's
+            tp_comm, bwd_comm = model_comm_s(cfg.model_collectives, kind.intra, b, self.n)
         shard = per_device / cfg.tp  # activations split over tensor-parallel devices too (sequence parallel)
         params = self.tp_params(cfg.tp)
         state = self._state(params, cfg.dp, max(self.zero_stages(cfg)))
@@ -247,7 +252,7 @@ class StageCosts:
         # memory-bound operators: their bytes, split like the activations where tensor parallelism splits them
         streaming = per_device * (self.elementwise_split / cfg.tp + 1 - self.elementwise_split) / kind.memory_bandwidth
         forward = self.fwd_flops * per_device / speed + tp_comm + kind.layer_overhead_s / 3 + self.elementwise * streaming
-        backward = trains * ((self.flops - self.fwd_flops + self.recompute_flops) * per_device / bwd_speed + tp_comm
+        backward = trains * ((self.flops - self.fwd_flops + self.recompute_flops) * per_device / bwd_speed + bwd_comm
                              + 2 * kind.layer_overhead_s / 3 + self.bwd_elementwise * streaming)
         if kind.shared_host:  # one host's cores run every device's share, one after another
             forward, backward = forward * cfg.devices, backward * cfg.devices
