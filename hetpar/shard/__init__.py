@@ -61,10 +61,11 @@ def shard_stages(traced: TracedStep, layers: Layers, plan: Plan, option: Shardin
         if devices_per_node is not None:
             stage = _best_mesh(solver, plan, stage, traced.batch_size, devices_per_node.get(stage.group, stage.num_devices))
         if option.factor_model_axis or (option.factor_model_axis is None and devices_per_node is not None):
-            stage = _model_axes(solver, stage)
+            stage = _model_axes(solver, plan, stage)
         mesh = mesh_axes(stage)
         stage = replace(stage, zero_group=zero_group(stage, mesh, option, plan))
         specs, _, operands, moved = solver.solve(stage, mesh) if tensor_parallel(mesh) else ({}, 0.0, {}, ())
+        moved = moved if AXES[2] in mesh else ()  # one model axis: priced by Megatron's collectives (solver.cost.model_axes)
         specs, zero, gathered = _zero(traced, layers, plan, stage, specs, mesh, option, solver.link(stage))
         kept = offloaded_state(traced, plan, stage) if stage.offload else ()
         stages.append(replace(stage, shardings=tuple(sorted(specs.items())), operand_shardings=tuple(sorted(operands.items())),
@@ -73,11 +74,28 @@ def shard_stages(traced: TracedStep, layers: Layers, plan: Plan, option: Shardin
     return replace(plan, stages=tuple(stages))
 
 
-def _model_axes(solver: "_StageSolver", stage: StagePlan) -> StagePlan:
+def _model_axes(solver: "_StageSolver", plan: Plan, stage: StagePlan) -> StagePlan:
     """A stage whose model axis has 4 or more devices, on one model axis or two
-    (`hetpar.shard.model_axes`), whichever its ILP prices cheaper; its degrees kept."""
+    (`hetpar.shard.model_axes`), whichever its ILP prices cheaper; its degrees kept.
+    Where the plan can be priced, the two axes are kept only if the one estimator
+    agrees that the step is not slower, each mesh priced with the collectives its
+    ILP solution runs: the ILP sees one stage's matmuls, the estimator the whole step
+    (how often each collective runs, the bubble, the other stages)."""
     chosen = with_model_axes(stage, lambda mesh: solver.solve(stage, mesh)[1])
-    return replace(chosen, data_parallel=chosen.mesh_shape[0], tensor_parallel=math.prod(chosen.mesh_shape[1:]))
+    if chosen.mesh_shape == stage.mesh_shape:
+        return stage
+    chosen = replace(chosen, data_parallel=chosen.mesh_shape[0], tensor_parallel=math.prod(chosen.mesh_shape[1:]))
+    if plan.cost_inputs is None:
+        return chosen
+    trials = {"one": replace(stage, model_collectives=solver.solve(stage, mesh_axes(stage))[3]),
+              "two": replace(chosen, model_collectives=solver.solve(chosen, mesh_axes(chosen))[3])}
+    step = {name: estimate_plan(replace(plan, stages=tuple(trial if s.index == stage.index else s for s in plan.stages))).step_s
+            for name, trial in trials.items()}
+    if step["two"] > step["one"]:
+        log.info("stage %d: kept one model axis: the estimator prices the step on %s at %.4g s against %.4g s",
+                 stage.index, "x".join(map(str, chosen.mesh_shape)), step["two"], step["one"])
+        return stage
+    return chosen
 
 
 def zero_group(stage: StagePlan, mesh: dict[str, int], option: ShardingOption, plan: Plan | None = None) -> int:
@@ -305,7 +323,7 @@ class _StageSolver:
         for weight, (n, pos, dims) in problem.weights.items():
             choice = problem.choices[n][solution.choice[n]]
             out[weight] = to_source((choice.lhs, choice.rhs)[pos], dims)
-        moved = model_collectives(traced, self.layers, stage, problem, solution.choice) if AXES[2] in mesh else ()
+        moved = model_collectives(traced, self.layers, stage, problem, solution.choice)
         return _follow_state(traced, out), solution.cost_s, operands, moved
 
 
