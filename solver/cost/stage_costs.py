@@ -150,6 +150,7 @@ class StageCosts:
         # ZeRO's collectives and the tail depend on the stage alone, not on its
         # microbatch or place: priced once per stage and ZeRO stage, not once per table.
         self.step_costs = lru_cache(maxsize=None)(self._step_costs)
+        self._sends = lru_cache(maxsize=None)(self._sends_uncached)  # every pipeline through a cut asks again
 
     def tp_params(self, tp: int) -> np.ndarray:
         """Each layer's parameter bytes on one device of a `tp`-wide model axis: the
@@ -557,13 +558,19 @@ class StageCosts:
 
     def sends(self, a: StageConfig, c: StageConfig, b: int) -> np.ndarray:
         """Seconds to move one microbatch's activation across a cut before layer j,
-        from stage `a` to the next stage `c`: each data-parallel slice sends its part."""
+        from stage `a` to the next stage `c`: each data-parallel slice sends its part.
+        Cached and read-only: the search asks for the same cut thousands of times."""
+        return self._sends(a, c, b)
+
+    def _sends_uncached(self, a: StageConfig, c: StageConfig, b: int) -> np.ndarray:
         streams = min(a.dp, c.dp)
         # The slices of a node send side by side: a shared NIC (or host memory) is divided among them.
         per_node = max(1, self.kinds[a.kind].devices_per_node // a.tp)
         link = self.problem.link(a.kind, c.kind).per_flow(min(streams, per_node))
         out = link.latency + self.inputs * b / streams / link.bandwidth
-        return np.concatenate([out, [INF]])  # no cut after the last layer
+        out = np.concatenate([out, [INF]])  # no cut after the last layer
+        out.setflags(write=False)
+        return out
 
 
 def exposed(comm: np.ndarray, comm_first: np.ndarray, compute: np.ndarray, compute_first: np.ndarray) -> np.ndarray:

@@ -152,6 +152,8 @@ def best_split(
     u_floor = row.least_max(of_tails=True)
     if sum0 / v + (m - 1 / v) * pace_lo + u_floor >= beat:
         return None
+    if v == 1 and m > 1 and beat < INF and _every_bottleneck_loses(row, m, t_lo, sum0, u_floor, beat):
+        return None  # before the sweep's grids: most pipelines the search prices lose here
     t_values = np.unique(np.concatenate([t[np.isfinite(t)] for t in row.times] + [s[1:n] for s in row.sends]))
     u_values = np.unique(np.concatenate([u[np.isfinite(t)] for u, t in zip(row.tails, row.times)]))
     best = Split(cuts0, score(tables, sends, m, cuts0, schedule, chunks))
@@ -177,6 +179,28 @@ def best_split(
             if value <= sum_t:
                 break  # a looser tail bound cannot shorten the sum further
     return best if best.objective_s < beat else None
+
+
+_REFUSE_TOL = 1 + 1e-9  # a bound refuses only what loses by more than rounding (score sums in its own order)
+
+
+def _every_bottleneck_loses(row: _Row, m: int, t_lo: float, sum0: float, u_floor: float, beat: float) -> bool:
+    """Whether no split's 1F1B form beats `beat`, proven for every bottleneck that
+    could win at once instead of at each of its values: a split whose slowest stage
+    or send lies in [t_lo, hi] costs at least least_sum(hi) + (m - 1) t_lo +
+    least_tail(hi) (both least figures only grow as the bound on stage times falls),
+    and one whose bottleneck exceeds `hi` loses on sum0 + (m - 1) t + u_floor alone.
+    One shortest path or two instead of the sweep's grids of every table entry: on
+    the benchmark scenarios this refuses nearly every pipeline the sweep would."""
+    hi = np.array([(beat * _REFUSE_TOL - sum0 - u_floor) / (m - 1)])
+    if not hi[0] > t_lo:
+        return False  # (the caller's refusals leave none such; the sweep keeps the say)
+    rest = (m - 1) * t_lo
+    sum_hi = float(row.least_sums(hi)[0])
+    if sum_hi + rest + u_floor < beat * _REFUSE_TOL:
+        tail_hi = float(row.least_tails(hi)[0])
+        return sum_hi + rest + max(tail_hi, u_floor) >= beat * _REFUSE_TOL
+    return True
 
 
 def _swept(row: _Row, t_values: np.ndarray, going: Callable[[float], bool], useful: Callable[[float, float], bool],
