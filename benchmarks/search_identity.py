@@ -29,7 +29,7 @@ from solver.planner.search import FINALISTS, Planner  # noqa: E402
 
 
 def _plans(choices) -> list[list]:  # noqa: ANN001
-    return [[c.describe(), repr(c.step_s)] for c in choices]
+    return [[c.describe(), repr(c.step_s), [s.memory_bytes for s in c.stages]] for c in choices]
 
 
 def record(problem, finalists: int) -> dict:  # noqa: ANN001

@@ -20,6 +20,7 @@ summed stage times and sends, plus m - 1 times the slowest, plus the slowest tai
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import NamedTuple
 
 import numpy as np
@@ -44,7 +45,13 @@ class KindLayout(NamedTuple):
 
     @property
     def config(self) -> StageConfig:
-        return StageConfig(self.kind, self.dp, self.tp)
+        return _config(self.kind, self.dp, self.tp)
+
+
+@lru_cache(maxsize=None)
+def _config(kind: str, dp: int, tp: int) -> StageConfig:
+    """One StageConfig per shape (a value, so sharing it is safe): the search asks tens of thousands of times."""
+    return StageConfig(kind, dp, tp)
 
 
 def kind_layouts(problem: Problem, kind_name: str) -> list[KindLayout]:
@@ -138,6 +145,7 @@ class LowerBounds:
         self._tails: dict[StageConfig, np.ndarray] = {}
         self._groups: dict[tuple, _Group] = {}
         self._orders: dict[tuple, tuple[list[KindLayout], np.ndarray, float]] = {}
+        self._bases: dict[tuple[tuple[KindLayout, ...], int], tuple[np.ndarray, ...]] = {}
         self._prep: dict[tuple[tuple[KindLayout, ...], int], _Prepared] = {}
         self._held: dict[tuple[str, int, int], tuple[int, ...]] = {}
         self._sends: dict[tuple[StageConfig, StageConfig, int], float] = {}
@@ -213,27 +221,37 @@ class LowerBounds:
         the best case of every position)."""
         key = (layouts, b, kinds)
         if key not in self._kinds:
+            grid = self._time_grid(b, kinds)
+            counts, least, held, firsts, rates, extra = self._kind_base(layouts, b)
+            rooms = [stages * np.searchsorted(row, grid * _TOL, side="right") for stages, row in zip(counts, least)]
+            self._kinds[key] = _KindArrays(counts, np.array(rooms).reshape(len(layouts), len(grid)), held, firsts, rates, extra)
+        return self._kinds[key]
+
+    def _kind_base(self, layouts: tuple[KindLayout, ...], b: int) -> tuple[np.ndarray, ...]:
+        """`_kind_arrays`' figures that do not depend on the grid of candidate times
+        (a kind's layouts meet the grids of every set of kinds it is in): stages, per
+        layout the least time at which one stage has room for q layers (plain or
+        recomputing), the tails' rooms, and the summed stage times' parts."""
+        key = (layouts, b)
+        if key not in self._bases:
             if any(b % lay.dp for lay in layouts):
                 raise ValueError(f"a layout's data-parallel degree does not divide the microbatch of {b}: no pipeline runs it")
-            grid, tail_grid, layers = self._time_grid(b, kinds), self._tail_grid(), self.costs.n
+            tail_grid, layers = self._tail_grid(), self.costs.n
             counts = np.array([lay.stages for lay in layouts], dtype=float)
             runs = [self._stage_runs(lay.config, b) for lay in layouts]
             fitting = np.array([self._layers_fitting(lay, b, 1) for lay in layouts], dtype=float).reshape(-1, 2)
             q = np.arange(1, layers + 1)
-            rooms, held = [], []
-            for lay, r, (fit, fit_remat) in zip(layouts, runs, fitting):
-                # The least time at which one stage has room for q layers, plain or recomputing.
-                least = np.minimum(np.where(q <= fit, _floor(r.time), INF), np.where(q <= fit_remat, _floor(r.remat), INF))
-                rooms.append(lay.stages * np.searchsorted(least, grid * _TOL, side="right"))
-                held.append(lay.stages * self._tail_rooms(lay.config))
+            least = [np.minimum(np.where(q <= fit, _floor(r.time), INF), np.where(q <= fit_remat, _floor(r.remat), INF))
+                     for r, (fit, fit_remat) in zip(runs, fitting)]
+            held = [lay.stages * self._tail_rooms(lay.config) for lay in layouts]
             plain = fitting[:, 0] >= 1  # a stage that cannot hold one layer without recomputing recomputes
-            self._kinds[key] = _KindArrays(
-                counts, np.array(rooms).reshape(len(layouts), len(grid)), np.array(held).reshape(len(layouts), len(tail_grid)),
+            self._bases[key] = (
+                counts, least, np.array(held).reshape(len(layouts), len(tail_grid)),
                 counts * np.where(plain, [r.time[0] for r in runs], [r.remat[0] for r in runs]),
                 np.where(plain, [r.step for r in runs], [r.step_remat for r in runs]),
                 counts * (fitting.max(axis=1) - 1),
             )
-        return self._kinds[key]
+        return self._bases[key]
 
     def _time_grid(self, b: int, kinds: tuple[str, ...]) -> np.ndarray:
         """Every least run time of every layout of `kinds` that runs microbatches of

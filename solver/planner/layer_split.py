@@ -111,12 +111,16 @@ class _Row:
         send times stay within `t_max`): a bottleneck path, min over cuts of the max."""
         def masked(p: int) -> np.ndarray:
             t = self.times[p]
+            if t_max == INF:  # nothing to mask (every entry is at most inf): the same figures, without the copy
+                return self.tails[p] if of_tails else t
             return np.where(t <= t_max, self.tails[p] if of_tails else t, INF)
 
         best = masked(0)[0].copy()
         for p in range(1, len(self.times)):
             send = self.sends[p - 1]
-            start = np.where(send <= t_max, best if of_tails else np.maximum(best, send), INF)
+            start = best if of_tails else np.maximum(best, send)
+            if t_max < INF:
+                start = np.where(send <= t_max, start, INF)
             best = np.maximum(start[:, None], masked(p)).min(axis=0)
         return float(best[self.n])
 
