@@ -156,7 +156,7 @@ def best_split(
     u_floor = row.least_max(of_tails=True)
     if sum0 / v + (m - 1 / v) * pace_lo + u_floor >= beat:
         return None
-    if v == 1 and m > 1 and beat < INF and _every_bottleneck_loses(row, m, t_lo, sum0, u_floor, beat):
+    if m - 1 / v > 0 and beat < INF and _every_bottleneck_loses(row, m, v, pace_lo, sum0, u_floor, beat):
         return None  # before the sweep's grids: most pipelines the search prices lose here
     t_values = np.unique(np.concatenate([t[np.isfinite(t)] for t in row.times] + [s[1:n] for s in row.sends]))
     u_values = np.unique(np.concatenate([u[np.isfinite(t)] for u, t in zip(row.tails, row.times)]))
@@ -188,19 +188,22 @@ def best_split(
 _REFUSE_TOL = 1 + 1e-9  # a bound refuses only what loses by more than rounding (score sums in its own order)
 
 
-def _every_bottleneck_loses(row: _Row, m: int, t_lo: float, sum0: float, u_floor: float, beat: float) -> bool:
-    """Whether no split's 1F1B form beats `beat`, proven for every bottleneck that
-    could win at once instead of at each of its values: a split whose slowest stage
-    or send lies in [t_lo, hi] costs at least least_sum(hi) + (m - 1) t_lo +
-    least_tail(hi) (both least figures only grow as the bound on stage times falls),
-    and one whose bottleneck exceeds `hi` loses on sum0 + (m - 1) t + u_floor alone.
-    One shortest path or two instead of the sweep's grids of every table entry: on
-    the benchmark scenarios this refuses nearly every pipeline the sweep would."""
-    hi = np.array([(beat * _REFUSE_TOL - sum0 - u_floor) / (m - 1)])
-    if not hi[0] > t_lo:
+def _every_bottleneck_loses(row: _Row, m: int, v: int, pace_lo: float, sum0: float, u_floor: float, beat: float) -> bool:
+    """Whether no split beats `beat`, proven for every pace that could win at once
+    instead of at each bottleneck value: a split whose pace (1F1B: its slowest stage
+    or send; interleaved, v chunks: its busiest device group's chunks or sends, each
+    of which it bounds) lies in [pace_lo, hi] costs at least least_sum(hi) / v +
+    (m - 1/v) pace_lo + least_tail(hi) (both least figures only grow as the bound on
+    stage times falls; a group's tail is at least its slowest chunk's), and one whose
+    pace exceeds `hi` loses on sum0 / v + (m - 1/v) pace + u_floor alone. One
+    shortest path or two instead of the sweep's grids of every table entry: on the
+    benchmark scenarios this refuses nearly every pipeline the sweep would."""
+    rate = m - 1 / v
+    hi = np.array([(beat * _REFUSE_TOL - sum0 / v - u_floor) / rate])
+    if not hi[0] > pace_lo:
         return False  # (the caller's refusals leave none such; the sweep keeps the say)
-    rest = (m - 1) * t_lo
-    sum_hi = float(row.least_sums(hi)[0])
+    rest = rate * pace_lo
+    sum_hi = float(row.least_sums(hi)[0]) / v
     if sum_hi + rest + u_floor < beat * _REFUSE_TOL:
         tail_hi = float(row.least_tails(hi)[0])
         return sum_hi + rest + max(tail_hi, u_floor) >= beat * _REFUSE_TOL
