@@ -133,7 +133,9 @@ def fastest_times(kind: str, topo: Topology, nbytes: Any) -> Any:
         return np.vectorize(lambda m: best(kind, topo, m)[1], otypes=[float])(nbytes)
     if not lines:
         return np.zeros_like(nbytes)
-    times = np.min([a + slope * nbytes for a, slope in lines], axis=0)
+    times = lines[0][0] + lines[0][1] * nbytes
+    for a, slope in lines[1:]:  # pairwise, not np.min over a list (which copies every line into one array first)
+        times = np.minimum(times, a + slope * nbytes)
     return np.where(nbytes > 0, times, 0.0)
 
 
