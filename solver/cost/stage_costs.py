@@ -100,8 +100,6 @@ class StageTable:
         return self.forward + self.backward
 
 
-
-
 class StageCosts:
     """Cached stage tables for one problem."""
 
@@ -594,8 +592,6 @@ def exposed(comm: np.ndarray, comm_first: np.ndarray, compute: np.ndarray, compu
 def all_reduce_times(topo: Topology, nbytes: np.ndarray) -> np.ndarray:
     """The fastest all-reduce for every size in `nbytes` at once (0 for nothing)."""
     return fastest_times("all_reduce", topo, nbytes)
-
-
 
 
 __all__ = ["INF", "StageConfig", "StageCosts", "StageTable", "StageVariant", "in_flight"]  # in_flight: solver.memory's, re-exported
