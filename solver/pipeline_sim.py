@@ -109,12 +109,14 @@ def _run(stages: Sequence[StageTimes], num_microbatches: int, schedule: str, chu
     link_free: dict[tuple[int, int], float] = {}
     cursor = [0] * d
     busy = [0.0] * d
+    lengths = [len(o) for o in orders]
     progressed = True
     while progressed:
         progressed = False
         for g in range(d):
-            order, c = orders[g], cursor[g]
-            while c < len(order):
+            order, c, length_g = orders[g], cursor[g], lengths[g]
+            t_free, t_busy = free[g], busy[g]  # this group's clock and busy time, kept local in its hot loop
+            while c < length_g:
                 is_forward, s, j, chunk = order[c]
                 if is_forward:
                     at = f_in[s][j]
@@ -130,9 +132,9 @@ def _run(stages: Sequence[StageTimes], num_microbatches: int, schedule: str, chu
                         if at is None:
                             break
                     length = backward[s]
-                start = at if at > free[g] else free[g]
-                end = free[g] = start + length
-                busy[g] += length
+                start = at if at > t_free else t_free
+                end = t_free = start + length
+                t_busy += length
                 if is_forward:
                     f_done[s][j] = end
                 if events is not None:
@@ -143,15 +145,16 @@ def _run(stages: Sequence[StageTimes], num_microbatches: int, schedule: str, chu
                     if dst == g:
                         arrival = end
                     else:  # the link between the groups carries one transfer at a time each way
-                        send_s = sends[min(s, to)]
-                        t0 = max(end, link_free.get((g, dst), 0.0))
+                        send_s = sends[s if s < to else to]
+                        busy_until = link_free.get((g, dst), 0.0)
+                        t0 = end if end >= busy_until else busy_until
                         arrival = link_free[(g, dst)] = t0 + send_s
                         if events is not None and send_s > 0:
                             events.append(Event("transfer", j, t0, arrival, g, s, chunk, dst, "F" if is_forward else "B"))
                     (f_in if is_forward else b_in)[to][j] = arrival
                 c += 1
                 progressed = True
-            cursor[g] = c
+            cursor[g], free[g], busy[g] = c, t_free, t_busy
     if any(c < len(o) for c, o in zip(cursor, orders)):
         raise RuntimeError(f"the {schedule} schedule deadlocked: a device group waits on work that never runs")
 

@@ -325,3 +325,39 @@ def test_ten_times_the_finalists_choose_the_same_plan():
     wider = Planner(problem, top_k=1, finalists=10 * FINALISTS).solve().best
     assert chosen.step_s == pytest.approx(wider.step_s, rel=1e-12), (chosen.describe(), wider.describe())
     assert chosen.describe() == wider.describe()
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_beat_above_the_best_split_leaves_it_found(seed):
+    """`best_split` refuses pipelines on bounds before its sweep (one over every pace
+    that could still win, `_every_bottleneck_loses`); the search relies on a refusal
+    only where no split beats the beat. So for every row of stages, schedule and
+    microbatch count: a beat just above the split found without one finds the same
+    split, and a beat at or below it finds none."""
+    from solver.planner.layer_split import best_split
+
+    rng = np.random.default_rng(700 + seed)
+    problem = random_problem(rng, kinds=int(rng.integers(1, 4)))
+    costs = StageCosts(problem)
+    for m in problem.microbatch_counts():
+        b = problem.batch_size // m
+        for order in itertools.permutations([k.name for k in problem.kinds]):
+            for layouts in itertools.product(*(kind_layouts(problem, k) for k in order)):
+                groups = [lay.config for lay in layouts for _ in range(lay.stages)]
+                if any(b % c.dp for c in groups):
+                    continue
+                for schedule, chunks in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2)):
+                    configs = groups * chunks
+                    if len(configs) > costs.n or (chunks > 1 and (len(groups) < 2 or m % len(groups))):
+                        continue
+                    tables = [costs.table(c, b, in_flight(schedule, m, p, len(configs), chunks), p == len(configs) - 1, m)
+                              for p, c in enumerate(configs)]
+                    sends = [costs.sends(a, c, b) for a, c in zip(configs, configs[1:])]
+                    free = best_split(tables, sends, m, INF, schedule, chunks)
+                    if free is None:
+                        continue
+                    for beat in (free.objective_s * (1 + 1e-7), free.objective_s * 1.02):
+                        found = best_split(tables, sends, m, beat, schedule, chunks)
+                        assert found == free, (order, layouts, m, schedule, beat, free, found)
+                    assert best_split(tables, sends, m, free.objective_s, schedule, chunks) is None
+                    assert best_split(tables, sends, m, free.objective_s * 0.999, schedule, chunks) is None

@@ -63,12 +63,18 @@ def get(name: str) -> Algorithm:
 
 
 def _implementing(kind: str) -> list[Algorithm]:
+    return list(_implementing_cached(kind))
+
+
+@lru_cache(maxsize=None)
+def _implementing_cached(kind: str) -> tuple[Algorithm, ...]:
+    """Remembered (`_forget` clears it): every array of sizes the planner prices asks again."""
     if kind not in COLLECTIVES:
         raise ValueError(f"unknown collective {kind!r}; known: {', '.join(COLLECTIVES)}")
     found = [a for a in _ALGORITHMS.values() if kind in a.times]
     if not found:
         raise ValueError(f"no registered algorithm implements {kind!r}")
-    return found
+    return tuple(found)
 
 
 def costs(kind: str, topo: Topology, nbytes: float) -> dict[str, float]:
@@ -127,7 +133,9 @@ def fastest_times(kind: str, topo: Topology, nbytes: Any) -> Any:
         return np.vectorize(lambda m: best(kind, topo, m)[1], otypes=[float])(nbytes)
     if not lines:
         return np.zeros_like(nbytes)
-    times = np.min([a + slope * nbytes for a, slope in lines], axis=0)
+    times = lines[0][0] + lines[0][1] * nbytes
+    for a, slope in lines[1:]:  # pairwise, not np.min over a list (which copies every line into one array first)
+        times = np.minimum(times, a + slope * nbytes)
     return np.where(nbytes > 0, times, 0.0)
 
 
@@ -135,3 +143,4 @@ def _forget() -> None:
     """Prices remembered under the old list are stale once it changes."""
     _best.cache_clear()
     affine_costs.cache_clear()
+    _implementing_cached.cache_clear()

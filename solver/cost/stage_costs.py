@@ -103,8 +103,6 @@ class StageTable:
         return self.forward + self.backward
 
 
-
-
 class StageCosts:
     """Cached stage tables for one problem."""
 
@@ -153,6 +151,9 @@ class StageCosts:
         # ZeRO's collectives and the tail depend on the stage alone, not on its
         # microbatch or place: priced once per stage and ZeRO stage, not once per table.
         self.step_costs = lru_cache(maxsize=None)(self._step_costs)
+        self._sends = lru_cache(maxsize=None)(self._sends_uncached)
+        self._upper = np.triu(np.ones((self.n + 1, self.n + 1), dtype=bool), k=1)
+        self._cells = np.arange((self.n + 1) ** 2).reshape(self.n + 1, self.n + 1)  # every pipeline through a cut asks again
 
     def tp_params(self, tp: int) -> np.ndarray:
         """Each layer's parameter bytes on one device of a `tp`-wide model axis: the
@@ -335,30 +336,35 @@ class StageCosts:
         rows: list[tuple[int, str, str]] = []  # (ZeRO stage, recomputation, offload tier) per stacked row
         stacked: dict[str, list[np.ndarray]] = {name: [] for name in (*fields, "memory")}
         costs: list[np.ndarray] = []
-        upper = np.triu(np.ones(shape, dtype=bool), k=1)
         host, disk = self.host_capacity(cfg.kind), self.nvme_capacity(cfg.kind)
         for offload in tiers:
             # Offloading only adds time: a tier is tried where some range fits in none tried
             # before it (host memory before disk), unless it is the only one allowed.
             if offload and (not host or offload == "nvme" and not disk
-                            or costs and (np.min(costs, axis=0)[upper] < INF).all()):
+                            or costs and (np.min(costs, axis=0)[self._upper] < INF).all()):
                 continue
             for i, (zero, remat) in enumerate(choices):
                 v = self.variant(cfg, b, held, last, zero, remat, offload=offload)
-                fits = (v.memory.total <= capacity) & (np.asarray(v.memory.host) <= host if offload else True)
+                total = v.memory.total
+                fits = (total <= capacity) & (np.asarray(v.memory.host) <= host if offload else True)
                 if offload == "nvme":
                     fits = fits & (np.asarray(v.memory.nvme) <= disk)
                 tail = _full(v.tail, shape) if offload else fields["tail"][i]
                 for name in fields:
                     stacked[name].append(tail if name == "tail" else fields[name][i])
-                stacked["memory"].append(_full(v.memory.total, shape))
+                stacked["memory"].append(_full(total, shape))
                 cost = time_cost[i] if not offload else m * (fields["forward"][i] + fields["backward"][i]) + tail
                 costs.append(np.where(_full(fits, shape), cost, INF))
                 rows.append((zero, remat, offload))
         cost = np.stack(costs)
-        pick = cost.argmin(axis=0)[None]  # the first of the fastest, in the order above (ties keep the simpler choice)
-        out = {name: np.take_along_axis(np.stack(value), pick, 0)[0] for name, value in stacked.items()}
-        ok = np.triu(np.take_along_axis(cost, pick, 0)[0] < INF, k=1)
+        pick = cost.argmin(axis=0)  # the first of the fastest, in the order above (ties keep the simpler choice)
+        if len(rows) == len(choices) and all(o == "" for _, _, o in rows):
+            stacked.update(fields)  # the times, already stacked in this order (`_table_times`): not stacked again
+        cells = pick * pick.size + self._cells  # each range's entry in its picked row of a stack, flattened
+        out = {name: (value if isinstance(value, np.ndarray) else np.stack(value)).reshape(-1)[cells]
+               for name, value in stacked.items()}
+        ok = np.triu(cost.reshape(-1)[cells] < INF, k=1)
+        pick = pick[None]
         zero = np.array([z for z, _, _ in rows])[pick[0]]
         remat = np.array([bool(r) for _, r, _ in rows])[pick[0]]
         offload = np.array([OFFLOAD_TIERS.index(o) for _, _, o in rows])[pick[0]]
@@ -590,13 +596,19 @@ class StageCosts:
 
     def sends(self, a: StageConfig, c: StageConfig, b: int) -> np.ndarray:
         """Seconds to move one microbatch's activation across a cut before layer j,
-        from stage `a` to the next stage `c`: each data-parallel slice sends its part."""
+        from stage `a` to the next stage `c`: each data-parallel slice sends its part.
+        Cached and read-only: the search asks for the same cut thousands of times."""
+        return self._sends(a, c, b)
+
+    def _sends_uncached(self, a: StageConfig, c: StageConfig, b: int) -> np.ndarray:
         streams = min(a.dp, c.dp)
         # The slices of a node send side by side: a shared NIC (or host memory) is divided among them.
         per_node = max(1, self.kinds[a.kind].devices_per_node // a.tp)
         link = self.problem.link(a.kind, c.kind).per_flow(min(streams, per_node))
         out = link.latency + self.inputs * b / streams / link.bandwidth
-        return np.concatenate([out, [INF]])  # no cut after the last layer
+        out = np.concatenate([out, [INF]])  # no cut after the last layer
+        out.setflags(write=False)
+        return out
 
 
 def exposed(comm: np.ndarray, comm_first: np.ndarray, compute: np.ndarray, compute_first: np.ndarray) -> np.ndarray:
@@ -613,8 +625,6 @@ def exposed(comm: np.ndarray, comm_first: np.ndarray, compute: np.ndarray, compu
 def all_reduce_times(topo: Topology, nbytes: np.ndarray) -> np.ndarray:
     """The fastest all-reduce for every size in `nbytes` at once (0 for nothing)."""
     return fastest_times("all_reduce", topo, nbytes)
-
-
 
 
 __all__ = ["INF", "StageConfig", "StageCosts", "StageTable", "StageVariant", "in_flight"]  # in_flight: solver.memory's, re-exported

@@ -20,6 +20,7 @@ summed stage times and sends, plus m - 1 times the slowest, plus the slowest tai
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import NamedTuple
 
 import numpy as np
@@ -44,7 +45,13 @@ class KindLayout(NamedTuple):
 
     @property
     def config(self) -> StageConfig:
-        return StageConfig(self.kind, self.dp, self.tp)
+        return _config(self.kind, self.dp, self.tp)
+
+
+@lru_cache(maxsize=None)
+def _config(kind: str, dp: int, tp: int) -> StageConfig:
+    """One StageConfig per shape (a value, so sharing it is safe): the search asks tens of thousands of times."""
+    return StageConfig(kind, dp, tp)
 
 
 def kind_layouts(problem: Problem, kind_name: str) -> list[KindLayout]:
@@ -75,6 +82,21 @@ class _Group(NamedTuple):
     steps: np.ndarray  # every time a stage of these layouts can take for a run of layers
     rooms: dict[KindLayout, tuple[np.ndarray, np.ndarray]]  # per layout and step: the longest run within it (plain, remat)
     tail: float  # the least slowest tail
+    blocks: dict[KindLayout, tuple[np.ndarray, ...]]  # per layout, its stages' rows of `_Prepared`'s first six arrays
+
+
+class _Prepared(NamedTuple):
+    """Per stage of one row of layouts (a row each): its least one-layer time and
+    increment per further layer, plain and recomputing, and its rooms per candidate
+    step time of the row's group (`_Group`)."""
+
+    firsts: np.ndarray
+    firsts_remat: np.ndarray
+    rates: np.ndarray
+    rates_remat: np.ndarray
+    plain_rooms: np.ndarray
+    remat_rooms: np.ndarray
+    group: _Group
 
 
 class _KindArrays(NamedTuple):
@@ -122,6 +144,9 @@ class LowerBounds:
         self._runs: dict[tuple[StageConfig, int], _Runs] = {}
         self._tails: dict[StageConfig, np.ndarray] = {}
         self._groups: dict[tuple, _Group] = {}
+        self._orders: dict[tuple, tuple[list[KindLayout], np.ndarray, float]] = {}
+        self._bases: dict[tuple[tuple[KindLayout, ...], int], tuple[np.ndarray, ...]] = {}
+        self._prep: dict[tuple[tuple[KindLayout, ...], int], _Prepared] = {}
         self._held: dict[tuple[str, int, int], tuple[int, ...]] = {}
         self._sends: dict[tuple[StageConfig, StageConfig, int], float] = {}
         self._kinds: dict[tuple[tuple[KindLayout, ...], int, tuple[str, ...]], _KindArrays] = {}
@@ -196,27 +221,37 @@ class LowerBounds:
         the best case of every position)."""
         key = (layouts, b, kinds)
         if key not in self._kinds:
+            grid = self._time_grid(b, kinds)
+            counts, least, held, firsts, rates, extra = self._kind_base(layouts, b)
+            rooms = [stages * np.searchsorted(row, grid * _TOL, side="right") for stages, row in zip(counts, least)]
+            self._kinds[key] = _KindArrays(counts, np.array(rooms).reshape(len(layouts), len(grid)), held, firsts, rates, extra)
+        return self._kinds[key]
+
+    def _kind_base(self, layouts: tuple[KindLayout, ...], b: int) -> tuple[np.ndarray, ...]:
+        """`_kind_arrays`' figures that do not depend on the grid of candidate times
+        (a kind's layouts meet the grids of every set of kinds it is in): stages, per
+        layout the least time at which one stage has room for q layers (plain or
+        recomputing), the tails' rooms, and the summed stage times' parts."""
+        key = (layouts, b)
+        if key not in self._bases:
             if any(b % lay.dp for lay in layouts):
                 raise ValueError(f"a layout's data-parallel degree does not divide the microbatch of {b}: no pipeline runs it")
-            grid, tail_grid, layers = self._time_grid(b, kinds), self._tail_grid(), self.costs.n
+            tail_grid, layers = self._tail_grid(), self.costs.n
             counts = np.array([lay.stages for lay in layouts], dtype=float)
             runs = [self._stage_runs(lay.config, b) for lay in layouts]
             fitting = np.array([self._layers_fitting(lay, b, 1) for lay in layouts], dtype=float).reshape(-1, 2)
             q = np.arange(1, layers + 1)
-            rooms, held = [], []
-            for lay, r, (fit, fit_remat) in zip(layouts, runs, fitting):
-                # The least time at which one stage has room for q layers, plain or recomputing.
-                least = np.minimum(np.where(q <= fit, _floor(r.time), INF), np.where(q <= fit_remat, _floor(r.remat), INF))
-                rooms.append(lay.stages * np.searchsorted(least, grid * _TOL, side="right"))
-                held.append(lay.stages * self._tail_rooms(lay.config))
+            least = [np.minimum(np.where(q <= fit, _floor(r.time), INF), np.where(q <= fit_remat, _floor(r.remat), INF))
+                     for r, (fit, fit_remat) in zip(runs, fitting)]
+            held = [lay.stages * self._tail_rooms(lay.config) for lay in layouts]
             plain = fitting[:, 0] >= 1  # a stage that cannot hold one layer without recomputing recomputes
-            self._kinds[key] = _KindArrays(
-                counts, np.array(rooms).reshape(len(layouts), len(grid)), np.array(held).reshape(len(layouts), len(tail_grid)),
+            self._bases[key] = (
+                counts, least, np.array(held).reshape(len(layouts), len(tail_grid)),
                 counts * np.where(plain, [r.time[0] for r in runs], [r.remat[0] for r in runs]),
                 np.where(plain, [r.step for r in runs], [r.step_remat for r in runs]),
                 counts * (fitting.max(axis=1) - 1),
             )
-        return self._kinds[key]
+        return self._bases[key]
 
     def _time_grid(self, b: int, kinds: tuple[str, ...]) -> np.ndarray:
         """Every least run time of every layout of `kinds` that runs microbatches of
@@ -241,11 +276,14 @@ class LowerBounds:
         as good as exact for pruning."""
         if registry.get(schedule).interleaved:
             return self.bound(order, m, b, schedule)
-        stages = [lay for lay in order for _ in range(lay.stages)]
-        held = self._in_flight(schedule, m, len(stages))
-        fitting = np.array([self._layers_fitting(lay, b, k) for lay, k in zip(stages, held)], dtype=float)
-        configs = [lay.config for lay in stages]
-        sends = 2 * sum(self._least_send(a, c, b) for a, c in zip(configs, configs[1:]))
+        key = (order, m, b, schedule)
+        if key not in self._orders:  # the search asks again for the orders it re-bounds (replicas, each kind alone)
+            stages = [lay for lay in order for _ in range(lay.stages)]
+            held = self._in_flight(schedule, m, len(stages))
+            fitting = np.array([self._layers_fitting(lay, b, k) for lay, k in zip(stages, held)], dtype=float)
+            configs = [lay.config for lay in stages]
+            self._orders[key] = stages, fitting, 2 * sum(self._least_send(a, c, b) for a, c in zip(configs, configs[1:]))
+        stages, fitting, sends = self._orders[key]
         return self._bound(order, stages, fitting, m, b, schedule, sends, beat)
 
     def _bound(self, layouts: tuple[KindLayout, ...], stages: list[KindLayout], fitting: np.ndarray, m: int, b: int,
@@ -258,15 +296,14 @@ class LowerBounds:
         n, nr = fitting[:, 0], fitting[:, 1]
         if np.maximum(n, nr).sum() < layers:
             return INF
-        group = self._group(layouts, b)
+        prep = self._prepared(layouts, b)
+        group = prep.group
         offset += 0.0 if registry.get(schedule).interleaved else group.tail
         if offset >= beat:
             return beat
-        runs = [self._stage_runs(lay.config, b) for lay in layouts]
-        counts = [lay.stages for lay in layouts]
         plain = n >= 1  # a stage that cannot hold one layer without recomputing recomputes
-        firsts = np.where(plain, np.repeat([r.time[0] for r in runs], counts), np.repeat([r.remat[0] for r in runs], counts))
-        rates = np.where(plain, np.repeat([r.step for r in runs], counts), np.repeat([r.step_remat for r in runs], counts))
+        firsts = np.where(plain, prep.firsts, prep.firsts_remat)
+        rates = np.where(plain, prep.rates, prep.rates_remat)
         by_rate = np.argsort(rates, kind="stable")
         sorted_rates = rates[by_rate]
         budget = layers - len(stages)  # layers beyond one per stage
@@ -283,9 +320,7 @@ class LowerBounds:
             return np.where((extra.min(axis=1) < 0) | (extra.sum(axis=1) < budget), INF, sums)
 
         # Per candidate bottleneck time t: the most layers each stage may hold.
-        plain_rooms = np.concatenate([np.repeat(group.rooms[lay][0][None, :], lay.stages, axis=0) for lay in layouts])
-        remat_rooms = np.concatenate([np.repeat(group.rooms[lay][1][None, :], lay.stages, axis=0) for lay in layouts])
-        rooms = np.maximum(np.minimum(plain_rooms, n[:, None]), np.minimum(remat_rooms, nr[:, None])).T
+        rooms = np.maximum(np.minimum(prep.plain_rooms, n[:, None]), np.minimum(prep.remat_rooms, nr[:, None])).T
         steps = group.steps
         enough = rooms.sum(axis=1) >= layers
         if not enough.any():
@@ -320,6 +355,17 @@ class LowerBounds:
         exceed an interleaved step, whose fill is 1/v and whose chunks hold fewer.)"""
         return self._work_s() * examples / sum(self._kind_rate(lay.kind) for lay in layouts)
 
+    def _prepared(self, layouts: tuple[KindLayout, ...], b: int) -> _Prepared:
+        """`_bound`'s per-stage arrays of one row of layouts: the search bounds each
+        row once as a set and once per order, so each layout's block is built once
+        per group (`_Group.blocks`) and a row only joins them."""
+        key = (layouts, b)
+        if key not in self._prep:
+            group = self._group(layouts, b)
+            blocks = [group.blocks[lay] for lay in layouts]
+            self._prep[key] = _Prepared(*(np.concatenate([block[i] for block in blocks]) for i in range(6)), group)
+        return self._prep[key]
+
     def _group(self, layouts: tuple[KindLayout, ...], b: int) -> _Group:
         """Candidate step times, each layout's rooms at them, and the tail's bound:
         the same for every order of `layouts`."""
@@ -328,7 +374,10 @@ class LowerBounds:
             runs = {lay: self._stage_runs(lay.config, b) for lay in key[0]}
             steps = np.unique(np.concatenate([np.concatenate([r.time, r.remat]) for r in runs.values()]))
             rooms = {lay: (_longest(r.time, steps), _longest(r.remat, steps)) for lay, r in runs.items()}
-            self._groups[key] = _Group(steps, rooms, self._least_tail(key[0]))
+            blocks = {lay: (np.full(lay.stages, r.time[0]), np.full(lay.stages, r.remat[0]), np.full(lay.stages, r.step),
+                            np.full(lay.stages, r.step_remat), np.repeat(rooms[lay][0][None, :], lay.stages, axis=0),
+                            np.repeat(rooms[lay][1][None, :], lay.stages, axis=0)) for lay, r in runs.items()}
+            self._groups[key] = _Group(steps, rooms, self._least_tail(key[0]), blocks)
         return self._groups[key]
 
     def _least_tail(self, layouts: tuple[KindLayout, ...]) -> float:

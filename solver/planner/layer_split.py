@@ -111,12 +111,16 @@ class _Row:
         send times stay within `t_max`): a bottleneck path, min over cuts of the max."""
         def masked(p: int) -> np.ndarray:
             t = self.times[p]
+            if t_max == INF:  # nothing to mask (every entry is at most inf): the same figures, without the copy
+                return self.tails[p] if of_tails else t
             return np.where(t <= t_max, self.tails[p] if of_tails else t, INF)
 
         best = masked(0)[0].copy()
         for p in range(1, len(self.times)):
             send = self.sends[p - 1]
-            start = np.where(send <= t_max, best if of_tails else np.maximum(best, send), INF)
+            start = best if of_tails else np.maximum(best, send)
+            if t_max < INF:
+                start = np.where(send <= t_max, start, INF)
             best = np.maximum(start[:, None], masked(p)).min(axis=0)
         return float(best[self.n])
 
@@ -152,6 +156,8 @@ def best_split(
     u_floor = row.least_max(of_tails=True)
     if sum0 / v + (m - 1 / v) * pace_lo + u_floor >= beat:
         return None
+    if m - 1 / v > 0 and beat < INF and _every_bottleneck_loses(row, m, v, pace_lo, sum0, u_floor, beat):
+        return None  # before the sweep's grids: most pipelines the search prices lose here
     t_values = np.unique(np.concatenate([t[np.isfinite(t)] for t in row.times] + [s[1:n] for s in row.sends]))
     u_values = np.unique(np.concatenate([u[np.isfinite(t)] for u, t in zip(row.tails, row.times)]))
     best = Split(cuts0, score(tables, sends, m, cuts0, schedule, chunks))
@@ -177,6 +183,31 @@ def best_split(
             if value <= sum_t:
                 break  # a looser tail bound cannot shorten the sum further
     return best if best.objective_s < beat else None
+
+
+_REFUSE_TOL = 1 + 1e-9  # a bound refuses only what loses by more than rounding (score sums in its own order)
+
+
+def _every_bottleneck_loses(row: _Row, m: int, v: int, pace_lo: float, sum0: float, u_floor: float, beat: float) -> bool:
+    """Whether no split beats `beat`, proven for every pace that could win at once
+    instead of at each bottleneck value: a split whose pace (1F1B: its slowest stage
+    or send; interleaved, v chunks: its busiest device group's chunks or sends, each
+    of which it bounds) lies in [pace_lo, hi] costs at least least_sum(hi) / v +
+    (m - 1/v) pace_lo + least_tail(hi) (both least figures only grow as the bound on
+    stage times falls; a group's tail is at least its slowest chunk's), and one whose
+    pace exceeds `hi` loses on sum0 / v + (m - 1/v) pace + u_floor alone. One
+    shortest path or two instead of the sweep's grids of every table entry: on the
+    benchmark scenarios this refuses nearly every pipeline the sweep would."""
+    rate = m - 1 / v
+    hi = np.array([(beat * _REFUSE_TOL - sum0 / v - u_floor) / rate])
+    if not hi[0] > pace_lo:
+        return False  # (the caller's refusals leave none such; the sweep keeps the say)
+    rest = rate * pace_lo
+    sum_hi = float(row.least_sums(hi)[0]) / v
+    if sum_hi + rest + u_floor < beat * _REFUSE_TOL:
+        tail_hi = float(row.least_tails(hi)[0])
+        return sum_hi + rest + max(tail_hi, u_floor) >= beat * _REFUSE_TOL
+    return True
 
 
 def _swept(row: _Row, t_values: np.ndarray, going: Callable[[float], bool], useful: Callable[[float, float], bool],
