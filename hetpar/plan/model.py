@@ -78,6 +78,20 @@ class StagePlan:
     offload: str = ""
     offloaded: tuple[tuple[int, int], ...] = ()
     host_bytes: int = 0  # predicted host memory per device (offloaded state), all chunks of its device group
+    # A mixed-kind stage (Metis's and HETHUB's split, Whale's): one pipeline position whose
+    # data-parallel parts sit on meshes of different kinds, each taking `examples` rows of
+    # every microbatch (in proportion to its speed, whole examples), their gradients
+    # summed as replicas' are. The position's first part is the stage `operator_stages`
+    # names (its lead, `part_of` -1); every other part is a StagePlan of its own with
+    # `part_of` the lead's index, the lead's layers, replica, chunk and recomputation.
+    # Rows go to the parts in index order: the lead's first. `examples` 0: not mixed.
+    part_of: int = -1
+    examples: int = 0
+
+    @property
+    def is_part(self) -> bool:
+        """A part of a mixed stage other than its lead (no pipeline position of its own)."""
+        return self.part_of >= 0
 
     @property
     def num_layers(self) -> int:
@@ -152,7 +166,18 @@ class Plan:
         return max(s.replica for s in self.stages) + 1
 
     def replica_stages(self, replica: int) -> tuple[StagePlan, ...]:
-        return tuple(s for s in self.stages if s.replica == replica)
+        """Replica `replica`'s pipeline positions in order: a mixed stage by its lead."""
+        return tuple(s for s in self.stages if s.replica == replica and not s.is_part)
+
+    def parts(self, stage: int) -> tuple[StagePlan, ...]:
+        """The parts of stage `stage` (a lead) in row order, lead first; () when it is not mixed."""
+        mine = tuple(s for s in self.stages if s.part_of == stage)
+        return (*(s for s in self.stages if s.index == stage), *mine) if mine else ()
+
+    @property
+    def mixed_stages(self) -> tuple[int, ...]:
+        """The leads of the plan's mixed-kind stages."""
+        return tuple(sorted({s.part_of for s in self.stages if s.is_part}))
 
     @property
     def chunks(self) -> int:

@@ -83,6 +83,8 @@ class StageSchema(_Strict):
     offload: Literal["", "host"] = ""  # where the optimizer state lives between steps
     offloaded: tuple[tuple[Count, Count], ...] = ()  # (state value id read, new state value id returned)
     host_bytes: Count = 0
+    part_of: Annotated[int, Field(ge=-1)] = -1  # a mixed-kind stage's part: its lead's index (-1: a stage of its own)
+    examples: Count = 0  # a mixed-kind stage's part: rows of each microbatch it takes (0: all)
 
     @model_validator(mode="after")
     def _shape(self) -> "StageSchema":
