@@ -77,16 +77,17 @@ def mix_stage(plan: Plan, stage: int, parts: Sequence[Part]) -> Plan:
     return priced(out)
 
 
-def proportional_examples(size: int, speeds: Sequence[float]) -> tuple[int, ...]:
-    """`size` rows split in proportion to `speeds`, whole examples, at least one each
-    (largest remainders): what each part of a mixed stage takes."""
-    if size < len(speeds):
-        raise PlanError(f"a microbatch of {size} examples cannot give each of {len(speeds)} parts at least one")
+def proportional_examples(size: int, speeds: Sequence[float], least: int = 1) -> tuple[int, ...]:
+    """`size` rows split in proportion to `speeds`, whole examples, at least `least`
+    each (largest remainders): what each part of a mixed stage takes. (A part of one
+    example traces differently from the batch in many models: the planner asks 2.)"""
+    if size < least * len(speeds):
+        raise PlanError(f"a microbatch of {size} examples cannot give each of {len(speeds)} parts at least {least}")
     total = sum(speeds)
     ideal = [size * v / total for v in speeds]
-    counts = [max(1, int(x)) for x in ideal]
+    counts = [max(least, int(x)) for x in ideal]
     while sum(counts) > size:
-        counts[max(range(len(counts)), key=lambda i: counts[i] - ideal[i])] -= 1
+        counts[max((i for i in range(len(counts)) if counts[i] > least), key=lambda i: counts[i] - ideal[i])] -= 1
     while sum(counts) < size:
         counts[max(range(len(counts)), key=lambda i: ideal[i] - counts[i])] += 1
     return tuple(counts)
