@@ -179,6 +179,19 @@ class Plan:
         """The leads of the plan's mixed-kind stages."""
         return tuple(sorted({s.part_of for s in self.stages if s.is_part}))
 
+    def stage_label(self, stage: StagePlan) -> str:
+        """How views name a stage: its index, and for a mixed stage's part which part of which stage."""
+        lead = stage.part_of if stage.is_part else stage.index
+        parts = self.parts(lead)
+        if not parts:
+            return str(stage.index)
+        return f"{stage.index} (stage {lead} part {[q.index for q in parts].index(stage.index)})"
+
+    def rows_label(self, stage: StagePlan) -> str:
+        """A mixed stage's part's rows of each microbatch, as views print them; "" otherwise."""
+        parts = self.parts(stage.part_of if stage.is_part else stage.index)
+        return f"{stage.examples}/{sum(q.examples for q in parts)} rows" if parts else ""
+
     @property
     def chunks(self) -> int:
         """Stages per device group: 1, or more under an interleaved schedule."""
@@ -209,10 +222,14 @@ class Plan:
         ]
         for s in self.stages:
             lines.append(
-                f"  {s.index:>5}  {s.device_type:<8} {s.num_devices:>7} {s.speed_flops / 1e12:>8.1f}  "
+                f"  {self.stage_label(s):>5}  {s.device_type:<8} {s.num_devices:>7} {s.speed_flops / 1e12:>8.1f}  "
                 f"{f'{s.layer_start}-{s.layer_end - 1} ({s.num_layers})':<10} {s.flops / 1e9:>9.3f} "
                 f"{fmt_time(s.predicted_time_s):>11}  {s.layer_names}"
             )
+        for lead in self.mixed_stages:
+            lines.append(f"  stage {lead} is mixed: " + ", ".join(
+                f"{q.num_devices}x{q.device_type} take {self.rows_label(q).replace(' rows', '')} rows" for q in self.parts(lead))
+                + " of each microbatch; its time is its slowest part's, gradients summed across the parts")
         lines.append(f"  predicted step time {fmt_time(self.predicted_step_time_s)}")
         lines.extend(f"  note: {n}" for n in self.notes)
         meshes = len({s.device_ids for s in self.stages})

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from solver.collectives import best
+from solver.collectives import Topology, best
 from solver.cost.problem import PlanningError
 
 if TYPE_CHECKING:  # types only: estimate imports this module
@@ -22,16 +22,22 @@ if TYPE_CHECKING:  # types only: estimate imports this module
     from solver.cost.stage_costs import StageCosts
 
 
-def parts_sync_s(costs: StageCosts, parts: list[StageDecision]) -> float:
-    """Seconds to sum the parts' gradients of their layers once per step: one stream
-    per device of the smallest part, over the slowest link between their kinds."""
-    if not costs.problem.training:
-        return 0.0
+def parts_reduction(costs: StageCosts, parts: list[StageDecision]) -> tuple[Topology, float]:
+    """The parts' gradient sum as a collective sees it: the parts' kinds over the
+    slowest link between them, one stream per device of the smallest part, and the
+    bytes of each stream (the stage's layers' gradients over the streams)."""
     streams = min(q.devices for q in parts)
     topology, _ = costs.replica_reduction([q.kind for q in parts], streams)
     lead = parts[0]
-    nbytes = float(costs.params[lead.layer_start:lead.layer_end].sum()) / max(streams, 1)
-    return best("all_reduce", topology, nbytes)[1]
+    return topology, float(costs.params[lead.layer_start:lead.layer_end].sum()) / max(streams, 1)
+
+
+def parts_sync_s(costs: StageCosts, parts: list[StageDecision]) -> float:
+    """Seconds to sum the parts' gradients of their layers once per step, with the
+    fastest all-reduce the collective registry has for that topology and size."""
+    if not costs.problem.training:
+        return 0.0
+    return best("all_reduce", *parts_reduction(costs, parts))[1]
 
 
 def mixed_position(costs: StageCosts, parts: list[StageDecision], priced: list[tuple]) -> tuple:
