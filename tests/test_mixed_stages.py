@@ -16,7 +16,13 @@ from hetpar.plan.file import load_plan, save_plan
 from hetpar.plan.mixed import Part, mix_stage, proportional_examples
 from models import mlp
 from parity import run_parity, with_grads
+from solver.collectives import LinkCost
+from solver.cost.estimate import estimate
+from solver.cost.problem import DeviceKind, LayerCost, Problem
 from solver.cost.stage_costs import StageConfig, StageCosts
+from solver.planner import Planner
+from solver.planner import mixed as planner_mixed
+from solver.planner.step import decisions
 
 THREE_KINDS = {"A100": 2, "V100": 2, "T4": 2}
 FOUR_KINDS = {"H100": 2, "A100": 2, "V100": 2, "T4": 2}
@@ -28,7 +34,7 @@ def _mlp(batch: int = 10):
 
 def _plan(workload, counts: dict, **options) -> tuple[hetpar.Cluster, hetpar.Plan]:
     cluster = hetpar.Cluster.virtual(counts)
-    options = {"num_stages": 2, "num_layers": 4, "num_microbatches": 2, **options}
+    options = {k: v for k, v in {"num_stages": 2, "num_layers": 4, "num_microbatches": 2, **options}.items() if v is not None}
     return cluster, hetpar.make_plan(with_grads(workload.loss_fn), (workload.state, workload.batch), cluster, **options)
 
 
@@ -145,5 +151,56 @@ def test_proportional_examples():
     assert proportional_examples(3, [100.0, 1.0, 1.0]) == (1, 1, 1)
     assert sum(proportional_examples(17, [5.0, 3.0, 1.5])) == 17
     assert proportional_examples(6, [100.0, 1.0, 1.0], least=2) == (2, 2, 2)
-    with pytest.raises(PlanError, match="at least 1"):
+    with pytest.raises(PlanError, match=r"at least \[1, 1, 1\]"):
         proportional_examples(2, [1.0, 1.0, 1.0])
+
+
+def _synthetic(link_bandwidth: float) -> Problem:
+    """Four equal layers; 4 fast devices, 2 slow and 2 slower ones, no replicas: the
+    search's best is one stage on the fast kind, the others idle."""
+    layers = tuple(LayerCost(flops=1e12, forward_flops=1e12 / 3, param_bytes=2**22, saved_bytes=2**20, input_bytes=2**18)
+                   for _ in range(4))
+    kind = lambda name, n, flops: DeviceKind(name, n, n, flops, 16 * 2**30, 1e12, LinkCost(1e11, 5e-6), LinkCost(1e10, 1e-5))  # noqa: E731
+    kinds = (kind("fast", 4, 8e12), kind("slow", 2, 2e12), kind("slower", 2, 1e12))
+    links = tuple((a.name, b.name, LinkCost(link_bandwidth, 2e-5)) for i, a in enumerate(kinds) for b in kinds[i + 1:])
+    return Problem(layers, kinds, batch_size=32, links=links, allow_replicas=False, schedules=("1f1b", "gpipe"))
+
+
+def test_the_planner_chooses_a_mixed_stage_where_the_estimator_says_it_wins(monkeypatch):
+    """Idle slow devices joined to the fast stage as a part: chosen over a fast link
+    (the estimator prices it faster than the search's best), not over a slow one."""
+    fast = Planner(_synthetic(2e10), top_k=1).solve().best
+    slow = Planner(_synthetic(1e5), top_k=1).solve().best
+    monkeypatch.setattr(planner_mixed, "MIXED_FINALISTS", 0)
+    plain = Planner(_synthetic(2e10), top_k=1).solve().best
+    assert not plain.mixed and fast.mixed and not slow.mixed
+    assert fast.step_s < plain.step_s and slow.step_s == pytest.approx(plain.step_s)
+    lead, *others = fast.parts(0)
+    assert lead.kind == "fast" and {o.kind for o in others} <= {"slow", "slower"}
+    assert sum(s.examples for s in fast.parts(0)) == 32 // fast.num_microbatches
+    assert fast.step_s == pytest.approx(estimate(_synthetic(2e10), decisions(fast)).step_s)  # the one estimator's price
+
+
+def test_a_planned_mixed_stage_becomes_a_plan_that_runs(monkeypatch):
+    """The planner's mixed choice through the whole pipeline (to_plan: the parts on
+    the idle devices; sharding, placement, operator stages), with parity: the search's
+    widening is forced to mix the last stage with the idle T4s."""
+    from solver.planner import search as planner_search
+
+    def forced(problem, found, costs):
+        best = next((c for c in found if len(c.replica_batch) == 1 and c.chunks == 1 and "T4" not in {s.kind for s in c.stages}), None)
+        if best is None:  # the idle-kinds note's search, every kind in use
+            return found
+        last = len(best.stages) - 1
+        t4 = next(k for k in problem.kinds if k.name == "T4")
+        b = best.replica_batch[0] // best.num_microbatches
+        mixed = planner_mixed._mixed(best, last, [(StageConfig("T4", t4.count, 1), 0, 1.0)], b, costs)
+        return [planner_mixed._with_costs(mixed, estimate(problem, decisions(mixed), costs))]
+
+    monkeypatch.setattr(planner_search, "with_mixed_stages", forced)
+    w = _mlp()
+    cluster, plan = _plan(w, THREE_KINDS, num_stages=None)  # the planner's choice
+    assert len(plan.mixed_stages) == 1
+    t4 = plan.parts(plan.mixed_stages[0])[1]
+    assert t4.device_type == "T4" and t4.device_ids == _positions(plan, "T4") and t4.examples >= 2
+    run_parity(w, cluster, steps=2, plan=plan)

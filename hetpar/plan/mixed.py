@@ -19,6 +19,8 @@ from hetpar.errors import PlanError
 from hetpar.plan.costs import priced
 from hetpar.plan.file import check_plan
 from hetpar.plan.model import Plan, StagePlan
+from solver.cost.problem import PlanningError
+from solver.planner.mixed import proportional_examples as _proportional
 
 
 @dataclass(frozen=True)
@@ -79,15 +81,10 @@ def mix_stage(plan: Plan, stage: int, parts: Sequence[Part]) -> Plan:
 
 def proportional_examples(size: int, speeds: Sequence[float], least: int = 1) -> tuple[int, ...]:
     """`size` rows split in proportion to `speeds`, whole examples, at least `least`
-    each (largest remainders): what each part of a mixed stage takes. (A part of one
-    example traces differently from the batch in many models: the planner asks 2.)"""
-    if size < least * len(speeds):
-        raise PlanError(f"a microbatch of {size} examples cannot give each of {len(speeds)} parts at least {least}")
-    total = sum(speeds)
-    ideal = [size * v / total for v in speeds]
-    counts = [max(least, int(x)) for x in ideal]
-    while sum(counts) > size:
-        counts[max((i for i in range(len(counts)) if counts[i] > least), key=lambda i: counts[i] - ideal[i])] -= 1
-    while sum(counts) < size:
-        counts[max(range(len(counts)), key=lambda i: ideal[i] - counts[i])] += 1
-    return tuple(counts)
+    each (largest remainders): what each part of a mixed stage takes, as the planner
+    splits them (solver/planner/mixed.py). A part of one example traces differently
+    from the batch in many models: give parts two or more."""
+    try:
+        return _proportional(size, speeds, least)
+    except PlanningError as e:
+        raise PlanError(str(e)) from None
