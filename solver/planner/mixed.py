@@ -9,7 +9,7 @@ idle kinds as extra parts (each with its fastest meshes that hold the layers), a
 split and with up to `MAX_SHIFT` more layers taken from a neighbour (the stage got
 faster). Adjacent stages of different kinds are also tried as one mixed stage over both
 their layers and both their meshes. The rows follow the parts' speeds (whole
-examples, at least one per data-parallel device). Every variant is priced by the one
+examples, a multiple of each part's data-parallel degree as the search gives a stage). Every variant is priced by the one
 estimator (`solver.cost.estimate`: the slowest part's rows set the stage's time, the
 parts' gradients are summed with the all-reduce their links favour, each part's
 memory must fit), and kept only where it is faster than the finalist it came from.
@@ -37,29 +37,37 @@ LAYOUTS_PER_KIND = 1  # an idle kind's fastest meshes tried as a part
 COARSER = 1  # microbatch counts halved this many times beside the finalist's
 
 
-def proportional_examples(size: int, speeds: Sequence[float], least: Sequence[int] | int = 1) -> tuple[int, ...]:
-    """`size` rows split in proportion to `speeds`, whole examples, at least `least`
-    each (one number, or one per part): each part first takes the whole examples of
-    its share, then every row left goes where it finishes soonest (the least
-    (rows + 1) / speed; ties to the larger remainder), which keeps the slowest part,
-    and so the stage, as fast as whole examples allow."""
-    floors = [least] * len(speeds) if isinstance(least, int) else list(least)
-    if size < sum(floors):
-        raise PlanningError(f"a microbatch of {size} examples cannot give the parts at least {floors} each")
+def proportional_examples(size: int, speeds: Sequence[float], least: Sequence[int] | int = 1,
+                          unit: Sequence[int] | int = 1) -> tuple[int, ...]:
+    """`size` rows split in proportion to `speeds`, whole examples: each part at least
+    `least` and a multiple of `unit` rows (one number, or one per part: the planner
+    gives a part a multiple of its data-parallel degree, as the search gives a stage).
+    From each part's least, every `unit` left goes where it finishes soonest (the
+    least (rows + unit) / speed; ties to the part furthest below its share), which
+    keeps the slowest part, and so the stage, as fast as whole examples allow."""
+    n = len(speeds)
+    units = [unit] * n if isinstance(unit, int) else list(unit)
+    floors = [least] * n if isinstance(least, int) else list(least)
+    counts = [-(-max(f, 1) // u) * u for f, u in zip(floors, units)]  # the least, rounded up to whole units
+    if size < sum(counts):
+        raise PlanningError(f"a microbatch of {size} examples cannot give the parts at least {counts} each")
     total = sum(speeds)
     ideal = [size * v / total for v in speeds]
-    counts = [max(f, int(x)) for f, x in zip(floors, ideal)]
-    while sum(counts) > size:
-        counts[max((i for i in range(len(counts)) if counts[i] > floors[i]), key=lambda i: counts[i] - ideal[i])] -= 1
-    while sum(counts) < size:
-        counts[min(range(len(counts)), key=lambda i: ((counts[i] + 1) / speeds[i], counts[i] - ideal[i]))] += 1
+    left = size - sum(counts)
+    while left:
+        fits = [i for i in range(n) if units[i] <= left]
+        if not fits:
+            raise PlanningError(f"{size} examples do not split into parts of multiples of {units} rows")
+        i = min(fits, key=lambda i: ((counts[i] + units[i]) / speeds[i], counts[i] - ideal[i]))
+        counts[i] += units[i]
+        left -= units[i]
     return tuple(counts)
 
 
 def with_mixed_stages(problem: Problem, found: list[PlanChoice], costs: StageCosts) -> list[PlanChoice]:
     """`found` (ranked by the estimator) with the best mixed variant of each of its
     first `MIXED_FINALISTS` single-chunk pipelines added where it is faster, ranked again."""
-    if len(problem.kinds) < 2:
+    if len(problem.kinds) < 2 or not problem.allow_mixed:
         return found
     plain = [c for c in found if c.chunks == 1 and len(c.replica_batch) == 1][:MIXED_FINALISTS]
     extra = [v for c in plain if (v := best_mixed(problem, c, costs)) is not None]
@@ -127,7 +135,7 @@ def _merged(problem: Problem, choice: PlanChoice, p: int, costs: StageCosts) -> 
             v.backward, v.forward.shape, joined.layer_start, joined.layer_end)
         parts.append((cfg, s.zero, b / seconds if seconds > 0 else 1.0))
     try:
-        rows = proportional_examples(b, [speed for _, _, speed in parts], [parts[0][0].dp, parts[1][0].dp])
+        rows = proportional_examples(b, [speed for _, _, speed in parts], unit=[parts[0][0].dp, parts[1][0].dp])
     except PlanningError:
         return None
     stages = [*choice.stages[:p], replace(joined, examples=rows[0]), *choice.stages[p + 2:]]
@@ -207,7 +215,7 @@ def _mixed(choice: PlanChoice, p: int, parts: list[tuple[StageConfig, int, float
                                                                                      lead.layer_start, lead.layer_end)
     speeds = [b / seconds if seconds > 0 else 1.0, *(speed for _, _, speed in parts)]
     try:
-        rows = proportional_examples(b, speeds, [1, *(c.dp for c, _, _ in parts)])
+        rows = proportional_examples(b, speeds, unit=[lead.dp, *(c.dp for c, _, _ in parts)])
     except PlanningError:
         return None
     stages = list(choice.stages)
