@@ -88,6 +88,18 @@ def test_mixed_single_stage_with_one_microbatch_parity():
     run_parity(w, cluster, steps=2, plan=mixed)
 
 
+def test_a_mixed_stage_inside_a_replica_plan_parity():
+    """Two data-parallel pipelines (12 + 4 examples); replica 0's stage split 4 + 2 rows of
+    each 6-example microbatch between its A100s and the T4s: the parts' sums, then the
+    replicas'."""
+    w = _mlp(batch=16)
+    cluster, plan = _plan(w, THREE_KINDS, num_stages=None, num_replicas=2)
+    assert plan.replica_batch == (12, 4)
+    s = plan.stages[0]
+    mixed = mix_stage(plan, s.index, [Part(s.group, s.device_ids, 4), Part("T4", _positions(plan, "T4"), 2)])
+    run_parity(w, cluster, steps=2, plan=mixed)
+
+
 def _alone(plan: hetpar.Plan, part: hetpar.StagePlan) -> tuple[float, float]:
     """A part priced as a stage of its own kind at its rows: (forward, own gradient sync)."""
     costs = StageCosts(plan.cost_inputs)
