@@ -46,7 +46,21 @@ def simulate_plan(plan: Plan) -> Simulation:
         for g, b in enumerate(sim.busy_s):
             busy[homes.index(stages[g].index)] = b
         step = max(step, sim.step_s)
+    for lead in plan.mixed_stages:  # each other part beside its lead, at its own pace
+        for part in plan.parts(lead)[1:]:
+            mine = [_part_event(e, part) for e in events if e.device == lead and e.kind != "transfer"]
+            events += mine
+            busy[homes.index(part.index)] = sum(e.end_s - e.start_s for e in mine if e.kind != "overlap")
     return Simulation(tuple(sorted(events, key=lambda e: (e.start_s, e.device))), step, tuple(busy))
+
+
+def _part_event(e: Event, part) -> Event:  # noqa: ANN001
+    """Event `e` of a mixed stage's lead as part `part` runs it: starting with the lead
+    (the rows arrive together), lasting the part's own time for its rows (the
+    position's time is its slowest part's, so a part never ends after it)."""
+    own = {"forward": part.forward_s, "backward": part.backward_s, "sync": part.sync_s, "optimizer": part.optimizer_s}
+    length = min(own.get(e.kind, e.end_s - e.start_s), e.end_s - e.start_s)
+    return replace(e, device=part.index, stage=None if e.stage is None else part.index, end_s=e.start_s + length)
 
 
 def device_groups(plan: Plan) -> list[int]:
@@ -208,6 +222,11 @@ def _lane_label(plan: Plan, lane: Lane) -> str:
     replica = f" (replica {s.replica}, {s.batch_share:.0%} of batch)" if plan.num_replicas > 1 else ""
     chunks = [c.index for c in plan.stages if c.device_ids == s.device_ids]
     name = f"stage {s.index}" if len(chunks) == 1 else f"stages {', '.join(map(str, chunks))}"
+    lead = s.part_of if s.is_part else s.index
+    parts = plan.parts(lead)
+    if parts:  # a mixed stage's part: which stage, which part, its rows
+        name = f"stage {lead} part {[q.index for q in parts].index(s.index)}"
+        replica += f" ({s.examples} of each microbatch's {sum(q.examples for q in parts)} examples)"
     return f"{name}: {s.num_devices}x{s.device_type}{replica}"
 
 

@@ -266,7 +266,28 @@ def check_transfer() -> None:
         print("CHECK transfer ok", flush=True)
 
 
-CHECKS = {"transfer": check_transfer, "gpipe": lambda: check_pipeline("gpipe"), "1f1b": lambda: check_pipeline("1f1b"), "replicas": check_replicas,
+def check_mixed() -> None:
+    """A mixed-kind stage across processes: stage 0 on two A100s (process 0), stage 1
+    split 3 + 2 rows of each 5-example microbatch between the other two A100s
+    (process 0) and the V100s (process 1): rows cut and joined, gradients summed, across
+    the processes."""
+    from dataclasses import replace
+
+    from hetpar.plan.mixed import Part, mix_stage
+
+    w = workload(batch_size=10)
+    cluster = hetpar.Cluster.from_file(sys.argv[1]).bind()
+    plan = hetpar.make_plan(with_grads(w.loss_fn), (w.state, w.batch), cluster, num_stages=2, num_layers=4, num_microbatches=2)
+    first, last = plan.stages
+    assert first.group == "a100" and len(first.device_ids) == 4 and last.group == "v100", plan
+    plan = replace(plan, stages=(replace(first, device_ids=first.device_ids[:2], mesh_shape=(2,), data_parallel=2), last))
+    mixed = mix_stage(plan, 1, [Part("a100", first.device_ids[2:], 3), Part(last.group, last.device_ids, 2)])
+    par = hetpar.parallelize(with_grads(w.loss_fn), cluster=cluster, plan=mixed)
+    compare(par, w, 2, "mixed")
+    assert par.plan.mixed_stages == (1,)
+
+
+CHECKS = {"mixed": check_mixed, "transfer": check_transfer, "gpipe": lambda: check_pipeline("gpipe"), "1f1b": lambda: check_pipeline("1f1b"), "replicas": check_replicas,
           "matrix": check_matrix, "spanning": check_spanning, "identity": check_identity, "checkpoint": check_checkpoint, "raise": lambda: inject("raise"), "kill": lambda: inject("kill")}
 
 for name in sys.argv[2:]:

@@ -108,6 +108,14 @@ def test_two_processes_pipeline_schedules_and_uneven_replicas():
         assert f"CHECK {name} ok" in result.stdout, result.stdout[-2000:]
 
 
+def test_mixed_kind_stage_across_two_processes():
+    """A stage whose parts are an A100 mesh in one process and a V100 mesh in the
+    other, 3 + 2 rows of every microbatch: parity with jax.jit (tests/distributed_checks.py)."""
+    result, _ = launch(UNEVEN, "mixed")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "CHECK mixed ok" in result.stdout, result.stdout[-2000:]
+
+
 def test_four_processes_stages_span_two_processes():
     """Two stages, each a 2x2 mesh over two processes; values re-laid on their way
     between them."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 import math
 
 import numpy as np
@@ -298,8 +299,11 @@ def test_the_bounded_search_chooses_what_scoring_every_pipeline_chooses(seed):
     if not everything:
         return
     finalists = rank(problem, everything[:FINALISTS], reference.costs)
-    result = plan(problem)
+    result = plan(replace(problem, allow_mixed=False))  # the search's own space: one kind per stage
     assert result.best.step_s == pytest.approx(finalists[0].step_s, rel=1e-12), (result.best.describe(), finalists[0].describe())
+    widened = plan(problem)  # with mixed-kind stages: a variant only where the estimator prices it faster
+    assert widened.best.step_s <= result.best.step_s * (1 + 1e-12)
+    assert widened.best.mixed or widened.best.step_s == pytest.approx(result.best.step_s, rel=1e-12)
 
 
 def three_kinds(layers: int = 10) -> Problem:

@@ -51,8 +51,20 @@ def choice_problems(problem: Problem, choice: PlanChoice) -> list[str]:
     if sum(choice.replica_batch) != problem.batch_size:
         out.append("batch not covered")
     used: dict[str, int] = {}
+    for p, s in enumerate(choice.stages):  # a mixed stage's parts: the lead's layers, rows making up the microbatch
+        parts = choice.parts(p)
+        if s.part_of >= 0:
+            used[s.kind] = used.get(s.kind, 0) + s.devices
+        elif parts:
+            b = choice.replica_batch[s.replica] // m
+            if sum(q.examples for q in parts) != b or any(q.examples % q.dp or q.examples < 1 for q in parts):
+                out.append(f"mixed stage {p}: rows {[q.examples for q in parts]} of {b} on dp {[q.dp for q in parts]}")
+            if any((q.layer_start, q.layer_end, q.replica) != (s.layer_start, s.layer_end, s.replica) for q in parts):
+                out.append(f"mixed stage {p}: parts on other layers")
+            if choice.chunks > 1:
+                out.append(f"mixed stage {p} under {choice.chunks} chunks")
     for r, share in enumerate(choice.replica_batch):
-        stages = [s for s in choice.stages if s.replica == r]
+        stages = [s for s in choice.stages if s.replica == r and s.part_of < 0]
         ranges = [(s.layer_start, s.layer_end) for s in stages]
         if ranges[0][0] != 0 or ranges[-1][1] != len(problem.layers) or any(
                 a[1] != b[0] for a, b in zip(ranges, ranges[1:])) or any(a >= b for a, b in ranges):
@@ -63,7 +75,7 @@ def choice_problems(problem: Problem, choice: PlanChoice) -> list[str]:
         if len(stages) % choice.chunks:
             out.append(f"replica {r}: {len(stages)} stages in {choice.chunks} chunks")
         for i, s in enumerate(stages):
-            if (share // m) % s.dp:
+            if (s.examples or share // m) % s.dp:
                 out.append(f"{s.kind} dp{s.dp} on microbatches of {share // m}")
             if i >= groups and (s.kind, s.devices) != (stages[i % groups].kind, stages[i % groups].devices):
                 out.append(f"stage {i}, a later chunk, is not on the devices of stage {i % groups}")

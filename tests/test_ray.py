@@ -51,6 +51,21 @@ def test_ray_runtime_parity(ray_cluster, workload, options):
         assert plan.replica_batch == (12, 4)
 
 
+def test_ray_mixed_stage_parity(ray_cluster, workload):
+    """A mixed-kind stage on Ray: stage 1's parts on a V100 worker and a T4 worker, 5 + 3
+    rows of each 8-example microbatch, parity with jax.jit."""
+    from hetpar.plan.mixed import Part, mix_stage
+    from parity import with_grads
+
+    cluster = hetpar.Cluster.virtual({"A100": 2, "V100": 2, "T4": 2})
+    plan = hetpar.make_plan(with_grads(workload.loss_fn), (workload.state, workload.batch), cluster, num_stages=2,
+                            num_layers=2, num_microbatches=2)
+    last = plan.stages[1]
+    mixed = mix_stage(plan, 1, [Part(last.group, last.device_ids, 5), Part("T4", (4, 5), 3)])
+    used = run_parity(workload, cluster, steps=2, runtime="ray", plan=mixed)
+    assert [s.device_type for s in used.parts(1)] == ["V100", "T4"]
+
+
 def _alive(pid):
     try:
         os.kill(pid, 0)

@@ -127,10 +127,10 @@ def _print_plan(plan, shardings: bool = False) -> None:  # noqa: ANN001
         memory = f"{_size(s.memory_bytes)} / {s.memory_capacity / 2**30:.1f} GiB" if s.memory_bytes else (
             f"- / {s.memory_capacity / 2**30:.0f} GiB" if s.memory_capacity else "-")
         table.add_row(
-            str(s.index), str(s.replica), f"{s.layer_start}-{s.layer_end - 1}", s.layer_names, s.device_type, str(s.num_devices),
+            plan.stage_label(s), str(s.replica), f"{s.layer_start}-{s.layer_end - 1}", s.layer_names, s.device_type, str(s.num_devices),
             "x".join(map(str, s.mesh_shape or (s.num_devices,))), f"{s.data_parallel or s.num_devices} x {s.tensor_parallel}" + (f", ZeRO-{s.zero}" if s.zero else "")
             + (f" in groups of {s.zero_group}" if s.zero and s.zero_group else ""),
-            f"{s.batch_share:.0%}", fmt_time(s.forward_s), fmt_time(s.backward_s), memory, _host(s),
+            plan.rows_label(s) or f"{s.batch_share:.0%}", fmt_time(s.forward_s), fmt_time(s.backward_s), memory, _host(s),
         )
     out.print(table)
     specs = [(s.index, path, spec_text(spec)) for s in plan.stages for path, spec in s.param_specs]

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import jax.numpy as jnp
 import numpy as np
 
-from hetpar.compile.order import Step, fuse_updates, order, replicated_order
+from hetpar.compile.order import Step, fuse_updates, order, replicated_order, with_parts
 from hetpar.compile.programs import FusedProgram, Fusion, Program
 from hetpar.compile.tasks import Task
 from hetpar.trace.microbatch import MicrobatchAnalysis, Phase
@@ -51,6 +51,12 @@ class CompiledStep:
     # values between two vendors' devices go through host memory (no device link
     # joins them), see runtime/communicator.HostStagedPath. Empty: one vendor.
     vendors: dict[int, str] = field(default_factory=dict)
+    # Mixed-kind stages: each part's rows of a microbatch ((offset, count) by stage
+    # index, lead included) and each lead's parts in row order (compile/step.mixed_rows).
+    # A part's per-microbatch values are its rows only: the runtime cuts its inputs and
+    # joins its outputs (runtime/interpreter.py).
+    rows: dict[int, tuple[int, int]] = field(default_factory=dict)
+    parts: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.tasks:
@@ -71,11 +77,14 @@ class CompiledStep:
     @cached_property
     def order(self) -> list[Step]:
         """The programs in the order the schedule dispatches them (computed once)."""
-        held = [SimpleNamespace(task=t) for t in self.tasks]
+        own = [i for i, t in enumerate(self.tasks) if not (t.stage in self.rows and t.stage not in self.parts)]
+        held = [SimpleNamespace(task=self.tasks[i]) for i in own]
         if self.num_replicas == 1:
             steps = fuse_updates(order(held, self.num_microbatches, self.schedule, self.chunks), self.fused_posts)
-            return [s for s in steps if s.program not in self.folded_pres]
-        return replicated_order(held, self.replica_of, self.num_microbatches, self.schedule, self.chunks)
+            steps = [s for s in steps if s.program not in self.folded_pres]
+        else:
+            steps = replicated_order(held, [self.replica_of[i] for i in own], self.num_microbatches, self.schedule, self.chunks)
+        return with_parts(steps, own, self.tasks, self.parts) if self.parts else steps
 
     @cached_property
     def input_keys(self) -> dict[int, tuple[bool, ...]]:

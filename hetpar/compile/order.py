@@ -96,3 +96,31 @@ def fuse_updates(steps: Sequence[Step], fused_posts: dict[int, int]) -> list[Ste
         replace(s, fused=fused_posts[s.program]) if s.last_microbatch and s.program in fused_posts else s
         for s in steps if not (s.microbatch is None and s.program in folded)
     ]
+
+
+def with_parts(steps: Sequence[Step], own: Sequence[int], tasks: Sequence, parts: dict[int, tuple[int, ...]]) -> list[Step]:
+    """`steps`, ordered over the programs `own` (positions in `tasks`: every task but
+    mixed stages' non-lead parts), as steps over all of `tasks`: each dispatch of a
+    mixed stage's lead's forward or backward followed by the same dispatch of its other
+    parts' copies (the tasks after it of the same kind and phase whose stage is one of
+    its parts: `parts`, lead -> its parts' stages), the microbatch's release moved to
+    the last of them."""
+    copies: dict[int, list[int]] = {}
+    lead = None
+    for i, t in enumerate(tasks):
+        if lead is not None and t.kind == tasks[lead].kind and t.stage != tasks[lead].stage and t.stage in parts.get(tasks[lead].stage, ()):
+            copies[lead].append(i)
+            continue
+        lead = i
+        copies[i] = []
+    out: list[Step] = []
+    for s in steps:
+        program = own[s.program] if s.program >= 0 else s.program
+        extra = copies.get(program, []) if s.microbatch is not None else []
+        if not extra:
+            out.append(replace(s, program=program))
+            continue
+        out.append(replace(s, program=program, release=None))
+        out += [replace(s, program=p, release=None) for p in extra[:-1]]
+        out.append(replace(s, program=extra[-1]))
+    return out

@@ -10,7 +10,7 @@ per mesh, runtime/ray_runtime.py) derive the same tasks and agree on every index
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 from jax.sharding import Mesh
@@ -36,12 +36,18 @@ class StepTasks:
     microbatch_sizes: tuple[int, ...]  # per task: the batch size its program runs at
     slices: tuple[tuple[int, int], ...]  # per global microbatch: (start, size) in the batch
     num_microbatches: int  # per replica
+    # Mixed-kind stages (`StagePlan.part_of`): each part's rows of every microbatch
+    # ((offset, count) by stage index), and each lead's parts in row order.
+    rows: dict[int, tuple[int, int]] = field(default_factory=dict)
+    parts: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
 
 def step_tasks(traced: TracedStep, plan: Plan) -> StepTasks:
     """Every data-parallel replica's tasks; replica r's microbatches are global
     microbatches r*m .. r*m+m-1, laid end to end over the batch. Only replica 0 runs
-    the post work (the update), on the reductions of all replicas combined."""
+    the post work (the update), on the reductions of all replicas combined. A mixed
+    stage's other parts run copies of its lead's forward and backward tasks at their
+    own rows of each microbatch (`mixed_rows`); its pre and post work runs on the lead."""
     if not plan.operator_stages:
         raise PlanError("the plan does not say which stage runs each operator (operator_stages): it can be shown and "
                         "simulated but not run; make it with hetpar solve or hetpar.make_plan")
@@ -51,6 +57,7 @@ def step_tasks(traced: TracedStep, plan: Plan) -> StepTasks:
                         f"has {len(traced.full.ops)} in each of {plan.num_replicas} replica(s). Solve the plan again for this step.")
     m = plan.num_microbatches
     batches = plan.replica_batch or (traced.batch_size,)
+    rows, parts = mixed_rows(plan, [examples // m for examples in batches])
     tasks, replica_of, sizes, slices = [], [], [], []
     start = 0
     for r, examples in enumerate(batches):
@@ -59,12 +66,44 @@ def step_tasks(traced: TracedStep, plan: Plan) -> StepTasks:
         for t in recompute(built, traced.full, {s.index: s.remat for s in plan.replica_stages(r)}):
             if t.kind == "post" and r > 0:
                 continue
-            tasks.append(t)
-            replica_of.append(r)
-            sizes.append(size)
+            copies = parts.get(t.stage, (t.stage,)) if t.per_microbatch else (t.stage,)
+            for stage in copies:  # a mixed stage's forward and backward: one task per part
+                tasks.append(t if stage == t.stage else replace(t, stage=stage))
+                replica_of.append(r)
+                sizes.append(rows[stage][1] if stage in rows else size)
         slices += [(start + j * size, size) for j in range(m)]
         start += examples
-    return StepTasks(tuple(tasks), tuple(replica_of), tuple(sizes), tuple(slices), m)
+    return StepTasks(tuple(tasks), tuple(replica_of), tuple(sizes), tuple(slices), m, rows, parts)
+
+
+def mixed_rows(plan: Plan, microbatch: list[int]) -> tuple[dict[int, tuple[int, int]], dict[int, tuple[int, ...]]]:
+    """Each mixed stage's parts' rows of a microbatch ((offset, count) by stage index,
+    in row order from the lead) and each lead's parts, read from the plan
+    (`StagePlan.examples`); `microbatch`: the examples of each replica's microbatch.
+    Refuses parts whose examples do not make up the microbatch."""
+    rows: dict[int, tuple[int, int]] = {}
+    parts: dict[int, tuple[int, ...]] = {}
+    for lead in plan.mixed_stages:
+        mine = plan.parts(lead)
+        if not mine:
+            raise PlanError(f"stage(s) {[s.index for s in plan.stages if s.part_of == lead]} are parts of stage {lead}, "
+                            f"which the plan does not have; set part_of to the index of the mixed stage's first part")
+        for s in mine[1:]:
+            if (s.layer_start, s.layer_end, s.replica, s.chunk, s.remat) != (mine[0].layer_start, mine[0].layer_end, mine[0].replica,
+                                                                            mine[0].chunk, mine[0].remat):
+                raise PlanError(f"stage {s.index} is a part of mixed stage {lead} but differs from it in its layers, replica, "
+                                f"chunk or recomputation; a mixed stage's parts run the same work on different rows")
+        size = microbatch[mine[0].replica]
+        counts = [s.examples for s in mine]
+        if any(c < 1 for c in counts) or sum(counts) != size:
+            raise PlanError(f"the parts of mixed stage {lead} (stages {[s.index for s in mine]}) take {counts} examples of each "
+                            f"microbatch, which has {size}: give each part at least one example and make them sum to {size}")
+        offset = 0
+        for s in mine:
+            rows[s.index] = (offset, s.examples)
+            offset += s.examples
+        parts[lead] = tuple(s.index for s in mine)
+    return rows, parts
 
 
 def compile_tasks(
@@ -106,11 +145,12 @@ def compile_step(traced: TracedStep, plan: Plan, meshes: dict[int, Mesh], graphs
     plan_tasks = step_tasks(traced, plan)
     programs = compile_tasks(traced, plan, plan_tasks, meshes, graphs, keep=lambda t: keep(t.stage))
     replicated = plan.num_replicas > 1
+    mixed = bool(plan_tasks.parts)  # the update waits for a mixed stage's parts to be summed, as for replicas
     fused: dict[int, FusedProgram] = {}
     fusions: dict[int, Fusion] = {}
     fused_posts: dict[int, int] = {}
     folded_pres: set[int] = set()
-    if not replicated:
+    if not replicated and not mixed:
         layouts = stage_layouts(plan)
         tasks = plan_tasks.tasks
         for host, post in fusible_updates(traced.full, traced.analysis, tasks).items():
@@ -133,6 +173,7 @@ def compile_step(traced: TracedStep, plan: Plan, meshes: dict[int, Mesh], graphs
         plan_tasks.num_microbatches, traced.microbatch_size, plan.schedule,
         plan_tasks.replica_of if replicated else (), plan_tasks.slices if replicated else (), plan.chunks,
         fused, fused_posts, fusions, plan_tasks.tasks, frozenset(folded_pres), stage_vendors(plan, meshes),
+        plan_tasks.rows, plan_tasks.parts,
     )
 
 
@@ -216,4 +257,5 @@ def compile_layer_stages(traced: TracedStep, layers: Layers, layer_stage: list[i
 def microbatch_graphs(fn: Callable, args: tuple, batch_argnum: int, traced: TracedStep, plan: Plan) -> dict[int, OpGraph]:
     """The step at every microbatch size the plan's replicas run with."""
     sizes = {b // plan.num_microbatches for b in plan.replica_batch} or {traced.microbatch_size}
+    sizes |= {s.examples for s in plan.stages if s.examples}  # a mixed stage's parts' rows
     return {size: trace_microbatch(fn, args, batch_argnum, traced, size) for size in sizes}

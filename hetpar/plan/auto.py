@@ -143,7 +143,8 @@ def search_problem(layers: Layers, cluster: Cluster, problem: Problem, options: 
 def to_plan(choice: PlanChoice, layers: Layers, cluster: Cluster, bound_ratio: float = 0.0) -> Plan:
     """Stages take the devices of their group in order, a stage's `dp * tp` at a time;
     under an interleaved schedule, stage p of a pipeline is chunk p // D on the
-    devices of its stage p mod D."""
+    devices of its stage p mod D. A mixed stage's other parts (listed after the
+    pipeline's stages) take the next devices of their groups: the ones it left idle."""
     positions = {d: i for i, d in enumerate(d for g in cluster.groups for d in g.device_ids)}
     groups = {g.label: g for g in cluster.groups}
     taken = {label: 0 for label in groups}
@@ -153,12 +154,16 @@ def to_plan(choice: PlanChoice, layers: Layers, cluster: Cluster, bound_ratio: f
     for index, s in enumerate(choice.stages):
         group: DeviceGroup = groups[s.kind]
         row = homes.setdefault(s.replica, [])
-        per_replica = sum(1 for c in choice.stages if c.replica == s.replica) // choice.chunks
-        position = sum(1 for c in choice.stages[:index] if c.replica == s.replica)
-        if position < per_replica:
+        per_replica = sum(1 for c in choice.stages if c.replica == s.replica and c.part_of < 0) // choice.chunks
+        position = sum(1 for c in choice.stages[:index] if c.replica == s.replica and c.part_of < 0)
+        if s.part_of >= 0:  # a mixed stage's part: devices of its own, after the pipeline's
+            ids = group.device_ids[taken[s.kind] : taken[s.kind] + s.devices]
+            taken[s.kind] += s.devices
+        elif position < per_replica:
             row.append(group.device_ids[taken[s.kind] : taken[s.kind] + s.devices])
             taken[s.kind] += s.devices
-        ids = row[position % per_replica]
+        if s.part_of < 0:
+            ids = row[position % per_replica]
         names = layers.names[s.layer_start : s.layer_end]
         label = names[0] if len(names) == 1 else f"{names[0].split('..')[0]}..{names[-1].split('..')[-1]}"
         share = choice.replica_batch[s.replica] / batch
@@ -170,8 +175,9 @@ def to_plan(choice: PlanChoice, layers: Layers, cluster: Cluster, bound_ratio: f
             mesh_shape=(s.dp, s.tp) if s.tp > 1 else (s.devices,),
             data_parallel=s.dp, tensor_parallel=s.tp, batch_share=share, forward_s=s.forward_s, backward_s=s.backward_s,
             send_s=s.send_s, sync_s=s.sync_s + choice.cross_sync_s, optimizer_s=s.optimizer_s, memory_bytes=s.memory_bytes,
-            memory_capacity=s.memory_capacity, replica=s.replica, chunk=position // per_replica,
-            remat="full" if s.remat else "", zero=s.zero, offload=s.offload,
+            memory_capacity=s.memory_capacity, replica=s.replica,
+            chunk=stages[s.part_of].chunk if s.part_of >= 0 else position // per_replica,
+            remat="full" if s.remat else "", zero=s.zero, offload=s.offload, part_of=s.part_of, examples=s.examples,
         ))
     return Plan(
         tuple(stages), choice.num_microbatches, layers.num_layers, cluster.describe(), choice.schedule,

@@ -24,14 +24,17 @@ from solver.cost.model_axes import ModelCollective
 def decisions(plan: Plan, dots_bytes: dict[int, float] | None = None) -> Decisions:
     """The choices of `plan` (which has cost inputs) as the estimator reads them. A
     stage runs on its cluster group's device kind (the cost inputs name kinds by
-    group) with its mesh's data and model axes, and, on two model axes, the
-    collectives its layouts run (`StagePlan.model_collectives`); `dots_bytes` (per stage index, per
+    group) with its mesh's data and model axes, on two model axes the collectives its
+    layouts run (`StagePlan.model_collectives`), a mixed stage's part with its lead's
+    position and its examples per microbatch; `dots_bytes` (per stage index, per
     example): what a "dots" recomputation keeps."""
     dots_bytes = dots_bytes or {}
+    position = {s.index: p for p, s in enumerate(plan.stages)}
     stages = tuple(
         StageDecision(s.group or s.device_type, *_mesh(s), s.layer_start, s.layer_end, s.remat, s.zero, s.replica,
                       dots_bytes.get(s.index, 0.0), s.offload, s.zero_group,
-                      tuple(ModelCollective(*c) for c in s.model_collectives))
+                      model_collectives=tuple(ModelCollective(*c) for c in s.model_collectives),
+                      part_of=position.get(s.part_of, len(plan.stages)) if s.is_part else -1, examples=s.examples)
         for s in plan.stages
     )
     batch = plan.replica_batch or (plan.cost_inputs.batch_size,)

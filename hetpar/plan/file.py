@@ -100,8 +100,9 @@ def check_plan(plan: Plan, where: str = "plan") -> None:
     if any(b < plan.num_microbatches or b % plan.num_microbatches for b in plan.replica_batch):
         raise PlanError(f"{where}: each replica's examples {list(plan.replica_batch)} must be a positive multiple of num_microbatches")
     for replica in replicas:
-        _check_stages([s for s in plan.stages if s.replica == replica], plan, where)
-        _check_chunks([s for s in plan.stages if s.replica == replica], plan, where)
+        _check_stages(list(plan.replica_stages(replica)), plan, where)
+        _check_chunks(list(plan.replica_stages(replica)), plan, where)
+    check_parts(plan, where)
     used = [i for s in plan.stages if s.chunk == 0 for i in s.device_ids]
     if len(used) != len(set(used)):
         raise PlanError(f"{where}: two stages share a device; each device belongs to one stage "
@@ -109,6 +110,37 @@ def check_plan(plan: Plan, where: str = "plan") -> None:
     _check_operator_stages(plan, where)
     for s in plan.stages:
         _check_shardings(s, f"{where}: stage {s.index}")
+
+
+def check_parts(plan: Plan, where: str = "plan") -> None:
+    """Mixed-kind stages (`StagePlan.part_of`): each part names a stage of its own as
+    its lead, runs the lead's layers in the lead's replica, and the parts' examples
+    make up the microbatch."""
+    if not plan.mixed_stages:
+        return
+    index = {s.index: s for s in plan.stages}
+    if [s.index for s in plan.stages] != list(range(len(plan.stages))):
+        raise PlanError(f"{where}: stages are numbered {sorted(index)}; number them 0, 1, ... in order")
+    for s in plan.stages:
+        if not s.is_part:
+            continue
+        lead = index.get(s.part_of)
+        if lead is None or lead.is_part:
+            raise PlanError(f"{where}: stage {s.index} is a part of stage {s.part_of}, which is not a stage of its own; "
+                            f"part_of names the index of the mixed stage's first part")
+        if (s.layer_start, s.layer_end, s.replica, s.chunk, s.remat) != (lead.layer_start, lead.layer_end, lead.replica,
+                                                                        lead.chunk, lead.remat):
+            raise PlanError(f"{where}: stage {s.index} is a part of stage {lead.index} but differs from it in layers, replica, "
+                            f"chunk or recomputation; a mixed stage's parts run the same layers on different rows")
+    batch = plan.replica_batch or ((plan.cost_inputs.batch_size,) if plan.cost_inputs else ())
+    for lead in plan.mixed_stages:
+        parts = plan.parts(lead)
+        counts = [s.examples for s in parts]
+        size = batch[parts[0].replica] // plan.num_microbatches if batch else None
+        if any(c < 1 for c in counts) or (size is not None and sum(counts) != size):
+            raise PlanError(f"{where}: the parts of mixed stage {lead} (stages {[s.index for s in parts]}) take {counts} examples "
+                            f"of each microbatch" + (f" of {size}" if size is not None else "") + ": give each part at least one"
+                            + (f" and make them sum to {size}" if size is not None else ""))
 
 
 def _check_operator_stages(plan: Plan, where: str) -> None:

@@ -86,6 +86,20 @@ class StagePlan:
     # estimator prices in place of Megatron's (solver.cost.model_axes.ModelCollective):
     # (layer, in the backward, collective, devices, bytes per device, bytes per example, count).
     model_collectives: tuple[tuple[int, bool, str, int, float, float, int], ...] = ()
+    # A mixed-kind stage (Metis's and HETHUB's split, Whale's): one pipeline position whose
+    # data-parallel parts sit on meshes of different kinds, each taking `examples` rows of
+    # every microbatch (in proportion to its speed, whole examples), their gradients
+    # summed as replicas' are. The position's first part is the stage `operator_stages`
+    # names (its lead, `part_of` -1); every other part is a StagePlan of its own with
+    # `part_of` the lead's index, the lead's layers, replica, chunk and recomputation.
+    # Rows go to the parts in index order: the lead's first. `examples` 0: not mixed.
+    part_of: int = -1
+    examples: int = 0
+
+    @property
+    def is_part(self) -> bool:
+        """A part of a mixed stage other than its lead (no pipeline position of its own)."""
+        return self.part_of >= 0
 
     @property
     def num_layers(self) -> int:
@@ -160,7 +174,31 @@ class Plan:
         return max(s.replica for s in self.stages) + 1
 
     def replica_stages(self, replica: int) -> tuple[StagePlan, ...]:
-        return tuple(s for s in self.stages if s.replica == replica)
+        """Replica `replica`'s pipeline positions in order: a mixed stage by its lead."""
+        return tuple(s for s in self.stages if s.replica == replica and not s.is_part)
+
+    def parts(self, stage: int) -> tuple[StagePlan, ...]:
+        """The parts of stage `stage` (a lead) in row order, lead first; () when it is not mixed."""
+        mine = tuple(s for s in self.stages if s.part_of == stage)
+        return (*(s for s in self.stages if s.index == stage), *mine) if mine else ()
+
+    @property
+    def mixed_stages(self) -> tuple[int, ...]:
+        """The leads of the plan's mixed-kind stages."""
+        return tuple(sorted({s.part_of for s in self.stages if s.is_part}))
+
+    def stage_label(self, stage: StagePlan) -> str:
+        """How views name a stage: its index, and for a mixed stage's part which part of which stage."""
+        lead = stage.part_of if stage.is_part else stage.index
+        parts = self.parts(lead)
+        if not parts:
+            return str(stage.index)
+        return f"{stage.index} (stage {lead} part {[q.index for q in parts].index(stage.index)})"
+
+    def rows_label(self, stage: StagePlan) -> str:
+        """A mixed stage's part's rows of each microbatch, as views print them; "" otherwise."""
+        parts = self.parts(stage.part_of if stage.is_part else stage.index)
+        return f"{stage.examples}/{sum(q.examples for q in parts)} rows" if parts else ""
 
     @property
     def chunks(self) -> int:
@@ -192,10 +230,14 @@ class Plan:
         ]
         for s in self.stages:
             lines.append(
-                f"  {s.index:>5}  {s.device_type:<8} {s.num_devices:>7} {s.speed_flops / 1e12:>8.1f}  "
+                f"  {self.stage_label(s):>5}  {s.device_type:<8} {s.num_devices:>7} {s.speed_flops / 1e12:>8.1f}  "
                 f"{f'{s.layer_start}-{s.layer_end - 1} ({s.num_layers})':<10} {s.flops / 1e9:>9.3f} "
                 f"{fmt_time(s.predicted_time_s):>11}  {s.layer_names}"
             )
+        for lead in self.mixed_stages:
+            lines.append(f"  stage {lead} is mixed: " + ", ".join(
+                f"{q.num_devices}x{q.device_type} take {self.rows_label(q).replace(' rows', '')} rows" for q in self.parts(lead))
+                + " of each microbatch; its time is its slowest part's, gradients summed across the parts")
         lines.append(f"  predicted step time {fmt_time(self.predicted_step_time_s)}")
         lines.extend(f"  note: {n}" for n in self.notes)
         meshes = len({s.device_ids for s in self.stages})

@@ -86,6 +86,8 @@ class StageSchema(_Strict):
     nvme_bytes: Count = 0
     # 3-axis mesh: (layer, backward, collective, devices, bytes per device, bytes per example, count)
     model_collectives: tuple[tuple[Count, bool, Literal["all_reduce", "all_gather"], Positive, Figure, Figure, Positive], ...] = ()
+    part_of: Annotated[int, Field(ge=-1)] = -1  # a mixed-kind stage's part: its lead's index (-1: a stage of its own)
+    examples: Count = 0  # a mixed-kind stage's part: rows of each microbatch it takes (0: all)
 
     @model_validator(mode="after")
     def _shape(self) -> "StageSchema":

@@ -12,6 +12,10 @@ run is a `Transport`'s business:
   Ray actor that owns a stage's mesh; they cross between actors as host arrays
   through Ray's object store.
 
+A mixed-kind stage's parts (compile/step.mixed_rows) each run their rows of every
+microbatch: `MixedStages` (runtime/mixed.py) cuts their inputs, joins their outputs
+for the stages that read them whole and sums their reductions before the replicas'.
+
 The interpreter never looks inside a value or a target (where an input must be for
 its program): it only hands them to the transport, so a runtime gains every feature
 of the instruction stream (chunks, dropout slices, ZeRO layouts, fused updates,
@@ -28,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
 from hetpar.compile.compiled import CompiledStep, constant_output
+from hetpar.runtime.mixed import MixedStages
 
 # How replicas' shares of a reduction combine (the reduction's kind -> the operation's name).
 MERGE_KIND = {"sum": "add", "mean": "add", "max": "maximum", "min": "minimum"}
@@ -118,12 +123,14 @@ def interpret(step: CompiledStep, transport: Transport, flat_args: Sequence[Any]
             store.setdefault((value, mb, replica), {})[stage] = part
 
     def fetch(value: int, mb: int | None, replica: int, stage: int, target: Any) -> Any:
+        if mb is not None and stage in rows:
+            return parts.fetch(value, mb, replica, stage, target)
         copies = store.get((value, mb, replica))
         if copies is None:
             if mb is not None and (value in analysis.sliced or value in inputs):
                 split(value, replica, stage, target)
                 return store[(value, mb, replica)][stage]
-            copies = store[(value, mb, replica)] = {}
+            copies = store[(value, mb, replica)] = parts.joined(value, mb, replica)
         elif stage in copies:
             return copies[stage]
         # A value already where the program wants it (a parameter this stage
@@ -131,6 +138,8 @@ def interpret(step: CompiledStep, transport: Transport, flat_args: Sequence[Any]
         x = copies[stage] = move(source(value, mb, replica), target)
         return x
 
+    rows = step.rows
+    parts = MixedStages(step, transport, store, inputs)
     accumulators: dict[int, Any] = {}
     returned = set(graph.outvars)
     input_keys, tasks, targets = step.input_keys, step.tasks, transport.targets
@@ -141,6 +150,7 @@ def interpret(step: CompiledStep, transport: Transport, flat_args: Sequence[Any]
     microbatch_inputs = step.microbatch_inputs
     for item in step.order:
         if item.combine:
+            parts.combine()
             _combine_replicas(step, store, transport)
             continue
         p = item.program
@@ -164,12 +174,15 @@ def interpret(step: CompiledStep, transport: Transport, flat_args: Sequence[Any]
                     args[i] = fetch(values[i], mb, replica, stage, wanted[i])
             outs, acc = call(p, accumulators.pop(p, None), args, item.last_microbatch)
             key = mb if task.per_microbatch else None
-            for v, x in zip(task.outputs, outs):
-                store[(v, key, replica)] = {stage: x}
-            if item.last_microbatch:
-                for v, x in zip(task.reductions, acc):
-                    store[(v, None, replica)] = {stage: x}
+            if task.per_microbatch and stage in rows:  # a part of a mixed stage: its rows, its share of the reductions
+                parts.made(task, mb, replica, outs, acc if item.last_microbatch else None)
             else:
+                for v, x in zip(task.outputs, outs):
+                    store[(v, key, replica)] = {stage: x}
+                if item.last_microbatch:
+                    for v, x in zip(task.reductions, acc):
+                        store[(v, None, replica)] = {stage: x}
+            if not item.last_microbatch:
                 accumulators[p] = acc
         if stats is not None:
             stats.observe(store)
@@ -179,7 +192,9 @@ def interpret(step: CompiledStep, transport: Transport, flat_args: Sequence[Any]
                 transport.free([x for k in dead for x in store[k].values()])
             for k in dead:
                 del store[k]
+            parts.release(item.release, returned)
 
+    parts.join_outputs(returned)
     return transport.results([_output(v, step, store, inputs, transport) for v in graph.outvars])
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from solver.collectives import Topology, best
 from solver.cost.estimate import Decisions, StageDecision, replica_streams
+from solver.cost.mixed import parts_reduction
 from solver.cost.problem import Problem
 from solver.cost.stage_costs import StageConfig, StageCosts
 
@@ -48,8 +49,11 @@ def collectives_used(problem: Problem, decisions: Decisions, costs: StageCosts |
     out: list[CollectiveUse] = []
     m = decisions.num_microbatches
     for p, s in enumerate(decisions.stages):
-        b = decisions.replica_batch[s.replica] // m
+        b = s.examples or decisions.replica_batch[s.replica] // m
         out += _stage_collectives(costs, p, s, b, m)
+        if decisions.parts(p) and problem.training:  # a mixed stage: its parts' gradients summed
+            topology, nbytes = parts_reduction(costs, decisions.parts(p))
+            out.append(_use(p, "gradients across a mixed stage's parts", "all_reduce", topology, nbytes))
     if len(decisions.replica_batch) > 1 and problem.training:
         kinds, streams = replica_streams(decisions)
         topology, nbytes = costs.replica_reduction(kinds, streams)

@@ -23,6 +23,7 @@ import numpy as np
 from solver.memory import OFFLOAD_TIERS, DeviceMemory, in_flight
 from solver.pipeline_sim import MAX_SIMULATED_MICROBATCHES, Simulation, pipeline_time, simulate, step_time
 from solver.cost.model_axes import ModelCollective
+from solver.cost.mixed import check_parts, mixed_position
 from solver.cost.problem import PlanningError, Problem
 from solver.cost.stage_costs import StageConfig, StageCosts
 from solver.schedules import StageTimes
@@ -51,6 +52,11 @@ class StageDecision:
     zero_group: int = 0  # hybrid sharding: ZeRO over this many of the data axis's devices (a node's); 0: all
     # A stage whose tensor parallelism spans two model axes: the collectives its layouts run (solver.cost.model_axes)
     model_collectives: tuple[ModelCollective, ...] = ()
+    # A part of a mixed-kind stage (solver/cost/mixed.py): the position in `Decisions.stages`
+    # of the stage's lead (-1: the stage is its own, or the lead), and the examples of
+    # each microbatch this part takes (0: the whole microbatch; set on the lead too).
+    part_of: int = -1
+    examples: int = 0
 
     @property
     def config(self) -> StageConfig:
@@ -74,7 +80,13 @@ class Decisions:
     chunks: int = 1
 
     def replica_stages(self, replica: int) -> list[StageDecision]:
-        return [s for s in self.stages if s.replica == replica]
+        """Replica `replica`'s pipeline positions in order (a mixed stage by its lead)."""
+        return [s for s in self.stages if s.replica == replica and s.part_of < 0]
+
+    def parts(self, lead: int) -> list[StageDecision]:
+        """The parts of the stage at position `lead`, lead first; [] when it is not mixed."""
+        mine = [s for s in self.stages if s.part_of == lead]
+        return [self.stages[lead], *mine] if mine else []
 
 
 @dataclass(frozen=True)
@@ -169,7 +181,7 @@ class PlanCost:
         return 1 - sum(busy) / (self.step_s * len(busy)) if busy and self.step_s else 0.0
 
     def replica_times(self, replica: int) -> list[StageTimes]:
-        return [c.times for c, s in zip(self.stages, self.decisions.stages) if s.replica == replica]
+        return [c.times for c, s in zip(self.stages, self.decisions.stages) if s.replica == replica and s.part_of < 0]
 
     def _closed_form_busy(self) -> list[float]:
         d = self.decisions
@@ -202,14 +214,16 @@ def estimate(problem: Problem, decisions: Decisions, costs: StageCosts | None = 
         raw = []
         for p, (s, cfg) in enumerate(zip(stages, configs)):
             held = in_flight(d.schedule, m, p, n, d.chunks)
-            v = costs.variant(cfg, b, held, p == n - 1, s.zero, s.remat, s.dots_bytes, s.offload)
-            i, j = s.layer_start, s.layer_end
-            at = lambda x: float(np.broadcast_to(x, v.forward.shape)[i, j])  # noqa: E731
-            send = float(costs.sends(cfg, configs[p + 1], b)[j]) if p + 1 < n else 0.0
-            memory = DeviceMemory(at(v.memory.parameters), at(v.memory.gradients), at(v.memory.optimizer_state),
-                                  at(v.memory.activations), at(v.memory.workspace), at(v.memory.host), at(v.memory.nvme))
-            raw.append((s, at(v.forward), at(v.backward), send, at(v.sync), at(v.tail) - at(v.sync), memory,
-                        costs.capacity(s.kind), at(v.hidden)))
+            following = configs[p + 1] if p + 1 < n else None
+            parts = d.parts(index[id(s)])
+            if parts:  # a mixed-kind stage: each part priced at its rows, the slowest sets the pace
+                mine = [_priced(costs, q, q.config, q.examples, held, p == n - 1, following) for q in parts]
+                for q, r_ in zip(parts[1:], mine[1:]):
+                    priced[index[id(q)]] = StageCost(*r_[1:6], r_[6], r_[7], r_[6].total, r_[8], r_[6].host,
+                                                     costs.host_capacity(q.kind), r_[6].nvme, costs.nvme_capacity(q.kind))
+                raw.append(mixed_position(costs, parts, mine))
+            else:
+                raw.append(_priced(costs, s, cfg, b, held, p == n - 1, following))
         group_total = [sum(raw[q][6].total for q in range(g, n, groups)) for g in range(groups)]
         group_host = [sum(raw[q][6].host for q in range(g, n, groups)) for g in range(groups)]
         group_nvme = [sum(raw[q][6].nvme for q in range(g, n, groups)) for g in range(groups)]
@@ -219,7 +233,8 @@ def estimate(problem: Problem, decisions: Decisions, costs: StageCosts | None = 
                                              group_host[p % groups], costs.host_capacity(s.kind),
                                              group_nvme[p % groups], costs.nvme_capacity(s.kind))
     stage_costs = tuple(c for c in priced if c is not None)  # every stage: each replica's were priced
-    per_replica = [[c.times for c, s in zip(stage_costs, d.stages) if s.replica == r] for r in range(len(d.replica_batch))]
+    per_replica = [[c.times for c, s in zip(stage_costs, d.stages) if s.replica == r and s.part_of < 0]
+                   for r in range(len(d.replica_batch))]
     if all(problem.kind(s.kind).shared_host for s in d.stages):
         closed = step = serial_step_s(stage_costs, m, cross)
     else:
@@ -229,6 +244,20 @@ def estimate(problem: Problem, decisions: Decisions, costs: StageCosts | None = 
     peak = sum(s.devices * (problem.kind(s.kind).peak_flops or problem.kind(s.kind).flops) for s in d.stages) / d.chunks
     return PlanCost(stage_costs, d, step, closed, cross, float(costs.flops.sum()) * examples, peak,
                     examples * problem.tokens_per_example)
+
+
+def _priced(costs: StageCosts, s: StageDecision, cfg: StageConfig, b: int, held: int, last: bool,
+            following: StageConfig | None) -> tuple:
+    """Stage `s` on microbatches of `b` examples: (s, forward, backward, send, sync,
+    optimizer, memory, capacity, hidden), as `estimate` assembles a replica's stages."""
+    v = costs.variant(cfg, b, held, last, s.zero, s.remat, s.dots_bytes, s.offload)
+    i, j = s.layer_start, s.layer_end
+    at = lambda x: float(np.broadcast_to(x, v.forward.shape)[i, j])  # noqa: E731
+    send = float(costs.sends(cfg, following, b)[j]) if following is not None else 0.0
+    memory = DeviceMemory(at(v.memory.parameters), at(v.memory.gradients), at(v.memory.optimizer_state),
+                          at(v.memory.activations), at(v.memory.workspace), at(v.memory.host), at(v.memory.nvme))
+    return (s, at(v.forward), at(v.backward), send, at(v.sync), at(v.tail) - at(v.sync), memory,
+            costs.capacity(s.kind), at(v.hidden))
 
 
 def serial_step_s(stages: tuple[StageCost, ...], m: int, cross: float) -> float:
@@ -291,6 +320,7 @@ def _check(problem: Problem, d: Decisions) -> None:
                                 f"use a divisor of {s.dp} (the devices of a node) or 0 for all of them")
         if not 0 <= s.layer_start < s.layer_end <= len(problem.layers):
             raise PlanningError(f"stage {i} holds layers {s.layer_start}..{s.layer_end - 1}; the model has {len(problem.layers)}")
+    check_parts(d)
     for r, examples in enumerate(d.replica_batch):
         if examples % d.num_microbatches:
             raise PlanningError(f"replica {r}'s {examples} examples do not split into {d.num_microbatches} microbatches")

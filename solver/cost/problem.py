@@ -146,6 +146,7 @@ class Problem:
     # ("host",) or ("nvme",) forces that tier on every stage.
     offload_tiers: tuple[str, ...] = ("", "host", "nvme")
     allow_replicas: bool = True  # pipelines of different kinds side by side, splitting the batch
+    allow_mixed: bool = True  # a stage's data-parallel parts on different kinds (solver/planner/mixed.py)
     use_all_kinds: bool = False  # only plans that give every kind work
     min_examples: int = 1  # per microbatch on each data-parallel device
     min_microbatch: int = 1  # examples in any pipeline's microbatch (a replica's share included)

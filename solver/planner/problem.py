@@ -30,6 +30,10 @@ class StageChoice:
     replica: int = 0
     zero: int = 0  # ZeRO stage over the data-parallel devices (solver.memory)
     offload: str = ""  # where its optimizer state lives: "" its devices, "host" host memory (solver.memory.OFFLOAD_TIERS)
+    # A mixed-kind stage's part (solver/planner/mixed.py): the position in `PlanChoice.stages`
+    # of its lead (-1: a stage of its own, or the lead) and its rows of each microbatch (0: all).
+    part_of: int = -1
+    examples: int = 0
 
     @property
     def devices(self) -> int:
@@ -62,6 +66,22 @@ class PlanChoice:
     def mfu(self) -> float:
         return self.model_flops / self.step_s / self.peak_flops if self.peak_flops else 0.0
 
+    def parts(self, lead: int) -> list[StageChoice]:
+        """The parts of the stage at position `lead`, lead first; [] when it is not mixed."""
+        mine = [s for s in self.stages if s.part_of == lead]
+        return [self.stages[lead], *mine] if mine else []
+
+    @property
+    def mixed(self) -> bool:
+        """Whether a stage's data-parallel parts are of different kinds."""
+        return any(s.part_of >= 0 for s in self.stages)
+
+    @staticmethod
+    def _stage_text(s: StageChoice) -> str:
+        return (f"{s.kind} dp{s.dp}tp{s.tp} L{s.layer_start}-{s.layer_end - 1}{' remat' if s.remat else ''}"
+                f"{f' zero{s.zero}' if s.zero else ''}{f' offload:{s.offload}' if s.offload else ''}"
+                f"{f' [{s.examples} rows]' if s.examples else ''}")
+
     @property
     def num_devices(self) -> int:
         return sum(s.devices for s in self.stages)
@@ -69,10 +89,8 @@ class PlanChoice:
     def describe(self) -> str:
         parts = []
         for r, share in enumerate(self.replica_batch):
-            stages = [s for s in self.stages if s.replica == r]
-            body = " | ".join(
-                f"{s.kind} dp{s.dp}tp{s.tp} L{s.layer_start}-{s.layer_end - 1}{' remat' if s.remat else ''}{f' zero{s.zero}' if s.zero else ''}{f' offload:{s.offload}' if s.offload else ''}" for s in stages
-            )
+            stages = [(p, s) for p, s in enumerate(self.stages) if s.replica == r and s.part_of < 0]
+            body = " | ".join(" + ".join(self._stage_text(q) for q in self.parts(p) or [s]) for p, s in stages)
             parts.append(f"[{share} ex] {body}" if len(self.replica_batch) > 1 else body)
         schedule = f"{self.schedule} x{self.chunks}" if self.chunks > 1 else self.schedule
         return f"{schedule} m={self.num_microbatches}: " + " || ".join(parts)

@@ -46,6 +46,7 @@ from solver.planner.problem import PlanChoice, PlanningError, Problem, SearchRes
 from solver.cost.stage_costs import INF, StageConfig, StageCosts, in_flight
 from solver.cost.problem import memory_note
 from solver.memory import OFFLOAD_TIERS
+from solver.planner.mixed import with_mixed_stages
 from solver.planner.step import rank
 
 log = logging.getLogger(__name__)
@@ -163,6 +164,7 @@ class Planner:
         # The finalists by the figure show/simulate report (the estimator's simulated
         # step), not the search's closed form, which is exact for some shapes only.
         found = rank(self.problem, found[: self.finalists], self.costs)
+        found = with_mixed_stages(self.problem, found, self.costs)  # a stage over idle kinds too, where it wins
         self.deadline = INF  # the bound's own searches run to the end
         per_kind = tuple((k.name, (rank(self.problem, self._search((k.name,), 1), self.costs) or [None])[0]) for k in self.problem.kinds)
         bound = sum(c.throughput for _, c in per_kind if c is not None)

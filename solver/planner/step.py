@@ -23,7 +23,7 @@ def decisions(choice: PlanChoice) -> Decisions:
     """What a planner's choice decides, as the estimator reads it."""
     return Decisions(
         tuple(StageDecision(s.kind, s.dp, s.tp, s.layer_start, s.layer_end, "full" if s.remat else "", s.zero, s.replica,
-                            offload=s.offload)
+                            offload=s.offload, part_of=s.part_of, examples=s.examples)
               for s in choice.stages),
         choice.num_microbatches, choice.schedule, choice.replica_batch, choice.chunks,
     )
@@ -47,7 +47,7 @@ def stage_times(choice: PlanChoice, replica: int) -> list[StageTimes]:
     """One replica's virtual stages as the choice itself records them (the gradient
     sum across replicas joined to each stage's sync, as the estimator charges it)."""
     return [StageTimes(s.forward_s, s.backward_s, s.send_s, s.sync_s + choice.cross_sync_s, s.optimizer_s)
-            for s in choice.stages if s.replica == replica]
+            for s in choice.stages if s.replica == replica and s.part_of < 0]
 
 
 def simulated_step_s(choice: PlanChoice) -> float:

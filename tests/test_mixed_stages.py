@@ -1,0 +1,218 @@
+"""Mixed-kind stages (issue 30, item 3): one pipeline stage's data-parallel parts on
+devices of different kinds, each taking its rows of every microbatch, gradients
+summed across them. Parity with jax.jit, the estimator's price, the plan file."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+import hetpar
+from hetpar.errors import PlanError
+from hetpar.plan.costs import estimate_plan
+from hetpar.plan.file import load_plan, save_plan
+from hetpar.plan.mixed import Part, mix_stage, proportional_examples
+from models import mlp
+from parity import run_parity, with_grads
+from solver.collectives import LinkCost
+from solver.cost.estimate import estimate
+from solver.cost.problem import DeviceKind, LayerCost, Problem
+from solver.cost.stage_costs import StageConfig, StageCosts
+from solver.planner import Planner
+from solver.planner import mixed as planner_mixed
+from solver.planner.step import decisions
+
+THREE_KINDS = {"A100": 2, "V100": 2, "T4": 2}
+FOUR_KINDS = {"H100": 2, "A100": 2, "V100": 2, "T4": 2}
+
+
+def _mlp(batch: int = 10):
+    return mlp.setup(batch_size=batch, hidden=32, depth=3)
+
+
+def _plan(workload, counts: dict, **options) -> tuple[hetpar.Cluster, hetpar.Plan]:
+    cluster = hetpar.Cluster.virtual(counts)
+    options = {k: v for k, v in {"num_stages": 2, "num_layers": 4, "num_microbatches": 2, **options}.items() if v is not None}
+    return cluster, hetpar.make_plan(with_grads(workload.loss_fn), (workload.state, workload.batch), cluster, **options)
+
+
+def _positions(plan: hetpar.Plan, group: str) -> tuple[int, ...]:
+    """The device positions of cluster group `group` (groups lie in order)."""
+    start = 0
+    for g in plan.cluster_groups:
+        if g.name == group:
+            return tuple(range(start, start + g.devices))
+        start += g.devices
+    raise KeyError(group)
+
+
+def _last_stage_mixed(plan: hetpar.Plan, shares=(3, 2)) -> hetpar.Plan:
+    """The last stage (on V100s) split 3 + 2 rows of each 5-example microbatch with the idle T4s."""
+    last = plan.stages[-1]
+    return mix_stage(plan, last.index, [Part(last.group, last.device_ids, shares[0]), Part("T4", _positions(plan, "T4"), shares[1])])
+
+
+def test_two_kind_mixed_stage_parity_with_an_uneven_split():
+    """Stage 1 on 2 V100 + 2 T4: each 5-example microbatch splits 3 + 2 (not even),
+    the A100 stage's activations cut by rows, the cotangents joined back."""
+    w = _mlp()
+    cluster, plan = _plan(w, THREE_KINDS)
+    mixed = _last_stage_mixed(plan)
+    assert [(s.device_type, s.examples, s.part_of) for s in mixed.stages] == [("A100", 0, -1), ("V100", 3, -1), ("T4", 2, 1)]
+    used = run_parity(w, cluster, steps=2, plan=mixed)
+    assert used.mixed_stages == (1,)
+
+
+def test_three_kind_mixed_first_stage_parity():
+    """The first stage split over three kinds (3 + 2 + 2 rows of 7): the batch is cut
+    straight into each part's rows and the parts' outputs joined for the next stage."""
+    w = _mlp(batch=14)
+    cluster, plan = _plan(w, FOUR_KINDS)
+    first = plan.stages[0]
+    assert first.device_type == "H100"
+    mixed = mix_stage(plan, 0, [Part(first.group, first.device_ids, 3), Part("V100", _positions(plan, "V100"), 2),
+                                Part("T4", _positions(plan, "T4"), 2)])
+    assert sorted(s.device_type for s in mixed.parts(0)) == ["H100", "T4", "V100"]
+    run_parity(w, cluster, steps=2, plan=mixed)
+
+
+def test_mixed_single_stage_with_one_microbatch_parity():
+    """One stage, one microbatch of 7 examples split 4 + 3 over A100 and T4 meshes of
+    different sizes (2 and 1 devices): the whole step is the parts' sum."""
+    w = _mlp(batch=7)
+    cluster, plan = _plan(w, {"A100": 2, "T4": 1}, num_stages=1, num_microbatches=1)
+    s = plan.stages[0]
+    mixed = mix_stage(plan, 0, [Part(s.group, s.device_ids, 4), Part("T4", _positions(plan, "T4"), 3)])
+    run_parity(w, cluster, steps=2, plan=mixed)
+
+
+def test_a_mixed_stage_inside_a_replica_plan_parity():
+    """Two data-parallel pipelines (12 + 4 examples); replica 0's stage split 4 + 2 rows of
+    each 6-example microbatch between its A100s and the T4s: the parts' sums, then the
+    replicas'."""
+    w = _mlp(batch=16)
+    cluster, plan = _plan(w, THREE_KINDS, num_stages=None, num_replicas=2)
+    assert plan.replica_batch == (12, 4)
+    s = plan.stages[0]
+    mixed = mix_stage(plan, s.index, [Part(s.group, s.device_ids, 4), Part("T4", _positions(plan, "T4"), 2)])
+    run_parity(w, cluster, steps=2, plan=mixed)
+
+
+def _alone(plan: hetpar.Plan, part: hetpar.StagePlan) -> tuple[float, float]:
+    """A part priced as a stage of its own kind at its rows: (forward, own gradient sync)."""
+    costs = StageCosts(plan.cost_inputs)
+    v = costs.variant(StageConfig(part.group, part.data_parallel, part.tensor_parallel), part.examples, 1, True, 0, "")
+    at = lambda x: float(np.broadcast_to(x, v.forward.shape)[part.layer_start, part.layer_end])  # noqa: E731
+    return at(v.forward), at(v.sync)
+
+
+def test_the_slowest_part_sets_the_stage_time_and_the_parts_sum_their_gradients():
+    w = _mlp()
+    _, plan = _plan(w, THREE_KINDS)
+    even = _last_stage_mixed(plan, (3, 2))
+    heavy = _last_stage_mixed(plan, (1, 4))  # the slow T4s take most rows
+    for p in (even, heavy):
+        lead, t4 = p.parts(1)
+        (lead_fwd, lead_sync), (t4_fwd, t4_sync) = _alone(p, lead), _alone(p, t4)
+        assert t4.forward_s == pytest.approx(t4_fwd)
+        assert lead.forward_s == pytest.approx(max(lead_fwd, t4_fwd))  # the position runs at its slowest part's pace
+        assert lead.sync_s > max(lead_sync, t4_sync)  # the parts' all-reduce is charged on top
+        assert t4.memory_bytes > 0 and t4.memory_capacity > 0
+    assert heavy.parts(1)[1].forward_s > even.parts(1)[1].forward_s  # more rows, more time on the T4s
+    assert heavy.predicted_step_time_s > even.predicted_step_time_s
+    cost = estimate_plan(even)
+    assert cost.step_s == pytest.approx(even.predicted_step_time_s)
+    assert len(cost.replica_times(0)) == 2  # two pipeline positions, not three
+
+
+def test_plan_file_round_trip(tmp_path):
+    w = _mlp()
+    _, plan = _plan(w, THREE_KINDS)
+    mixed = _last_stage_mixed(plan)
+    path = tmp_path / "mixed.json"
+    save_plan(mixed, path)
+    loaded = load_plan(path)
+    assert [(s.part_of, s.examples, s.device_ids) for s in loaded.stages] == [(s.part_of, s.examples, s.device_ids) for s in mixed.stages]
+    assert loaded.predicted_step_time_s == pytest.approx(mixed.predicted_step_time_s)
+    assert loaded.mixed_stages == (1,)
+
+
+def test_shares_that_do_not_make_up_the_microbatch_are_refused(tmp_path):
+    w = _mlp()
+    _, plan = _plan(w, THREE_KINDS)
+    with pytest.raises(PlanError, match="sum to 5"):
+        _last_stage_mixed(plan, (3, 3))
+    with pytest.raises(PlanError, match="at least one"):
+        _last_stage_mixed(plan, (5, 0))
+    mixed = _last_stage_mixed(plan)
+    path = tmp_path / "bad.json"
+    save_plan(replace(mixed, stages=tuple(replace(s, examples=4) if s.index == 2 else s for s in mixed.stages)), path)
+    with pytest.raises(PlanError, match=r"take \[3, 4\] examples.*sum to 5"):
+        load_plan(path)
+    with pytest.raises(PlanError, match="cluster group 'P100'"):
+        mix_stage(plan, 1, [Part("V100", plan.stages[1].device_ids, 3), Part("P100", (4,), 2)])
+    with pytest.raises(PlanError, match="used by another stage"):
+        mix_stage(plan, 1, [Part("V100", plan.stages[1].device_ids, 3), Part("T4", plan.stages[0].device_ids, 2)])
+
+
+def test_proportional_examples():
+    assert proportional_examples(5, [2.0, 1.0]) == (3, 2)
+    assert proportional_examples(8, [3.0, 1.0]) == (6, 2)
+    assert proportional_examples(3, [100.0, 1.0, 1.0]) == (1, 1, 1)
+    assert sum(proportional_examples(17, [5.0, 3.0, 1.5])) == 17
+    assert proportional_examples(6, [100.0, 1.0, 1.0], least=2) == (2, 2, 2)
+    with pytest.raises(PlanError, match=r"at least \[1, 1, 1\]"):
+        proportional_examples(2, [1.0, 1.0, 1.0])
+
+
+def _synthetic(link_bandwidth: float) -> Problem:
+    """Four equal layers; 4 fast devices, 2 slow and 2 slower ones, no replicas: the
+    search's best is one stage on the fast kind, the others idle."""
+    layers = tuple(LayerCost(flops=1e12, forward_flops=1e12 / 3, param_bytes=2**22, saved_bytes=2**20, input_bytes=2**18)
+                   for _ in range(4))
+    kind = lambda name, n, flops: DeviceKind(name, n, n, flops, 16 * 2**30, 1e12, LinkCost(1e11, 5e-6), LinkCost(1e10, 1e-5))  # noqa: E731
+    kinds = (kind("fast", 4, 8e12), kind("slow", 2, 2e12), kind("slower", 2, 1e12))
+    links = tuple((a.name, b.name, LinkCost(link_bandwidth, 2e-5)) for i, a in enumerate(kinds) for b in kinds[i + 1:])
+    return Problem(layers, kinds, batch_size=32, links=links, allow_replicas=False, schedules=("1f1b", "gpipe"))
+
+
+def test_the_planner_chooses_a_mixed_stage_where_the_estimator_says_it_wins(monkeypatch):
+    """Idle slow devices joined to the fast stage as a part: chosen over a fast link
+    (the estimator prices it faster than the search's best), not over a slow one."""
+    fast = Planner(_synthetic(2e10), top_k=1).solve().best
+    slow = Planner(_synthetic(1e5), top_k=1).solve().best
+    monkeypatch.setattr(planner_mixed, "MIXED_FINALISTS", 0)
+    plain = Planner(_synthetic(2e10), top_k=1).solve().best
+    assert not plain.mixed and fast.mixed and not slow.mixed
+    assert fast.step_s < plain.step_s and slow.step_s == pytest.approx(plain.step_s)
+    lead, *others = fast.parts(0)
+    assert lead.kind == "fast" and {o.kind for o in others} <= {"slow", "slower"}
+    assert sum(s.examples for s in fast.parts(0)) == 32 // fast.num_microbatches
+    assert fast.step_s == pytest.approx(estimate(_synthetic(2e10), decisions(fast)).step_s)  # the one estimator's price
+
+
+def test_a_planned_mixed_stage_becomes_a_plan_that_runs(monkeypatch):
+    """The planner's mixed choice through the whole pipeline (to_plan: the parts on
+    the idle devices; sharding, placement, operator stages), with parity: the search's
+    widening is forced to mix the last stage with the idle T4s."""
+    from solver.planner import search as planner_search
+
+    def forced(problem, found, costs):
+        best = next((c for c in found if len(c.replica_batch) == 1 and c.chunks == 1 and "T4" not in {s.kind for s in c.stages}), None)
+        if best is None:  # the idle-kinds note's search, every kind in use
+            return found
+        last = len(best.stages) - 1
+        t4 = next(k for k in problem.kinds if k.name == "T4")
+        b = best.replica_batch[0] // best.num_microbatches
+        mixed = planner_mixed._mixed(best, last, [(StageConfig("T4", t4.count, 1), 0, 1.0)], b, costs)
+        return [planner_mixed._with_costs(mixed, estimate(problem, decisions(mixed), costs))]
+
+    monkeypatch.setattr(planner_search, "with_mixed_stages", forced)
+    w = _mlp()
+    cluster, plan = _plan(w, THREE_KINDS, num_stages=None)  # the planner's choice
+    assert len(plan.mixed_stages) == 1
+    t4 = plan.parts(plan.mixed_stages[0])[1]
+    assert t4.device_type == "T4" and t4.device_ids == _positions(plan, "T4") and t4.examples >= 2
+    run_parity(w, cluster, steps=2, plan=plan)
