@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import jax
@@ -150,13 +150,71 @@ def measure_layers(
     `device_ids` for each `dp` in `data_parallel`, at `examples` per device and
     microbatch; `num_layers`: the cut (default: the planner's, one layer per repeated
     block plus what comes before and after). All programs of all sizes are timed in
-    one interleaved pool (`timing.median_times`). Each timed run dispatches a program
-    `back_to_back` times and waits once, as a pipeline's runtime dispatches a stage's
-    programs one after another without waiting: a program timed alone and waited on
-    also pays the devices going idle after it (on CPU, XLA's worker threads spinning
-    before they sleep, which a later program queued behind it does not see)."""
+    one interleaved pool (`timing.median_times`); `layer_timing` holds the pool for a
+    caller that times other work in the same rounds."""
     from hetpar.cluster.cluster import jax_devices
     from hetpar.predict.timing import busy_clock, median_times
+
+    timing = layer_timing(fn, args, device_ids, device_kind, examples, data_parallel, num_layers, batch_argnum, remat,
+                          back_to_back)
+    log.info("timing %d layer programs", len(timing.runs))
+    return timing.records(median_times(timing.runs, rounds=rounds, clock=busy_clock(jax_devices(device_ids[:1])[0].platform)))
+
+
+@dataclass
+class LayerTiming:
+    """The runs a layer profile times and how their times become records: apart, so
+    that a benchmark can time them in the same rounds as the steps it compares them
+    with (on a shared host the machine's speed drifts by tens of percent within
+    minutes, and a profile made before the steps prices them at another moment's)."""
+
+    runs: list[Callable[[], Any]]  # each dispatches its program `back_to_back` times and returns the last result
+    back_to_back: int
+    launches: list[int]  # the data-parallel degrees whose launch runs come first in `runs`
+    layers: list["_Layer"]
+
+    def records(self, times: Sequence[float]) -> list[LayerRecord]:
+        """The records of one time (seconds of `busy_clock()`, per run of `runs`) each."""
+        if len(times) != len(self.runs):
+            raise HetparError(f"{len(times)} times for {len(self.runs)} layer runs")
+        it = iter(t / self.back_to_back for t in times)
+        launch_s = {dp: next(it) for dp in self.launches}
+        records: dict[tuple, LayerRecord] = {}
+        for layer in self.layers:
+            forward = next(it)
+            backward = next(it) if layer.backward is not None else None
+            remat_s = next(it) if layer.backward_remat is not None else -1.0
+            once = sum(next(it) for _ in layer.once)
+            if backward is None:  # the last layer: forward and backward are one program
+                forward, backward = forward * layer.forward_share, forward * (1 - layer.forward_share)
+                remat_s = -1.0
+            record = records.setdefault(layer.record.key, replace(layer.record, points=[]))
+            record.program_s, record.once_programs = launch_s[record.dp], len(layer.once)
+            record.points.append(LayerPointRecord(layer.examples, forward, backward, remat_s, once, layer.peak_bytes))
+        for record in records.values():
+            record.points.sort(key=lambda p: p.examples)
+        return list(records.values())
+
+
+def layer_timing(
+    fn: Callable,
+    args: tuple,
+    device_ids: Sequence[int],
+    device_kind: str,
+    examples: Sequence[int] = (1, 2, 4),
+    data_parallel: Sequence[int] = (1,),
+    num_layers: int | None = None,
+    batch_argnum: int = 1,
+    remat: bool = True,
+    back_to_back: int = 4,
+) -> LayerTiming:
+    """The layer programs `measure_layers` times, compiled and ready to run. Each run
+    dispatches a program `back_to_back` times and waits once, as a pipeline's runtime
+    dispatches a stage's programs one after another without waiting: a program timed
+    alone and waited on also pays the devices going idle after it (on CPU, XLA's
+    worker threads spinning before they sleep, which a later program queued behind it
+    does not see)."""
+    from hetpar.cluster.cluster import jax_devices
 
     if not examples or min(examples) < 1:
         raise HetparError(f"microbatch sizes to profile must be positive, got {list(examples)}")
@@ -175,26 +233,8 @@ def measure_layers(
     runs: list[Callable[[], Any]] = list(launches.values())
     for layer in layers:
         runs += [layer.forward, *(r for r in (layer.backward, layer.backward_remat) if r is not None), *layer.once]
-    log.info("timing %d layer programs (%d distinct layers x sizes)", len(runs), len(layers))
     k = max(1, back_to_back)
-    runs = [_repeated(run, k) for run in runs]
-    times = iter(t / k for t in median_times(runs, rounds=rounds, clock=busy_clock(jax_devices(device_ids[:1])[0].platform)))
-    launch_s = {dp: next(times) for dp in launches}
-    records: dict[tuple, LayerRecord] = {}
-    for layer in layers:
-        forward = next(times)
-        backward = next(times) if layer.backward is not None else None
-        remat_s = next(times) if layer.backward_remat is not None else -1.0
-        once = sum(next(times) for _ in layer.once)
-        if backward is None:  # the last layer: forward and backward are one program
-            forward, backward = forward * layer.forward_share, forward * (1 - layer.forward_share)
-            remat_s = -1.0
-        record = records.setdefault(layer.record.key, layer.record)
-        record.program_s, record.once_programs = launch_s[record.dp], len(layer.once)
-        record.points.append(LayerPointRecord(layer.examples, forward, backward, remat_s, once, layer.peak_bytes))
-    for record in records.values():
-        record.points.sort(key=lambda p: p.examples)
-    return list(records.values())
+    return LayerTiming([_repeated(run, k) for run in runs], k, list(launches), layers)
 
 
 def _layer_runs(fn: Callable, args: tuple, batch_argnum: int, device_ids: Sequence[int], device_kind: str, examples: int,
@@ -232,11 +272,29 @@ def _layer_runs(fn: Callable, args: tuple, batch_argnum: int, device_ids: Sequen
         record = LayerRecord(signature, layers.names[layer], device_kind, dtype, 1, dp, shared)
         share = layers.forward_flops[layer] / layers.flops[layer] if layers.forward_flops and layers.flops[layer] else 1 / 3
         out.append(_Layer(
-            record, examples, program_run(fwd, plain.graph), program_run(bwd, plain.graph) if bwd else None,
-            program_run(redo, rerun.graph) if redo else None, [program_run(p, plain.graph) for p in once], share,
+            record, examples, _carried_run(fwd, plain.graph), _carried_run(bwd, plain.graph) if bwd else None,
+            _carried_run(redo, rerun.graph) if redo else None, [program_run(p, plain.graph) for p in once], share,
             max(_peak_bytes(p, plain.graph, program_inputs) for p in mine),
         ))
     return out
+
+
+def _carried_run(program: Any, graph: Any) -> Callable[[], Any]:
+    """One microbatch of a per-microbatch `program` on zero-filled arguments, adding
+    into the accumulators the previous run left (donated, as the pipeline's runtime
+    passes them from microbatch to microbatch): a run that made fresh accumulators
+    each time would also pay a zero-filling program's launch and writes, which a
+    pipeline pays at most once per step, not per microbatch (on 4 CPU devices about
+    5% of a transformer block's backward)."""
+    from hetpar.predict.calibrate import program_inputs
+
+    inputs = program_inputs(program, graph)
+    acc = [program.init_acc() if program.init_acc else ()]
+
+    def run() -> Any:
+        out, acc[0] = program.fn(acc[0], *inputs)
+        return out, acc[0]
+    return run
 
 
 def _repeated(run: Callable[[], Any], times: int) -> Callable[[], Any]:
