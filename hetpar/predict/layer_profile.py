@@ -24,7 +24,12 @@ and holds one point per microbatch size (`examples`: per data-parallel device).
 
 Times are seconds of `timing.busy_clock()` (wall time on accelerators; on CPU virtual
 devices the process's CPU time, all the mesh's devices' work: `shared_host`), the
-median of interleaved rounds (`timing.median_times`). The last layer's forward and
+median of interleaved rounds (`timing.median_times`). Besides the layers, per mesh:
+one more program's cost (`stage_program_s`: the model's layers one program each
+against the whole model in one, which the estimator charges per stage program; a
+near-empty program's launch, `program_s`, misses most of it on CPU devices, where
+every program wakes and parks the devices' threads) and the replica combine of each
+layer's gradients (`merge_s`). The last layer's forward and
 backward are one program (hetpar.compile.tasks), split between the two by FLOPs.
 Peak memory is XLA's `memory_analysis()` of the layer's largest program (arguments +
 outputs + temporaries - aliased), per device.
