@@ -12,9 +12,15 @@
    (`plan.predicted_step_time_s`); the same decisions are priced again without the
    layer records (the roofline and the catalog's CPU figures, pipeline stages side by
    side) for comparison.
-3. Every plan is run and timed: after warm-up, rounds in which each plan runs a few
-   steps in turn (order rotated every round: benchmarks/step_timing.interleaved_rounds),
-   the median over rounds of each round's median.
+3. Every plan is run and timed, and the layer profile timed again beside it: after
+   warm-up, rounds in which each plan runs a few steps and the profile runs each of its
+   layer programs once, in turn (order rotated every round:
+   benchmarks/step_timing.interleaved_rounds); per plan the median over rounds of each
+   round's median, per layer program the median over rounds. The plans are made with a
+   first quick profile (which layers each stage holds) and priced with the one timed
+   beside them: on this shared host the same program's CPU time moved by 1.6x between a
+   profile made before the steps and the steps (5.5 against 8.8 ms for one block's
+   forward on 2 devices), which a profile minutes apart from the steps prices as error.
 
 Which clock: CPU virtual devices are this host's cores, shared with whatever else runs
 here. The profile and the steps are timed on the same clock, the process's CPU time
@@ -38,6 +44,7 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import jax
 
@@ -49,7 +56,8 @@ import hetpar  # noqa: E402
 from hetpar.cluster.cluster import Cluster  # noqa: E402
 from hetpar.cluster.groups import DeviceGroup  # noqa: E402
 from hetpar.plan.costs import estimate_plan  # noqa: E402
-from hetpar.predict.layer_profile import measure_layers  # noqa: E402
+from hetpar.predict.layer_profile import layer_timing  # noqa: E402
+from hetpar.predict.timing import busy_clock, median_times  # noqa: E402
 from hetpar.predict.profile import Profile  # noqa: E402
 from step_timing import Stepper, gpt_benchmark, interleaved_rounds  # noqa: E402
 
@@ -83,7 +91,7 @@ def without_layers(plan):  # noqa: ANN001, ANN201
 
 
 def main() -> None:
-    args, w = gpt_benchmark(__doc__.splitlines()[0], iters=3, rounds=7)
+    args, w = gpt_benchmark(__doc__.splitlines()[0], iters=3, rounds=9)
     cluster = two_groups()
     batch = args.batch_size
     print(f"load before: {os.getloadavg()}")
@@ -100,43 +108,78 @@ def main() -> None:
     examples = sorted({e for _, e in shapes})
     print(f"profiling layers on meshes of {dps} devices at {examples} examples per device")
     start = time.perf_counter()
-    records = measure_layers(w.step, (w.state, w.batch), list(range(8)), "cpu", examples, dps, NUM_LAYERS,
-                             remat=False, rounds=args.rounds)
-    print(f"profile: {len(records)} records in {time.perf_counter() - start:.0f} s")
+    timing = layer_timing(w.step, (w.state, w.batch), list(range(8)), "cpu", examples, dps, NUM_LAYERS, remat=False)
+    clock = busy_clock("cpu")
+    # A first profile, only to make the plans with (which layers each stage holds).
+    first = Path(tempfile.mkdtemp()) / "first.json"
+    Profile({}, layers=timing.records(median_times(timing.runs, rounds=3, clock=clock))).save(first)
+    print(f"first profile: {len(timing.runs)} layer runs in {time.perf_counter() - start:.0f} s")
+
+    # 2. The plans, made with the first profile.
+    steppers, plans = {}, {}
+    for label, options in PLANS:
+        step = hetpar.parallelize(w.step, cluster=cluster, num_layers=NUM_LAYERS, profile=str(first), **options)
+        stepper = Stepper(step, w.state, w.batch)
+        stepper.warm_up(3)
+        steppers[label], plans[label] = stepper, step.plan
+
+    # 3. The profile and the steps timed in the same rounds (order rotated every round),
+    # so that both see the same moments of the shared machine.
+    contenders = {"layers": ProfileRuns(timing.runs, clock), **steppers}
+    loads = [os.getloadavg()[0]]
+    rounds = interleaved_rounds(contenders, args.rounds, args.iters)
+    loads.append(os.getloadavg()[0])
+    records = timing.records(contenders["layers"].medians())
     for r in records:
         points = "; ".join(f"{p.examples}/dev {p.forward_s * 1e3:.2f}+{p.backward_s * 1e3:.2f} ms" for p in r.points)
-        print(f"  {r.name:<12} on {r.dp} devices: launch {r.program_s * 1e3:.2f} ms, once {r.points[0].once_s * 1e3:.2f} ms "
+        print(f"  {r.name:<12} on {r.dp} devices: launch {r.program_s * 1e3:.2f} ms, per stage program "
+              f"{r.stage_program_s * 1e3:.2f} ms, merge {r.merge_s * 1e3:.2f} ms, once {r.points[0].once_s * 1e3:.2f} ms "
               f"({r.once_programs} programs); fwd+bwd {points}")
     path = Path(tempfile.mkdtemp()) / "layers.json"
     Profile({}, layers=records).save(path)
 
-    # 2. The plans, priced with the profile (and the same decisions without it).
-    steppers, rows = {}, []
-    for label, options in PLANS:
-        step = hetpar.parallelize(w.step, cluster=cluster, num_layers=NUM_LAYERS, profile=str(path), **options)
-        stepper = Stepper(step, w.state, w.batch)
-        stepper.warm_up(3)
-        plan = step.plan
-        steppers[label] = stepper
-        rows.append((label, plan.predicted_step_time_s, without_layers(plan),
-                     " | ".join(f"{s.group}:{s.layer_start}-{s.layer_end - 1}x{s.num_devices}" for s in plan.stages)))
-
-    # 3. Run and time, interleaved.
-    loads = [os.getloadavg()[0]]
-    rounds = interleaved_rounds(steppers, args.rounds, args.iters)
-    loads.append(os.getloadavg()[0])
-
+    # 4. Each plan's decisions priced by the estimator with the profile timed beside its
+    # steps (and without any layer records, for comparison).
     errors = []
     print(f"{'plan':<48} {'with profile':>12} {'without':>10} {'measured':>10} {'err':>7} {'wall':>9}  stages")
-    for label, predicted, modelled, stages in rows:
+    for label, options in PLANS:
+        plan = plans[label]
+        inputs = hetpar.make_plan(w.step, (w.state, w.batch), cluster, num_layers=NUM_LAYERS, profile=str(path),
+                                  **options).cost_inputs
+        priced = replace(plan, cost_inputs=inputs)
+        predicted = estimate_plan(priced).step_s
         cpu = statistics.median(rounds.cpu[label])
         wall = statistics.median(rounds.wall[label])
         err = (predicted - cpu) / cpu
         errors.append(abs(err))
-        print(f"{label:<48} {predicted * 1e3:>9.1f} ms {modelled * 1e3:>7.1f} ms {cpu * 1e3:>7.1f} ms {err:>+7.1%} "
-              f"{wall * 1e3:>6.1f} ms  {stages}")
+        stages = " | ".join(f"{s.group}:{s.layer_start}-{s.layer_end - 1}x{s.num_devices}" for s in plan.stages)
+        print(f"{label:<48} {predicted * 1e3:>9.1f} ms {without_layers(priced) * 1e3:>7.1f} ms {cpu * 1e3:>7.1f} ms "
+              f"{err:>+7.1%} {wall * 1e3:>6.1f} ms  {stages}")
     print(f"uptime load average during timing: {statistics.mean(loads):.2f} (2 cores); after: {os.getloadavg()}")
     print(f"RESULT median_abs_err={statistics.median(errors):.3f} max_abs_err={max(errors):.3f} plans={len(errors)}")
+
+
+class ProfileRuns:
+    """The layer profile's runs as one contender of `interleaved_rounds`: each round
+    times every run once (in an order rotated every round), on the profile's clock."""
+
+    def __init__(self, runs: list, clock: Callable[[], float]):
+        self.runs, self.clock = runs, clock
+        self.seen: list[list[float]] = [[] for _ in runs]
+        self.round = 0
+
+    def times(self, calls: int) -> tuple[list[float], list[float]]:
+        n = len(self.runs)
+        for k in range(n):
+            i = (k + self.round) % n
+            start = self.clock()
+            jax.block_until_ready(self.runs[i]())
+            self.seen[i].append(self.clock() - start)
+        self.round += 1
+        return [0.0], [0.0]
+
+    def medians(self) -> list[float]:
+        return [statistics.median(s) for s in self.seen]
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ from hetpar.cli import main
 from hetpar.errors import HetparError
 from hetpar.pipeline import layers_of
 from hetpar.plan.file import load_plan, save_plan
-from hetpar.predict.layer_profile import LayerPointRecord, LayerRecord, layer_signatures, measure_layers
+from hetpar.predict.layer_profile import (LayerPointRecord, LayerRecord, LayerTiming, _Layer, layer_signatures,
+                                          measure_layers)
 from hetpar.predict.profile import Profile
 from hetpar.trace.traced_step import trace_step
 from models import gpt
@@ -110,6 +111,51 @@ def test_a_shared_host_runs_its_stages_one_after_another():
     assert cost.step_s == pytest.approx(work)
 
 
+def test_a_stage_program_costs_what_the_profile_measured_one_more_program_to_cost():
+    # Layers measured one program each; a stage of two pays the measured per-program cost once per
+    # program (forward, backward), not the near-empty program's launch once per layer.
+    point = LayerPoint(2, 0.010, 0.020, -1.0, 0.0)
+    measured = [replace(MeasuredLayer("A100", layer, 1, 2, (point,), program_s=0.001, stage_program_s=0.004))
+                for layer in range(3)]
+    decisions = Decisions((StageDecision("A100", 2, 1, 0, 2), StageDecision("A100", 2, 1, 2, 3)), 2, "1f1b", (8,))
+    cost = estimate(_problem(measured), decisions)
+    assert cost.stages[0].forward_s == pytest.approx(2 * (0.010 - 0.004) + 0.004)
+    assert cost.stages[0].backward_s == pytest.approx(2 * (0.020 - 0.004) + 0.004)
+    old = [replace(m, stage_program_s=0.0) for m in measured]  # a profile without it: the launch, as before
+    assert estimate(_problem(old), decisions).stages[0].forward_s == pytest.approx(2 * (0.010 - 0.001) + 0.001)
+
+
+def test_a_shared_hosts_replica_combine_is_priced_as_the_profile_measured_it():
+    point = LayerPoint(2, 0.010, 0.020, -1.0, 0.0)
+    measured = tuple(MeasuredLayer("A100", layer, 1, 2, (point,), shared_host=True, merge_s=0.003 * (layer + 1))
+                     for layer in range(3))
+    problem = _problem(measured)
+    shared = replace(problem, kinds=tuple(replace(k, shared_host=True) for k in problem.kinds))
+    three = Decisions(tuple(StageDecision("A100", 1, 1, 0, 3, replica=r) for r in range(3)), 1, "1f1b", (4, 2, 2))
+    # every other replica's gradients of each layer added into the first's: 2 x (3 + 6 + 9) ms
+    assert estimate(shared, three).cross_sync_s == pytest.approx(2 * 0.018)
+    unmeasured = replace(shared, measured_layers=tuple(replace(m, merge_s=0.0) for m in measured))
+    assert estimate(unmeasured, three).cross_sync_s < 0.001  # the collective's bytes alone
+
+
+def test_one_more_programs_cost_is_the_layers_apart_against_together():
+    # Two distinct layers (one of them twice in the model), forward and backward programs each, and the
+    # last fused; the whole model in one program: (apart - together) / (programs - 2).
+    def layer(name, count, fused=False):
+        record = LayerRecord(name, name, "cpu", "float32", 1, 2, True)
+        return _Layer(record, 2, lambda: 0, None if fused else (lambda: 0), None, [], 0.5, 0, None, count)
+
+    layers = [layer("block", 2), layer("head", 1, fused=True)]
+    timing = LayerTiming([lambda: 0] * 5, 1, [2], layers, [(2, 2)])
+    # launch, together, block fwd, block bwd, head (fused)
+    records = timing.records([0.001, 0.050, 0.010, 0.020, 0.012])
+    apart = 2 * (0.010 + 0.020) + 0.012  # 5 programs
+    assert all(r.stage_program_s == pytest.approx((apart - 0.050) / 3) for r in records)
+    assert all(r.program_s == 0.001 for r in records)
+    with pytest.raises(HetparError, match="4 times for 5"):
+        timing.records([0.0] * 4)
+
+
 @pytest.fixture(scope="module")
 def workload():
     return gpt.setup(batch_size=8)
@@ -160,7 +206,7 @@ def test_profiling_a_steps_layers_records_each_distinct_layer(workload):
     assert {r.dp for r in records} == {1, 2} and all(r.shared_host and r.dtype == "float32" for r in records)
     for r in records:
         assert [p.examples for p in r.points] == [2, 4]
-        assert r.program_s > 0 and r.once_programs >= 1
+        assert r.program_s > 0 and r.once_programs >= 1 and r.stage_program_s >= r.program_s and r.merge_s > 0
         assert all(p.forward_s > 0 and p.backward_s > 0 and p.once_s > 0 and p.peak_bytes > 0 for p in r.points)
     block = next(r for r in records if r.name == "Block_0" and r.dp == 1)
     assert all(p.backward_remat_s > 0 for p in block.points)

@@ -24,7 +24,12 @@ and holds one point per microbatch size (`examples`: per data-parallel device).
 
 Times are seconds of `timing.busy_clock()` (wall time on accelerators; on CPU virtual
 devices the process's CPU time, all the mesh's devices' work: `shared_host`), the
-median of interleaved rounds (`timing.median_times`). The last layer's forward and
+median of interleaved rounds (`timing.median_times`). Besides the layers, per mesh:
+one more program's cost (`stage_program_s`: the model's layers one program each
+against the whole model in one, which the estimator charges per stage program; a
+near-empty program's launch, `program_s`, misses most of it on CPU devices, where
+every program wakes and parks the devices' threads) and the replica combine of each
+layer's gradients (`merge_s`). The last layer's forward and
 backward are one program (hetpar.compile.tasks), split between the two by FLOPs.
 Peak memory is XLA's `memory_analysis()` of the layer's largest program (arguments +
 outputs + temporaries - aliased), per device.
@@ -35,8 +40,9 @@ The JSON is part of a `hetpar profile` file (`Profile.layers`, predict/profile.p
 from __future__ import annotations
 
 import hashlib
+import statistics
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import jax
@@ -71,6 +77,8 @@ class LayerRecord:
     points: list[LayerPointRecord] = field(default_factory=list)
     program_s: float = 0.0  # one near-empty program's launch on the same mesh, timed with the layers
     once_programs: int = 0  # how many programs `once_s` adds up
+    merge_s: float = 0.0  # one replica's gradients of the layer added into another's (`_merge_run`); 0: not measured
+    stage_program_s: float = 0.0  # one more per-microbatch program's cost on the mesh (`LayerTiming.records`); 0: not measured
 
     @property
     def key(self) -> tuple[str, str, str, int, int]:
@@ -131,6 +139,8 @@ class _Layer:
     once: list[Callable[[], Any]]
     forward_share: float  # of the fused last layer's program: the forward's FLOPs share
     peak_bytes: int
+    merge: Callable[[], Any] | None = None  # the replica combine of the layer's gradients (`_merge_run`)
+    count: int = 1  # the model's layers with this signature
 
 
 def measure_layers(
@@ -150,13 +160,89 @@ def measure_layers(
     `device_ids` for each `dp` in `data_parallel`, at `examples` per device and
     microbatch; `num_layers`: the cut (default: the planner's, one layer per repeated
     block plus what comes before and after). All programs of all sizes are timed in
-    one interleaved pool (`timing.median_times`). Each timed run dispatches a program
-    `back_to_back` times and waits once, as a pipeline's runtime dispatches a stage's
-    programs one after another without waiting: a program timed alone and waited on
-    also pays the devices going idle after it (on CPU, XLA's worker threads spinning
-    before they sleep, which a later program queued behind it does not see)."""
+    one interleaved pool (`timing.median_times`); `layer_timing` holds the pool for a
+    caller that times other work in the same rounds."""
     from hetpar.cluster.cluster import jax_devices
     from hetpar.predict.timing import busy_clock, median_times
+
+    timing = layer_timing(fn, args, device_ids, device_kind, examples, data_parallel, num_layers, batch_argnum, remat,
+                          back_to_back)
+    log.info("timing %d layer programs", len(timing.runs))
+    return timing.records(median_times(timing.runs, rounds=rounds, clock=busy_clock(jax_devices(device_ids[:1])[0].platform)))
+
+
+@dataclass
+class LayerTiming:
+    """The runs a layer profile times and how their times become records: apart, so
+    that a benchmark can time them in the same rounds as the steps it compares them
+    with (on a shared host the machine's speed drifts by tens of percent within
+    minutes, and a profile made before the steps prices them at another moment's)."""
+
+    runs: list[Callable[[], Any]]  # each dispatches its program `back_to_back` times and returns the last result
+    back_to_back: int
+    launches: list[int]  # the data-parallel degrees whose launch runs come first in `runs`
+    layers: list["_Layer"]
+    together: list[tuple[int, int]] = field(default_factory=list)  # (dp, examples) of the whole-model runs after them
+
+    def records(self, times: Sequence[float]) -> list[LayerRecord]:
+        """The records of one time (seconds of `busy_clock()`, per run of `runs`) each."""
+        if len(times) != len(self.runs):
+            raise HetparError(f"{len(times)} times for {len(self.runs)} layer runs")
+        it = iter(t / self.back_to_back for t in times)
+        launch_s = {dp: next(it) for dp in self.launches}
+        together = {key: next(it) for key in self.together}
+        apart: dict[tuple[int, int], list[float]] = {key: [0.0, 0.0] for key in self.together}  # seconds, programs
+        records: dict[tuple, LayerRecord] = {}
+        for layer in self.layers:
+            forward = next(it)
+            backward = next(it) if layer.backward is not None else None
+            remat_s = next(it) if layer.backward_remat is not None else -1.0
+            merge_s = next(it) if layer.merge is not None else 0.0
+            once = sum(next(it) for _ in layer.once)
+            sums = apart.setdefault((layer.record.dp, layer.examples), [0.0, 0.0])
+            sums[0] += layer.count * (forward + (backward or 0.0))
+            sums[1] += layer.count * (1 if backward is None else 2)
+            if backward is None:  # the last layer: forward and backward are one program
+                forward, backward = forward * layer.forward_share, forward * (1 - layer.forward_share)
+                remat_s = -1.0
+            record = records.setdefault(layer.record.key, replace(layer.record, points=[]))
+            record.program_s, record.once_programs = launch_s[record.dp], len(layer.once)
+            record.merge_s = max(record.merge_s, merge_s)  # one per (dp, examples): the same arrays each time
+            record.points.append(LayerPointRecord(layer.examples, forward, backward, remat_s, once, layer.peak_bytes))
+        # One more program's cost: the model's layers one program each against all of them in one program
+        # (a forward and backward program each, as the estimator charges a stage), per mesh.
+        per_program: dict[int, list[float]] = {}
+        for (dp, _), t in together.items():
+            seconds, programs = apart[(dp, _)]
+            if programs > 2:
+                per_program.setdefault(dp, []).append((seconds - t) / (programs - 2))
+        for record in records.values():
+            got = per_program.get(record.dp)
+            record.stage_program_s = max(record.program_s, statistics.median(got)) if got else 0.0
+        for record in records.values():
+            record.points.sort(key=lambda p: p.examples)
+        return list(records.values())
+
+
+def layer_timing(
+    fn: Callable,
+    args: tuple,
+    device_ids: Sequence[int],
+    device_kind: str,
+    examples: Sequence[int] = (1, 2, 4),
+    data_parallel: Sequence[int] = (1,),
+    num_layers: int | None = None,
+    batch_argnum: int = 1,
+    remat: bool = True,
+    back_to_back: int = 4,
+) -> LayerTiming:
+    """The layer programs `measure_layers` times, compiled and ready to run. Each run
+    dispatches a program `back_to_back` times and waits once, as a pipeline's runtime
+    dispatches a stage's programs one after another without waiting: a program timed
+    alone and waited on also pays the devices going idle after it (on CPU, XLA's
+    worker threads spinning before they sleep, which a later program queued behind it
+    does not see)."""
+    from hetpar.cluster.cluster import jax_devices
 
     if not examples or min(examples) < 1:
         raise HetparError(f"microbatch sizes to profile must be positive, got {list(examples)}")
@@ -168,38 +254,28 @@ def measure_layers(
                           "least 2 examples per microbatch, e.g. --microbatch-sizes 2,4 on one device or 1,2 on two")
     shared = jax_devices(device_ids[:1])[0].platform == "cpu"
     layers: list[_Layer] = []
+    together: dict[tuple[int, int], Callable[[], Any]] = {}
     for dp in dict.fromkeys(data_parallel):
         for e in dict.fromkeys(examples):
-            layers += _layer_runs(fn, args, batch_argnum, device_ids[:dp], device_kind, e, dp, num_layers, remat, shared)
+            mine, whole = _layer_runs(fn, args, batch_argnum, device_ids[:dp], device_kind, e, dp, num_layers, remat,
+                                      shared, device_ids if e == min(examples) else None)
+            layers += mine
+            if whole is not None:
+                together[(dp, e)] = whole
     launches = {dp: _launch_run(device_ids[:dp]) for dp in dict.fromkeys(data_parallel)}
-    runs: list[Callable[[], Any]] = list(launches.values())
+    runs: list[Callable[[], Any]] = [*launches.values(), *together.values()]
     for layer in layers:
-        runs += [layer.forward, *(r for r in (layer.backward, layer.backward_remat) if r is not None), *layer.once]
-    log.info("timing %d layer programs (%d distinct layers x sizes)", len(runs), len(layers))
+        runs += [layer.forward, *(r for r in (layer.backward, layer.backward_remat, layer.merge) if r is not None), *layer.once]
     k = max(1, back_to_back)
-    runs = [_repeated(run, k) for run in runs]
-    times = iter(t / k for t in median_times(runs, rounds=rounds, clock=busy_clock(jax_devices(device_ids[:1])[0].platform)))
-    launch_s = {dp: next(times) for dp in launches}
-    records: dict[tuple, LayerRecord] = {}
-    for layer in layers:
-        forward = next(times)
-        backward = next(times) if layer.backward is not None else None
-        remat_s = next(times) if layer.backward_remat is not None else -1.0
-        once = sum(next(times) for _ in layer.once)
-        if backward is None:  # the last layer: forward and backward are one program
-            forward, backward = forward * layer.forward_share, forward * (1 - layer.forward_share)
-            remat_s = -1.0
-        record = records.setdefault(layer.record.key, layer.record)
-        record.program_s, record.once_programs = launch_s[record.dp], len(layer.once)
-        record.points.append(LayerPointRecord(layer.examples, forward, backward, remat_s, once, layer.peak_bytes))
-    for record in records.values():
-        record.points.sort(key=lambda p: p.examples)
-    return list(records.values())
+    return LayerTiming([_repeated(run, k) for run in runs], k, list(launches), layers, list(together))
 
 
 def _layer_runs(fn: Callable, args: tuple, batch_argnum: int, device_ids: Sequence[int], device_kind: str, examples: int,
-                dp: int, num_layers: int | None, remat: bool, shared: bool) -> list[_Layer]:
-    """The programs of each distinct layer, compiled alone on one mesh of `device_ids`."""
+                dp: int, num_layers: int | None, remat: bool, shared: bool,
+                merge_ids: Sequence[int] | None = None) -> tuple[list[_Layer], Callable[[], Any] | None]:
+    """The programs of each distinct layer, compiled alone on one mesh of `device_ids`
+    (and with `merge_ids`, the devices there are, its replica combine: `_merge_run`);
+    and one microbatch of the whole model as one stage (None for a model of one layer)."""
     from hetpar.compile.programs import stage_mesh
     from hetpar.compile.step import compile_layer_stages
     from hetpar.predict.calibrate import program_inputs, program_run
@@ -219,6 +295,10 @@ def _layer_runs(fn: Callable, args: tuple, batch_argnum: int, device_ids: Sequen
     meshes = {i: mesh for i in stages}
     plain = compile_layer_stages(traced, layers, stages, meshes)
     rerun = compile_layer_stages(traced, layers, stages, meshes, remat="full") if remat else None
+    whole = None
+    if layers.num_layers > 1:
+        one = compile_layer_stages(traced, layers, [0] * layers.num_layers, {0: mesh})
+        whole = _carried_run(next(p for p in one.programs if p.task.per_microbatch and p.task.kind == "fwd"), one.graph)
     out, seen = [], set()
     for layer, signature in enumerate(signatures):
         if signature in seen:
@@ -232,11 +312,53 @@ def _layer_runs(fn: Callable, args: tuple, batch_argnum: int, device_ids: Sequen
         record = LayerRecord(signature, layers.names[layer], device_kind, dtype, 1, dp, shared)
         share = layers.forward_flops[layer] / layers.flops[layer] if layers.forward_flops and layers.flops[layer] else 1 / 3
         out.append(_Layer(
-            record, examples, program_run(fwd, plain.graph), program_run(bwd, plain.graph) if bwd else None,
-            program_run(redo, rerun.graph) if redo else None, [program_run(p, plain.graph) for p in once], share,
+            record, examples, _carried_run(fwd, plain.graph), _carried_run(bwd, plain.graph) if bwd else None,
+            _carried_run(redo, rerun.graph) if redo else None, [program_run(p, plain.graph) for p in once], share,
             max(_peak_bytes(p, plain.graph, program_inputs) for p in mine),
+            _merge_run([plain.graph.avals[v] for p in mine if p.task.per_microbatch for v in p.task.reductions],
+                       device_ids, merge_ids) if merge_ids is not None else None,
+            signatures.count(signature),
         ))
-    return out
+    return out, whole
+
+
+def _carried_run(program: Any, graph: Any) -> Callable[[], Any]:
+    """One microbatch of a per-microbatch `program` on zero-filled arguments, adding
+    into the accumulators the previous run left (donated, as the pipeline's runtime
+    passes them from microbatch to microbatch): a run that made fresh accumulators
+    each time would also pay a zero-filling program's launch and writes, which a
+    pipeline pays at most once per step, not per microbatch (on 4 CPU devices about
+    5% of a transformer block's backward)."""
+    from hetpar.predict.calibrate import program_inputs
+
+    inputs = program_inputs(program, graph)
+    acc = [program.init_acc() if program.init_acc else ()]
+
+    def run() -> Any:
+        out, acc[0] = program.fn(acc[0], *inputs)
+        return out, acc[0]
+    return run
+
+
+def _merge_run(avals: Sequence[Any], device_ids: Sequence[int], all_ids: Sequence[int]) -> Callable[[], Any]:
+    """What combining data-parallel replicas costs for one layer: another replica's
+    gradients of the layer (`avals`, on the next `len(device_ids)` devices of
+    `all_ids` where there are enough, else the same ones) each moved to this mesh and
+    added to this replica's, one eager program per array, as the runtime's replica
+    combine does (`hetpar.runtime.interpreter`). On a host with few cores and many
+    arrays this costs far more than the bytes do: dispatch and placement per array."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from hetpar.compile.programs import stage_mesh
+
+    dp = len(device_ids)
+    rest = [d for d in all_ids if d not in device_ids]
+    here = NamedSharding(stage_mesh(tuple(device_ids)), PartitionSpec())
+    there = NamedSharding(stage_mesh(tuple(rest[:dp] if len(rest) >= dp else device_ids)), PartitionSpec())
+    home = [jax.device_put(jnp.zeros(a.shape, a.dtype), here) for a in avals]
+    other = [jax.device_put(jnp.zeros(a.shape, a.dtype), there) for a in avals]
+    return lambda: [jnp.add(h, jax.device_put(o, here)) for h, o in zip(home, other)]
 
 
 def _repeated(run: Callable[[], Any], times: int) -> Callable[[], Any]:
@@ -308,5 +430,6 @@ def problem_layers(records: Sequence[LayerRecord], signatures: Sequence[str], dt
             for r in by_key.get((signature, device_kind), ()):
                 points = tuple(LayerPoint(p.examples, p.forward_s, p.backward_s, p.backward_remat_s, p.once_s) for p in r.points)
                 if points:
-                    out.append(MeasuredLayer(label, layer, r.tp, r.dp, points, r.shared_host, r.program_s, r.once_programs))
+                    out.append(MeasuredLayer(label, layer, r.tp, r.dp, points, r.shared_host, r.program_s, r.once_programs,
+                                            r.merge_s, r.stage_program_s))
     return tuple(out)

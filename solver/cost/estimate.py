@@ -30,8 +30,9 @@ from solver.schedules import StageTimes
 
 # Bumped whenever a change to the cost model changes a price: a plan file that keeps
 # figures as a cache records the version they were made with.
-ESTIMATOR_VERSION = 3  # 2: shared NICs, host-staged links, blocking sends, the JAX client's memory share;
-# 3: measured layer profiles (solver.cost.measured), devices sharing one host run one after another
+ESTIMATOR_VERSION = 4  # 2: shared NICs, host-staged links, blocking sends, the JAX client's memory share;
+# 3: measured layer profiles (solver.cost.measured), devices sharing one host run one after another;
+# 4: a shared host's replica combine priced from the profile's measured merges (`cross_replica_sync_s`)
 
 
 @dataclass(frozen=True)
@@ -286,8 +287,26 @@ def _blocking_sends(problem: Problem, raw: list[tuple]) -> list[tuple]:
 
 def cross_replica_sync_s(costs: StageCosts, decisions: Decisions) -> float:
     """Summing every gradient across the replicas: one stream per device of the
-    smallest replica (`StageCosts.replica_sync`)."""
-    return costs.replica_sync(*replica_streams(decisions))
+    smallest replica (`StageCosts.replica_sync`). On a shared host (CPU virtual
+    devices) whose layers were measured, the runtime's combine as the profile timed
+    it for those layers (`MeasuredLayer.merge_s`: every other replica's gradient
+    arrays moved to the first's mesh and added, one program each, which costs the
+    host about a millisecond a layer where the collective's bytes are priced at a
+    tenth of one), and the collective's share of the other layers' bytes."""
+    modelled = costs.replica_sync(*replica_streams(decisions))
+    problem = costs.problem
+    if not problem.measured_layers or not all(problem.kind(s.kind).shared_host for s in decisions.stages):
+        return modelled
+    merges, measured = 0.0, np.zeros(len(problem.layers), dtype=bool)
+    for s in decisions.replica_stages(0):
+        prices = costs.measured(s.config, 1.0)
+        for layer in range(s.layer_start, s.layer_end):
+            price = prices.get(layer)
+            if price is not None and price.merge_s > 0:
+                merges, measured[layer] = merges + price.merge_s, True
+    total = float(costs.params.sum())
+    rest = float(costs.params[~measured].sum()) / total if total > 0 else 0.0
+    return merges * (len(decisions.replica_batch) - 1) + modelled * rest
 
 
 def replica_streams(decisions: Decisions) -> tuple[list[str], int]:

@@ -51,6 +51,15 @@ class MeasuredLayer:
     # its layers' forward (backward) as one program, so it pays this once, not once per layer.
     program_s: float = 0.0
     once_programs: int = 0  # the programs `once_s` spans (the layer's update, its preparation)
+    # Once per step and per replica beyond the first: the runtime adding that replica's gradients of this
+    # layer into the first's (each gradient array moved to the first's mesh and summed, one eager
+    # program per array, `hetpar.runtime`'s replica combine); 0: not measured.
+    merge_s: float = 0.0
+    # What one more per-microbatch program costs on the record's mesh beyond its layers' work: the
+    # model's layers timed one program each against all of them in one program (`hetpar.predict.
+    # layer_profile`); taken out of `forward_s` and `backward_s` and paid per stage program. 0: not
+    # measured, the near-empty program's `program_s` instead (on 4 CPU devices 5x less than this).
+    stage_program_s: float = 0.0
 
     def at(self, examples: float, field: str) -> float:
         """`field` of the points, interpolated to `examples` per device."""
@@ -84,8 +93,10 @@ class LayerPrice:
     rerun_s: float | None  # what recomputation adds to the backward; None: not measured (the forward again)
     once_s: float
     includes_sync: bool  # measured on the stage's own data-parallel degree: its reduction is in the times
-    program_s: float = 0.0  # one program's launch on the stage's mesh, taken out of the times above
+    program_s: float = 0.0  # one per-microbatch program's cost on the stage's mesh, taken out of the times above
     once_programs: int = 0
+    once_launch_s: float = 0.0  # one once-per-step program's launch, taken out of `once_s`
+    merge_s: float = 0.0  # combining one other replica's gradients of the layer into this one's (per step)
 
 
 def lookup(measured: tuple[MeasuredLayer, ...], kind: str, layer: int, tp: int, dp: int,
@@ -101,10 +112,10 @@ def lookup(measured: tuple[MeasuredLayer, ...], kind: str, layer: int, tp: int, 
     record = min(mine, key=lambda m: (abs(np.log(m.dp / dp)), -m.dp))
     scale = dp / record.dp if record.shared_host else 1.0
     launch = record.program_s * scale
+    program = (record.stage_program_s or record.program_s) * scale
     rerun = record.at(examples, "backward_remat_s") if all(p.backward_remat_s >= 0 for p in record.points) else None
     backward = record.at(examples, "backward_s") * scale
     once = float(np.mean([p.once_s for p in record.points])) * scale
-    return LayerPrice(max(0.0, record.at(examples, "forward_s") * scale - launch), max(0.0, backward - launch),
+    return LayerPrice(max(0.0, record.at(examples, "forward_s") * scale - program), max(0.0, backward - program),
                       None if rerun is None else max(0.0, rerun * scale - backward), max(0.0, once - record.once_programs * launch),
-                      record.dp == dp, launch, record.once_programs)
-
+                      record.dp == dp, program, record.once_programs, launch, record.merge_s)

@@ -305,16 +305,16 @@ class StageCosts:
         per_device = params * modelled * self.problem.optimizer_traffic / kind.memory_bandwidth
         if kind.shared_host:
             per_device = per_device * cfg.devices
-        launch, programs = self.launches(cfg)
+        prices = prices.values()
+        launch, programs = max((p.once_launch_s for p in prices), default=0.0), max((p.once_programs for p in prices), default=0)
         return _span(_cumsum(per_device + once)) + programs * launch, _span(_cumsum(unsynced))
 
-    def launches(self, cfg: StageConfig) -> tuple[float, int]:
-        """(seconds to launch one program, once-per-step programs) on this stage's
-        mesh, as its measured layers were timed with: taken out of each measured
-        layer's times (`solver.cost.measured.lookup`) and paid once per stage program
-        here. (0, 0) where no layer of the stage config was measured."""
-        prices = self.measured(cfg, 1.0).values()
-        return max((p.program_s for p in prices), default=0.0), max((p.once_programs for p in prices), default=0)
+    def launches(self, cfg: StageConfig) -> float:
+        """What one more per-microbatch stage program costs on this stage's mesh, as
+        its measured layers were timed with: taken out of each measured layer's times
+        (`solver.cost.measured.lookup`) and paid once per stage program here. 0 where
+        no layer of the stage config was measured."""
+        return max((p.program_s for p in self.measured(cfg, 1.0).values()), default=0.0)
 
     def matmul_rates(self, kind: DeviceKind, cfg: StageConfig, per_device: float, flops: np.ndarray,
                      matmuls: np.ndarray) -> np.ndarray:
@@ -432,7 +432,7 @@ class StageCosts:
             v = self._overlapped(cfg, b, zero, remat, f, bw)
             return v.forward, v.backward, v.tail, v.sync, _full(v.hidden, f.shape)
         extra_f, extra_b, step_sync, tail = self.step_costs(cfg, zero)
-        launch = self.launches(cfg)[0]  # measured layers: one program's launch per stage program
+        launch = self.launches(cfg)  # measured layers: one program's cost per stage program
         forward = f + extra_f + launch
         backward = bw + extra_b + launch + (rerun + extra_f if remat else 0.0)
         return _full(forward, f.shape), _full(backward, f.shape), _full(tail, f.shape), _full(step_sync, f.shape), 0.0
