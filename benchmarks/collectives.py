@@ -39,7 +39,8 @@ from solver import collectives
 from solver.collectives import Topology
 from solver.collectives.in_network import switch_all_reduce
 from solver.cost.collectives_used import collectives_used
-from solver.cost.stage_costs import StageConfig, StageCosts
+from solver.cost.stage_costs import StageConfig
+from solver.cost.topologies import dp_topology
 from solver.planner import PlanChoice, Problem, plan
 from solver.planner.step import decisions
 from solver.transformer import GPT3_175B, Transformer
@@ -67,7 +68,7 @@ def problem_for(cluster: Cluster, model: Transformer, batch: int) -> Problem:
 def data_parallel_topology(problem: Problem) -> Topology:
     """A 1,024-way data-parallel stage as the planner prices its gradient sync."""
     kind = problem.kinds[0]
-    return StageCosts(problem).dp_topology(kind, StageConfig(kind.name, kind.count, 1))
+    return dp_topology(kind, StageConfig(kind.name, kind.count, 1))
 
 
 def _us(seconds: float) -> str:

@@ -21,6 +21,7 @@ from models import mlp
 from parity import run_parity
 from solver.cost.collectives_used import across_node_bytes, collectives_used
 from solver.cost.stage_costs import StageCosts
+from solver.cost.topologies import across_topology
 
 TWO_NODES = """\
 name: two-nodes
@@ -201,7 +202,7 @@ def test_replicas_inside_one_node_do_not_cross_nodes(tmp_path):
     for per_node, nodes in ((8, 1), (4, 2)):
         wide = dataclasses.replace(problem, kinds=(dataclasses.replace(kind, devices_per_node=per_node),))
         costs = StageCosts(wide)
-        topology = costs.across_topology(costs.kinds[kind.name], StageConfig(kind.name, 8, 1, 4))
+        topology = across_topology(costs.kinds[kind.name], StageConfig(kind.name, 8, 1, 4))
         assert (topology.nodes, topology.size) == (nodes, 2)
 
 

@@ -17,7 +17,8 @@ from solver.collectives import Topology, best
 from solver.cost.estimate import Decisions, StageDecision, replica_streams
 from solver.cost.mixed import parts_reduction
 from solver.cost.problem import Problem
-from solver.cost.stage_costs import StageConfig, StageCosts
+from solver.cost.stage_costs import StageCosts
+from solver.cost.topologies import across_topology, tp_topology, zero_topology
 
 
 @dataclass(frozen=True)
@@ -84,13 +85,13 @@ def _stage_collectives(costs: StageCosts, p: int, s: StageDecision, b: int, m: i
             seen[key] = seen.get(key, 0) + c.count * m
         for (collective, devices, nbytes, backward), calls in seen.items():
             purpose = f"tensor-parallel {'backward' if backward else 'forward'} (as its 3-axis layouts run it)"
-            out.append(_use(p, purpose, collective, costs.tp_topology(kind, devices), nbytes, calls))
+            out.append(_use(p, purpose, collective, tp_topology(kind, devices), nbytes, calls))
     elif s.tp > 1:
         per_device = b / s.dp
         each = (costs.tp_bytes[i:j] * per_device / costs.tp_count[i:j].clip(min=1.0)).max()
-        out.append(_use(p, "tensor-parallel partial sums", "all_reduce", costs.tp_topology(kind, s.tp), float(each)))
+        out.append(_use(p, "tensor-parallel partial sums", "all_reduce", tp_topology(kind, s.tp), float(each)))
     if s.dp > 1 and costs.problem.training:
-        topology = costs.zero_topology(kind, cfg, s.zero)
+        topology = zero_topology(kind, cfg, s.zero)
         layers = costs.tp_params(s.tp)[i:j]
         grads = float(layers.max() if costs.problem.overlap_comm else layers.sum())
         per_step = int(layers.size) if costs.problem.overlap_comm else 1  # a bucket per layer, or the whole gradient once
@@ -105,7 +106,7 @@ def _stage_collectives(costs: StageCosts, p: int, s: StageDecision, b: int, m: i
             out.append(_use(p, "parameters before use", "all_gather", topology, grads, 2 * scattered))
         if s.zero and cfg.hybrid:
             shard = float(layers.sum()) / cfg.zero_group
-            out.append(_use(p, "gradient shards across replicas", "all_reduce", costs.across_topology(kind, cfg), shard))
+            out.append(_use(p, "gradient shards across replicas", "all_reduce", across_topology(kind, cfg), shard))
     return out
 
 

@@ -26,6 +26,7 @@ from solver.cost.model_axes import ModelCollective, model_comm_s
 from solver.cost.problem import DeviceKind, Problem
 from solver.cost.ranges import cumsum as _cumsum, first as _first, full as _full, last as _last
 from solver.cost.ranges import range_max as _range_max, span as _span
+from solver.cost.topologies import across_topology, all_reduce_times, dp_topology, exposed, tp_topology, zero_topology
 from solver.zero import zero_time
 
 INF = float("inf")
@@ -442,7 +443,7 @@ class StageCosts:
         data axis's all-reduce, reduce-scatter and all-gather of that layer's bytes
         (under ZeRO on a hybrid stage, over its in-node shard group)."""
         kind, params = self.kinds[cfg.kind], self.tp_params(cfg.tp)
-        topo = self.zero_topology(kind, cfg, zero)
+        topo = zero_topology(kind, cfg, zero)
         return {c: fastest_times(c, topo, params) for c in ("all_reduce", "reduce_scatter", "all_gather")}
 
     def _overlapped(self, cfg: StageConfig, b: int, zero: int, remat: str, f: np.ndarray, bw: np.ndarray) -> StageVariant:
@@ -477,11 +478,11 @@ class StageCosts:
             full = buckets[name]
             reduce = exposed(full, first[name], backward_compute, bwd_first)
             hidden = full - reduce
-            post = fastest_times("all_gather", self.zero_topology(kind, cfg, zero), grads) if zero else 0.0 * grads
+            post = fastest_times("all_gather", zero_topology(kind, cfg, zero), grads) if zero else 0.0 * grads
         if zero and cfg.hybrid:
             # A hybrid stage's shards all-reduced across nodes a layer at a time, once per
             # step, under the last microbatch's backward: what it does not hide is exposed.
-            across = fastest_times("all_reduce", self.across_topology(kind, cfg), self.tp_params(cfg.tp) / cfg.zero_group)
+            across = fastest_times("all_reduce", across_topology(kind, cfg), self.tp_params(cfg.tp) / cfg.zero_group)
             shown = exposed(_span(_cumsum(across)), _first(across), backward_compute, bwd_first)
             reduce, hidden = reduce + shown, hidden + _span(_cumsum(across)) - shown
         sync = reduce + post
@@ -504,10 +505,10 @@ class StageCosts:
         if self.problem.overlap_comm and cfg.dp > 1:
             # what `_overlapped` charges at the least, whatever the compute hiding the rest: the
             # updated shards' all-gather and the optimizer (the planner's bounds must stay below it)
-            post = fastest_times("all_gather", self.zero_topology(kind, cfg, zero), grads) if zero in (1, 2) else 0.0 * grads
+            post = fastest_times("all_gather", zero_topology(kind, cfg, zero), grads) if zero in (1, 2) else 0.0 * grads
             return 0.0, 0.0, post, post + (optimizer / cfg.zero_shards if zero else optimizer)
         if zero:
-            comm = zero_time(grads, grads, zero, self.zero_topology(kind, cfg, zero))
+            comm = zero_time(grads, grads, zero, zero_topology(kind, cfg, zero))
             step = comm.step + self.across_nodes(kind, cfg, grads)
             return comm.forward, comm.backward, step, step + optimizer / cfg.zero_shards
         sync = self._sync(kind, cfg, unsynced)
@@ -526,40 +527,7 @@ class StageCosts:
         if tp == 1:
             return np.zeros_like(nbytes)
         count = np.maximum(count, 1.0)
-        return count * all_reduce_times(self.tp_topology(kind, tp), nbytes / count)
-
-    @staticmethod
-    def tp_topology(kind: DeviceKind, tp: int) -> Topology:
-        """A stage's tensor-parallel devices as a collective sees them: `tp` devices of
-        one node over its link."""
-        return Topology(1, tp, kind.intra, kind.intra)
-
-    def dp_topology(self, kind: DeviceKind, cfg: StageConfig) -> Topology:
-        """The stage's data-parallel devices as a collective sees them: `tp`-wide
-        groups of a node's devices, one device of each group per data-parallel rank."""
-        per_node = max(1, kind.devices_per_node // cfg.tp)
-        nodes = max(1, cfg.dp // per_node)
-        # The tp groups of a node reduce side by side: their flows share its NICs and host memory.
-        groups = min(cfg.tp, kind.devices_per_node)
-        return Topology(nodes, min(per_node, cfg.dp), kind.intra.shared_by(groups), kind.inter.shared_by(groups))
-
-    def zero_topology(self, kind: DeviceKind, cfg: StageConfig, zero: int) -> Topology:
-        """The devices ZeRO's collectives (stage `zero`) run over: the data axis, or on a
-        hybrid stage its in-node shard group, `zero_group` ranks of one node (the
-        node's other tp groups and shard groups reducing side by side)."""
-        if not (zero and cfg.hybrid):
-            return self.dp_topology(kind, cfg)
-        return self.dp_topology(kind, StageConfig(cfg.kind, cfg.zero_group, cfg.tp))  # a group as a data axis of its own
-
-    def across_topology(self, kind: DeviceKind, cfg: StageConfig) -> Topology:
-        """A hybrid stage's replicas as the gradient all-reduce between them sees them:
-        one device of each of `dp / zero_group` groups (one group per node when a group
-        fills a node; several of a node's groups meet over its own link), every device
-        of a group running its own shard's all-reduce at once, sharing the links."""
-        replicas, group = cfg.dp // cfg.zero_group, cfg.zero_group * cfg.tp
-        per_node = max(1, min(kind.devices_per_node // group, replicas))
-        flows = min(group, kind.devices_per_node)
-        return Topology(max(1, replicas // per_node), per_node, kind.intra.shared_by(flows), kind.inter.shared_by(flows))
+        return count * all_reduce_times(tp_topology(kind, tp), nbytes / count)
 
     def across_nodes(self, kind: DeviceKind, cfg: StageConfig, grads: np.ndarray) -> np.ndarray | float:
         """A hybrid stage's once-per-step traffic across nodes: each device's shard of
@@ -567,13 +535,13 @@ class StageCosts:
         with its counterparts on the other replicas. 0 for any other stage."""
         if not cfg.hybrid:
             return 0.0 * grads
-        return fastest_times("all_reduce", self.across_topology(kind, cfg), grads / cfg.zero_group)
+        return fastest_times("all_reduce", across_topology(kind, cfg), grads / cfg.zero_group)
 
     def _sync(self, kind: DeviceKind, cfg: StageConfig, grads: np.ndarray) -> np.ndarray:
         """ZeRO-0's gradient all-reduce, once per step (`solver.zero.zero_time`)."""
         if cfg.dp == 1:
             return np.zeros_like(grads)
-        return zero_time(grads, grads, 0, self.dp_topology(kind, cfg)).step
+        return zero_time(grads, grads, 0, dp_topology(kind, cfg)).step
 
     def replica_sync(self, kinds: list[str] | tuple[str, ...], streams: int) -> float:
         """Summing every gradient across pipelines of `kinds` (one per replica),
@@ -609,22 +577,6 @@ class StageCosts:
         out = np.concatenate([out, [INF]])  # no cut after the last layer
         out.setflags(write=False)
         return out
-
-
-def exposed(comm: np.ndarray, comm_first: np.ndarray, compute: np.ndarray, compute_first: np.ndarray) -> np.ndarray:
-    """The part of bucketed communication compute cannot hide, per layer range: the
-    buckets run one after another on their own stream, each once its layer's compute
-    is done, so the compute of every layer but the one finishing last (`compute_first`:
-    the last bucket's layer, whose bucket can only start when all compute is done)
-    hides them, and at least that last bucket (`comm_first`) shows. For n equal layers
-    of c seconds of communication and p of compute this is exactly
-    c + (n - 1) * max(c - p, 0), what running the buckets event by event gives."""
-    return np.clip(np.maximum(comm_first, comm - (compute - compute_first)), 0.0, comm)
-
-
-def all_reduce_times(topo: Topology, nbytes: np.ndarray) -> np.ndarray:
-    """The fastest all-reduce for every size in `nbytes` at once (0 for nothing)."""
-    return fastest_times("all_reduce", topo, nbytes)
 
 
 __all__ = ["INF", "StageConfig", "StageCosts", "StageTable", "StageVariant", "in_flight"]  # in_flight: solver.memory's, re-exported

@@ -1,0 +1,69 @@
+"""How a stage's collectives see its devices: which of them talk over a node's link
+and which across nodes, and how many flows share each link at once. Every price of
+a stage's tensor-parallel, data-parallel, ZeRO and hybrid-sharding collectives
+starts from one of these (`StageCosts`, `collectives_used`), so the planner's
+tables, the estimator and `show`'s collectives table see the same devices."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from solver.collectives import Topology, fastest_times
+from solver.cost.problem import DeviceKind
+
+if TYPE_CHECKING:
+    from solver.cost.stage_costs import StageConfig
+
+
+def tp_topology(kind: DeviceKind, tp: int) -> Topology:
+    """A stage's tensor-parallel devices: `tp` devices of one node over its link."""
+    return Topology(1, tp, kind.intra, kind.intra)
+
+
+def dp_topology(kind: DeviceKind, cfg: StageConfig) -> Topology:
+    """The stage's data-parallel devices: `tp`-wide groups of a node's devices, one
+    device of each group per data-parallel rank."""
+    per_node = max(1, kind.devices_per_node // cfg.tp)
+    nodes = max(1, cfg.dp // per_node)
+    # The tp groups of a node reduce side by side: their flows share its NICs and host memory.
+    groups = min(cfg.tp, kind.devices_per_node)
+    return Topology(nodes, min(per_node, cfg.dp), kind.intra.shared_by(groups), kind.inter.shared_by(groups))
+
+
+def zero_topology(kind: DeviceKind, cfg: StageConfig, zero: int) -> Topology:
+    """The devices ZeRO's collectives (stage `zero`) run over: the data axis, or on a
+    hybrid stage its in-node shard group, `zero_group` ranks of one node (the node's
+    other tp groups and shard groups reducing side by side)."""
+    if not (zero and cfg.hybrid):
+        return dp_topology(kind, cfg)
+    return dp_topology(kind, replace(cfg, dp=cfg.zero_group, zero_group=0))  # a group as a data axis of its own
+
+
+def across_topology(kind: DeviceKind, cfg: StageConfig) -> Topology:
+    """A hybrid stage's replicas as the gradient all-reduce between them sees them:
+    one device of each of `dp / zero_group` groups (one group per node when a group
+    fills a node; several of a node's groups meet over its own link), every device
+    of a group running its own shard's all-reduce at once, sharing the links."""
+    replicas, group = cfg.dp // cfg.zero_group, cfg.zero_group * cfg.tp
+    per_node = max(1, min(kind.devices_per_node // group, replicas))
+    flows = min(group, kind.devices_per_node)
+    return Topology(max(1, replicas // per_node), per_node, kind.intra.shared_by(flows), kind.inter.shared_by(flows))
+
+
+def all_reduce_times(topo: Topology, nbytes: np.ndarray) -> np.ndarray:
+    """The fastest all-reduce for every size in `nbytes` at once (0 for nothing)."""
+    return fastest_times("all_reduce", topo, nbytes)
+
+
+def exposed(comm: np.ndarray, comm_first: np.ndarray, compute: np.ndarray, compute_first: np.ndarray) -> np.ndarray:
+    """The part of bucketed communication compute cannot hide, per layer range: the
+    buckets run one after another on their own stream, each once its layer's compute
+    is done, so the compute of every layer but the one finishing last (`compute_first`:
+    the last bucket's layer, whose bucket can only start when all compute is done)
+    hides them, and at least that last bucket (`comm_first`) shows. For n equal layers
+    of c seconds of communication and p of compute this is exactly
+    c + (n - 1) * max(c - p, 0), what running the buckets event by event gives."""
+    return np.clip(np.maximum(comm_first, comm - (compute - compute_first)), 0.0, comm)
