@@ -8,7 +8,7 @@ layers, data and tensor parallelism, replicas, the schedule and the microbatch c
 Prints per model and cluster the time to trace, to plan (search, mesh shapes and
 parameter shardings), the layers it planned over (how many are whole repeated
 blocks, found by structure at whatever module depth they sit), and the plan's figures, ending with
-RESULT model=<m> cluster=<c> solve_s=<s> layers=<n> blocks=<b> mfu=<x> bound_ratio=<y>
+RESULT model=<m> cluster=<c> solve_s=<s> layers=<n> blocks=<b> mfu=<x> bound_ratio=<y, or none where no kind alone fits>
 (solve_s: trace + plan + shardings, end to end). Goal: 7B <= 60 s on a 2-core machine.
 The transformers setups are also `hetpar solve` targets, e.g.
     hetpar solve benchmarks/real_models.py:hf_llama2_7b --cluster examples/clusters/two_types.yaml -o plan.json
@@ -157,7 +157,7 @@ def main() -> None:
                       f"memory {s.memory_bytes / 2**30:.1f}/{s.memory_capacity / 2**30:.0f} GiB")
             print(f"  predicted step {plan.predicted_step_time_s:.2f} s, {plan.tokens_per_s:,.0f} tokens/s, MFU {plan.mfu:.1%}")
             results.append(f"RESULT model={model} cluster={name} solve_s={total_s:.1f} layers={plan.num_layers} {structure} "
-                           f"mfu={plan.mfu:.3f} bound_ratio={plan.bound_ratio:.3f}")
+                           f"mfu={plan.mfu:.3f} bound_ratio={'none' if plan.bound_ratio is None else f'{plan.bound_ratio:.3f}'}")
     for line in results:
         print(line)
 

@@ -122,9 +122,12 @@ def main() -> None:
         print(f"{name}: {s.model.layers} layers, batch {s.batch}, {s.dtype}, {cluster}")
         print(f"  search {times[name]:.3f} s wall, {cpu:.3f} s CPU; step {best.step_s:.4f} s (estimator); {best.tokens_per_s:,.0f} tokens/s; "
               + ("proven best of the planner's space" if not result.gap else f"stopped at most {result.gap:.1%} from the best"))
-        print(f"  bound (each kind alone, summed: {alone} tokens/s): the plan reaches {result.bound_ratio:.1%}, "
-              f"a gap of {1 - result.bound_ratio:+.1%}" + (" (above 100%: a kind alone fits the model worse than beside others)"
-                                                        if result.bound_ratio > 1 else ""))
+        if result.bound_ratio is None:
+            print("  bound: none (no kind alone fits the model)")
+        else:
+            print(f"  bound (each kind alone, summed: {alone} tokens/s): the plan reaches {result.bound_ratio:.1%}, "
+                  f"a gap of {1 - result.bound_ratio:+.1%}" + (" (above 100%: a kind alone fits the model worse than beside others)"
+                                                            if result.bound_ratio > 1 else ""))
         print(f"  plan: {best.describe()}")
         mixed += best.mixed  # a stage whose data-parallel parts are of different kinds (solver/planner/mixed.py)
     print("RESULT " + " ".join(f"{key}={times[name]:.3f}" for key, name in RESULT_KEYS.items() if name in times)

@@ -365,3 +365,18 @@ def test_a_beat_above_the_best_split_leaves_it_found(seed):
                         assert found == free, (order, layouts, m, schedule, beat, free, found)
                     assert best_split(tables, sends, m, free.objective_s, schedule, chunks) is None
                     assert best_split(tables, sends, m, free.objective_s * 0.999, schedule, chunks) is None
+
+
+def test_without_a_kind_that_fits_alone_there_is_no_bound_ratio():
+    """Two kinds, each of one 1 GiB device, and two layers of about 0.7 GiB
+    of state each (parameters, gradients and optimizer state): together they hold
+    the model, neither alone does, so the planner plans on
+    both and reports no bound (None, not 0%: a bound of nothing is no bound)."""
+    layers = tuple(LayerCost(flops=1e11, forward_flops=1e11 / 3, param_bytes=2**30 // 6, saved_bytes=2**20,
+                             input_bytes=2**20) for _ in range(2))
+    kinds = tuple(DeviceKind(name, 1, 1, 1e13, GIB, 1e12, LinkCost(1e11, 5e-6), LinkCost(1e10, 1e-5)) for name in ("a", "b"))
+    problem = Problem(layers, kinds, batch_size=4, links=(("a", "b", LinkCost(1e10, 2e-5)),), memory_reserve=0.0,
+                      schedules=("1f1b",))
+    result = plan(problem)
+    assert {s.kind for s in result.best.stages} == {"a", "b"}
+    assert result.upper_bound == 0 and result.bound_ratio is None

@@ -140,7 +140,7 @@ def search_problem(layers: Layers, cluster: Cluster, problem: Problem, options: 
     return replace(to_plan(result.best, layers, cluster, result.bound_ratio), cost_inputs=problem), result
 
 
-def to_plan(choice: PlanChoice, layers: Layers, cluster: Cluster, bound_ratio: float = 0.0) -> Plan:
+def to_plan(choice: PlanChoice, layers: Layers, cluster: Cluster, bound_ratio: float | None = None) -> Plan:
     """Stages take the devices of their group in order, a stage's `dp * tp` at a time;
     under an interleaved schedule, stage p of a pipeline is chunk p // D on the
     devices of its stage p mod D. A mixed stage's other parts (listed after the

@@ -106,5 +106,7 @@ class SearchResult:
     gap: float = 0.0  # 0: proven best under the model; else the best possible may be this fraction faster
 
     @property
-    def bound_ratio(self) -> float:
-        return self.best.throughput / self.upper_bound if self.upper_bound else 0.0
+    def bound_ratio(self) -> float | None:
+        """Throughput over the bound; None where no kind alone fits the model (a 70B
+        model on any one kind of the cluster), so there is no bound to compare with."""
+        return self.best.throughput / self.upper_bound if self.upper_bound else None

@@ -175,7 +175,9 @@ class Planner:
             log.warning("the planner stopped at its time limit of %s s: the best plan found is within %.2fx of the "
                         "best possible step time; allow more time to close the gap", self.time_limit_s,
                         1 / max(1e-9, 1 - gap))
-        log.info("planned in %.2f s: %s (%.1f%% of the bound)", result.search_s, result.best.describe(), 100 * result.bound_ratio)
+        ratio = result.bound_ratio
+        log.info("planned in %.2f s: %s (%s)", result.search_s, result.best.describe(),
+                 f"{ratio:.1%} of the bound" if ratio is not None else "no bound: no kind alone fits the model")
         return result
 
     def _replica_floor(self) -> float:
