@@ -28,12 +28,12 @@ from hetpar.options import RuntimeOption, ShardingOption, StageOption
 from hetpar.pipeline import layers_pass
 from hetpar.plan.auto import SearchOptions, problem_for, search
 from hetpar.plan.costs import estimate_plan
-from hetpar.plan.file import load_plan
 from hetpar.runtime import nvme_store
 from hetpar.runtime.nvme_store import NvmeArray, NvmeStateError, NvmeStore
 from hetpar.trace.traced_step import trace_step
 from models import llama, mlp
 from parity import assert_close, run_parity, with_grads
+from test_offload import solve_and_show
 from solver.cost.stage_costs import StageConfig, StageCosts
 
 TWO_TYPES = {"A100": 4, "V100": 4}
@@ -302,17 +302,7 @@ def test_nvme_beyond_the_disk_is_refused_with_the_numbers(tmp_path):
 def test_cli_solve_offload_nvme_and_show(tmp_path):
     """`hetpar solve --offload nvme`: every stage keeps its state on disk; `hetpar
     show` prints the tier, the host staging and the disk bytes per stage."""
-    cluster = tmp_path / "cluster.yaml"
-    cluster.write_text("name: small\ngroups:\n  - name: fast\n    device: A100\n    nodes: 1\n    devices_per_node: 4\n"
-                       "    host_memory_gib: 256\n    nvme_gib: 1000\n")
-    plan = tmp_path / "plan.json"
-    run = subprocess.run([sys.executable, "-m", "hetpar.cli", "solve", "mlp", "--cluster", str(cluster), "--batch-size", "16",
-                          "--microbatches", "2", "--stages", "2", "--layers", "4", "--offload", "nvme", "-o", str(plan)],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    loaded = load_plan(plan)
+    loaded, shown = solve_and_show(tmp_path, "    host_memory_gib: 256\n    nvme_gib: 1000\n", "nvme", 320)
     assert all(s.offload == "nvme" and s.offloaded and s.nvme_bytes > 0 for s in loaded.stages)
-    shown = subprocess.run([sys.executable, "-m", "hetpar.cli", "show", str(plan)], capture_output=True, text=True, timeout=300,
-                           env={**os.environ, "COLUMNS": "320"}).stdout
     for s in loaded.stages:
         assert f"(nvme {s.nvme_bytes / 2**20:.1f} MiB)" in shown, shown

@@ -191,22 +191,29 @@ def test_7b_offloads_only_where_needed_or_faster(llama_7b, tmp_path):
         assert result.best.step_s == pytest.approx(kept.best.step_s)
 
 
+def solve_and_show(tmp_path, group_fields: str, offload: str, columns: int) -> tuple:
+    """`hetpar solve --offload OFFLOAD` of the MLP in two stages on one node of 4 A100s
+    (with `group_fields` added to its group), then `hetpar show` of the plan: the plan
+    as loaded back, and what `show` printed."""
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text("name: small\ngroups:\n  - name: fast\n    device: A100\n    nodes: 1\n    devices_per_node: 4\n"
+                       + group_fields)
+    plan = tmp_path / "plan.json"
+    run = subprocess.run([sys.executable, "-m", "hetpar.cli", "solve", "mlp", "--cluster", str(cluster), "--batch-size", "16",
+                          "--microbatches", "2", "--stages", "2", "--layers", "4", "--offload", offload, "-o", str(plan)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    shown = subprocess.run([sys.executable, "-m", "hetpar.cli", "show", str(plan)], capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "COLUMNS": str(columns)}).stdout
+    return load_plan(plan), shown
+
+
 def test_cli_solve_offload_and_show_host_bytes(tmp_path):
     """`hetpar solve --offload host` on a cluster file with host memory: every stage
     keeps its optimizer state in host memory, and `hetpar show` prints each stage's
     device and host bytes."""
-    cluster = tmp_path / "cluster.yaml"
-    cluster.write_text("name: small\ngroups:\n  - name: fast\n    device: A100\n    nodes: 1\n    devices_per_node: 4\n"
-                       "    host_memory_gib: 256\n")
-    plan = tmp_path / "plan.json"
-    run = subprocess.run([sys.executable, "-m", "hetpar.cli", "solve", "mlp", "--cluster", str(cluster), "--batch-size", "16",
-                          "--microbatches", "2", "--stages", "2", "--layers", "4", "--offload", "host", "-o", str(plan)],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    loaded = load_plan(plan)
+    loaded, shown = solve_and_show(tmp_path, "    host_memory_gib: 256\n", "host", 250)
     assert all(s.offload == "host" and s.offloaded and s.host_bytes > 0 for s in loaded.stages)
-    shown = subprocess.run([sys.executable, "-m", "hetpar.cli", "show", str(plan)], capture_output=True, text=True, timeout=300,
-                           env={**os.environ, "COLUMNS": "250"}).stdout
     assert "host memory" in shown and "memory / capacity" in shown
     for s in loaded.stages:
         assert f"{s.host_bytes / 2**20:.1f} MiB (host)" in shown
