@@ -25,15 +25,13 @@ import hetpar
 from hetpar.cluster.cluster import Cluster
 from hetpar.errors import PlanError
 from hetpar.options import RuntimeOption, ShardingOption, StageOption
-from hetpar.pipeline import layers_pass
-from hetpar.plan.auto import SearchOptions, problem_for, search
+from hetpar.plan.auto import SearchOptions, problem_for
 from hetpar.plan.costs import estimate_plan
 from hetpar.runtime import nvme_store
 from hetpar.runtime.nvme_store import NvmeArray, NvmeStateError, NvmeStore
-from hetpar.trace.traced_step import trace_step
-from models import llama, mlp
+from models import mlp
 from parity import assert_close, run_parity, with_grads
-from test_offload import solve_and_show
+from test_offload import SEQ, _search, llama_7b, solve_and_show  # noqa: F401  (llama_7b: a fixture)
 from solver.cost.stage_costs import StageConfig, StageCosts
 
 TWO_TYPES = {"A100": 4, "V100": 4}
@@ -221,21 +219,6 @@ def test_store_reads_and_writes_shards(tmp_path):
 
 
 # --- pricing and planning -------------------------------------------------------------------------
-
-SEQ = 1024
-
-
-@pytest.fixture(scope="module")
-def llama_7b():
-    config = replace(llama.LLAMA2_7B, seq_len=SEQ)
-    w = llama.setup(64, config, abstract=True)  # jax.eval_shape: nothing is allocated
-    return trace_step(w.step, (w.state, w.batch), 1, 1)
-
-
-def _search(traced, cluster: Cluster, **options):
-    layers = layers_pass(traced, cluster, StageOption(), True)
-    return layers, search(layers, cluster, 64, SEQ, SearchOptions(**options))
-
 
 def test_7b_goes_to_nvme_only_where_host_memory_is_short(llama_7b, tmp_path):
     """Six 16 GB V100s with 32 GiB of host memory: the Adam state fits neither the
