@@ -18,7 +18,7 @@ from hetpar.runtime.communicator import DevicePath
 @pytest.fixture(params=["device path", "host path"])
 def path(request, monkeypatch):
     """Both ways a value can be cut: the device path (every value, with the host path's
-    size limit at 0) and the host path (every ready CPU value below the limit)."""
+    size limit at 0) and the host path (every CPU value below the limit)."""
     if request.param == "device path":
         monkeypatch.setattr(communicator, "HOST_SPLIT_MAX_BYTES", 0)
     return request.param
@@ -64,7 +64,7 @@ def test_split_to_leaves_host_values_to_the_caller():
     assert DevicePath().split_to(np.zeros((4, 2)), ((0, 2), (2, 2)), 0, target) is None
 
 
-def test_small_ready_values_take_the_host_path_and_large_ones_the_device_path(monkeypatch):
+def test_small_values_take_the_host_path_and_large_ones_the_device_path(monkeypatch):
     taken = []
     monkeypatch.setattr(communicator, "_split_through_host", lambda *a: taken.append("host"))
     monkeypatch.setattr(communicator, "_splitter", lambda *a: (lambda x: taken.append("device")))
@@ -72,6 +72,5 @@ def test_small_ready_values_take_the_host_path_and_large_ones_the_device_path(mo
     small = _on(tuple(range(8)), PartitionSpec("data"), np.zeros((8, 4), np.float32))
     large = _on(tuple(range(8)), PartitionSpec("data"), np.zeros((8, communicator.HOST_SPLIT_MAX_BYTES), np.float32))
     for x in (small, large):
-        jax.block_until_ready(x)
         DevicePath().split_to(x, ((0, 4), (4, 4)), 0, target)
     assert taken == ["host", "device"]

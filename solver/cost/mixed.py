@@ -12,14 +12,10 @@ collective registry's fastest algorithm), after each part's own data-parallel su
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from solver.collectives import Topology, best
+from solver.cost.decisions import Decisions, StageDecision
 from solver.cost.problem import PlanningError
-
-if TYPE_CHECKING:  # types only: estimate imports this module
-    from solver.cost.estimate import Decisions, StageDecision
-    from solver.cost.stage_costs import StageCosts
+from solver.cost.stage_costs import StageCosts
 
 
 def parts_reduction(costs: StageCosts, parts: list[StageDecision]) -> tuple[Topology, float]:

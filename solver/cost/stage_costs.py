@@ -22,38 +22,15 @@ from solver.efficiency import matmul_rate
 from solver.memory import (OFFLOAD_TIERS, DeviceMemory, StageActivations, in_flight, model_split_bytes, offloaded,
                            sharded_state, stage_memory)
 from solver.cost.measured import LayerPrice, lookup
-from solver.cost.model_axes import ModelCollective, model_comm_s
+from solver.cost.model_axes import model_comm_s
 from solver.cost.problem import DeviceKind, Problem
+from solver.cost.stage_config import StageConfig
 from solver.cost.ranges import cumsum as _cumsum, first as _first, full as _full, last as _last
 from solver.cost.ranges import range_max as _range_max, span as _span
 from solver.cost.topologies import across_topology, all_reduce_times, dp_topology, exposed, tp_topology, zero_topology
 from solver.zero import zero_time
 
 INF = float("inf")
-
-
-@dataclass(frozen=True)
-class StageConfig:
-    kind: str
-    dp: int
-    tp: int
-    zero_group: int = 0  # hybrid sharding: ZeRO over this many of the data axis's devices (a node's); 0: all
-    # Two model axes: the collectives its sharding chose, priced in place of Megatron's (solver.cost.model_axes)
-    model_collectives: tuple[ModelCollective, ...] = ()
-
-    @property
-    def devices(self) -> int:
-        return self.dp * self.tp
-
-    @property
-    def hybrid(self) -> bool:
-        """ZeRO shards within groups of the data axis and replicates across them."""
-        return 0 < self.zero_group < self.dp
-
-    @property
-    def zero_shards(self) -> int:
-        """The devices a ZeRO stage splits the state over: the group, or the whole data axis."""
-        return self.zero_group if self.hybrid else self.dp
 
 
 @dataclass(frozen=True)

@@ -7,15 +7,11 @@ tables, the estimator and `show`'s collectives table see the same devices."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from solver.collectives import Topology, fastest_times
 from solver.cost.problem import DeviceKind
-
-if TYPE_CHECKING:
-    from solver.cost.stage_costs import StageConfig
+from solver.cost.stage_config import StageConfig
 
 
 def tp_topology(kind: DeviceKind, tp: int) -> Topology:
