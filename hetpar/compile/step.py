@@ -23,6 +23,7 @@ from hetpar.compile.tasks import Task, build_tasks
 from hetpar.trace.stages import op_stages
 from hetpar.errors import PlanError
 from hetpar.plan import Plan
+from hetpar.plan.file import check_parts
 from hetpar.trace.layers import Layers
 from hetpar.trace.microbatch import MicrobatchAnalysis
 from hetpar.trace.opgraph import OpGraph
@@ -80,19 +81,13 @@ def mixed_rows(plan: Plan, microbatch: list[int]) -> tuple[dict[int, tuple[int, 
     """Each mixed stage's parts' rows of a microbatch ((offset, count) by stage index,
     in row order from the lead) and each lead's parts, read from the plan
     (`StagePlan.examples`); `microbatch`: the examples of each replica's microbatch.
-    Refuses parts whose examples do not make up the microbatch."""
+    The parts are checked as a loaded plan's are (`check_parts`: leads, layers,
+    replicas), and their examples against the microbatch the step was traced with."""
+    check_parts(plan)
     rows: dict[int, tuple[int, int]] = {}
     parts: dict[int, tuple[int, ...]] = {}
     for lead in plan.mixed_stages:
         mine = plan.parts(lead)
-        if not mine:
-            raise PlanError(f"stage(s) {[s.index for s in plan.stages if s.part_of == lead]} are parts of stage {lead}, "
-                            f"which the plan does not have; set part_of to the index of the mixed stage's first part")
-        for s in mine[1:]:
-            if (s.layer_start, s.layer_end, s.replica, s.chunk, s.remat) != (mine[0].layer_start, mine[0].layer_end, mine[0].replica,
-                                                                            mine[0].chunk, mine[0].remat):
-                raise PlanError(f"stage {s.index} is a part of mixed stage {lead} but differs from it in its layers, replica, "
-                                f"chunk or recomputation; a mixed stage's parts run the same work on different rows")
         size = microbatch[mine[0].replica]
         counts = [s.examples for s in mine]
         if any(c < 1 for c in counts) or sum(counts) != size:

@@ -139,7 +139,7 @@ def interpret(step: CompiledStep, transport: Transport, flat_args: Sequence[Any]
         return x
 
     rows = step.rows
-    parts = MixedStages(step, transport, store, inputs)
+    parts = MixedStages(step, transport, store, inputs, MERGE_KIND)
     accumulators: dict[int, Any] = {}
     returned = set(graph.outvars)
     input_keys, tasks, targets = step.input_keys, step.tasks, transport.targets

@@ -21,15 +21,14 @@ from typing import Any
 
 from hetpar.errors import PlanError
 
-# How parts' shares of a reduction combine (the reduction's kind -> the transport's merge).
-_MERGE = {"sum": "add", "mean": "add", "max": "maximum", "min": "minimum"}
-
-
 class MixedStages:
     """The books of one step's mixed stages, beside the interpreter's value store."""
 
-    def __init__(self, step: Any, transport: Any, store: dict, inputs: dict):
+    def __init__(self, step: Any, transport: Any, store: dict, inputs: dict, merge_kind: dict[str, str]):
+        """`merge_kind`: how shares of a reduction combine (its kind -> the transport's
+        merge), the interpreter's, which parts' shares follow as replicas' do."""
         self.step, self.transport, self.store, self.inputs = step, transport, store, inputs
+        self.merge_kind = merge_kind
         self.rows, self.parts = step.rows, step.parts
         self.lead = {s: lead for lead, mine in step.parts.items() for s in mine}
         # (value, microbatch, replica) -> part stage -> the rows that part made
@@ -101,7 +100,7 @@ class MixedStages:
             mine = [shares[s] for s in self.parts[lead] if s in shares]
             total = mine[0]
             for other in mine[1:]:
-                total = self.transport.merge(_MERGE[kinds[value]], total, other)
+                total = self.transport.merge(self.merge_kind[kinds[value]], total, other)
             self.store[(value, None, replica)] = {lead: total}
         self.shares.clear()
 
