@@ -105,9 +105,8 @@ def run(step: CompiledStep, flat_args: Sequence[Any], stats: RunStats | None = N
     transport = DeviceTransport(step)
     if nvme is None:
         return interpret(step, transport, flat_args, stats)
-    nvme.attach(transport)
     try:
-        outputs = interpret(step, transport, flat_args, stats)
+        outputs = interpret(step, nvme.over(transport), flat_args, stats)
     except BaseException:
         nvme.abort()
         raise

@@ -3,7 +3,7 @@
 hetpar's step is functional: state in, new state out. Under the NVMe tier the new
 optimizer state of an `offload="nvme"` stage must not stay in memory after the
 step, so the runtime returns, in its leaves' places, `NvmeArray` handles (a store,
-a generation, a key: no bytes). One step (`NvmeRun`, attached to the transport the
+a generation, a key: no bytes). One step (`NvmeRun`, its `NvmeTransport` wrapping the transport the
 interpreter runs over):
 
 - reads: the interpreter asks the transport to move each argument where its program
@@ -70,33 +70,12 @@ class NvmeRun:
         self.streamed = frozenset(v for v in values if v not in readers)
         self.read_once = frozenset(v for v, n in readers.items() if n == 1)
 
-    def attach(self, transport: Any) -> None:
-        move, call, call_fused = transport.move, transport.call, transport.call_fused
+    def over(self, transport: Any) -> "NvmeTransport":
+        """`transport` as the interpreter runs this step over it: with handles read
+        where programs want them and new state written as programs make it."""
+        return NvmeTransport(transport, self)
 
-        def move_or_load(x: Any, target: Any) -> Any:
-            if isinstance(x, NvmeArray):
-                out = x.load(target)
-                self.loaded[id(out)] = out
-                return out
-            return move(x, target)
-
-        def run_call(program: int, acc: Any, args: list, last: bool) -> tuple:
-            outs, acc = call(program, acc, args, last)
-            task = self.step.tasks[program]
-            if not task.per_microbatch:  # a later microbatch would reuse its arguments
-                self._dispatched(task.inputs, args)
-            return self._written(self.step.tasks[program].outputs, outs), acc
-
-        def run_fused(program: int, acc: Any, args: list) -> tuple:
-            outs, finals, updated = call_fused(program, acc, args)
-            fused = self.step.fusions[program]
-            self._dispatched((*fused.inputs, *fused.post_inputs), args)
-            return (self._written(self.step.tasks[program].outputs, outs), finals,
-                    self._written(fused.post.outputs, updated))
-
-        transport.move, transport.call, transport.call_fused = move_or_load, run_call, run_fused
-
-    def _dispatched(self, values: Sequence[int], args: list) -> None:
+    def dispatched(self, values: Sequence[int], args: list) -> None:
         """Deletes the arrays read from handles that this program, their only reader,
         was given (a deleted array's buffer lives until the program using it is done)."""
         if not self.loaded:
@@ -105,7 +84,7 @@ class NvmeRun:
             if v in self.read_once and self.loaded.pop(id(x), None) is not None:
                 x.delete()
 
-    def _written(self, values: Sequence[int], outs: Sequence[Any]) -> Sequence[Any]:
+    def written(self, values: Sequence[int], outs: Sequence[Any]) -> Sequence[Any]:
         """`outs` with each NVMe-tier value handed to the writer and a handle in its place."""
         if self.writer is None or not any(v in self.streamed for v in values):
             return outs
@@ -125,3 +104,36 @@ class NvmeRun:
     def abort(self) -> None:
         if self.writer is not None:
             self.writer.abort()
+
+
+class NvmeTransport:
+    """A transport (interpreter.Transport) whose moves read NVMe handles and whose
+    program calls hand new NVMe-tier state to the step's writer; everything else is
+    the wrapped transport's."""
+
+    def __init__(self, inner: Any, run: NvmeRun):
+        self.inner, self.run = inner, run
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def move(self, x: Any, target: Any) -> Any:
+        if isinstance(x, NvmeArray):
+            out = x.load(target)
+            self.run.loaded[id(out)] = out
+            return out
+        return self.inner.move(x, target)
+
+    def call(self, program: int, acc: Any, args: list, last: bool) -> tuple:
+        outs, acc = self.inner.call(program, acc, args, last)
+        task = self.run.step.tasks[program]
+        if not task.per_microbatch:  # a later microbatch would reuse its arguments
+            self.run.dispatched(task.inputs, args)
+        return self.run.written(task.outputs, outs), acc
+
+    def call_fused(self, program: int, acc: Any, args: list) -> tuple:
+        outs, finals, updated = self.inner.call_fused(program, acc, args)
+        fused = self.run.step.fusions[program]
+        self.run.dispatched((*fused.inputs, *fused.post_inputs), args)
+        return (self.run.written(self.run.step.tasks[program].outputs, outs), finals,
+                self.run.written(fused.post.outputs, updated))
