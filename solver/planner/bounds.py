@@ -32,6 +32,7 @@ from solver.cost.stage_costs import INF, StageConfig, StageCosts, in_flight
 
 _BLOCK = 16  # candidate step times order_bound prices at once
 _TOL = 1 + 1e-12  # a run whose time equals a candidate step time fits it despite rounding
+_BELOW = 1 - 1e-9  # a floor kept below what it bounds despite rounding (and `_TOL`)
 
 
 class KindLayout(NamedTuple):
@@ -153,6 +154,7 @@ class LowerBounds:
         self._grids: dict[tuple[int, tuple[str, ...]], np.ndarray] = {}
         self._tail_values: np.ndarray | None = None
         self._held_tails: dict[StageConfig, np.ndarray] = {}
+        self._envelopes: dict[tuple[tuple[KindLayout, ...], int], tuple[np.ndarray, float, np.ndarray]] = {}
 
     def bound(self, layouts: tuple[KindLayout, ...], m: int, b: int, schedule: str) -> float:
         """No split of any order of these stages is faster than this under `schedule`
@@ -214,6 +216,44 @@ class LowerBounds:
             lower = np.where(lower < INF, self._work_s() * m * b / rate, INF)
         keep = np.nonzero(lower < INF)[0]
         return lower[keep], index[:, keep]
+
+    def product_floor(self, per_kind: list[list[KindLayout]], m: int, b: int, schedule: str) -> float:
+        """A bound no combination of `product_table` goes below, without pricing the
+        product (nor the grid of candidate times of its kinds): the search builds a
+        product's table only when this reaches the front of its line, and most never
+        do. Each kind is taken at its best layout for each part apart: the least
+        bottleneck at which the kinds' roomiest layouts hold every layer, the least
+        first-layer times, the least tail at which they hold every layer."""
+        if not per_kind or not all(per_kind):
+            return INF
+        if registry.get(schedule).interleaved:  # every finite bound of the product is the work floor
+            return self._work_s() * m * b / sum(self._kind_rate(lays[0].kind) for lays in per_kind) * _BELOW
+        layers = self.costs.n
+        envelopes = [self._envelope(tuple(lays), b) for lays in per_kind]
+        needs = [need for need, _, _ in envelopes]
+        candidates = np.unique(np.concatenate(needs))
+        rooms = sum(np.searchsorted(need, candidates, side="right") for need in needs)
+        enough = np.nonzero(rooms >= layers)[0]
+        if not enough.size:
+            return INF  # no combination has room for every layer at any bottleneck
+        sums = sum(first for _, first, _ in envelopes)
+        tail_grid = self._tail_grid()
+        held = np.nonzero(sum(most for _, _, most in envelopes) >= layers)[0]
+        tail = float(tail_grid[held[0] if held.size else len(tail_grid) - 1])
+        return ((m - 1) * float(candidates[enough[0]]) + sums + tail) * _BELOW
+
+    def _envelope(self, layouts: tuple[KindLayout, ...], b: int) -> tuple[np.ndarray, float, np.ndarray]:
+        """One kind's best case over its layouts, for `product_floor`: per count r of
+        layers (1..n), the least time at which some layout's stages have room for r
+        layers (nondecreasing); the least first-layer times; per candidate tail, the
+        most layers some layout's stages hold."""
+        key = (layouts, b)
+        if key not in self._envelopes:
+            counts, least, held, firsts, _, _ = self._kind_base(layouts, b)
+            r = np.arange(1, self.costs.n + 1)
+            need = np.min([row[(r + s - 1) // s - 1] for s, row in zip(counts.astype(int), least)], axis=0)
+            self._envelopes[key] = need[np.isfinite(need)], float(firsts.min()), held.max(axis=0)
+        return self._envelopes[key]
 
     def _kind_arrays(self, layouts: tuple[KindLayout, ...], b: int, kinds: tuple[str, ...]) -> _KindArrays:
         """What each of one kind's layouts contributes to `product_table`, on the grid

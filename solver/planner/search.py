@@ -104,6 +104,8 @@ class Planner:
             return None
         tables = [self.costs.table(c, b, in_flight(schedule, m, p, len(configs), chunks), p == len(configs) - 1, m)
                   for p, c in enumerate(configs)]
+        if chunks > 1 and not _chunks_may_fit(tables, len(groups)):
+            return None  # no split fits, so neither would the best one (`_chunks_fit` below)
         sends = [self.costs.sends(a, c, b) for a, c in zip(configs, configs[1:])]
         split = best_split(tables, sends, m, beat, schedule, chunks)
         if split is None or not _chunks_fit(tables, split.cuts, len(groups)):
@@ -219,16 +221,17 @@ class Planner:
             for r in range(self._fewest_kinds(kinds), len(kinds) + 1):
                 for subset in itertools.combinations(kinds, r):
                     lists = [usable[name] for name in subset]
-                    lower, index = self.bounds.product_table(lists, m, b, bound_schedule)
-                    chosen = np.nonzero(lower < beat)[0]
-                    if chosen.size:
-                        chosen = chosen[np.argsort(lower[chosen], kind="stable")]
-                        streams.append((lower[chosen], index[:, chosen], lists))
-                        queue.append((float(lower[chosen[0]]), next(counter), m, (len(streams) - 1, 0), _STREAM))
+                    # The product's table waits until its floor reaches the front of the line
+                    # (most never do); its first combination then takes the floor's place
+                    # and tie-break, so the line's order is the one the tables would give.
+                    floor = self.bounds.product_floor(lists, m, b, bound_schedule)
+                    if floor < beat:
+                        streams.append((np.zeros(0), np.zeros((0, 0), dtype=int), lists))
+                        queue.append((floor, next(counter), m, (len(streams) - 1, -1), _STREAM))
         heapq.heapify(queue)
         heap: list[tuple[float, int, PlanChoice]] = []  # the top_k best, worst on top (negated)
         while queue:
-            lower, _, m, layouts, orders = heapq.heappop(queue)
+            lower, tie, m, layouts, orders = heapq.heappop(queue)
             worst = -heap[0][0] if len(heap) >= top_k else beat
             if lower >= worst:
                 break
@@ -239,6 +242,14 @@ class Planner:
             if orders is _STREAM:  # the stream's next combination: tighten to the layout's own bound
                 stream, position = layouts
                 lows, index, lists = streams[stream]
+                if position < 0:  # its floor: price the product now
+                    lower, index = self.bounds.product_table(lists, m, b, bound_schedule)
+                    chosen = np.nonzero(lower < beat)[0]
+                    if chosen.size:
+                        chosen = chosen[np.argsort(lower[chosen], kind="stable")]
+                        streams[stream] = (lower[chosen], index[:, chosen], lists)
+                        heapq.heappush(queue, (float(lower[chosen[0]]), tie, m, (stream, 0), _STREAM))
+                    continue
                 if position + 1 < len(lows):
                     heapq.heappush(queue, (float(lows[position + 1]), next(counter), m, (stream, position + 1), _STREAM))
                 layouts = tuple(lays[i] for lays, i in zip(lists, index[:, position]))
@@ -489,6 +500,20 @@ def _chunks_fit(tables, cuts: tuple[int, ...], groups: int) -> bool:  # noqa: AN
     used = [0.0] * groups
     for p, (t, (i, j)) in enumerate(zip(tables, bounds)):
         used[p % groups] += float(t.memory[i, j])
+    return all(u <= tables[g].capacity for g, u in enumerate(used))
+
+
+def _chunks_may_fit(tables, groups: int) -> bool:  # noqa: ANN001
+    """Whether some split's chunks could share their device groups' memory: each
+    chunk takes at least the least memory of any range its table runs, summed per
+    group in `_chunks_fit`'s order (so a split it accepts never fails this). Most
+    groups of four chunks that a split cannot fit fail here, before the split's sweep."""
+    used = [0.0] * groups
+    for p, t in enumerate(tables):
+        runs = np.isfinite(t.forward)
+        if not runs.any():
+            return False
+        used[p % groups] += float(t.memory[runs].min())
     return all(u <= tables[g].capacity for g, u in enumerate(used))
 
 
