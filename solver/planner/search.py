@@ -32,6 +32,7 @@ blaming memory.
 
 from __future__ import annotations
 
+import gc
 import heapq
 import itertools
 import logging
@@ -149,6 +150,18 @@ class Planner:
     # --- the search -----------------------------------------------------------------
 
     def solve(self) -> SearchResult:
+        # The search makes and drops millions of small tuples and arrays, none in a cycle:
+        # the collector's passes over everything the process holds (a JAX program's
+        # hundreds of thousands of objects) would only slow it, so it pauses meanwhile.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            return self._solve()
+        finally:
+            if collecting:
+                gc.enable()
+
+    def _solve(self) -> SearchResult:
         started = time.perf_counter()
         if self.time_limit_s is not None:
             self.deadline = started + self.time_limit_s
