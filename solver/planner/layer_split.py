@@ -76,6 +76,14 @@ class _Row:
             cuts.append(j)
         return value, tuple(reversed(cuts))
 
+    def least_total(self) -> float:
+        """`least_sum()`'s value without its cuts (the same sums, so the same figure):
+        most pipelines are refused on it before their cuts matter."""
+        best = self.times[0][0]
+        for p in range(1, len(self.times)):
+            best = ((best + 2 * self.sends[p - 1])[:, None] + self.times[p]).min(axis=0)
+        return float(best[self.n])
+
     def least_work(self) -> float:
         """The least summed stage time of any split, sends left out: every split's
         device groups share at least this much compute between them."""
@@ -147,7 +155,7 @@ def best_split(
     t_lo = row.least_max()
     if t_lo == INF or (m - 1) * t_lo >= beat:
         return None
-    sum0, cuts0 = row.least_sum()
+    sum0 = row.least_total()
     # An interleaved pace is a device group's chunks summed: at least the groups' least
     # shared work spread evenly over them (k / v groups), which one chunk's t_lo is not.
     pace_lo = t_lo if v == 1 else max(t_lo, row.least_work() * v / k)
@@ -158,6 +166,7 @@ def best_split(
         return None
     if m - 1 / v > 0 and beat < INF and _every_bottleneck_loses(row, m, v, pace_lo, sum0, u_floor, beat):
         return None  # before the sweep's grids: most pipelines the search prices lose here
+    sum0, cuts0 = row.least_sum()
     t_values = np.unique(np.concatenate([t[np.isfinite(t)] for t in row.times] + [s[1:n] for s in row.sends]))
     u_values = np.unique(np.concatenate([u[np.isfinite(t)] for u, t in zip(row.tails, row.times)]))
     best = Split(cuts0, score(tables, sends, m, cuts0, schedule, chunks))
