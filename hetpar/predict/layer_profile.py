@@ -66,7 +66,6 @@ class LayerPointRecord:
     once_s: float = 0.0  # the layer's once-per-step programs (update; gradient reduction at dp > 1)
     peak_bytes: int = 0  # per device, the layer's largest program
     send_s: float = 0.0  # one microbatch's layer input moved here from another mesh of as many devices; 0: not measured
-    wake_s: float = 0.0  # what a program on this mesh adds when its devices went idle before it (`LayerTiming.records`)
 
 
 @dataclass
@@ -188,7 +187,6 @@ class LayerTiming:
     launches: list[int]  # the data-parallel degrees whose launch runs come first in `runs`
     layers: list["_Layer"]
     together: list[tuple[int, int]] = field(default_factory=list)  # (dp, examples) of the whole-model runs after them
-    waited: list[tuple[int, int]] = field(default_factory=list)  # (dp, examples) of the same runs waited on each time, next
 
     def records(self, times: Sequence[float]) -> list[LayerRecord]:
         """The records of one time (seconds of `busy_clock()`, per run of `runs`) each."""
@@ -197,10 +195,6 @@ class LayerTiming:
         it = iter(t / self.back_to_back for t in times)
         launch_s = {dp: next(it) for dp in self.launches}
         together = {key: next(it) for key in self.together}
-        # A program whose mesh went idle before it (its input came from another stage's mesh) pays its
-        # devices' waking up, which one queued behind the mesh's previous program does not: the whole
-        # model's program waited on after every run against dispatched back to back.
-        wake = {key: max(0.0, next(it) - together[key]) for key in self.waited}
         apart: dict[tuple[int, int], list[float]] = {key: [0.0, 0.0] for key in self.together}  # seconds, programs
         records: dict[tuple, LayerRecord] = {}
         for layer in self.layers:
@@ -219,8 +213,7 @@ class LayerTiming:
             record = records.setdefault(layer.record.key, replace(layer.record, points=[]))
             record.program_s, record.once_programs = launch_s[record.dp], len(layer.once)
             record.merge_s = max(record.merge_s, merge_s)  # one per (dp, examples): the same arrays each time
-            record.points.append(LayerPointRecord(layer.examples, forward, backward, remat_s, once, layer.peak_bytes, send_s,
-                                                  wake.get((layer.record.dp, layer.examples), 0.0)))
+            record.points.append(LayerPointRecord(layer.examples, forward, backward, remat_s, once, layer.peak_bytes, send_s))
         # One more program's cost: the model's layers one program each against all of them in one program
         # (a forward and backward program each, as the estimator charges a stage), per mesh.
         per_program: dict[int, list[float]] = {}
@@ -277,11 +270,11 @@ def layer_timing(
     launches = {dp: _launch_run(device_ids[:dp]) for dp in dict.fromkeys(data_parallel)}
     runs: list[Callable[[], Any]] = [*launches.values(), *together.values()]
     k = max(1, back_to_back)
-    runs = [_repeated(run, k) for run in runs] + [_waited(run, k) for run in together.values()]
+    runs = [_repeated(run, k) for run in runs]
     for layer in layers:
         runs += [_repeated(r, k) for r in (layer.forward, layer.backward, layer.backward_remat, layer.merge, layer.send,
                                            *layer.once) if r is not None]
-    return LayerTiming(runs, k, list(launches), layers, list(together), list(together))
+    return LayerTiming(runs, k, list(launches), layers, list(together))
 
 
 def _layer_runs(fn: Callable, args: tuple, batch_argnum: int, device_ids: Sequence[int], device_kind: str, examples: int,
@@ -407,16 +400,6 @@ def _send_run(program: Any, compiled: Any, device_ids: Sequence[int], all_ids: S
     return lambda: [jax.device_put(x, t) for x, t in zip(sources, targets)]
 
 
-def _waited(run: Callable[[], Any], times: int) -> Callable[[], Any]:
-    """`run` `times` times, each waited on before the next is dispatched."""
-    def waited() -> Any:
-        out = None
-        for _ in range(times):
-            out = jax.block_until_ready(run())
-        return out
-    return waited
-
-
 def _repeated(run: Callable[[], Any], times: int) -> Callable[[], Any]:
     """`run` dispatched `times` times in a row; the last result (to wait on)."""
     def repeated() -> Any:
@@ -484,8 +467,8 @@ def problem_layers(records: Sequence[LayerRecord], signatures: Sequence[str], dt
     for label, device_kind in kinds:
         for layer, signature in enumerate(signatures):
             for r in by_key.get((signature, device_kind), ()):
-                points = tuple(LayerPoint(p.examples, p.forward_s, p.backward_s, p.backward_remat_s, p.once_s, p.send_s,
-                                          p.wake_s) for p in r.points)
+                points = tuple(LayerPoint(p.examples, p.forward_s, p.backward_s, p.backward_remat_s, p.once_s, p.send_s)
+                               for p in r.points)
                 if points:
                     out.append(MeasuredLayer(label, layer, r.tp, r.dp, points, r.shared_host, r.program_s, r.once_programs,
                                             r.merge_s, r.stage_program_s))

@@ -33,9 +33,6 @@ class LayerPoint:
     backward_remat_s: float = -1.0  # the backward rerunning the layer's forward; < 0: not measured
     once_s: float = 0.0  # per step: the layer's update (and, measured at dp > 1, its gradient reduction)
     send_s: float = 0.0  # the layer's input arriving from another mesh of as many devices (one way); 0: not measured
-    # What a program on the mesh adds when the mesh went idle before it (it waited on another stage's
-    # output) against one queued behind the mesh's previous program: the devices' threads waking.
-    wake_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -102,7 +99,6 @@ class LayerPrice:
     once_launch_s: float = 0.0  # one once-per-step program's launch, taken out of `once_s`
     merge_s: float = 0.0  # combining one other replica's gradients of the layer into this one's (per step)
     send_s: float = 0.0  # the layer's input (one microbatch's) arriving from the stage before, one way; 0: not measured
-    wake_s: float = 0.0  # the receiving program's mesh waking for it (`LayerPoint.wake_s`)
 
 
 def lookup(measured: tuple[MeasuredLayer, ...], kind: str, layer: int, tp: int, dp: int,
@@ -123,7 +119,6 @@ def lookup(measured: tuple[MeasuredLayer, ...], kind: str, layer: int, tp: int, 
     backward = record.at(examples, "backward_s") * scale
     once = float(np.mean([p.once_s for p in record.points])) * scale
     send = record.at(examples, "send_s") * scale if all(p.send_s > 0 for p in record.points) else 0.0
-    wake = record.at(examples, "wake_s") * scale
     return LayerPrice(max(0.0, record.at(examples, "forward_s") * scale - program), max(0.0, backward - program),
                       None if rerun is None else max(0.0, rerun * scale - backward), max(0.0, once - record.once_programs * launch),
-                      record.dp == dp, program, record.once_programs, launch, record.merge_s, send, wake)
+                      record.dp == dp, program, record.once_programs, launch, record.merge_s, send)

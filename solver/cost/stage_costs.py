@@ -554,11 +554,10 @@ class StageCosts:
         if self.kinds[a.kind].shared_host and self.kinds[c.kind].shared_host:
             # One host's cores do the copy: what the profile measured it costs the host to hand
             # layer j its input on the receiving stage's mesh (a copy per shard and a dispatch,
-            # `MeasuredLayer` points' `send_s`) where it measured one, the link's bytes elsewhere;
-            # and the program it feeds waited for it, so that mesh's devices wake for it (`wake_s`).
+            # `MeasuredLayer` points' `send_s`) where it measured one, the link's bytes elsewhere.
             for layer, price in self.measured(c, b / c.dp).items():
                 if price.send_s > 0:
-                    out[layer] = price.send_s + price.wake_s
+                    out[layer] = price.send_s
         out = np.concatenate([out, [INF]])  # no cut after the last layer
         out.setflags(write=False)
         return out
