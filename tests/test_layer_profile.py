@@ -143,6 +143,14 @@ def test_a_stage_program_costs_what_the_profile_measured_one_more_program_to_cos
     assert cost.stages[0].backward_s == pytest.approx(2 * (0.020 - 0.004) + 0.004)
     old = [replace(m, stage_program_s=0.0) for m in measured]  # a profile without it: the launch, as before
     assert estimate(_problem(old), decisions).stages[0].forward_s == pytest.approx(2 * (0.010 - 0.001) + 0.001)
+    # A layer measured below the per-program cost (an embedding) pays less than nothing net, not nothing:
+    # its stage costs its layers' net times plus the cost of each program it runs.
+    small = [replace(measured[0], points=(LayerPoint(2, 0.001, 0.002, -1.0, 0.0),)), *measured[1:]]
+    cost = estimate(_problem(small), decisions)
+    assert cost.stages[0].forward_s == pytest.approx((0.001 - 0.004) + (0.010 - 0.004) + 0.004)
+    assert cost.stages[0].backward_s == pytest.approx((0.002 - 0.004) + (0.020 - 0.004) + 0.004)
+    alone = Decisions((StageDecision("A100", 2, 1, 0, 1), StageDecision("A100", 2, 1, 1, 3)), 2, "1f1b", (8,))
+    assert estimate(_problem(small), alone).stages[0].forward_s == pytest.approx(0.001)  # alone: what it measured
 
 
 def test_a_shared_hosts_replica_combine_is_priced_as_the_profile_measured_it():

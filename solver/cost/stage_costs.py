@@ -411,8 +411,9 @@ class StageCosts:
             return v.forward, v.backward, v.tail, v.sync, _full(v.hidden, f.shape)
         extra_f, extra_b, step_sync, tail = self.step_costs(cfg, zero)
         launch = self.launches(cfg)  # measured layers: one program's cost per stage program
-        forward = f + extra_f + launch
-        backward = bw + extra_b + launch + (rerun + extra_f if remat else 0.0)
+        # (a measured layer's net time may be below zero, `solver.cost.measured.lookup`; a stage's never)
+        forward = np.maximum(f + extra_f + launch, 0.0)
+        backward = np.maximum(bw + extra_b + launch + (rerun + extra_f if remat else 0.0), 0.0)
         return _full(forward, f.shape), _full(backward, f.shape), _full(tail, f.shape), _full(step_sync, f.shape), 0.0
 
     def _buckets(self, cfg: StageConfig, zero: int = 0) -> dict[str, np.ndarray]:
