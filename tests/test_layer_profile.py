@@ -151,6 +151,11 @@ def test_a_stage_program_costs_what_the_profile_measured_one_more_program_to_cos
     assert cost.stages[0].backward_s == pytest.approx((0.002 - 0.004) + (0.020 - 0.004) + 0.004)
     alone = Decisions((StageDecision("A100", 2, 1, 0, 1), StageDecision("A100", 2, 1, 1, 3)), 2, "1f1b", (8,))
     assert estimate(_problem(small), alone).stages[0].forward_s == pytest.approx(0.001)  # alone: what it measured
+    # Measured per microbatch size, the per-program cost is the one at the stage's examples per device.
+    sized = [replace(m, points=(LayerPoint(1, 0.005, 0.010, -1.0, 0.0, stage_program_s=0.002),
+                                LayerPoint(4, 0.020, 0.040, -1.0, 0.0, stage_program_s=0.008))) for m in measured]
+    at_two = estimate(_problem(sized), decisions)  # 8 examples, 2 microbatches, 2 devices: 2 per device
+    assert at_two.stages[0].forward_s == pytest.approx(2 * (0.010 - 0.004) + 0.004)
 
 
 def test_a_shared_hosts_replica_combine_is_priced_as_the_profile_measured_it():
@@ -180,6 +185,7 @@ def test_one_more_programs_cost_is_the_layers_apart_against_together():
     records = timing.records([0.001, 0.050, 0.010, 0.020, 0.0007, 0.012, 0.0009])
     apart = 2 * (0.010 + 0.020) + 0.012  # 5 programs
     assert all(r.stage_program_s == pytest.approx((apart - 0.050) / 3) for r in records)
+    assert all(r.points[0].stage_program_s == pytest.approx((apart - 0.050) / 3) for r in records)  # per size too
     assert all(r.program_s == 0.001 for r in records)
     assert [r.points[0].send_s for r in records] == [0.0007, 0.0009]  # the sends are not programs
     with pytest.raises(HetparError, match="6 times for 7"):

@@ -33,6 +33,7 @@ class LayerPoint:
     backward_remat_s: float = -1.0  # the backward rerunning the layer's forward; < 0: not measured
     once_s: float = 0.0  # per step: the layer's update (and, measured at dp > 1, its gradient reduction)
     send_s: float = 0.0  # the layer's input arriving from another mesh of as many devices (one way); 0: not measured
+    stage_program_s: float = 0.0  # one more per-microbatch program's cost at this size; 0: the record's (`MeasuredLayer`)
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,8 @@ def lookup(measured: tuple[MeasuredLayer, ...], kind: str, layer: int, tp: int, 
     record = min(mine, key=lambda m: (abs(np.log(m.dp / dp)), -m.dp))
     scale = dp / record.dp if record.shared_host else 1.0
     launch = record.program_s * scale
-    program = (record.stage_program_s or record.program_s) * scale
+    sized = all(p.stage_program_s > 0 for p in record.points)  # measured at each microbatch size
+    program = (record.at(examples, "stage_program_s") if sized else record.stage_program_s or record.program_s) * scale
     rerun = record.at(examples, "backward_remat_s") if all(p.backward_remat_s >= 0 for p in record.points) else None
     backward = record.at(examples, "backward_s") * scale
     once = float(np.mean([p.once_s for p in record.points])) * scale
