@@ -107,8 +107,28 @@ def test_a_shared_host_runs_its_stages_one_after_another():
     shared = replace(problem, kinds=tuple(replace(k, shared_host=True) for k in problem.kinds))
     decisions = Decisions((StageDecision("A100", 2, 1, 0, 1), StageDecision("A100", 2, 1, 1, 3)), 4, "1f1b", (8,))
     cost = estimate(shared, decisions)
-    work = sum(4 * (c.forward_s + c.backward_s + c.send_s) + c.sync_s + c.optimizer_s for c in cost.stages)
+    # every microbatch's activation goes on and its gradient comes back: two sends a cut
+    work = sum(4 * (c.forward_s + c.backward_s + 2 * c.send_s) + c.sync_s + c.optimizer_s for c in cost.stages)
+    assert cost.stages[0].send_s > 0 and cost.step_s == pytest.approx(work)
+
+
+def test_a_shared_hosts_sends_are_priced_as_the_profile_measured_them():
+    # The host copies each activation (and its gradient back) shard by shard: the measured send of the
+    # receiving layer's input at the stage's examples per device, not the link's bytes.
+    points = (LayerPoint(1, 0.010, 0.020, -1.0, 0.0, send_s=0.001), LayerPoint(4, 0.030, 0.060, -1.0, 0.0, send_s=0.002))
+    measured = tuple(MeasuredLayer("A100", layer, 1, 2, points, shared_host=True) for layer in range(3))
+    problem = _problem(measured)
+    shared = replace(problem, kinds=tuple(replace(k, shared_host=True) for k in problem.kinds))
+    decisions = Decisions((StageDecision("A100", 2, 1, 0, 1), StageDecision("A100", 2, 1, 1, 3)), 2, "1f1b", (8,))
+    cost = estimate(shared, decisions)  # 4 examples a microbatch, 2 per device: between the points
+    assert cost.stages[0].send_s == pytest.approx(0.001 + (0.002 - 0.001) / 3) and cost.stages[1].send_s == 0.0
+    work = sum(2 * (c.forward_s + c.backward_s + 2 * c.send_s) + c.sync_s + c.optimizer_s for c in cost.stages)
     assert cost.step_s == pytest.approx(work)
+    unmeasured = replace(shared, measured_layers=tuple(replace(m, points=tuple(replace(p, send_s=0.0) for p in points))
+                                                      for m in measured))
+    assert estimate(unmeasured, decisions).stages[0].send_s < 1e-4  # the link's bytes: what the profile did not see
+    one_way = replace(decisions, stages=(replace(decisions.stages[0], layer_end=2), replace(decisions.stages[1], layer_start=2)))
+    assert estimate(shared, one_way).stages[0].send_s == pytest.approx(cost.stages[0].send_s)  # every block's input alike
 
 
 def test_a_stage_program_costs_what_the_profile_measured_one_more_program_to_cost():
@@ -123,6 +143,19 @@ def test_a_stage_program_costs_what_the_profile_measured_one_more_program_to_cos
     assert cost.stages[0].backward_s == pytest.approx(2 * (0.020 - 0.004) + 0.004)
     old = [replace(m, stage_program_s=0.0) for m in measured]  # a profile without it: the launch, as before
     assert estimate(_problem(old), decisions).stages[0].forward_s == pytest.approx(2 * (0.010 - 0.001) + 0.001)
+    # A layer measured below the per-program cost (an embedding) pays less than nothing net, not nothing:
+    # its stage costs its layers' net times plus the cost of each program it runs.
+    small = [replace(measured[0], points=(LayerPoint(2, 0.001, 0.002, -1.0, 0.0),)), *measured[1:]]
+    cost = estimate(_problem(small), decisions)
+    assert cost.stages[0].forward_s == pytest.approx((0.001 - 0.004) + (0.010 - 0.004) + 0.004)
+    assert cost.stages[0].backward_s == pytest.approx((0.002 - 0.004) + (0.020 - 0.004) + 0.004)
+    alone = Decisions((StageDecision("A100", 2, 1, 0, 1), StageDecision("A100", 2, 1, 1, 3)), 2, "1f1b", (8,))
+    assert estimate(_problem(small), alone).stages[0].forward_s == pytest.approx(0.001)  # alone: what it measured
+    # Measured per microbatch size, the per-program cost is the one at the stage's examples per device.
+    sized = [replace(m, points=(LayerPoint(1, 0.005, 0.010, -1.0, 0.0, stage_program_s=0.002),
+                                LayerPoint(4, 0.020, 0.040, -1.0, 0.0, stage_program_s=0.008))) for m in measured]
+    at_two = estimate(_problem(sized), decisions)  # 8 examples, 2 microbatches, 2 devices: 2 per device
+    assert at_two.stages[0].forward_s == pytest.approx(2 * (0.010 - 0.004) + 0.004)
 
 
 def test_a_shared_hosts_replica_combine_is_priced_as_the_profile_measured_it():
@@ -143,17 +176,20 @@ def test_one_more_programs_cost_is_the_layers_apart_against_together():
     # last fused; the whole model in one program: (apart - together) / (programs - 2).
     def layer(name, count, fused=False):
         record = LayerRecord(name, name, "cpu", "float32", 1, 2, True)
-        return _Layer(record, 2, lambda: 0, None if fused else (lambda: 0), None, [], 0.5, 0, None, count)
+        return _Layer(record, 2, lambda: 0, None if fused else (lambda: 0), None, [], 0.5, 0, None, count,
+                      send=lambda: 0)
 
     layers = [layer("block", 2), layer("head", 1, fused=True)]
-    timing = LayerTiming([lambda: 0] * 5, 1, [2], layers, [(2, 2)])
-    # launch, together, block fwd, block bwd, head (fused)
-    records = timing.records([0.001, 0.050, 0.010, 0.020, 0.012])
+    timing = LayerTiming([lambda: 0] * 7, 1, [2], layers, [(2, 2)])
+    # launch, together, block fwd, block bwd, block send, head (fused), head send
+    records = timing.records([0.001, 0.050, 0.010, 0.020, 0.0007, 0.012, 0.0009])
     apart = 2 * (0.010 + 0.020) + 0.012  # 5 programs
     assert all(r.stage_program_s == pytest.approx((apart - 0.050) / 3) for r in records)
+    assert all(r.points[0].stage_program_s == pytest.approx((apart - 0.050) / 3) for r in records)  # per size too
     assert all(r.program_s == 0.001 for r in records)
-    with pytest.raises(HetparError, match="4 times for 5"):
-        timing.records([0.0] * 4)
+    assert [r.points[0].send_s for r in records] == [0.0007, 0.0009]  # the sends are not programs
+    with pytest.raises(HetparError, match="6 times for 7"):
+        timing.records([0.0] * 6)
 
 
 @pytest.fixture(scope="module")
@@ -210,6 +246,9 @@ def test_profiling_a_steps_layers_records_each_distinct_layer(workload):
         assert all(p.forward_s > 0 and p.backward_s > 0 and p.once_s > 0 and p.peak_bytes > 0 for p in r.points)
     block = next(r for r in records if r.name == "Block_0" and r.dp == 1)
     assert all(p.backward_remat_s > 0 for p in block.points)
+    # a layer fed by the one before it measured that input's arrival from another mesh; the first, fed by the batch, not
+    assert all(p.send_s > 0 for r in records if r.name != records[0].name for p in r.points)
+    assert all(p.send_s == 0 for r in records if r.name == records[0].name for p in r.points)
 
 
 def test_float32_matmuls_are_priced_at_the_precision_jax_runs_them():

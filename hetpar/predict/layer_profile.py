@@ -29,7 +29,9 @@ one more program's cost (`stage_program_s`: the model's layers one program each
 against the whole model in one, which the estimator charges per stage program; a
 near-empty program's launch, `program_s`, misses most of it on CPU devices, where
 every program wakes and parks the devices' threads) and the replica combine of each
-layer's gradients (`merge_s`). The last layer's forward and
+layer's gradients (`merge_s`); per point, the layer's input arriving from another
+mesh of as many devices (`send_s`: on CPU devices a copy per shard and a dispatch,
+what a pipeline pays per microbatch and cut, each way). The last layer's forward and
 backward are one program (hetpar.compile.tasks), split between the two by FLOPs.
 Peak memory is XLA's `memory_analysis()` of the layer's largest program (arguments +
 outputs + temporaries - aliased), per device.
@@ -63,6 +65,8 @@ class LayerPointRecord:
     backward_remat_s: float = -1.0  # < 0: recomputation not measured
     once_s: float = 0.0  # the layer's once-per-step programs (update; gradient reduction at dp > 1)
     peak_bytes: int = 0  # per device, the layer's largest program
+    send_s: float = 0.0  # one microbatch's layer input moved here from another mesh of as many devices; 0: not measured
+    stage_program_s: float = 0.0  # one more per-microbatch program's cost on the mesh at this size; 0: not measured
 
 
 @dataclass
@@ -141,6 +145,7 @@ class _Layer:
     peak_bytes: int
     merge: Callable[[], Any] | None = None  # the replica combine of the layer's gradients (`_merge_run`)
     count: int = 1  # the model's layers with this signature
+    send: Callable[[], Any] | None = None  # the layer's input arriving from another stage's mesh (`_send_run`)
 
 
 def measure_layers(
@@ -198,6 +203,7 @@ class LayerTiming:
             backward = next(it) if layer.backward is not None else None
             remat_s = next(it) if layer.backward_remat is not None else -1.0
             merge_s = next(it) if layer.merge is not None else 0.0
+            send_s = next(it) if layer.send is not None else 0.0
             once = sum(next(it) for _ in layer.once)
             sums = apart.setdefault((layer.record.dp, layer.examples), [0.0, 0.0])
             sums[0] += layer.count * (forward + (backward or 0.0))
@@ -208,17 +214,22 @@ class LayerTiming:
             record = records.setdefault(layer.record.key, replace(layer.record, points=[]))
             record.program_s, record.once_programs = launch_s[record.dp], len(layer.once)
             record.merge_s = max(record.merge_s, merge_s)  # one per (dp, examples): the same arrays each time
-            record.points.append(LayerPointRecord(layer.examples, forward, backward, remat_s, once, layer.peak_bytes))
+            record.points.append(LayerPointRecord(layer.examples, forward, backward, remat_s, once, layer.peak_bytes, send_s))
         # One more program's cost: the model's layers one program each against all of them in one program
-        # (a forward and backward program each, as the estimator charges a stage), per mesh.
-        per_program: dict[int, list[float]] = {}
-        for (dp, _), t in together.items():
-            seconds, programs = apart[(dp, _)]
+        # (a forward and backward program each, as the estimator charges a stage), per mesh and
+        # microbatch size: it grows with the examples (on 4 CPU devices a plan of 1 example per device
+        # was priced 21-27% under with the median over 1, 2 and 4 examples), so each point keeps its own
+        # and the record the median of its mesh's.
+        per_program: dict[tuple[int, int], float] = {}
+        for key, t in together.items():
+            seconds, programs = apart[key]
             if programs > 2:
-                per_program.setdefault(dp, []).append((seconds - t) / (programs - 2))
+                per_program[key] = (seconds - t) / (programs - 2)
         for record in records.values():
-            got = per_program.get(record.dp)
+            got = [v for (dp, _), v in per_program.items() if dp == record.dp]
             record.stage_program_s = max(record.program_s, statistics.median(got)) if got else 0.0
+            record.points = [replace(p, stage_program_s=max(record.program_s, per_program[(record.dp, p.examples)]))
+                             if (record.dp, p.examples) in per_program else p for p in record.points]
         for record in records.values():
             record.points.sort(key=lambda p: p.examples)
         return list(records.values())
@@ -258,23 +269,27 @@ def layer_timing(
     for dp in dict.fromkeys(data_parallel):
         for e in dict.fromkeys(examples):
             mine, whole = _layer_runs(fn, args, batch_argnum, device_ids[:dp], device_kind, e, dp, num_layers, remat,
-                                      shared, device_ids if e == min(examples) else None)
+                                      shared, device_ids if e == min(examples) else None, device_ids)
             layers += mine
             if whole is not None:
                 together[(dp, e)] = whole
     launches = {dp: _launch_run(device_ids[:dp]) for dp in dict.fromkeys(data_parallel)}
     runs: list[Callable[[], Any]] = [*launches.values(), *together.values()]
-    for layer in layers:
-        runs += [layer.forward, *(r for r in (layer.backward, layer.backward_remat, layer.merge) if r is not None), *layer.once]
     k = max(1, back_to_back)
-    return LayerTiming([_repeated(run, k) for run in runs], k, list(launches), layers, list(together))
+    runs = [_repeated(run, k) for run in runs]
+    for layer in layers:
+        runs += [_repeated(r, k) for r in (layer.forward, layer.backward, layer.backward_remat, layer.merge, layer.send,
+                                           *layer.once) if r is not None]
+    return LayerTiming(runs, k, list(launches), layers, list(together))
 
 
 def _layer_runs(fn: Callable, args: tuple, batch_argnum: int, device_ids: Sequence[int], device_kind: str, examples: int,
                 dp: int, num_layers: int | None, remat: bool, shared: bool,
-                merge_ids: Sequence[int] | None = None) -> tuple[list[_Layer], Callable[[], Any] | None]:
+                merge_ids: Sequence[int] | None = None,
+                send_ids: Sequence[int] | None = None) -> tuple[list[_Layer], Callable[[], Any] | None]:
     """The programs of each distinct layer, compiled alone on one mesh of `device_ids`
-    (and with `merge_ids`, the devices there are, its replica combine: `_merge_run`);
+    (and with `merge_ids`, the devices there are, its replica combine: `_merge_run`;
+    with `send_ids`, its input's arrival from another mesh of them: `_send_run`);
     and one microbatch of the whole model as one stage (None for a model of one layer)."""
     from hetpar.compile.programs import stage_mesh
     from hetpar.compile.step import compile_layer_stages
@@ -318,6 +333,7 @@ def _layer_runs(fn: Callable, args: tuple, batch_argnum: int, device_ids: Sequen
             _merge_run([plain.graph.avals[v] for p in mine if p.task.per_microbatch for v in p.task.reductions],
                        device_ids, merge_ids) if merge_ids is not None else None,
             signatures.count(signature),
+            _send_run(fwd, plain, device_ids, send_ids) if send_ids is not None else None,
         ))
     return out, whole
 
@@ -359,6 +375,35 @@ def _merge_run(avals: Sequence[Any], device_ids: Sequence[int], all_ids: Sequenc
     home = [jax.device_put(jnp.zeros(a.shape, a.dtype), here) for a in avals]
     other = [jax.device_put(jnp.zeros(a.shape, a.dtype), there) for a in avals]
     return lambda: [jnp.add(h, jax.device_put(o, here)) for h, o in zip(home, other)]
+
+
+def _send_run(program: Any, compiled: Any, device_ids: Sequence[int], all_ids: Sequence[int]) -> Callable[[], Any] | None:
+    """What a pipeline pays per microbatch to hand this layer its input from the stage
+    before it: the forward program's inputs that another layer's forward makes (the
+    activation; none for the first layer) moved from a mesh of the next
+    `len(device_ids)` devices of `all_ids` (the same ones where there are too few)
+    to this program's sharding with `jax.device_put`, as the runtime's device path
+    moves them (`hetpar.runtime.communicator`). The gradient going back is as many
+    bytes the other way. On CPU devices this is a copy per shard and a dispatch, about
+    a millisecond where the link's bytes are priced at hundredths of one. None where
+    the layer has no such input."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+
+    from hetpar.compile.programs import stage_mesh
+
+    made = {v for p in compiled.programs if p.task.kind == "fwd" and p.task.stage != program.task.stage for v in p.task.outputs}
+    wanted = [(v, s) for v, s in zip(program.task.inputs, program.in_shardings) if v in made]
+    if not wanted:
+        return None
+    dp = len(device_ids)
+    rest = [d for d in all_ids if d not in device_ids]
+    there = stage_mesh(tuple(rest[:dp] if len(rest) >= dp else device_ids))
+    graph = compiled.graph
+    sources = [jax.device_put(jnp.zeros(graph.avals[v].shape, graph.avals[v].dtype), NamedSharding(there, s.spec))
+               for v, s in wanted]
+    targets = [s for _, s in wanted]
+    return lambda: [jax.device_put(x, t) for x, t in zip(sources, targets)]
 
 
 def _repeated(run: Callable[[], Any], times: int) -> Callable[[], Any]:
@@ -428,7 +473,8 @@ def problem_layers(records: Sequence[LayerRecord], signatures: Sequence[str], dt
     for label, device_kind in kinds:
         for layer, signature in enumerate(signatures):
             for r in by_key.get((signature, device_kind), ()):
-                points = tuple(LayerPoint(p.examples, p.forward_s, p.backward_s, p.backward_remat_s, p.once_s) for p in r.points)
+                points = tuple(LayerPoint(p.examples, p.forward_s, p.backward_s, p.backward_remat_s, p.once_s, p.send_s,
+                                          p.stage_program_s) for p in r.points)
                 if points:
                     out.append(MeasuredLayer(label, layer, r.tp, r.dp, points, r.shared_host, r.program_s, r.once_programs,
                                             r.merge_s, r.stage_program_s))

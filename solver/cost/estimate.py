@@ -30,9 +30,11 @@ from solver.schedules import StageTimes
 
 # Bumped whenever a change to the cost model changes a price: a plan file that keeps
 # figures as a cache records the version they were made with.
-ESTIMATOR_VERSION = 4  # 2: shared NICs, host-staged links, blocking sends, the JAX client's memory share;
+ESTIMATOR_VERSION = 5  # 2: shared NICs, host-staged links, blocking sends, the JAX client's memory share;
 # 3: measured layer profiles (solver.cost.measured), devices sharing one host run one after another;
-# 4: a shared host's replica combine priced from the profile's measured merges (`cross_replica_sync_s`)
+# 4: a shared host's replica combine priced from the profile's measured merges (`cross_replica_sync_s`);
+# 5: a shared host's sends priced from the profile's measured ones, both ways per microbatch (`serial_step_s`);
+# a measured layer's net time (less the per-program cost) no longer floored at zero per layer, only the stage's
 
 
 @dataclass(frozen=True)
@@ -209,9 +211,13 @@ def _priced(costs: StageCosts, s: StageDecision, cfg: StageConfig, b: int, held:
 def serial_step_s(stages: tuple[StageCost, ...], m: int, cross: float) -> float:
     """A step on devices that are one host's cores (`DeviceKind.shared_host`): no
     stage runs beside another, so the step is all of their work one after another,
-    every microbatch's forward, backward and send, each stage's once-per-step tail,
-    and the cross-replica sum once (each stage's `sync_s` carries it)."""
-    work = sum(m * (c.forward_s + c.backward_s + c.send_s) + c.sync_s - cross + c.optimizer_s + c.overlapped_s for c in stages)
+    every microbatch's forward, backward and sends, each stage's once-per-step tail,
+    and the cross-replica sum once (each stage's `sync_s` carries it). A stage that
+    hands its activation on (`send_s` > 0) also gets its gradient back, as many bytes
+    the other way (the simulator's transfers go both ways too): a training stage
+    pays two sends per microbatch, a forward-only one (no backward) one."""
+    work = sum(m * (c.forward_s + c.backward_s + (2 if c.backward_s > 0 else 1) * c.send_s) + c.sync_s - cross
+               + c.optimizer_s + c.overlapped_s for c in stages)
     return work + cross
 
 

@@ -32,6 +32,8 @@ class LayerPoint:
     backward_s: float
     backward_remat_s: float = -1.0  # the backward rerunning the layer's forward; < 0: not measured
     once_s: float = 0.0  # per step: the layer's update (and, measured at dp > 1, its gradient reduction)
+    send_s: float = 0.0  # the layer's input arriving from another mesh of as many devices (one way); 0: not measured
+    stage_program_s: float = 0.0  # one more per-microbatch program's cost at this size; 0: the record's (`MeasuredLayer`)
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,7 @@ class LayerPrice:
     once_programs: int = 0
     once_launch_s: float = 0.0  # one once-per-step program's launch, taken out of `once_s`
     merge_s: float = 0.0  # combining one other replica's gradients of the layer into this one's (per step)
+    send_s: float = 0.0  # the layer's input (one microbatch's) arriving from the stage before, one way; 0: not measured
 
 
 def lookup(measured: tuple[MeasuredLayer, ...], kind: str, layer: int, tp: int, dp: int,
@@ -112,10 +115,18 @@ def lookup(measured: tuple[MeasuredLayer, ...], kind: str, layer: int, tp: int, 
     record = min(mine, key=lambda m: (abs(np.log(m.dp / dp)), -m.dp))
     scale = dp / record.dp if record.shared_host else 1.0
     launch = record.program_s * scale
-    program = (record.stage_program_s or record.program_s) * scale
+    sized = all(p.stage_program_s > 0 for p in record.points)  # measured at each microbatch size
+    program = (record.at(examples, "stage_program_s") if sized else record.stage_program_s or record.program_s) * scale
     rerun = record.at(examples, "backward_remat_s") if all(p.backward_remat_s >= 0 for p in record.points) else None
     backward = record.at(examples, "backward_s") * scale
     once = float(np.mean([p.once_s for p in record.points])) * scale
-    return LayerPrice(max(0.0, record.at(examples, "forward_s") * scale - program), max(0.0, backward - program),
+    send = record.at(examples, "send_s") * scale if all(p.send_s > 0 for p in record.points) else 0.0
+    # Not floored at zero per layer: the per-program cost is what the layers apart cost beyond the
+    # whole model as one program, and a small layer (an embedding: 0.3 ms on 4 CPU devices, against a
+    # measured 1.5-3.7 ms per program) pays less than it alone. A stage is its layers' net times plus the
+    # cost per program it runs (`StageCosts._times`, floored there), so a stage of all the layers is
+    # priced as the whole model measured; floored per layer, the small layers' shortfall was added back,
+    # ~11 ms a microbatch on a 4-device stage holding the embedding and the head.
+    return LayerPrice(record.at(examples, "forward_s") * scale - program, backward - program,
                       None if rerun is None else max(0.0, rerun * scale - backward), max(0.0, once - record.once_programs * launch),
-                      record.dp == dp, program, record.once_programs, launch, record.merge_s)
+                      record.dp == dp, program, record.once_programs, launch, record.merge_s, send)

@@ -287,12 +287,13 @@ class StageCosts:
         launch, programs = max((p.once_launch_s for p in prices), default=0.0), max((p.once_programs for p in prices), default=0)
         return _span(_cumsum(per_device + once)) + programs * launch, _span(_cumsum(unsynced))
 
-    def launches(self, cfg: StageConfig) -> float:
+    def launches(self, cfg: StageConfig, per_device: float = 1.0) -> float:
         """What one more per-microbatch stage program costs on this stage's mesh, as
         its measured layers were timed with: taken out of each measured layer's times
         (`solver.cost.measured.lookup`) and paid once per stage program here. 0 where
-        no layer of the stage config was measured."""
-        return max((p.program_s for p in self.measured(cfg, 1.0).values()), default=0.0)
+        no layer of the stage config was measured. `per_device`: examples per device and
+        microbatch (the cost grows with them where the profile measured it per size)."""
+        return max((p.program_s for p in self.measured(cfg, per_device).values()), default=0.0)
 
     def matmul_rates(self, kind: DeviceKind, cfg: StageConfig, per_device: float, flops: np.ndarray,
                      matmuls: np.ndarray) -> np.ndarray:
@@ -410,9 +411,10 @@ class StageCosts:
             v = self._overlapped(cfg, b, zero, remat, f, bw)
             return v.forward, v.backward, v.tail, v.sync, _full(v.hidden, f.shape)
         extra_f, extra_b, step_sync, tail = self.step_costs(cfg, zero)
-        launch = self.launches(cfg)  # measured layers: one program's cost per stage program
-        forward = f + extra_f + launch
-        backward = bw + extra_b + launch + (rerun + extra_f if remat else 0.0)
+        launch = self.launches(cfg, b / cfg.dp)  # measured layers: one program's cost per stage program
+        # (a measured layer's net time may be below zero, `solver.cost.measured.lookup`; a stage's never)
+        forward = np.maximum(f + extra_f + launch, 0.0)
+        backward = np.maximum(bw + extra_b + launch + (rerun + extra_f if remat else 0.0), 0.0)
         return _full(forward, f.shape), _full(backward, f.shape), _full(tail, f.shape), _full(step_sync, f.shape), 0.0
 
     def _buckets(self, cfg: StageConfig, zero: int = 0) -> dict[str, np.ndarray]:
@@ -551,6 +553,13 @@ class StageCosts:
         per_node = max(1, self.kinds[a.kind].devices_per_node // a.tp)
         link = self.problem.link(a.kind, c.kind).per_flow(min(streams, per_node))
         out = link.latency + self.inputs * b / streams / link.bandwidth
+        if self.kinds[a.kind].shared_host and self.kinds[c.kind].shared_host:
+            # One host's cores do the copy: what the profile measured it costs the host to hand
+            # layer j its input on the receiving stage's mesh (a copy per shard and a dispatch,
+            # `MeasuredLayer` points' `send_s`) where it measured one, the link's bytes elsewhere.
+            for layer, price in self.measured(c, b / c.dp).items():
+                if price.send_s > 0:
+                    out[layer] = price.send_s
         out = np.concatenate([out, [INF]])  # no cut after the last layer
         out.setflags(write=False)
         return out
