@@ -313,3 +313,44 @@ def test_a_merged_stage_takes_the_layers_its_speed_earns():
                                           p == n - 1) for p, i in enumerate(leads)]
         return max(t["cost"][choice.stages[i].layer_start, choice.stages[i].layer_end] for t, i in zip(tables, leads))
     assert busiest(split) <= busiest(merged)
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_mixed_stage_parts_under_zero_parity(zero):
+    """A mixed stage whose parts shard over their own data axes (ZeRO-1: optimizer
+    state; ZeRO-3: parameters too, gathered a layer at a time), as a T4 part must to
+    hold a stage's state: the runtime runs it with parity."""
+    from hetpar.options import ShardingOption, StageOption
+    w = _mlp()
+    cluster, plan = _plan(w, THREE_KINDS, sharding_option=ShardingOption(zero=zero), stage_option=StageOption(mode="uniform"))
+    mixed = _last_stage_mixed(plan)
+    lead, t4 = mixed.parts(mixed.mixed_stages[0])
+    assert t4.device_type == "T4" and t4.zero == zero and any("data" in spec for _, spec in t4.shardings)
+    assert bool(t4.gathered) == (zero == 3)
+    run_parity(w, cluster, steps=2, plan=mixed)
+
+
+def test_a_planned_part_with_its_own_zero_stage_runs(monkeypatch):
+    """The planner gives a part its own ZeRO stage (the least that fits it, whatever
+    its lead's): a T4 part at ZeRO-2 beside a lead without, through to_plan and the
+    sharding pass, with parity."""
+    from solver.planner import search as planner_search
+
+    def forced(problem, found, costs):
+        best = next((c for c in found if len(c.replica_batch) == 1 and c.chunks == 1 and "T4" not in {s.kind for s in c.stages}), None)
+        if best is None:
+            return found
+        last = len(best.stages) - 1
+        best = replace(best, stages=tuple(replace(s, zero=0) if i == last else s for i, s in enumerate(best.stages)))
+        t4 = next(k for k in problem.kinds if k.name == "T4")
+        b = best.replica_batch[0] // best.num_microbatches
+        mixed = planner_mixed._mixed(best, last, [(StageConfig("T4", t4.count, 1), 2, 1.0)], b, costs)
+        return [planner_mixed._with_costs(mixed, estimate(problem, decisions(mixed), costs))]
+
+    monkeypatch.setattr(planner_search, "with_mixed_stages", forced)
+    w = _mlp()
+    cluster, plan = _plan(w, THREE_KINDS, num_stages=None)
+    lead, t4 = plan.parts(plan.mixed_stages[0])
+    assert t4.device_type == "T4" and t4.zero == 2 and lead.zero == 0
+    assert any("data" in spec for _, spec in t4.shardings)
+    run_parity(w, cluster, steps=2, plan=plan)
