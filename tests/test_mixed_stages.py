@@ -297,7 +297,7 @@ def test_a_merged_stage_takes_the_layers_its_speed_earns():
     meshes = planner_mixed._merged_meshes(problem, base, fast, 16)
     assert meshes
     merged = planner_mixed._merged(problem, base, fast, costs, meshes[0])
-    split, floor = planner_mixed._resplit(problem, merged, costs)
+    split, floor, _ = planner_mixed._resplit(problem, merged, costs)
     cost = estimate(problem, decisions(split), costs)
     assert cost.fits and 0 < floor <= cost.step_s
     leads = [i for i, s in enumerate(split.stages) if s.part_of < 0]
@@ -309,8 +309,9 @@ def test_a_merged_stage_takes_the_layers_its_speed_earns():
 
     def busiest(choice):
         n = len(leads)
-        tables = [planner_mixed._position(problem, costs, choice, i, 16, planner_mixed.in_flight(choice.schedule, 2, p, n),
-                                          p == n - 1) for p, i in enumerate(leads)]
+        tables = [planner_mixed._position(problem, costs, tuple(s for k, s in enumerate(choice.stages) if k == i or s.part_of == i),
+                                          16, 2, planner_mixed.in_flight(choice.schedule, 2, p, n), p == n - 1)
+                  for p, i in enumerate(leads)]
         return max(t["cost"][choice.stages[i].layer_start, choice.stages[i].layer_end] for t, i in zip(tables, leads))
     assert busiest(split) <= busiest(merged)
 

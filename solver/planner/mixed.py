@@ -4,8 +4,9 @@ proportion to its speed (Metis's load balancer, HETHUB's and Whale's split).
 
 The search's space has one kind per stage. Its finalists are then widened here: where
 a finalist leaves devices idle (a kind too slow or too small to hold a stage of its
-own, or the rest of a kind a stage did not use), each stage is tried with one or two
-idle kinds as extra parts (each with its fastest meshes that hold the layers).
+own, or the rest of a kind a stage did not use), each stage (on its own mesh or a
+narrower data axis) is tried with one or two idle kinds as extra parts (each with its
+fastest meshes that hold the layers).
 Adjacent stages of different kinds are also tried as one mixed stage over both their
 layers and their devices (each kind's own mesh or a narrower data axis, which lets a
 smaller microbatch split), as Metis puts V100 and T4 nodes in one stage. Each variant
@@ -39,8 +40,9 @@ from solver.planner.step import decisions
 
 MIXED_FINALISTS = 4  # single-chunk finalists widened with mixed stages (the best few: the rest rarely overtake them)
 MAX_PART_KINDS = 2  # idle kinds joined to one stage: a stage of at most three kinds
-LAYOUTS_PER_KIND = 1  # an idle kind's fastest meshes tried as a part
-MERGED_MESHES = 2  # meshes per kind tried for a merged stage's parts (the widest data axes that split the rows)
+LAYOUTS_PER_KIND = 2  # an idle kind's fastest meshes tried as a part
+MERGED_MESHES = 1  # meshes per kind tried for a merged stage's parts: the widest data axes that split the rows (2: twice the time, no win seen)
+LEAD_MESHES = 1  # meshes a stage joined by idle kinds is tried on: its own and narrower data axes (2: twice the time, no win seen)
 COARSER = 2  # microbatch counts halved this many times beside the finalist's
 
 
@@ -77,7 +79,8 @@ def with_mixed_stages(problem: Problem, found: list[PlanChoice], costs: StageCos
     if len(problem.kinds) < 2 or not problem.allow_mixed:
         return found
     plain = [c for c in found if c.chunks == 1 and len(c.replica_batch) == 1][:MIXED_FINALISTS]
-    extra = [v for c in plain if (v := best_mixed(problem, c, costs)) is not None]
+    memo: dict = {}  # positions and parts priced for one finalist's variants serve the next's
+    extra = [v for c in plain if (v := best_mixed(problem, c, costs, memo)) is not None]
     return sorted([*found, *extra], key=lambda c: c.step_s) if extra else found
 
 
@@ -89,7 +92,7 @@ def idle_devices(problem: Problem, choice: PlanChoice) -> dict[str, int]:
     return {k.name: k.count - used.get(k.name, 0) for k in problem.kinds if k.count > used.get(k.name, 0)}
 
 
-def best_mixed(problem: Problem, choice: PlanChoice, costs: StageCosts) -> PlanChoice | None:
+def best_mixed(problem: Problem, choice: PlanChoice, costs: StageCosts, memo: dict | None = None) -> PlanChoice | None:
     """The fastest variant of `choice` with one mixed stage (idle devices joined to a
     stage, or two adjacent stages of different kinds made one), as split and with the
     layers split again around it, if one beats it under the estimator; None otherwise.
@@ -99,15 +102,18 @@ def best_mixed(problem: Problem, choice: PlanChoice, costs: StageCosts) -> PlanC
     idle = idle_devices(problem, choice)
     best, best_s = None, choice.step_s
 
+    memo = {} if memo is None else memo  # pipeline positions' tables and parts, shared by the variants
+
     def consider(candidate: PlanChoice | None) -> None:
         nonlocal best, best_s
         if candidate is None:
             return
-        split = _resplit(problem, candidate, costs)
-        for c, floor in ((candidate, 0.0), split or (None, 0.0)):
-            # `floor`: the split's busiest position's forward and backward of every
-            # microbatch, which no schedule beats; past the best so far, not priced
-            if c is None or floor >= best_s:
+        split = _resplit(problem, candidate, costs, memo)
+        options = [(candidate, 0.0)] if split is None else [(candidate, split[2]), split[:2]]
+        for c, floor in options:
+            # `floor`: the least the busiest position is busy a step (`_position`'s
+            # "least"), which no schedule beats; past the best so far, not priced
+            if floor >= best_s:
                 continue
             cost = estimate(problem, decisions(c), costs)
             if cost.fits and cost.step_s < best_s:
@@ -117,17 +123,30 @@ def best_mixed(problem: Problem, choice: PlanChoice, costs: StageCosts) -> PlanC
         b = choice.replica_batch[0] // m
         base = replace(choice, num_microbatches=m)
         for p in range(len(choice.stages)):
-            stage = base.stages[p]
-            layouts = {k: _layouts(problem, costs, k, n, stage, b)[:LAYOUTS_PER_KIND] for k, n in idle.items()}
-            layouts = {k: v for k, v in layouts.items() if v}
-            for r in range(1, min(MAX_PART_KINDS, len(layouts)) + 1):
-                for kinds in itertools.combinations(sorted(layouts), r):
-                    for parts in itertools.product(*(layouts[k] for k in kinds)):
-                        consider(_mixed(base, p, list(parts), b, costs))
+            for stage in _lead_meshes(problem, base.stages[p]):
+                led = replace(base, stages=tuple(stage if i == p else s for i, s in enumerate(base.stages)))
+                layouts = {k: _layouts(problem, costs, k, n, stage, b)[:LAYOUTS_PER_KIND] for k, n in idle.items()}
+                layouts = {k: v for k, v in layouts.items() if v}
+                for r in range(1, min(MAX_PART_KINDS, len(layouts)) + 1):
+                    for kinds in itertools.combinations(sorted(layouts), r):
+                        for parts in itertools.product(*(layouts[k] for k in kinds)):
+                            consider(_mixed(led, p, list(parts), b, costs))
         for p in range(len(choice.stages) - 1):
             for meshes in _merged_meshes(problem, base, p, b):
                 consider(_merged(problem, base, p, costs, meshes))
     return best
+
+
+def _lead_meshes(problem: Problem, stage: StageChoice) -> list[StageChoice]:
+    """The stage on its own mesh and on up to `LEAD_MESHES - 1` narrower data axes
+    (twice the tensor parallelism each, within a node): a lead whose data axis takes
+    fewer rows leaves a slow part a share closer to its speed."""
+    out, tp = [stage], stage.tp
+    node = min(problem.max_tp, problem.kind(stage.kind).devices_per_node)
+    while len(out) < LEAD_MESHES and stage.devices % (tp * 2) == 0 and tp * 2 <= node:
+        tp *= 2
+        out.append(replace(stage, dp=stage.devices // tp, tp=tp))
+    return out
 
 
 def _merged_meshes(problem: Problem, choice: PlanChoice, p: int, b: int) -> list[tuple[StageConfig, StageConfig]]:
@@ -178,20 +197,30 @@ def _merged(problem: Problem, choice: PlanChoice, p: int, costs: StageCosts,
     return replace(choice, stages=tuple(stages))
 
 
-def _resplit(problem: Problem, choice: PlanChoice, costs: StageCosts) -> tuple[PlanChoice, float] | None:
+def _resplit(problem: Problem, choice: PlanChoice, costs: StageCosts,
+             memo: dict | None = None) -> tuple[PlanChoice, float, float] | None:
     """`choice` (one mixed stage among its stages, the same meshes and rows) with its
     layers split again over its pipeline positions: the split whose busiest position
     (a microbatch's forward and backward, the slowest part's for a mixed one, plus its
     once-per-step tail over the microbatches) is least, each stage and part with its
-    fastest ZeRO stage and recomputation that fit there. With the busiest position's
-    forward and backward of every microbatch (a floor no schedule beats), or None
-    where no split fits."""
+    fastest ZeRO stage and recomputation that fit there. With the floor of that split
+    and of `choice`'s own (the busiest position's `least`: no schedule beats it), or
+    None where no split fits. `memo`: positions' tables already built, by what they depend on."""
     m = choice.num_microbatches
     b = choice.replica_batch[0] // m
     leads = [i for i, s in enumerate(choice.stages) if s.part_of < 0]
     n, layers = len(leads), costs.n
-    tables = [_position(problem, costs, choice, i, b, in_flight(choice.schedule, m, p, n), p == n - 1)
-              for p, i in enumerate(leads)]
+    members = [[i, *(k for k, s in enumerate(choice.stages) if s.part_of == i)] for i in leads]
+    memo = {} if memo is None else memo
+    tables = []
+    for p, mine in enumerate(members):
+        stages = tuple(choice.stages[k] for k in mine)
+        held, last = in_flight(choice.schedule, m, p, n), p == n - 1
+        key = (tuple((s.kind, s.dp, s.tp, s.examples) for s in stages), b, held, last, m)
+        if key not in memo:
+            memo[key] = _position(problem, costs, stages, b, m, held, last, memo)
+        tables.append(memo[key])
+    own = max(float(t["least"][choice.stages[i].layer_start, choice.stages[i].layer_end]) for t, i in zip(tables, leads))
     # best[j]: the least busiest-position cost of positions 0..p holding layers [0, j)
     best = tables[0]["cost"][0].copy()
     back = []
@@ -208,33 +237,36 @@ def _resplit(problem: Problem, choice: PlanChoice, costs: StageCosts) -> tuple[P
     cuts.reverse()
     stages = list(choice.stages)
     floor = 0.0
-    for p, i in enumerate(leads):
+    for p, mine in enumerate(members):
         lo, hi, t = cuts[p], cuts[p + 1], tables[p]
-        floor = max(floor, m * float(t["fb"][lo, hi]))
-        for k, q in enumerate(t["members"]):
+        floor = max(floor, float(t["least"][lo, hi]))
+        for k, q in enumerate(mine):
             stages[q] = replace(stages[q], layer_start=lo, layer_end=hi, remat=bool(t["remat"][lo, hi]),
                                 zero=int(t["zero"][k][lo, hi]), offload=OFFLOAD_TIERS[int(t["offload"][k][lo, hi])])
-    return replace(choice, stages=tuple(stages)), floor
+    return replace(choice, stages=tuple(stages)), floor, own
 
 
-def _position(problem: Problem, costs: StageCosts, choice: PlanChoice, lead: int, b: int, held: int,
-              last: bool) -> dict:
-    """One pipeline position for every layer range: "cost" (a microbatch's forward and
-    backward plus the once-per-step tail over the microbatches, inf where it does not
-    fit), "fb", and per member (the stage, or a mixed stage's parts, lead first) the
-    ZeRO stage and offload tier picked, and the recomputation the parts share."""
-    m = choice.num_microbatches
-    members = [lead, *(i for i, s in enumerate(choice.stages) if s.part_of == lead)]
+def _position(problem: Problem, costs: StageCosts, stages: tuple[StageChoice, ...], b: int, m: int, held: int,
+              last: bool, memo: dict | None = None) -> dict:
+    """One pipeline position (`stages`: a stage, or a mixed stage's parts, lead first)
+    for every layer range: "cost" (a microbatch's forward and backward plus the
+    once-per-step tail over the `m` microbatches, inf where it does not fit), "fb", per
+    member the ZeRO stage and offload tier picked and the recomputation the parts share,
+    and "least": seconds the position is busy a step at the least, whatever its members'
+    choices that fit (each member's least `m` forwards and backwards and tail; the
+    estimator charges a mixed position its slowest part's of each), which no schedule
+    beats. `memo`: parts already priced (the variants of a finalist set share many)."""
+    memo = {} if memo is None else memo
     shape = (costs.n + 1, costs.n + 1)
     upper = np.triu(np.ones(shape, dtype=bool), k=1)
-    if len(members) == 1:  # a stage of its own: the search's table, its own choices
-        s = choice.stages[lead]
+    if len(stages) == 1:  # a stage of its own: the search's table, its own choices
+        s = stages[0]
         t = costs.table(StageConfig(s.kind, s.dp, s.tp), b, held, last, m)
         fb = np.where(upper, t.time, INF)
         zero = t.zero if t.zero is not None else np.zeros(shape, dtype=int)
         offload = t.offload if t.offload is not None else np.zeros(shape, dtype=int)
-        return {"members": members, "cost": fb + t.tail / m, "fb": fb, "remat": t.remat, "zero": [zero], "offload": [offload]}
-    stages = [choice.stages[i] for i in members]
+        return {"cost": fb + t.tail / m, "fb": fb, "remat": t.remat, "zero": [zero], "offload": [offload],
+                "least": m * fb + t.tail}
     streams = min(s.devices for s in stages)
     topology, _ = costs.replica_reduction([s.kind for s in stages], streams)
     cum = np.concatenate([[0.0], np.cumsum(costs.params)])
@@ -242,33 +274,44 @@ def _position(problem: Problem, costs: StageCosts, choice: PlanChoice, lead: int
     remats = ["full"] if problem.force_remat else [""] + (["full"] if problem.allow_remat else [])
     best: dict | None = None
     for remat in remats:
-        fb_all, tail_all, zeros = np.zeros(shape), np.zeros(shape), []
+        fb_all, tail_all, least, zeros = np.zeros(shape), np.zeros(shape), np.zeros(shape), []
         for s in stages:
-            cfg = StageConfig(s.kind, s.dp, s.tp)
-            rows = s.examples or b
-            part_cost, part_fb, part_tail, part_zero = np.full(shape, INF), np.full(shape, INF), np.zeros(shape), np.zeros(shape, dtype=int)
-            for zero in costs.zero_stages(cfg):
-                v = costs.variant(cfg, rows, held, last, zero, remat)
-                fits = np.broadcast_to(v.memory.total, shape) <= costs.capacity(s.kind)
-                f_b = np.broadcast_to(v.forward + v.backward, shape)
-                tail = np.broadcast_to(v.tail, shape)
-                c = np.where(fits, m * f_b + tail, INF)
-                take = c < part_cost
-                part_cost, part_fb = np.where(take, c, part_cost), np.where(take, f_b, part_fb)
-                part_tail, part_zero = np.where(take, tail, part_tail), np.where(take, zero, part_zero)
+            key = ("part", s.kind, s.dp, s.tp, s.examples or b, m, held, last, remat)
+            if key not in memo:
+                memo[key] = _part(costs, StageConfig(s.kind, s.dp, s.tp), s.examples or b, m, held, last, remat)
+            part_cost, part_fb, part_tail, part_zero = memo[key]
             fb_all, tail_all = np.maximum(fb_all, part_fb), np.maximum(tail_all, part_tail)
+            least = np.maximum(least, part_cost)
             zeros.append(part_zero)
         fb_all = np.where(upper, fb_all, INF)
         cost = fb_all + (tail_all + cross) / m
         if best is None:
-            best = {"members": members, "cost": cost, "fb": fb_all, "remat": np.full(shape, bool(remat)), "zero": zeros}
+            best = {"cost": cost, "fb": fb_all, "remat": np.full(shape, bool(remat)), "zero": zeros, "least": least}
         else:
             take = cost < best["cost"]
             best["cost"], best["fb"] = np.where(take, cost, best["cost"]), np.where(take, fb_all, best["fb"])
             best["remat"] = np.where(take, bool(remat), best["remat"])
             best["zero"] = [np.where(take, z, old) for z, old in zip(zeros, best["zero"])]
-    best["offload"] = [np.zeros(shape, dtype=int) for _ in members]
+            best["least"] = np.minimum(least, best["least"])
+    best["offload"] = [np.zeros(shape, dtype=int) for _ in stages]
     return best
+
+
+def _part(costs: StageCosts, cfg: StageConfig, rows: int, m: int, held: int, last: bool, remat: str) -> tuple[np.ndarray, ...]:
+    """A mixed stage's part on `rows` of every microbatch, for every layer range: the
+    least of `m` forwards and backwards plus the tail over its ZeRO stages that fit
+    (inf where none does), that choice's forward and backward, its tail, its ZeRO stage."""
+    shape = (costs.n + 1, costs.n + 1)
+    cost, fb, tail, zeros = np.full(shape, INF), np.full(shape, INF), np.zeros(shape), np.zeros(shape, dtype=int)
+    for zero in costs.zero_stages(cfg):
+        v = costs.variant(cfg, rows, held, last, zero, remat)
+        fits = np.broadcast_to(v.memory.total, shape) <= costs.capacity(cfg.kind)
+        f_b = np.broadcast_to(v.forward + v.backward, shape)
+        t = np.broadcast_to(v.tail, shape)
+        c = np.where(fits, m * f_b + t, INF)
+        take = c < cost
+        cost, fb, tail, zeros = np.where(take, c, cost), np.where(take, f_b, fb), np.where(take, t, tail), np.where(take, zero, zeros)
+    return cost, fb, tail, zeros
 
 
 def _coarser(problem: Problem, choice: PlanChoice) -> list[int]:
