@@ -355,3 +355,14 @@ def test_a_planned_part_with_its_own_zero_stage_runs(monkeypatch):
     assert t4.device_type == "T4" and t4.zero == 2 and lead.zero == 0
     assert any("data" in spec for _, spec in t4.shardings)
     run_parity(w, cluster, steps=2, plan=plan)
+
+
+def test_the_widened_finalists_are_the_fastest_of_each_shape():
+    """The finalists widened with mixed stages: the fastest pipeline of each order of
+    kinds, in rank order (later ones of a shape differ in meshes and microbatches,
+    which the variants choose again)."""
+    def choice(kinds, step):
+        stages = tuple(planner_mixed.StageChoice(k, 1, 1, i, i + 1, False, 0, 0, 0, 0, 0, 0, 1) for i, k in enumerate(kinds))
+        return planner_mixed.PlanChoice(stages, 1, "1f1b", step, (8,))
+    ranked = [choice("ab", 1.0), choice("ab", 1.1), choice("ba", 1.2), choice("a", 1.3), choice("ba", 1.4)]
+    assert [c.step_s for c in planner_mixed._shapes(ranked)] == [1.0, 1.2, 1.3]

@@ -42,7 +42,8 @@ MIXED_FINALISTS = 4  # single-chunk finalists widened with mixed stages (the bes
 MAX_PART_KINDS = 2  # idle kinds joined to one stage: a stage of at most three kinds
 LAYOUTS_PER_KIND = 2  # an idle kind's fastest meshes tried as a part
 MERGED_MESHES = 1  # meshes per kind tried for a merged stage's parts: the widest data axes that split the rows (2: twice the time, no win seen)
-LEAD_MESHES = 1  # meshes a stage joined by idle kinds is tried on: its own and narrower data axes (2: twice the time, no win seen)
+LEAD_MESHES = 2  # meshes a stage joined by idle kinds is tried on: its own, then narrower data axes while the rows split coarsely
+COARSE = 0.05  # a split whose slowest part is this much behind a split by speed tries the lead on a narrower data axis
 COARSER = 2  # microbatch counts halved this many times beside the finalist's
 
 
@@ -75,13 +76,29 @@ def proportional_examples(size: int, speeds: Sequence[float], least: Sequence[in
 
 def with_mixed_stages(problem: Problem, found: list[PlanChoice], costs: StageCosts) -> list[PlanChoice]:
     """`found` (ranked by the estimator) with the best mixed variant of each of its
-    first `MIXED_FINALISTS` single-chunk pipelines added where it is faster, ranked again."""
+    first `MIXED_FINALISTS` single-chunk pipelines of different shapes (`_shapes`) added
+    where it is faster, ranked again."""
     if len(problem.kinds) < 2 or not problem.allow_mixed:
         return found
-    plain = [c for c in found if c.chunks == 1 and len(c.replica_batch) == 1][:MIXED_FINALISTS]
+    plain = _shapes([c for c in found if c.chunks == 1 and len(c.replica_batch) == 1])[:MIXED_FINALISTS]
     memo: dict = {}  # positions and parts priced for one finalist's variants serve the next's
     extra = [v for c in plain if (v := best_mixed(problem, c, costs, memo)) is not None]
     return sorted([*found, *extra], key=lambda c: c.step_s) if extra else found
+
+
+def _shapes(plain: list[PlanChoice]) -> list[PlanChoice]:
+    """The fastest pipeline of each shape (its stages' kinds in order), fastest first:
+    the next finalists of a shape differ in meshes and microbatches, which the variants
+    choose again anyway (`_resplit`, `_coarser`), while another shape puts other stages
+    beside the idle kinds."""
+    seen: set[tuple[str, ...]] = set()
+    out = []
+    for c in plain:
+        shape = tuple(s.kind for s in c.stages)
+        if shape not in seen:
+            seen.add(shape)
+            out.append(c)
+    return out
 
 
 def idle_devices(problem: Problem, choice: PlanChoice) -> dict[str, int]:
@@ -123,14 +140,18 @@ def best_mixed(problem: Problem, choice: PlanChoice, costs: StageCosts, memo: di
         b = choice.replica_batch[0] // m
         base = replace(choice, num_microbatches=m)
         for p in range(len(choice.stages)):
-            for stage in _lead_meshes(problem, base.stages[p]):
-                led = replace(base, stages=tuple(stage if i == p else s for i, s in enumerate(base.stages)))
-                layouts = {k: _layouts(problem, costs, k, n, stage, b)[:LAYOUTS_PER_KIND] for k, n in idle.items()}
-                layouts = {k: v for k, v in layouts.items() if v}
-                for r in range(1, min(MAX_PART_KINDS, len(layouts)) + 1):
-                    for kinds in itertools.combinations(sorted(layouts), r):
-                        for parts in itertools.product(*(layouts[k] for k in kinds)):
-                            consider(_mixed(led, p, list(parts), b, costs))
+            own = base.stages[p]
+            layouts = {k: _layouts(problem, costs, k, n, own, b)[:LAYOUTS_PER_KIND] for k, n in idle.items()}
+            layouts = {k: v for k, v in layouts.items() if v}
+            for r in range(1, min(MAX_PART_KINDS, len(layouts)) + 1):
+                for kinds in itertools.combinations(sorted(layouts), r):
+                    for parts in itertools.product(*(layouts[k] for k in kinds)):
+                        for stage in _lead_meshes(problem, own):
+                            led = replace(base, stages=tuple(stage if i == p else s for i, s in enumerate(base.stages)))
+                            candidate, off = _mixed_split(led, p, list(parts), b, costs)
+                            consider(candidate)
+                            if off <= COARSE:  # rows close to the speeds: a narrower lead would not split closer
+                                break
         for p in range(len(choice.stages) - 1):
             for meshes in _merged_meshes(problem, base, p, b):
                 consider(_merged(problem, base, p, costs, meshes))
@@ -140,7 +161,7 @@ def best_mixed(problem: Problem, choice: PlanChoice, costs: StageCosts, memo: di
 def _lead_meshes(problem: Problem, stage: StageChoice) -> list[StageChoice]:
     """The stage on its own mesh and on up to `LEAD_MESHES - 1` narrower data axes
     (twice the tensor parallelism each, within a node): a lead whose data axis takes
-    fewer rows leaves a slow part a share closer to its speed."""
+    rows in smaller units leaves a slow part a share closer to its speed."""
     out, tp = [stage], stage.tp
     node = min(problem.max_tp, problem.kind(stage.kind).devices_per_node)
     while len(out) < LEAD_MESHES and stage.devices % (tp * 2) == 0 and tp * 2 <= node:
@@ -203,7 +224,8 @@ def _resplit(problem: Problem, choice: PlanChoice, costs: StageCosts,
     layers split again over its pipeline positions: the split whose busiest position
     (a microbatch's forward and backward, the slowest part's for a mixed one, plus its
     once-per-step tail over the microbatches) is least, each stage and part with its
-    fastest ZeRO stage and recomputation that fit there. With the floor of that split
+    fastest ZeRO stage and recomputation that fit there (a stage of its own on the mesh
+    of its devices that suits the rows best). With the floor of that split
     and of `choice`'s own (the busiest position's `least`: no schedule beats it), or
     None where no split fits. `memo`: positions' tables already built, by what they depend on."""
     m = choice.num_microbatches
@@ -243,6 +265,9 @@ def _resplit(problem: Problem, choice: PlanChoice, costs: StageCosts,
         for k, q in enumerate(mine):
             stages[q] = replace(stages[q], layer_start=lo, layer_end=hi, remat=bool(t["remat"][lo, hi]),
                                 zero=int(t["zero"][k][lo, hi]), offload=OFFLOAD_TIERS[int(t["offload"][k][lo, hi])])
+        if "tp" in t:  # a stage of its own, on the mesh its table chose
+            tp = int(t["tp"][lo, hi])
+            stages[mine[0]] = replace(stages[mine[0]], dp=stages[mine[0]].devices // tp, tp=tp)
     return replace(choice, stages=tuple(stages)), floor, own
 
 
@@ -259,14 +284,25 @@ def _position(problem: Problem, costs: StageCosts, stages: tuple[StageChoice, ..
     memo = {} if memo is None else memo
     shape = (costs.n + 1, costs.n + 1)
     upper = np.triu(np.ones(shape, dtype=bool), k=1)
-    if len(stages) == 1:  # a stage of its own: the search's table, its own choices
+    if len(stages) == 1:  # a stage of its own: the search's tables, its devices on the mesh that suits the rows best
         s = stages[0]
-        t = costs.table(StageConfig(s.kind, s.dp, s.tp), b, held, last, m)
-        fb = np.where(upper, t.time, INF)
-        zero = t.zero if t.zero is not None else np.zeros(shape, dtype=int)
-        offload = t.offload if t.offload is not None else np.zeros(shape, dtype=int)
-        return {"cost": fb + t.tail / m, "fb": fb, "remat": t.remat, "zero": [zero], "offload": [offload],
-                "least": m * fb + t.tail}
+        out: dict | None = None
+        for cfg in _meshes(problem, s, b):
+            t = costs.table(cfg, b, held, last, m)
+            fb = np.where(upper, t.time, INF)
+            zero = t.zero if t.zero is not None else np.zeros(shape, dtype=int)
+            offload = t.offload if t.offload is not None else np.zeros(shape, dtype=int)
+            mine = {"cost": fb + t.tail / m, "fb": fb, "remat": t.remat, "zero": [zero], "offload": [offload],
+                    "least": m * fb + t.tail, "tp": np.full(shape, cfg.tp)}
+            if out is None:
+                out = mine
+                continue
+            take = mine["cost"] < out["cost"]
+            for name in ("cost", "fb", "remat", "tp"):
+                out[name] = np.where(take, mine[name], out[name])
+            out["zero"], out["offload"] = [np.where(take, mine["zero"][0], out["zero"][0])], [np.where(take, offload, out["offload"][0])]
+            out["least"] = np.minimum(out["least"], mine["least"])
+        return out
     streams = min(s.devices for s in stages)
     topology, _ = costs.replica_reduction([s.kind for s in stages], streams)
     cum = np.concatenate([[0.0], np.cumsum(costs.params)])
@@ -295,6 +331,17 @@ def _position(problem: Problem, costs: StageCosts, stages: tuple[StageChoice, ..
             best["least"] = np.minimum(least, best["least"])
     best["offload"] = [np.zeros(shape, dtype=int) for _ in stages]
     return best
+
+
+def _meshes(problem: Problem, s: StageChoice, b: int) -> list[StageConfig]:
+    """A stage's devices as each mesh the search could give them at microbatches of `b`
+    rows (tensor parallelism within a node, a data-parallel degree dividing the rows),
+    its own first: a variant's coarser microbatches may suit another split better."""
+    k = problem.kind(s.kind)
+    own = StageConfig(s.kind, s.dp, s.tp)
+    others = [StageConfig(s.kind, s.devices // t, t) for t in (1, 2, 4, 8)
+              if t != s.tp and t <= min(problem.max_tp, k.devices_per_node) and s.devices % t == 0 and b % (s.devices // t) == 0]
+    return [own, *others]
 
 
 def _part(costs: StageCosts, cfg: StageConfig, rows: int, m: int, held: int, last: bool, remat: str) -> tuple[np.ndarray, ...]:
@@ -360,6 +407,13 @@ def _mixed(choice: PlanChoice, p: int, parts: list[tuple[StageConfig, int, float
            costs: StageCosts) -> PlanChoice | None:
     """`choice` with stage `p` joined by `parts` (mesh, ZeRO stage, examples per
     second), rows by speed, at least one per data-parallel device."""
+    return _mixed_split(choice, p, parts, b, costs)[0]
+
+
+def _mixed_split(choice: PlanChoice, p: int, parts: list[tuple[StageConfig, int, float]], b: int,
+                 costs: StageCosts) -> tuple[PlanChoice | None, float]:
+    """`_mixed`, and how far its whole rows leave the slowest part behind a split in
+    proportion to speed (its time over the ideal, less one; inf where none splits)."""
     lead = choice.stages[p]
     cfg = StageConfig(lead.kind, lead.dp, lead.tp)
     v = costs.variant(cfg, b, 1, False, lead.zero, "full" if lead.remat else "")
@@ -369,12 +423,13 @@ def _mixed(choice: PlanChoice, p: int, parts: list[tuple[StageConfig, int, float
     try:
         rows = proportional_examples(b, speeds, unit=[lead.dp, *(c.dp for c, _, _ in parts)])
     except PlanningError:
-        return None
+        return None, INF
     stages = list(choice.stages)
     stages[p] = replace(lead, examples=rows[0])
     for (c, zero, _), n in zip(parts, rows[1:]):
         stages.append(replace(lead, kind=c.kind, dp=c.dp, tp=c.tp, zero=zero, offload="", part_of=p, examples=n))
-    return replace(choice, stages=tuple(stages))
+    off = max(n / v for n, v in zip(rows, speeds)) * sum(speeds) / b - 1
+    return replace(choice, stages=tuple(stages)), off
 
 
 def _with_costs(choice: PlanChoice, cost) -> PlanChoice:  # noqa: ANN001
