@@ -366,3 +366,17 @@ def test_the_widened_finalists_are_the_fastest_of_each_shape():
         return planner_mixed.PlanChoice(stages, 1, "1f1b", step, (8,))
     ranked = [choice("ab", 1.0), choice("ab", 1.1), choice("ba", 1.2), choice("a", 1.3), choice("ba", 1.4)]
     assert [c.step_s for c in planner_mixed._shapes(ranked)] == [1.0, 1.2, 1.3]
+
+
+def test_a_planned_part_takes_at_least_the_least_microbatch():
+    """A part's rows are traced as a microbatch is, so the planner gives none fewer
+    than the problem's least microbatch (a size-1 part of a traced step would trace
+    apart), however slow it is."""
+    problem = replace(_two_kinds(), min_microbatch=2)
+    costs = StageCosts(problem)
+    plain = replace(Planner(replace(problem, allow_mixed=False), top_k=1).solve().best, num_microbatches=2)
+    b = 16
+    for least in (1, 2):
+        p = replace(problem, min_microbatch=least)
+        slow = planner_mixed._mixed(plain, 0, [(StageConfig("slow", 1, 1), 0, 1e-9)], b, StageCosts(p))
+        assert slow is not None and slow.parts(0)[1].examples == least

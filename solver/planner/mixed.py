@@ -15,7 +15,8 @@ is tried as split and with the pipeline's layers split again around the mixed st
 or layers the stage it swallowed had), with each stage's and each part's fastest ZeRO
 stage and recomputation that fit, at the finalist's microbatch count and coarser ones.
 The rows follow the parts' speeds (whole examples, a multiple of each part's
-data-parallel degree as the search gives a stage). Every variant is priced by the one
+data-parallel degree as the search gives a stage, at least the problem's least
+microbatch: a part's rows are traced as a microbatch is). Every variant is priced by the one
 estimator (`solver.cost.estimate`: the slowest part's rows set the stage's time, the
 parts' gradients are summed with the all-reduce their links favour, each part's
 memory must fit), and kept only where it is faster than the finalist it came from.
@@ -209,7 +210,8 @@ def _merged(problem: Problem, choice: PlanChoice, p: int, costs: StageCosts,
             v.backward, v.forward.shape, joined.layer_start, joined.layer_end)
         parts.append((cfg, zero, b / seconds if seconds > 0 else 1.0))
     try:
-        rows = proportional_examples(b, [speed for _, _, speed in parts], unit=[parts[0][0].dp, parts[1][0].dp])
+        rows = proportional_examples(b, [speed for _, _, speed in parts], least=problem.min_microbatch,
+                                     unit=[parts[0][0].dp, parts[1][0].dp])
     except PlanningError:
         return None
     (ca, za, _), (cc, zc, _) = parts
@@ -421,7 +423,8 @@ def _mixed_split(choice: PlanChoice, p: int, parts: list[tuple[StageConfig, int,
                                                                                      lead.layer_start, lead.layer_end)
     speeds = [b / seconds if seconds > 0 else 1.0, *(speed for _, _, speed in parts)]
     try:
-        rows = proportional_examples(b, speeds, unit=[lead.dp, *(c.dp for c, _, _ in parts)])
+        rows = proportional_examples(b, speeds, least=costs.problem.min_microbatch,  # a part's rows trace as a microbatch
+                                     unit=[lead.dp, *(c.dp for c, _, _ in parts)])
     except PlanningError:
         return None, INF
     stages = list(choice.stages)
