@@ -223,9 +223,10 @@ def _two_kinds(overlap: bool = False, slow_memory: float = 1e12, between: float 
     memory `slow_memory` bytes/s), `between` bytes/s between the kinds."""
     layers = tuple(LayerCost(flops=1e12, forward_flops=1e12 / 3, param_bytes=2**26, saved_bytes=2**20, input_bytes=2**18)
                    for _ in range(8))
-    fast = DeviceKind("fast", 4, 4, 8e12, 16 * 2**30, 1e12, LinkCost(1e11, 5e-6), LinkCost(nodes_link, 1e-5))
-    slow = DeviceKind("slow", 4, 4, 2e12, 16 * 2**30, slow_memory, LinkCost(1e11, 5e-6), LinkCost(nodes_link, 1e-5))
-    return Problem(layers, (fast, slow), batch_size=32, links=(("fast", "slow", LinkCost(between, 1e-5)),),
+    # the fast node has four NICs, the slow one one: their flows share 4x and 1x `nodes_link`
+    fast = DeviceKind("fast", 4, 4, 8e12, 16 * 2**30, 1e12, LinkCost(1e11, 5e-6), LinkCost(nodes_link, 1e-5, shared=4 * nodes_link))
+    slow = DeviceKind("slow", 4, 4, 2e12, 16 * 2**30, slow_memory, LinkCost(1e11, 5e-6), LinkCost(nodes_link, 1e-5, shared=nodes_link))
+    return Problem(layers, (fast, slow), batch_size=32, links=(("fast", "slow", LinkCost(between, 1e-5, shared=between)),),
                    allow_replicas=False, overlap_comm=overlap)
 
 
@@ -265,7 +266,7 @@ def test_the_sum_between_kinds_is_priced_as_the_same_devices_one_kind_stage_woul
     whole = best("all_reduce", joined_topology(costs, list(d.stages)), float(costs.params.sum()))[1]
     assert lead.sync_s == pytest.approx(min(pair, whole))
     assert lead.sync_s <= pair
-    # a same-kind stage over the two nodes, the between link as its nodes': the same price
+    # a same-kind stage over the two nodes, the between link (the slow node's one NIC) as its nodes': the same price
     same = replace(problem.kind("fast"), count=8, inter=problem.link("fast", "slow"))
     one_kind = Problem(problem.layers, (same,), batch_size=32, allow_replicas=False)
     from solver.cost.decisions import Decisions, StageDecision

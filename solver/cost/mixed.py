@@ -69,7 +69,10 @@ def joined_topology(costs: StageCosts, parts: list[StageDecision]) -> Topology |
     groups = min(min(parts[0].tp, costs.kinds[q.kind].devices_per_node) for q in parts)
     between = [costs.problem.link(a.kind, b.kind).shared_by(groups) for k, a in enumerate(parts) for b in parts[k + 1:]
                if a.kind != b.kind]
-    slowest = lambda links: min(links, key=lambda c: c.bandwidth)  # noqa: E731
+    # the slowest as a node's devices see it together (a node of one NIC is slower than one
+    # of four at the same per-flow rate)
+    d = tops[0].devices_per_node
+    slowest = lambda links: min(links, key=lambda c: c.per_flow(d).bandwidth)  # noqa: E731
     return Topology(sum(t.nodes for t in tops), tops[0].devices_per_node, slowest([t.intra for t in tops]),
                     slowest([t.inter for t in tops] + between))
 
