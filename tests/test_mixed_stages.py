@@ -216,3 +216,168 @@ def test_a_planned_mixed_stage_becomes_a_plan_that_runs(monkeypatch):
     t4 = plan.parts(plan.mixed_stages[0])[1]
     assert t4.device_type == "T4" and t4.device_ids == _positions(plan, "T4") and t4.examples >= 2
     run_parity(w, cluster, steps=2, plan=plan)
+
+
+def _two_kinds(overlap: bool = False, slow_memory: float = 1e12, between: float = 1e10, nodes_link: float = 1e10) -> Problem:
+    """Eight equal layers on a node of 4 fast devices and a node of 4 slow ones (their
+    memory `slow_memory` bytes/s), `between` bytes/s between the kinds."""
+    layers = tuple(LayerCost(flops=1e12, forward_flops=1e12 / 3, param_bytes=2**26, saved_bytes=2**20, input_bytes=2**18)
+                   for _ in range(8))
+    # the fast node has four NICs, the slow one one: their flows share 4x and 1x `nodes_link`
+    fast = DeviceKind("fast", 4, 4, 8e12, 16 * 2**30, 1e12, LinkCost(1e11, 5e-6), LinkCost(nodes_link, 1e-5, shared=4 * nodes_link))
+    slow = DeviceKind("slow", 4, 4, 2e12, 16 * 2**30, slow_memory, LinkCost(1e11, 5e-6), LinkCost(nodes_link, 1e-5, shared=nodes_link))
+    return Problem(layers, (fast, slow), batch_size=32, links=(("fast", "slow", LinkCost(between, 1e-5, shared=between)),),
+                   allow_replicas=False, overlap_comm=overlap)
+
+
+def _one_mixed_stage(rows=(6, 2), zero=0):
+    from solver.cost.decisions import Decisions, StageDecision
+    return Decisions((StageDecision("fast", 4, 1, 0, 8, zero=zero, examples=rows[0]),
+                      StageDecision("slow", 4, 1, 0, 8, zero=zero, part_of=0, examples=rows[1])), 4, "1f1b", (32,))
+
+
+def test_the_mixed_position_updates_at_its_slowest_parts_pace():
+    """Every part holds and updates its own copy of the stage's state (as its memory
+    says), so a part on slow memory makes the position's update slow, not the lead's."""
+    for slow_memory in (1e12, 1e10):
+        cost = estimate(_two_kinds(slow_memory=slow_memory), _one_mixed_stage())
+        lead, part = cost.stages
+        assert lead.optimizer_s == pytest.approx(max(lead.optimizer_s, part.optimizer_s))
+        assert lead.optimizer_s == pytest.approx(part.optimizer_s) or lead.optimizer_s > part.optimizer_s
+    slow = estimate(_two_kinds(slow_memory=1e10), _one_mixed_stage())
+    assert slow.stages[0].optimizer_s == pytest.approx(slow.stages[1].optimizer_s)
+    assert slow.stages[0].optimizer_s > 10 * estimate(_two_kinds(slow_memory=1e12), _one_mixed_stage()).stages[0].optimizer_s
+
+
+def test_the_sum_between_kinds_is_priced_as_the_same_devices_one_kind_stage_would_be():
+    """One all-reduce over both parts' devices (a flat ring over the two nodes, the
+    registry's pick) where it beats each part's own sum followed by the sum between
+    kinds; never more than that hierarchical pair; and overlapped under the backward
+    where the problem overlaps data-parallel collectives, as a stage's own is."""
+    from solver.collectives import best
+    from solver.cost.mixed import joined_topology, parts_sync_s
+    problem = _two_kinds()
+    d = _one_mixed_stage()
+    costs = StageCosts(problem)
+    cost = estimate(problem, d, costs)
+    lead, part = cost.stages
+    own = max(_own_sync(costs, s) for s in d.stages)
+    pair = own + parts_sync_s(costs, list(d.stages))
+    whole = best("all_reduce", joined_topology(costs, list(d.stages)), float(costs.params.sum()))[1]
+    assert lead.sync_s == pytest.approx(min(pair, whole))
+    assert lead.sync_s <= pair
+    # a same-kind stage over the two nodes, the between link (the slow node's one NIC) as its nodes': the same price
+    same = replace(problem.kind("fast"), count=8, inter=problem.link("fast", "slow"))
+    one_kind = Problem(problem.layers, (same,), batch_size=32, allow_replicas=False)
+    from solver.cost.decisions import Decisions, StageDecision
+    alone = estimate(one_kind, Decisions((StageDecision("fast", 8, 1, 0, 8),), 4, "1f1b", (32,)))
+    assert lead.sync_s == pytest.approx(alone.stages[0].sync_s, rel=1e-6)
+    # overlapped: part of the sum between kinds runs under the last backward
+    overlapped = estimate(_two_kinds(overlap=True), d)
+    ov_lead = overlapped.stages[0]
+    assert ov_lead.overlapped_s > max(s.overlapped_s for s in overlapped.stages[1:])
+    assert ov_lead.sync_s < pair
+
+
+def _own_sync(costs: StageCosts, s) -> float:
+    v = costs.variant(s.config, s.examples, 1, False, s.zero, "")
+    return float(np.broadcast_to(v.sync, v.forward.shape)[s.layer_start, s.layer_end])
+
+
+def test_a_merged_stage_takes_the_layers_its_speed_earns():
+    """Two adjacent stages of different kinds made one mixed stage, the layers split
+    again around it (`_resplit`): no position busier than under the split it came
+    with, every layer held once, the parts on their lead's layers, and the estimator
+    prices the result at no less than the floor `_resplit` gives."""
+    problem = _two_kinds(between=1e11, nodes_link=1e11)
+    costs = StageCosts(problem)
+    plain = Planner(problem, top_k=1).solve().best
+    assert not plain.mixed and len(plain.stages) >= 2
+    base = replace(plain, num_microbatches=2)
+    fast = next(p for p, s in enumerate(base.stages[:-1]) if s.kind != base.stages[p + 1].kind)
+    meshes = planner_mixed._merged_meshes(problem, base, fast, 16)
+    assert meshes
+    merged = planner_mixed._merged(problem, base, fast, costs, meshes[0])
+    split, floor, _ = planner_mixed._resplit(problem, merged, costs)
+    cost = estimate(problem, decisions(split), costs)
+    assert cost.fits and 0 < floor <= cost.step_s
+    leads = [i for i, s in enumerate(split.stages) if s.part_of < 0]
+    assert [(split.stages[i].layer_start, split.stages[i].layer_end) for i in leads][0][0] == 0
+    assert all(split.stages[i].layer_end == split.stages[j].layer_start for i, j in zip(leads, leads[1:]))
+    assert split.stages[leads[-1]].layer_end == len(problem.layers)
+    lead, *parts = split.parts(fast)
+    assert parts and all((q.layer_start, q.layer_end) == (lead.layer_start, lead.layer_end) for q in parts)
+
+    def busiest(choice):
+        n = len(leads)
+        tables = [planner_mixed._position(problem, costs, tuple(s for k, s in enumerate(choice.stages) if k == i or s.part_of == i),
+                                          16, 2, planner_mixed.in_flight(choice.schedule, 2, p, n), p == n - 1)
+                  for p, i in enumerate(leads)]
+        return max(t["cost"][choice.stages[i].layer_start, choice.stages[i].layer_end] for t, i in zip(tables, leads))
+    assert busiest(split) <= busiest(merged)
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_mixed_stage_parts_under_zero_parity(zero):
+    """A mixed stage whose parts shard over their own data axes (ZeRO-1: optimizer
+    state; ZeRO-3: parameters too, gathered a layer at a time), as a T4 part must to
+    hold a stage's state: the runtime runs it with parity."""
+    from hetpar.options import ShardingOption, StageOption
+    w = _mlp()
+    cluster, plan = _plan(w, THREE_KINDS, sharding_option=ShardingOption(zero=zero), stage_option=StageOption(mode="uniform"))
+    mixed = _last_stage_mixed(plan)
+    lead, t4 = mixed.parts(mixed.mixed_stages[0])
+    assert t4.device_type == "T4" and t4.zero == zero and any("data" in spec for _, spec in t4.shardings)
+    assert bool(t4.gathered) == (zero == 3)
+    run_parity(w, cluster, steps=2, plan=mixed)
+
+
+def test_a_planned_part_with_its_own_zero_stage_runs(monkeypatch):
+    """The planner gives a part its own ZeRO stage (the least that fits it, whatever
+    its lead's): a T4 part at ZeRO-2 beside a lead without, through to_plan and the
+    sharding pass, with parity."""
+    from solver.planner import search as planner_search
+
+    def forced(problem, found, costs):
+        best = next((c for c in found if len(c.replica_batch) == 1 and c.chunks == 1 and "T4" not in {s.kind for s in c.stages}), None)
+        if best is None:
+            return found
+        last = len(best.stages) - 1
+        best = replace(best, stages=tuple(replace(s, zero=0) if i == last else s for i, s in enumerate(best.stages)))
+        t4 = next(k for k in problem.kinds if k.name == "T4")
+        b = best.replica_batch[0] // best.num_microbatches
+        mixed = planner_mixed._mixed(best, last, [(StageConfig("T4", t4.count, 1), 2, 1.0)], b, costs)
+        return [planner_mixed._with_costs(mixed, estimate(problem, decisions(mixed), costs))]
+
+    monkeypatch.setattr(planner_search, "with_mixed_stages", forced)
+    w = _mlp()
+    cluster, plan = _plan(w, THREE_KINDS, num_stages=None)
+    lead, t4 = plan.parts(plan.mixed_stages[0])
+    assert t4.device_type == "T4" and t4.zero == 2 and lead.zero == 0
+    assert any("data" in spec for _, spec in t4.shardings)
+    run_parity(w, cluster, steps=2, plan=plan)
+
+
+def test_the_widened_finalists_are_the_fastest_of_each_shape():
+    """The finalists widened with mixed stages: the fastest pipeline of each order of
+    kinds, in rank order (later ones of a shape differ in meshes and microbatches,
+    which the variants choose again)."""
+    def choice(kinds, step):
+        stages = tuple(planner_mixed.StageChoice(k, 1, 1, i, i + 1, False, 0, 0, 0, 0, 0, 0, 1) for i, k in enumerate(kinds))
+        return planner_mixed.PlanChoice(stages, 1, "1f1b", step, (8,))
+    ranked = [choice("ab", 1.0), choice("ab", 1.1), choice("ba", 1.2), choice("a", 1.3), choice("ba", 1.4)]
+    assert [c.step_s for c in planner_mixed._shapes(ranked)] == [1.0, 1.2, 1.3]
+
+
+def test_a_planned_part_takes_at_least_the_least_microbatch():
+    """A part's rows are traced as a microbatch is, so the planner gives none fewer
+    than the problem's least microbatch (a size-1 part of a traced step would trace
+    apart), however slow it is."""
+    problem = replace(_two_kinds(), min_microbatch=2)
+    costs = StageCosts(problem)
+    plain = replace(Planner(replace(problem, allow_mixed=False), top_k=1).solve().best, num_microbatches=2)
+    b = 16
+    for least in (1, 2):
+        p = replace(problem, min_microbatch=least)
+        slow = planner_mixed._mixed(plain, 0, [(StageConfig("slow", 1, 1), 0, 1e-9)], b, StageCosts(p))
+        assert slow is not None and slow.parts(0)[1].examples == least

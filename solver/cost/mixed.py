@@ -3,19 +3,37 @@ parts sit on devices of different kinds (Metis's, HETHUB's and Whale's split), e
 part taking `examples` rows of every microbatch.
 
 Each part is priced as a stage of its own kind at its row count (its own
-tensor- and data-parallel mesh, its own memory). The position runs as fast as its
-slowest part: its forward, backward and send are the parts' largest. Once per step
-the parts' gradients of the stage's layers are summed with the all-reduce the links
-between their kinds favour (`StageCosts.replica_reduction`'s topology, the
-collective registry's fastest algorithm), after each part's own data-parallel sum.
+tensor- and data-parallel mesh, its own memory, its own ZeRO stage). The position runs
+as fast as its slowest part: its forward, backward and send are the parts' largest.
+Once per step the parts' gradients of the stage's layers are summed with the
+all-reduce the links between their kinds favour (`StageCosts.replica_reduction`'s
+topology, the collective registry's fastest algorithm), after each part's own
+data-parallel sum. Together that is the hierarchical all-reduce a same-kind stage over
+two nodes pays (`topologies.dp_topology`): a part's own reduction is the in-node
+reduce-scatter and all-gather, and between them each of a node's devices all-reduces
+its shard with its counterparts over the node's NICs (`per_flow`: the node's flows
+share them, the nodes of a part run side by side); where the registry prices one
+all-reduce over all the parts' devices faster (a flat ring, say), that is the price,
+as it would be for a stage of one kind over the same nodes (`joined_topology`).
+
+Where the problem overlaps data-parallel collectives with compute
+(`Problem.overlap_comm`), the sum between kinds is bucketed a layer at a time under
+the last microbatch's backward as a stage's own reduction is (`topologies.exposed`),
+on the compute the part's own buckets left free; without it both are exposed after the
+last backward, as every stage's are. Every part updates its own copy of the stage's
+state (each holds it, as data-parallel replicas do), so the position's update is the
+slowest part's.
 """
 
 from __future__ import annotations
 
-from solver.collectives import Topology, best
+import numpy as np
+
+from solver.collectives import Topology, best, fastest_times
 from solver.cost.decisions import Decisions, StageDecision
 from solver.cost.problem import PlanningError
 from solver.cost.stage_costs import StageCosts
+from solver.cost.topologies import dp_topology, exposed
 
 
 def parts_reduction(costs: StageCosts, parts: list[StageDecision]) -> tuple[Topology, float]:
@@ -36,15 +54,72 @@ def parts_sync_s(costs: StageCosts, parts: list[StageDecision]) -> float:
     return best("all_reduce", *parts_reduction(costs, parts))[1]
 
 
+def joined_topology(costs: StageCosts, parts: list[StageDecision]) -> Topology | None:
+    """The parts' data axes as one same-kind stage's over their nodes would be
+    (`topologies.dp_topology` per part): every part's nodes side by side, each node's
+    devices over the slower kind's link inside a node, the nodes over the slowest of
+    the kinds' own and the between-kinds links (a node's tp groups sharing them). So
+    the registry may price the whole sum as it would a stage's over the same devices
+    (a flat ring where that is faster than reducing in nodes first). None where the
+    parts' meshes differ in tensor parallelism or devices per node (their devices hold
+    different shards, or the nodes are not alike)."""
+    tops = [dp_topology(costs.kinds[q.kind], q.config) for q in parts]
+    if len({q.tp for q in parts}) > 1 or len({t.devices_per_node for t in tops}) > 1:
+        return None
+    groups = min(min(parts[0].tp, costs.kinds[q.kind].devices_per_node) for q in parts)
+    between = [costs.problem.link(a.kind, b.kind).shared_by(groups) for k, a in enumerate(parts) for b in parts[k + 1:]
+               if a.kind != b.kind]
+    # the slowest as a node's devices see it together (a node of one NIC is slower than one
+    # of four at the same per-flow rate)
+    d = tops[0].devices_per_node
+    slowest = lambda links: min(links, key=lambda c: c.per_flow(d).bandwidth)  # noqa: E731
+    return Topology(sum(t.nodes for t in tops), tops[0].devices_per_node, slowest([t.intra for t in tops]),
+                    slowest([t.inter for t in tops] + between))
+
+
+def parts_sync_overlapped(costs: StageCosts, parts: list[StageDecision], priced: list[tuple]) -> tuple[float, float]:
+    """(exposed, hidden) seconds of the parts' gradient sum. With `overlap_comm`, a
+    bucket per layer (its bytes over the streams, each the registry's fastest
+    all-reduce on the parts' topology) runs once the slowest part (the largest
+    backward, whose layers come last) has made that layer's gradient, under the compute
+    that part's own buckets left free; the first layer's bucket (made last) shows.
+    Without it: all exposed, and where one all-reduce over all the parts' devices
+    (`joined_topology`) beats each part's own sum followed by the sum between kinds,
+    only what that one adds to the slowest part's own sum."""
+    total = parts_sync_s(costs, parts)
+    problem = costs.problem
+    if not (problem.overlap_comm and problem.training) or total <= 0:
+        own = max(r[4] for r in priced)
+        joined = joined_topology(costs, parts) if all(q.zero == 0 for q in parts) and total > 0 else None
+        if joined is not None:  # the whole sum as one all-reduce over the same devices, where that is faster
+            lead = parts[0]
+            whole = best("all_reduce", joined, float(costs.tp_params(lead.tp)[lead.layer_start:lead.layer_end].sum()))[1]
+            return min(total, max(whole - own, 0.0)), 0.0
+        return total, 0.0
+    topology, _ = parts_reduction(costs, parts)
+    streams = min(q.devices for q in parts)
+    lead = parts[0]
+    i, j = lead.layer_start, lead.layer_end
+    buckets = fastest_times("all_reduce", topology, costs.params[i:j] / max(streams, 1))
+    k = max(range(len(parts)), key=lambda n: priced[n][2])  # the part whose backward ends last
+    q = parts[k]
+    compute = float(costs.per_layer(q.config, q.examples).backward[i:j].sum())
+    free = max(compute - priced[k][8], 0.0)  # its own buckets already took this much of the stream
+    first = float(costs.per_layer(q.config, q.examples).backward[i])
+    shown = float(exposed(np.array(buckets.sum()), np.array(buckets[0]), np.array(free), np.array(min(first, free))))
+    return shown, float(buckets.sum()) - shown
+
+
 def mixed_position(costs: StageCosts, parts: list[StageDecision], priced: list[tuple]) -> tuple:
     """The pipeline position of a mixed stage, as `estimate` assembles a replica's
     stages (s, forward, backward, send, sync, optimizer, memory, capacity, hidden):
-    the lead's memory and update, the slowest part's times, and the parts' gradient
-    sum added to the slowest part's own."""
+    the lead's memory, the slowest part's times and update, and the parts' gradient
+    sum added to the slowest part's own (its exposed part; the rest hidden)."""
     lead = priced[0]
     slowest = lambda k: max(r[k] for r in priced)  # noqa: E731
-    sync = slowest(4) + parts_sync_s(costs, parts)
-    return (lead[0], slowest(1), slowest(2), slowest(3), sync, lead[5], lead[6], lead[7], slowest(8))
+    shown, hidden = parts_sync_overlapped(costs, parts, priced)
+    return (lead[0], slowest(1), slowest(2), slowest(3), slowest(4) + shown, slowest(5), lead[6], lead[7],
+            slowest(8) + hidden)
 
 
 def check_parts(d: Decisions) -> None:

@@ -4,12 +4,19 @@ proportion to its speed (Metis's load balancer, HETHUB's and Whale's split).
 
 The search's space has one kind per stage. Its finalists are then widened here: where
 a finalist leaves devices idle (a kind too slow or too small to hold a stage of its
-own, or the rest of a kind a stage did not use), each stage is tried with one or two
-idle kinds as extra parts (each with its fastest meshes that hold the layers), as
-split and with up to `MAX_SHIFT` more layers taken from a neighbour (the stage got
-faster). Adjacent stages of different kinds are also tried as one mixed stage over both
-their layers and both their meshes. The rows follow the parts' speeds (whole
-examples, a multiple of each part's data-parallel degree as the search gives a stage). Every variant is priced by the one
+own, or the rest of a kind a stage did not use), each stage (on its own mesh or a
+narrower data axis) is tried with one or two idle kinds as extra parts (each with its
+fastest meshes that hold the layers).
+Adjacent stages of different kinds are also tried as one mixed stage over both their
+layers and their devices (each kind's own mesh or a narrower data axis, which lets a
+smaller microbatch split), as Metis puts V100 and T4 nodes in one stage. Each variant
+is tried as split and with the pipeline's layers split again around the mixed stage
+(`_resplit`: a mixed stage is faster than its lead alone, so it should take more layers,
+or layers the stage it swallowed had), with each stage's and each part's fastest ZeRO
+stage and recomputation that fit, at the finalist's microbatch count and coarser ones.
+The rows follow the parts' speeds (whole examples, a multiple of each part's
+data-parallel degree as the search gives a stage, at least the problem's least
+microbatch: a part's rows are traced as a microbatch is). Every variant is priced by the one
 estimator (`solver.cost.estimate`: the slowest part's rows set the stage's time, the
 parts' gradients are summed with the all-reduce their links favour, each part's
 memory must fit), and kept only where it is faster than the finalist it came from.
@@ -24,17 +31,21 @@ from typing import Sequence
 
 import numpy as np
 
+from solver.collectives import fastest_times
 from solver.cost.estimate import estimate
 from solver.cost.problem import PlanningError, Problem
-from solver.cost.stage_costs import StageConfig, StageCosts
+from solver.cost.stage_costs import INF, StageConfig, StageCosts
+from solver.memory import OFFLOAD_TIERS, in_flight
 from solver.planner.problem import PlanChoice, StageChoice
 from solver.planner.step import decisions
 
-MIXED_FINALISTS = 2  # single-chunk finalists widened with mixed stages (the best few: the rest rarely overtake them)
+MIXED_FINALISTS = 4  # single-chunk finalists widened with mixed stages (the best few: the rest rarely overtake them)
 MAX_PART_KINDS = 2  # idle kinds joined to one stage: a stage of at most three kinds
-MAX_SHIFT = 2  # layers a mixed stage may take from a neighbour beyond the finalist's split
-LAYOUTS_PER_KIND = 1  # an idle kind's fastest meshes tried as a part
-COARSER = 1  # microbatch counts halved this many times beside the finalist's
+LAYOUTS_PER_KIND = 2  # an idle kind's fastest meshes tried as a part
+MERGED_MESHES = 1  # meshes per kind tried for a merged stage's parts: the widest data axes that split the rows (2: twice the time, no win seen)
+LEAD_MESHES = 2  # meshes a stage joined by idle kinds is tried on: its own, then narrower data axes while the rows split coarsely
+COARSE = 0.05  # a split whose slowest part is this much behind a split by speed tries the lead on a narrower data axis
+COARSER = 2  # microbatch counts halved this many times beside the finalist's
 
 
 def proportional_examples(size: int, speeds: Sequence[float], least: Sequence[int] | int = 1,
@@ -66,12 +77,29 @@ def proportional_examples(size: int, speeds: Sequence[float], least: Sequence[in
 
 def with_mixed_stages(problem: Problem, found: list[PlanChoice], costs: StageCosts) -> list[PlanChoice]:
     """`found` (ranked by the estimator) with the best mixed variant of each of its
-    first `MIXED_FINALISTS` single-chunk pipelines added where it is faster, ranked again."""
+    first `MIXED_FINALISTS` single-chunk pipelines of different shapes (`_shapes`) added
+    where it is faster, ranked again."""
     if len(problem.kinds) < 2 or not problem.allow_mixed:
         return found
-    plain = [c for c in found if c.chunks == 1 and len(c.replica_batch) == 1][:MIXED_FINALISTS]
-    extra = [v for c in plain if (v := best_mixed(problem, c, costs)) is not None]
+    plain = _shapes([c for c in found if c.chunks == 1 and len(c.replica_batch) == 1])[:MIXED_FINALISTS]
+    memo: dict = {}  # positions and parts priced for one finalist's variants serve the next's
+    extra = [v for c in plain if (v := best_mixed(problem, c, costs, memo)) is not None]
     return sorted([*found, *extra], key=lambda c: c.step_s) if extra else found
+
+
+def _shapes(plain: list[PlanChoice]) -> list[PlanChoice]:
+    """The fastest pipeline of each shape (its stages' kinds in order), fastest first:
+    the next finalists of a shape differ in meshes and microbatches, which the variants
+    choose again anyway (`_resplit`, `_coarser`), while another shape puts other stages
+    beside the idle kinds."""
+    seen: set[tuple[str, ...]] = set()
+    out = []
+    for c in plain:
+        shape = tuple(s.kind for s in c.stages)
+        if shape not in seen:
+            seen.add(shape)
+            out.append(c)
+    return out
 
 
 def idle_devices(problem: Problem, choice: PlanChoice) -> dict[str, int]:
@@ -82,69 +110,261 @@ def idle_devices(problem: Problem, choice: PlanChoice) -> dict[str, int]:
     return {k.name: k.count - used.get(k.name, 0) for k in problem.kinds if k.count > used.get(k.name, 0)}
 
 
-def best_mixed(problem: Problem, choice: PlanChoice, costs: StageCosts) -> PlanChoice | None:
-    """The fastest variant of `choice` with one stage mixed with idle devices (and
-    taking up to `MAX_SHIFT` more layers from a neighbour, since it got faster), if
-    one beats it under the estimator; None otherwise. Single pipelines without
-    interleaving only (the runtime's mixed stages have one chunk)."""
+def best_mixed(problem: Problem, choice: PlanChoice, costs: StageCosts, memo: dict | None = None) -> PlanChoice | None:
+    """The fastest variant of `choice` with one mixed stage (idle devices joined to a
+    stage, or two adjacent stages of different kinds made one), as split and with the
+    layers split again around it, if one beats it under the estimator; None otherwise.
+    Single pipelines without interleaving only (the runtime's mixed stages have one chunk)."""
     if choice.chunks > 1 or len(choice.replica_batch) > 1 or choice.mixed:
         return None
     idle = idle_devices(problem, choice)
     best, best_s = None, choice.step_s
+
+    memo = {} if memo is None else memo  # pipeline positions' tables and parts, shared by the variants
+
+    def consider(candidate: PlanChoice | None) -> None:
+        nonlocal best, best_s
+        if candidate is None:
+            return
+        split = _resplit(problem, candidate, costs, memo)
+        options = [(candidate, 0.0)] if split is None else [(candidate, split[2]), split[:2]]
+        for c, floor in options:
+            # `floor`: the least the busiest position is busy a step (`_position`'s
+            # "least"), which no schedule beats; past the best so far, not priced
+            if floor >= best_s:
+                continue
+            cost = estimate(problem, decisions(c), costs)
+            if cost.fits and cost.step_s < best_s:
+                best, best_s = _with_costs(c, cost), cost.step_s
+
     for m in _coarser(problem, choice):
         b = choice.replica_batch[0] // m
+        base = replace(choice, num_microbatches=m)
         for p in range(len(choice.stages)):
-            for base in _grown(replace(choice, num_microbatches=m), p):
-                stage = base.stages[p]
-                layouts = {k: _layouts(problem, costs, k, n, stage, b)[:LAYOUTS_PER_KIND] for k, n in idle.items()}
-                layouts = {k: v for k, v in layouts.items() if v}
-                for r in range(1, min(MAX_PART_KINDS, len(layouts)) + 1):
-                    for kinds in itertools.combinations(sorted(layouts), r):
-                        for parts in itertools.product(*(layouts[k] for k in kinds)):
-                            candidate = _mixed(base, p, list(parts), b, costs)
-                            if candidate is None:
-                                continue
-                            cost = estimate(problem, decisions(candidate), costs)
-                            if cost.fits and cost.step_s < best_s:
-                                best, best_s = _with_costs(candidate, cost), cost.step_s
-    for m in _coarser(problem, choice):
+            own = base.stages[p]
+            layouts = {k: _layouts(problem, costs, k, n, own, b)[:LAYOUTS_PER_KIND] for k, n in idle.items()}
+            layouts = {k: v for k, v in layouts.items() if v}
+            for r in range(1, min(MAX_PART_KINDS, len(layouts)) + 1):
+                for kinds in itertools.combinations(sorted(layouts), r):
+                    for parts in itertools.product(*(layouts[k] for k in kinds)):
+                        for stage in _lead_meshes(problem, own):
+                            led = replace(base, stages=tuple(stage if i == p else s for i, s in enumerate(base.stages)))
+                            candidate, off = _mixed_split(led, p, list(parts), b, costs)
+                            consider(candidate)
+                            if off <= COARSE:  # rows close to the speeds: a narrower lead would not split closer
+                                break
         for p in range(len(choice.stages) - 1):
-            candidate = _merged(problem, replace(choice, num_microbatches=m), p, costs)
-            if candidate is not None:
-                cost = estimate(problem, decisions(candidate), costs)
-                if cost.fits and cost.step_s < best_s:
-                    best, best_s = _with_costs(candidate, cost), cost.step_s
+            for meshes in _merged_meshes(problem, base, p, b):
+                consider(_merged(problem, base, p, costs, meshes))
     return best
 
 
-def _merged(problem: Problem, choice: PlanChoice, p: int, costs: StageCosts) -> PlanChoice | None:
+def _lead_meshes(problem: Problem, stage: StageChoice) -> list[StageChoice]:
+    """The stage on its own mesh and on up to `LEAD_MESHES - 1` narrower data axes
+    (twice the tensor parallelism each, within a node): a lead whose data axis takes
+    rows in smaller units leaves a slow part a share closer to its speed."""
+    out, tp = [stage], stage.tp
+    node = min(problem.max_tp, problem.kind(stage.kind).devices_per_node)
+    while len(out) < LEAD_MESHES and stage.devices % (tp * 2) == 0 and tp * 2 <= node:
+        tp *= 2
+        out.append(replace(stage, dp=stage.devices // tp, tp=tp))
+    return out
+
+
+def _merged_meshes(problem: Problem, choice: PlanChoice, p: int, b: int) -> list[tuple[StageConfig, StageConfig]]:
+    """Meshes for stages p and p + 1 made one mixed stage: per kind its stage's own
+    and narrower data axes (more tensor parallelism within a node), the widest
+    `MERGED_MESHES` whose data-parallel degrees leave each part a row per device."""
+    a, c = choice.stages[p], choice.stages[p + 1]
+    if a.kind == c.kind:
+        return []
+
+    def meshes(s: StageChoice) -> list[StageConfig]:
+        k = problem.kind(s.kind)
+        tps = [t for t in (1, 2, 4, 8) if t <= min(problem.max_tp, k.devices_per_node) and s.devices % t == 0]
+        return [StageConfig(s.kind, s.devices // t, t) for t in tps if s.devices // t < b]
+
+    out = [(x, y) for x in meshes(a) for y in meshes(c) if x.dp + y.dp <= b]
+    keep_a = set(sorted({x.dp for x, _ in out}, reverse=True)[:MERGED_MESHES])
+    keep_c = set(sorted({y.dp for _, y in out}, reverse=True)[:MERGED_MESHES])
+    return [(x, y) for x, y in out if x.dp in keep_a and y.dp in keep_c]
+
+
+def _merged(problem: Problem, choice: PlanChoice, p: int, costs: StageCosts,
+            meshes: tuple[StageConfig, StageConfig] | None = None) -> PlanChoice | None:
     """`choice` with stages p and p + 1, of different kinds, made one mixed stage over
-    both their layers on both their meshes (one pipeline stage fewer: less bubble, and
-    the two kinds share every layer in proportion to their speed), as Metis puts V100
-    and T4 nodes in one stage."""
+    both their layers on both their devices (as `meshes`, by default their own): one
+    pipeline stage fewer (less bubble), and the two kinds share every layer in
+    proportion to their speed, as Metis puts V100 and T4 nodes in one stage."""
     a, c = choice.stages[p], choice.stages[p + 1]
     if a.kind == c.kind:
         return None
+    meshes = meshes or (StageConfig(a.kind, a.dp, a.tp), StageConfig(c.kind, c.dp, c.tp))
     b = choice.replica_batch[0] // choice.num_microbatches
     joined = replace(a, layer_end=c.layer_end, remat=a.remat or c.remat)
     parts = []
-    for s in (a, c):
-        cfg = StageConfig(s.kind, s.dp, s.tp)
-        v = costs.variant(cfg, b, 1, False, s.zero, "full" if joined.remat else "")
+    for s, cfg in zip((a, c), meshes):
+        zero = s.zero if cfg.dp > 1 else 0
+        v = costs.variant(cfg, b, 1, False, zero, "full" if joined.remat else "")
         seconds = _at(v.forward, v.forward.shape, joined.layer_start, joined.layer_end) + _at(
             v.backward, v.forward.shape, joined.layer_start, joined.layer_end)
-        parts.append((cfg, s.zero, b / seconds if seconds > 0 else 1.0))
+        parts.append((cfg, zero, b / seconds if seconds > 0 else 1.0))
     try:
-        rows = proportional_examples(b, [speed for _, _, speed in parts], unit=[parts[0][0].dp, parts[1][0].dp])
+        rows = proportional_examples(b, [speed for _, _, speed in parts], least=problem.min_microbatch,
+                                     unit=[parts[0][0].dp, parts[1][0].dp])
     except PlanningError:
         return None
-    stages = [*choice.stages[:p], replace(joined, examples=rows[0]), *choice.stages[p + 2:]]
-    stages.append(replace(joined, kind=c.kind, dp=c.dp, tp=c.tp, zero=c.zero, offload=c.offload, part_of=p, examples=rows[1]))
+    (ca, za, _), (cc, zc, _) = parts
+    stages = [*choice.stages[:p], replace(joined, dp=ca.dp, tp=ca.tp, zero=za, examples=rows[0]), *choice.stages[p + 2:]]
+    stages.append(replace(joined, kind=c.kind, dp=cc.dp, tp=cc.tp, zero=zc, offload="", part_of=p, examples=rows[1]))
     return replace(choice, stages=tuple(stages))
 
 
+def _resplit(problem: Problem, choice: PlanChoice, costs: StageCosts,
+             memo: dict | None = None) -> tuple[PlanChoice, float, float] | None:
+    """`choice` (one mixed stage among its stages, the same meshes and rows) with its
+    layers split again over its pipeline positions: the split whose busiest position
+    (a microbatch's forward and backward, the slowest part's for a mixed one, plus its
+    once-per-step tail over the microbatches) is least, each stage and part with its
+    fastest ZeRO stage and recomputation that fit there (a stage of its own on the mesh
+    of its devices that suits the rows best). With the floor of that split
+    and of `choice`'s own (the busiest position's `least`: no schedule beats it), or
+    None where no split fits. `memo`: positions' tables already built, by what they depend on."""
+    m = choice.num_microbatches
+    b = choice.replica_batch[0] // m
+    leads = [i for i, s in enumerate(choice.stages) if s.part_of < 0]
+    n, layers = len(leads), costs.n
+    members = [[i, *(k for k, s in enumerate(choice.stages) if s.part_of == i)] for i in leads]
+    memo = {} if memo is None else memo
+    tables = []
+    for p, mine in enumerate(members):
+        stages = tuple(choice.stages[k] for k in mine)
+        held, last = in_flight(choice.schedule, m, p, n), p == n - 1
+        key = (tuple((s.kind, s.dp, s.tp, s.examples) for s in stages), b, held, last, m)
+        if key not in memo:
+            memo[key] = _position(problem, costs, stages, b, m, held, last, memo)
+        tables.append(memo[key])
+    own = max(float(t["least"][choice.stages[i].layer_start, choice.stages[i].layer_end]) for t, i in zip(tables, leads))
+    # best[j]: the least busiest-position cost of positions 0..p holding layers [0, j)
+    best = tables[0]["cost"][0].copy()
+    back = []
+    for t in tables[1:]:
+        cand = np.maximum(best[:, None], t["cost"])
+        back.append(cand.argmin(axis=0))
+        best = cand.min(axis=0)
+    if not np.isfinite(best[layers]):
+        return None
+    cuts = [layers]
+    for arg in reversed(back):
+        cuts.append(int(arg[cuts[-1]]))
+    cuts.append(0)
+    cuts.reverse()
+    stages = list(choice.stages)
+    floor = 0.0
+    for p, mine in enumerate(members):
+        lo, hi, t = cuts[p], cuts[p + 1], tables[p]
+        floor = max(floor, float(t["least"][lo, hi]))
+        for k, q in enumerate(mine):
+            stages[q] = replace(stages[q], layer_start=lo, layer_end=hi, remat=bool(t["remat"][lo, hi]),
+                                zero=int(t["zero"][k][lo, hi]), offload=OFFLOAD_TIERS[int(t["offload"][k][lo, hi])])
+        if "tp" in t:  # a stage of its own, on the mesh its table chose
+            tp = int(t["tp"][lo, hi])
+            stages[mine[0]] = replace(stages[mine[0]], dp=stages[mine[0]].devices // tp, tp=tp)
+    return replace(choice, stages=tuple(stages)), floor, own
+
+
+def _position(problem: Problem, costs: StageCosts, stages: tuple[StageChoice, ...], b: int, m: int, held: int,
+              last: bool, memo: dict | None = None) -> dict:
+    """One pipeline position (`stages`: a stage, or a mixed stage's parts, lead first)
+    for every layer range: "cost" (a microbatch's forward and backward plus the
+    once-per-step tail over the `m` microbatches, inf where it does not fit), "fb", per
+    member the ZeRO stage and offload tier picked and the recomputation the parts share,
+    and "least": seconds the position is busy a step at the least, whatever its members'
+    choices that fit (each member's least `m` forwards and backwards and tail; the
+    estimator charges a mixed position its slowest part's of each), which no schedule
+    beats. `memo`: parts already priced (the variants of a finalist set share many)."""
+    memo = {} if memo is None else memo
+    shape = (costs.n + 1, costs.n + 1)
+    upper = np.triu(np.ones(shape, dtype=bool), k=1)
+    if len(stages) == 1:  # a stage of its own: the search's tables, its devices on the mesh that suits the rows best
+        s = stages[0]
+        out: dict | None = None
+        for cfg in _meshes(problem, s, b):
+            t = costs.table(cfg, b, held, last, m)
+            fb = np.where(upper, t.time, INF)
+            zero = t.zero if t.zero is not None else np.zeros(shape, dtype=int)
+            offload = t.offload if t.offload is not None else np.zeros(shape, dtype=int)
+            mine = {"cost": fb + t.tail / m, "fb": fb, "remat": t.remat, "zero": [zero], "offload": [offload],
+                    "least": m * fb + t.tail, "tp": np.full(shape, cfg.tp)}
+            if out is None:
+                out = mine
+                continue
+            take = mine["cost"] < out["cost"]
+            for name in ("cost", "fb", "remat", "tp"):
+                out[name] = np.where(take, mine[name], out[name])
+            out["zero"], out["offload"] = [np.where(take, mine["zero"][0], out["zero"][0])], [np.where(take, offload, out["offload"][0])]
+            out["least"] = np.minimum(out["least"], mine["least"])
+        return out
+    streams = min(s.devices for s in stages)
+    topology, _ = costs.replica_reduction([s.kind for s in stages], streams)
+    cum = np.concatenate([[0.0], np.cumsum(costs.params)])
+    cross = fastest_times("all_reduce", topology, np.maximum(cum[None, :] - cum[:, None], 0.0) / max(streams, 1))
+    remats = ["full"] if problem.force_remat else [""] + (["full"] if problem.allow_remat else [])
+    best: dict | None = None
+    for remat in remats:
+        fb_all, tail_all, least, zeros = np.zeros(shape), np.zeros(shape), np.zeros(shape), []
+        for s in stages:
+            key = ("part", s.kind, s.dp, s.tp, s.examples or b, m, held, last, remat)
+            if key not in memo:
+                memo[key] = _part(costs, StageConfig(s.kind, s.dp, s.tp), s.examples or b, m, held, last, remat)
+            part_cost, part_fb, part_tail, part_zero = memo[key]
+            fb_all, tail_all = np.maximum(fb_all, part_fb), np.maximum(tail_all, part_tail)
+            least = np.maximum(least, part_cost)
+            zeros.append(part_zero)
+        fb_all = np.where(upper, fb_all, INF)
+        cost = fb_all + (tail_all + cross) / m
+        if best is None:
+            best = {"cost": cost, "fb": fb_all, "remat": np.full(shape, bool(remat)), "zero": zeros, "least": least}
+        else:
+            take = cost < best["cost"]
+            best["cost"], best["fb"] = np.where(take, cost, best["cost"]), np.where(take, fb_all, best["fb"])
+            best["remat"] = np.where(take, bool(remat), best["remat"])
+            best["zero"] = [np.where(take, z, old) for z, old in zip(zeros, best["zero"])]
+            best["least"] = np.minimum(least, best["least"])
+    best["offload"] = [np.zeros(shape, dtype=int) for _ in stages]
+    return best
+
+
+def _meshes(problem: Problem, s: StageChoice, b: int) -> list[StageConfig]:
+    """A stage's devices as each mesh the search could give them at microbatches of `b`
+    rows (tensor parallelism within a node, a data-parallel degree dividing the rows),
+    its own first: a variant's coarser microbatches may suit another split better."""
+    k = problem.kind(s.kind)
+    own = StageConfig(s.kind, s.dp, s.tp)
+    others = [StageConfig(s.kind, s.devices // t, t) for t in (1, 2, 4, 8)
+              if t != s.tp and t <= min(problem.max_tp, k.devices_per_node) and s.devices % t == 0 and b % (s.devices // t) == 0]
+    return [own, *others]
+
+
+def _part(costs: StageCosts, cfg: StageConfig, rows: int, m: int, held: int, last: bool, remat: str) -> tuple[np.ndarray, ...]:
+    """A mixed stage's part on `rows` of every microbatch, for every layer range: the
+    least of `m` forwards and backwards plus the tail over its ZeRO stages that fit
+    (inf where none does), that choice's forward and backward, its tail, its ZeRO stage."""
+    shape = (costs.n + 1, costs.n + 1)
+    cost, fb, tail, zeros = np.full(shape, INF), np.full(shape, INF), np.zeros(shape), np.zeros(shape, dtype=int)
+    for zero in costs.zero_stages(cfg):
+        v = costs.variant(cfg, rows, held, last, zero, remat)
+        fits = np.broadcast_to(v.memory.total, shape) <= costs.capacity(cfg.kind)
+        f_b = np.broadcast_to(v.forward + v.backward, shape)
+        t = np.broadcast_to(v.tail, shape)
+        c = np.where(fits, m * f_b + t, INF)
+        take = c < cost
+        cost, fb, tail, zeros = np.where(take, c, cost), np.where(take, f_b, fb), np.where(take, t, tail), np.where(take, zero, zeros)
+    return cost, fb, tail, zeros
+
+
 def _coarser(problem: Problem, choice: PlanChoice) -> list[int]:
-    """The finalist's microbatch count and up to two coarser ones the problem allows:
+    """The finalist's microbatch count and up to `COARSER` coarser ones the problem allows:
     a part's share is whole examples, so larger microbatches split closer to speed."""
     batch, m = choice.replica_batch[0], choice.num_microbatches
     allowed = problem.microbatches
@@ -154,25 +374,6 @@ def _coarser(problem: Problem, choice: PlanChoice) -> list[int]:
         if n >= 1 and batch % n == 0 and (allowed is None or n in allowed) and batch // n >= problem.min_microbatch:
             out.append(n)
     return list(dict.fromkeys(out))
-
-
-def _grown(choice: PlanChoice, p: int) -> list[PlanChoice]:
-    """`choice`, and `choice` with stage `p` taking 1..MAX_SHIFT layers from the stage
-    before or after it (each keeps one at least)."""
-    out = [choice]
-    stages = choice.stages
-    for k in range(1, MAX_SHIFT + 1):
-        if p > 0 and stages[p - 1].layer_end - k > stages[p - 1].layer_start:
-            moved = list(stages)
-            moved[p - 1] = replace(stages[p - 1], layer_end=stages[p - 1].layer_end - k)
-            moved[p] = replace(stages[p], layer_start=stages[p].layer_start - k)
-            out.append(replace(choice, stages=tuple(moved)))
-        if p + 1 < len(stages) and stages[p + 1].layer_start + k < stages[p + 1].layer_end:
-            moved = list(stages)
-            moved[p + 1] = replace(stages[p + 1], layer_start=stages[p + 1].layer_start + k)
-            moved[p] = replace(stages[p], layer_end=stages[p].layer_end + k)
-            out.append(replace(choice, stages=tuple(moved)))
-    return out
 
 
 def _layouts(problem: Problem, costs: StageCosts, kind: str, devices: int, stage: StageChoice,
@@ -208,6 +409,13 @@ def _mixed(choice: PlanChoice, p: int, parts: list[tuple[StageConfig, int, float
            costs: StageCosts) -> PlanChoice | None:
     """`choice` with stage `p` joined by `parts` (mesh, ZeRO stage, examples per
     second), rows by speed, at least one per data-parallel device."""
+    return _mixed_split(choice, p, parts, b, costs)[0]
+
+
+def _mixed_split(choice: PlanChoice, p: int, parts: list[tuple[StageConfig, int, float]], b: int,
+                 costs: StageCosts) -> tuple[PlanChoice | None, float]:
+    """`_mixed`, and how far its whole rows leave the slowest part behind a split in
+    proportion to speed (its time over the ideal, less one; inf where none splits)."""
     lead = choice.stages[p]
     cfg = StageConfig(lead.kind, lead.dp, lead.tp)
     v = costs.variant(cfg, b, 1, False, lead.zero, "full" if lead.remat else "")
@@ -215,14 +423,16 @@ def _mixed(choice: PlanChoice, p: int, parts: list[tuple[StageConfig, int, float
                                                                                      lead.layer_start, lead.layer_end)
     speeds = [b / seconds if seconds > 0 else 1.0, *(speed for _, _, speed in parts)]
     try:
-        rows = proportional_examples(b, speeds, unit=[lead.dp, *(c.dp for c, _, _ in parts)])
+        rows = proportional_examples(b, speeds, least=costs.problem.min_microbatch,  # a part's rows trace as a microbatch
+                                     unit=[lead.dp, *(c.dp for c, _, _ in parts)])
     except PlanningError:
-        return None
+        return None, INF
     stages = list(choice.stages)
     stages[p] = replace(lead, examples=rows[0])
     for (c, zero, _), n in zip(parts, rows[1:]):
         stages.append(replace(lead, kind=c.kind, dp=c.dp, tp=c.tp, zero=zero, offload="", part_of=p, examples=n))
-    return replace(choice, stages=tuple(stages))
+    off = max(n / v for n, v in zip(rows, speeds)) * sum(speeds) / b - 1
+    return replace(choice, stages=tuple(stages)), off
 
 
 def _with_costs(choice: PlanChoice, cost) -> PlanChoice:  # noqa: ANN001
