@@ -217,7 +217,10 @@ class ParallelFunction:
 
 def _shape_key(x: Any) -> tuple:
     """An argument's part of the cache key: shape and dtype (read from arrays as they
-    are; only Python scalars are made into arrays to learn theirs)."""
+    are; only Python scalars are made into arrays to learn theirs). Runs per leaf per
+    call: a jax Array's aval holds both, a tuple already."""
+    if isinstance(x, jax.Array):
+        return x.shape, x.dtype
     if not hasattr(x, "dtype"):
         x = as_array(x)
     return tuple(x.shape), x.dtype
