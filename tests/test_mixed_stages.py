@@ -193,10 +193,11 @@ def test_the_planner_chooses_a_mixed_stage_where_the_estimator_says_it_wins(monk
     assert fast.step_s == pytest.approx(estimate(_synthetic(2e10), decisions(fast)).step_s)  # the one estimator's price
 
 
-def test_a_planned_mixed_stage_becomes_a_plan_that_runs(monkeypatch):
-    """The planner's mixed choice through the whole pipeline (to_plan: the parts on
-    the idle devices; sharding, placement, operator stages), with parity: the search's
-    widening is forced to mix the last stage with the idle T4s."""
+def _force_t4_part(monkeypatch, t4_zero: int, lead_zero: int | None = None) -> None:
+    """The search's widening forced to mix the last stage of the first one-pipeline,
+    one-chunk finalist without T4s with the idle T4s (at ZeRO `t4_zero`; the lead at
+    `lead_zero` where given), so the planner's mixed choice is tested through the whole
+    pipeline whichever plan would win."""
     from solver.planner import search as planner_search
 
     def forced(problem, found, costs):
@@ -204,12 +205,21 @@ def test_a_planned_mixed_stage_becomes_a_plan_that_runs(monkeypatch):
         if best is None:  # the idle-kinds note's search, every kind in use
             return found
         last = len(best.stages) - 1
+        if lead_zero is not None:
+            best = replace(best, stages=tuple(replace(s, zero=lead_zero) if i == last else s for i, s in enumerate(best.stages)))
         t4 = next(k for k in problem.kinds if k.name == "T4")
         b = best.replica_batch[0] // best.num_microbatches
-        mixed = planner_mixed._mixed(best, last, [(StageConfig("T4", t4.count, 1), 0, 1.0)], b, costs)
+        mixed = planner_mixed._mixed(best, last, [(StageConfig("T4", t4.count, 1), t4_zero, 1.0)], b, costs)
         return [planner_mixed._with_costs(mixed, estimate(problem, decisions(mixed), costs))]
 
     monkeypatch.setattr(planner_search, "with_mixed_stages", forced)
+
+
+def test_a_planned_mixed_stage_becomes_a_plan_that_runs(monkeypatch):
+    """The planner's mixed choice through the whole pipeline (to_plan: the parts on
+    the idle devices; sharding, placement, operator stages), with parity: the search's
+    widening is forced to mix the last stage with the idle T4s."""
+    _force_t4_part(monkeypatch, t4_zero=0)
     w = _mlp()
     cluster, plan = _plan(w, THREE_KINDS, num_stages=None)  # the planner's choice
     assert len(plan.mixed_stages) == 1
@@ -336,20 +346,7 @@ def test_a_planned_part_with_its_own_zero_stage_runs(monkeypatch):
     """The planner gives a part its own ZeRO stage (the least that fits it, whatever
     its lead's): a T4 part at ZeRO-2 beside a lead without, through to_plan and the
     sharding pass, with parity."""
-    from solver.planner import search as planner_search
-
-    def forced(problem, found, costs):
-        best = next((c for c in found if len(c.replica_batch) == 1 and c.chunks == 1 and "T4" not in {s.kind for s in c.stages}), None)
-        if best is None:
-            return found
-        last = len(best.stages) - 1
-        best = replace(best, stages=tuple(replace(s, zero=0) if i == last else s for i, s in enumerate(best.stages)))
-        t4 = next(k for k in problem.kinds if k.name == "T4")
-        b = best.replica_batch[0] // best.num_microbatches
-        mixed = planner_mixed._mixed(best, last, [(StageConfig("T4", t4.count, 1), 2, 1.0)], b, costs)
-        return [planner_mixed._with_costs(mixed, estimate(problem, decisions(mixed), costs))]
-
-    monkeypatch.setattr(planner_search, "with_mixed_stages", forced)
+    _force_t4_part(monkeypatch, t4_zero=2, lead_zero=0)
     w = _mlp()
     cluster, plan = _plan(w, THREE_KINDS, num_stages=None)
     lead, t4 = plan.parts(plan.mixed_stages[0])
