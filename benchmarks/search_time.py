@@ -87,7 +87,7 @@ def main() -> None:
                           f"{b.plan.mfu:.1%}", f"{b.plan.throughput / best.throughput:.2f}", b.plan.describe()[:60])
         console.print(table)
         console.print(f"upper bound (each kind alone, summed): {found.upper_bound * problem.tokens_per_example:,.0f} tokens/s; "
-                      (f"hetpar reaches {found.bound_ratio:.1%}" if found.bound_ratio is not None else "no kind alone fits the model") + (f"; search stopped with a gap of {found.gap:.1%}" if found.gap else ""))
+                      + (f"hetpar reaches {found.bound_ratio:.1%}" if found.bound_ratio is not None else "no kind alone fits the model") + (f"; search stopped with a gap of {found.gap:.1%}" if found.gap else ""))
         throughput = {b.name: b.plan.throughput for b in baselines if b.plan is not None}
         metis_s = next(b.search_s for b in baselines if b.name == "metis_like")
         ratio = "none" if found.bound_ratio is None else f"{found.bound_ratio:.3f}"
