@@ -246,17 +246,30 @@ def _one_mixed_stage(rows=(6, 2), zero=0):
                       StageDecision("slow", 4, 1, 0, 8, zero=zero, part_of=0, examples=rows[1])), 4, "1f1b", (32,))
 
 
-def test_the_mixed_position_updates_at_its_slowest_parts_pace():
-    """Every part holds and updates its own copy of the stage's state (as its memory
-    says), so a part on slow memory makes the position's update slow, not the lead's."""
+def test_the_mixed_position_updates_on_its_lead_and_copies_the_parameters_to_its_parts():
+    """As the runtime runs it: the lead alone holds the optimizer state and updates
+    (a part on slow memory does not slow the update), and the next step moves the
+    new parameters to the other parts over the link between the kinds, each of a
+    part's devices its shard through its node's share of the link."""
+    from solver.cost.decisions import Decisions, StageDecision
+    from solver.cost.mixed import parameter_copy_s
+    params = 8 * 2**26  # the stage's layers' bytes
+    alone = Decisions((StageDecision("fast", 4, 1, 0, 8),), 4, "1f1b", (32,))  # the lead's update without parts
     for slow_memory in (1e12, 1e10):
-        cost = estimate(_two_kinds(slow_memory=slow_memory), _one_mixed_stage())
-        lead, part = cost.stages
-        assert lead.optimizer_s == pytest.approx(max(lead.optimizer_s, part.optimizer_s))
-        assert lead.optimizer_s == pytest.approx(part.optimizer_s) or lead.optimizer_s > part.optimizer_s
-    slow = estimate(_two_kinds(slow_memory=1e10), _one_mixed_stage())
-    assert slow.stages[0].optimizer_s == pytest.approx(slow.stages[1].optimizer_s)
-    assert slow.stages[0].optimizer_s > 10 * estimate(_two_kinds(slow_memory=1e12), _one_mixed_stage()).stages[0].optimizer_s
+        problem = _two_kinds(slow_memory=slow_memory)
+        lead, part = estimate(problem, _one_mixed_stage()).stages
+        assert part.memory.optimizer_state == 0 < lead.memory.optimizer_state
+        assert part.memory.parameters == pytest.approx(lead.memory.parameters)
+        # 4 slow devices, one node, each receiving all the layers' bytes, sharing 1e10 B/s
+        own = estimate(problem, alone).stages[0].optimizer_s
+        assert lead.optimizer_s - own == pytest.approx(4 * params / 1e10 + 1e-5, rel=1e-6)
+    fast = estimate(_two_kinds(slow_memory=1e12), _one_mixed_stage()).stages[0].optimizer_s
+    assert estimate(_two_kinds(slow_memory=1e10), _one_mixed_stage()).stages[0].optimizer_s == pytest.approx(fast)
+    slower = estimate(_two_kinds(between=1e9), _one_mixed_stage()).stages[0].optimizer_s
+    assert slower - fast == pytest.approx(4 * params / 1e9 - 4 * params / 1e10, rel=1e-6)
+    problem = _two_kinds()
+    d = _one_mixed_stage()
+    assert parameter_copy_s(StageCosts(problem), list(d.parts(0))) == pytest.approx(4 * params / 1e10 + 1e-5, rel=1e-6)
 
 
 def test_the_sum_between_kinds_is_priced_as_the_same_devices_one_kind_stage_would_be():
