@@ -34,7 +34,7 @@ ESTIMATOR_VERSION = 6  # 2: shared NICs, host-staged links, blocking sends, the 
 # 3: measured layer profiles (solver.cost.measured), devices sharing one host run one after another;
 # 4: a shared host's replica combine priced from the profile's measured merges (`cross_replica_sync_s`);
 # 5: a shared host's sends priced from the profile's measured ones, both ways per microbatch (`serial_step_s`);
-# a measured layer's net time (less the per-program cost) no longer floored at zero per layer, only the stage's
+# a measured layer's net time (less the per-program cost) no longer floored at zero per layer, only the stage's;
 # 6: a mixed stage updates on its lead and copies the parameters to its parts (`solver.cost.mixed.parameter_copy_s`)
 
 
