@@ -391,3 +391,26 @@ def test_a_planned_part_takes_at_least_the_least_microbatch():
         p = replace(problem, min_microbatch=least)
         slow = planner_mixed._mixed(plain, 0, [(StageConfig("slow", 1, 1), 0, 1e-9)], b, StageCosts(p))
         assert slow is not None and slow.parts(0)[1].examples == least
+
+
+def test_the_planners_part_tables_leave_the_optimizer_state_and_update_to_the_lead():
+    """The widening's tables price a non-lead part as the estimator does: no update in
+    its tail, and its memory without the optimizer state, so a slow kind whose memory
+    holds the layers' parameters, gradients and activations but not their optimizer
+    state may still be a part (and the planner's floor stays under the estimator's)."""
+    problem = replace(_two_kinds(), zero_stages=(0,))  # the state whole on every device
+    costs = StageCosts(problem)
+    cfg = StageConfig("slow", 4, 1)
+    v = costs.variant(cfg, 2, 1, True, 0, "")
+    whole = float(np.broadcast_to(v.memory.total, (9, 9))[0, 8])
+    held = whole - float(np.broadcast_to(v.memory.optimizer_state, (9, 9))[0, 8])
+    slow = next(k for k in problem.kinds if k.name == "slow")
+    capacity = (held + whole) / 2  # between the two
+    memory = (capacity / (1 - problem.memory_reserve) + slow.process_reserve_bytes) / slow.memory_fraction
+    tight = replace(problem, kinds=tuple(replace(k, memory_bytes=int(memory)) if k is slow else k for k in problem.kinds))
+    costs = StageCosts(tight)
+    lead = planner_mixed._part(costs, cfg, 2, 4, 1, True, "", lead=True)
+    part = planner_mixed._part(costs, cfg, 2, 4, 1, True, "", lead=False)
+    assert not np.isfinite(lead[0][0, 8]) and np.isfinite(part[0][0, 8])
+    roomy = planner_mixed._part(StageCosts(problem), cfg, 2, 4, 1, True, "", lead=True)
+    assert (part[2] == 0).all() and roomy[2][0, 8] > 0  # the update: the lead's alone

@@ -280,9 +280,10 @@ def _position(problem: Problem, costs: StageCosts, stages: tuple[StageChoice, ..
     once-per-step tail over the `m` microbatches, inf where it does not fit), "fb", per
     member the ZeRO stage and offload tier picked and the recomputation the parts share,
     and "least": seconds the position is busy a step at the least, whatever its members'
-    choices that fit (each member's least `m` forwards and backwards and tail; the
-    estimator charges a mixed position its slowest part's of each), which no schedule
-    beats. `memo`: parts already priced (the variants of a finalist set share many)."""
+    choices that fit (each member's least `m` forwards and backwards, and the lead's
+    tail; the estimator charges a mixed position its slowest part's forwards and
+    backwards and its lead's update, plus the parameters' copy to the parts, left out
+    here so that "least" stays under it), which no schedule beats. `memo`: parts already priced (the variants of a finalist set share many)."""
     memo = {} if memo is None else memo
     shape = (costs.n + 1, costs.n + 1)
     upper = np.triu(np.ones(shape, dtype=bool), k=1)
@@ -313,10 +314,10 @@ def _position(problem: Problem, costs: StageCosts, stages: tuple[StageChoice, ..
     best: dict | None = None
     for remat in remats:
         fb_all, tail_all, least, zeros = np.zeros(shape), np.zeros(shape), np.zeros(shape), []
-        for s in stages:
-            key = ("part", s.kind, s.dp, s.tp, s.examples or b, m, held, last, remat)
+        for k, s in enumerate(stages):
+            key = ("part", s.kind, s.dp, s.tp, s.examples or b, m, held, last, remat, k == 0)
             if key not in memo:
-                memo[key] = _part(costs, StageConfig(s.kind, s.dp, s.tp), s.examples or b, m, held, last, remat)
+                memo[key] = _part(costs, StageConfig(s.kind, s.dp, s.tp), s.examples or b, m, held, last, remat, lead=k == 0)
             part_cost, part_fb, part_tail, part_zero = memo[key]
             fb_all, tail_all = np.maximum(fb_all, part_fb), np.maximum(tail_all, part_tail)
             least = np.maximum(least, part_cost)
@@ -346,21 +347,30 @@ def _meshes(problem: Problem, s: StageChoice, b: int) -> list[StageConfig]:
     return [own, *others]
 
 
-def _part(costs: StageCosts, cfg: StageConfig, rows: int, m: int, held: int, last: bool, remat: str) -> tuple[np.ndarray, ...]:
+def _part(costs: StageCosts, cfg: StageConfig, rows: int, m: int, held: int, last: bool, remat: str,
+          lead: bool = True) -> tuple[np.ndarray, ...]:
     """A mixed stage's part on `rows` of every microbatch, for every layer range: the
     least of `m` forwards and backwards plus the tail over its ZeRO stages that fit
-    (inf where none does), that choice's forward and backward, its tail, its ZeRO stage."""
+    (inf where none does), that choice's forward and backward, its tail, its ZeRO stage.
+    A part that is not the `lead` holds no optimizer state and runs no update, as the
+    estimator prices it (`solver.cost.mixed`): no tail, and its memory without that state."""
     shape = (costs.n + 1, costs.n + 1)
     cost, fb, tail, zeros = np.full(shape, INF), np.full(shape, INF), np.zeros(shape), np.zeros(shape, dtype=int)
     for zero in costs.zero_stages(cfg):
         v = costs.variant(cfg, rows, held, last, zero, remat)
-        fits = np.broadcast_to(v.memory.total, shape) <= costs.capacity(cfg.kind)
+        fits = np.broadcast_to(_held(v.memory, lead), shape) <= costs.capacity(cfg.kind)
         f_b = np.broadcast_to(v.forward + v.backward, shape)
-        t = np.broadcast_to(v.tail, shape)
+        t = np.broadcast_to(v.tail if lead else 0.0, shape)
         c = np.where(fits, m * f_b + t, INF)
         take = c < cost
         cost, fb, tail, zeros = np.where(take, c, cost), np.where(take, f_b, fb), np.where(take, t, tail), np.where(take, zero, zeros)
     return cost, fb, tail, zeros
+
+
+def _held(memory, lead: bool):  # noqa: ANN001, ANN202
+    """Device bytes of a part: a lead's whole memory, another part's without the
+    optimizer state (the lead alone holds it, `solver.cost.mixed.without_optimizer_state`)."""
+    return memory.total if lead else memory.total - memory.optimizer_state
 
 
 def _coarser(problem: Problem, choice: PlanChoice) -> list[int]:
@@ -392,7 +402,7 @@ def _layouts(problem: Problem, costs: StageCosts, kind: str, devices: int, stage
         share = max(cfg.dp, b * cfg.devices // max(1, devices + stage.devices))  # about the rows it would take
         for zero in sorted(z for z in problem.zero_stages if z == 0 or cfg.dp > 1):
             v = costs.variant(cfg, share, 1, False, zero, remat)
-            if _at(v.memory.total, v.forward.shape, i, j) > costs.capacity(kind):
+            if _at(_held(v.memory, lead=False), v.forward.shape, i, j) > costs.capacity(kind):
                 continue
             seconds = _at(v.forward, v.forward.shape, i, j) + _at(v.backward, v.forward.shape, i, j)
             if seconds > 0:
