@@ -22,7 +22,7 @@ from solver.cost.problem import DeviceKind, LayerCost, Problem
 from solver.cost.stage_costs import StageConfig, StageCosts
 from solver.planner import Planner
 from solver.planner import mixed as planner_mixed
-from solver.planner.step import decisions
+from solver.planner.step import decisions, with_costs
 
 THREE_KINDS = {"A100": 2, "V100": 2, "T4": 2}
 FOUR_KINDS = {"H100": 2, "A100": 2, "V100": 2, "T4": 2}
@@ -210,7 +210,7 @@ def _force_t4_part(monkeypatch, t4_zero: int, lead_zero: int | None = None) -> N
         t4 = next(k for k in problem.kinds if k.name == "T4")
         b = best.replica_batch[0] // best.num_microbatches
         mixed = planner_mixed._mixed(best, last, [(StageConfig("T4", t4.count, 1), t4_zero, 1.0)], b, costs)
-        return [planner_mixed._with_costs(mixed, estimate(problem, decisions(mixed), costs))]
+        return [with_costs(mixed, estimate(problem, decisions(mixed), costs))]
 
     monkeypatch.setattr(planner_search, "with_mixed_stages", forced)
 
@@ -259,6 +259,7 @@ def test_the_mixed_position_updates_on_its_lead_and_copies_the_parameters_to_its
         problem = _two_kinds(slow_memory=slow_memory)
         lead, part = estimate(problem, _one_mixed_stage()).stages
         assert part.memory.optimizer_state == 0 < lead.memory.optimizer_state
+        assert part.optimizer_s == 0  # no update of its own (nor in a shared host's serial step)
         assert part.memory.parameters == pytest.approx(lead.memory.parameters)
         # 4 slow devices, one node, each receiving all the layers' bytes, sharing 1e10 B/s
         own = estimate(problem, alone).stages[0].optimizer_s

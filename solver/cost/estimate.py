@@ -23,7 +23,7 @@ import numpy as np
 from solver.memory import OFFLOAD_TIERS, DeviceMemory, in_flight
 from solver.pipeline_sim import MAX_SIMULATED_MICROBATCHES, Simulation, pipeline_time, simulate, step_time
 from solver.cost.decisions import Decisions, StageDecision
-from solver.cost.mixed import check_parts, mixed_position, without_optimizer_state
+from solver.cost.mixed import as_part, check_parts, mixed_position
 from solver.cost.problem import PlanningError, Problem
 from solver.cost.stage_costs import StageConfig, StageCosts
 from solver.schedules import StageTimes
@@ -167,7 +167,7 @@ def estimate(problem: Problem, decisions: Decisions, costs: StageCosts | None = 
             parts = d.parts(index[id(s)])
             if parts:  # a mixed-kind stage: each part priced at its rows, the slowest sets the pace
                 mine = [_priced(costs, q, q.config, q.examples, held, p == n - 1, following) for q in parts]
-                mine[1:] = [(*r_[:6], without_optimizer_state(r_[6]), *r_[7:]) for r_ in mine[1:]]
+                mine[1:] = [as_part(r_) for r_ in mine[1:]]
                 for q, r_ in zip(parts[1:], mine[1:]):
                     priced[index[id(q)]] = StageCost(*r_[1:6], r_[6], r_[7], r_[6].total, r_[8], r_[6].host,
                                                      costs.host_capacity(q.kind), r_[6].nvme, costs.nvme_capacity(q.kind))

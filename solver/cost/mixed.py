@@ -146,6 +146,13 @@ def without_optimizer_state(memory: DeviceMemory) -> DeviceMemory:
     return replace(memory, optimizer_state=0.0, host=0.0, nvme=0.0)
 
 
+def as_part(priced: tuple) -> tuple:
+    """A non-lead part's row as `estimate` assembles stages (s, forward, backward, send,
+    sync, optimizer, memory, capacity, hidden): no update of its own and no optimizer
+    state, so neither its view nor a shared host's serial step charges them."""
+    return (*priced[:5], 0.0, without_optimizer_state(priced[6]), *priced[7:])
+
+
 def mixed_position(costs: StageCosts, parts: list[StageDecision], priced: list[tuple]) -> tuple:
     """The pipeline position of a mixed stage, as `estimate` assembles a replica's
     stages (s, forward, backward, send, sync, optimizer, memory, capacity, hidden):

@@ -33,11 +33,12 @@ import numpy as np
 
 from solver.collectives import fastest_times
 from solver.cost.estimate import estimate
+from solver.cost.mixed import without_optimizer_state
 from solver.cost.problem import PlanningError, Problem
 from solver.cost.stage_costs import INF, StageConfig, StageCosts
 from solver.memory import OFFLOAD_TIERS, in_flight
 from solver.planner.problem import PlanChoice, StageChoice
-from solver.planner.step import decisions
+from solver.planner.step import decisions, with_costs
 
 MIXED_FINALISTS = 4  # single-chunk finalists widened with mixed stages (the best few: the rest rarely overtake them)
 MAX_PART_KINDS = 2  # idle kinds joined to one stage: a stage of at most three kinds
@@ -135,7 +136,7 @@ def best_mixed(problem: Problem, choice: PlanChoice, costs: StageCosts, memo: di
                 continue
             cost = estimate(problem, decisions(c), costs)
             if cost.fits and cost.step_s < best_s:
-                best, best_s = _with_costs(c, cost), cost.step_s
+                best, best_s = with_costs(c, cost), cost.step_s
 
     for m in _coarser(problem, choice):
         b = choice.replica_batch[0] // m
@@ -206,8 +207,7 @@ def _merged(problem: Problem, choice: PlanChoice, p: int, costs: StageCosts,
     for s, cfg in zip((a, c), meshes):
         zero = s.zero if cfg.dp > 1 else 0
         v = costs.variant(cfg, b, 1, False, zero, "full" if joined.remat else "")
-        seconds = _at(v.forward, v.forward.shape, joined.layer_start, joined.layer_end) + _at(
-            v.backward, v.forward.shape, joined.layer_start, joined.layer_end)
+        seconds = _pass_s(v, joined.layer_start, joined.layer_end)
         parts.append((cfg, zero, b / seconds if seconds > 0 else 1.0))
     try:
         rows = proportional_examples(b, [speed for _, _, speed in parts], least=problem.min_microbatch,
@@ -358,19 +358,14 @@ def _part(costs: StageCosts, cfg: StageConfig, rows: int, m: int, held: int, las
     cost, fb, tail, zeros = np.full(shape, INF), np.full(shape, INF), np.zeros(shape), np.zeros(shape, dtype=int)
     for zero in costs.zero_stages(cfg):
         v = costs.variant(cfg, rows, held, last, zero, remat)
-        fits = np.broadcast_to(_held(v.memory, lead), shape) <= costs.capacity(cfg.kind)
+        held_bytes = (v.memory if lead else without_optimizer_state(v.memory)).total
+        fits = np.broadcast_to(held_bytes, shape) <= costs.capacity(cfg.kind)
         f_b = np.broadcast_to(v.forward + v.backward, shape)
         t = np.broadcast_to(v.tail if lead else 0.0, shape)
         c = np.where(fits, m * f_b + t, INF)
         take = c < cost
         cost, fb, tail, zeros = np.where(take, c, cost), np.where(take, f_b, fb), np.where(take, t, tail), np.where(take, zero, zeros)
     return cost, fb, tail, zeros
-
-
-def _held(memory, lead: bool):  # noqa: ANN001, ANN202
-    """Device bytes of a part: a lead's whole memory, another part's without the
-    optimizer state (the lead alone holds it, `solver.cost.mixed.without_optimizer_state`)."""
-    return memory.total if lead else memory.total - memory.optimizer_state
 
 
 def _coarser(problem: Problem, choice: PlanChoice) -> list[int]:
@@ -402,9 +397,9 @@ def _layouts(problem: Problem, costs: StageCosts, kind: str, devices: int, stage
         share = max(cfg.dp, b * cfg.devices // max(1, devices + stage.devices))  # about the rows it would take
         for zero in sorted(z for z in problem.zero_stages if z == 0 or cfg.dp > 1):
             v = costs.variant(cfg, share, 1, False, zero, remat)
-            if _at(_held(v.memory, lead=False), v.forward.shape, i, j) > costs.capacity(kind):
+            if _at(without_optimizer_state(v.memory).total, v.forward.shape, i, j) > costs.capacity(kind):
                 continue
-            seconds = _at(v.forward, v.forward.shape, i, j) + _at(v.backward, v.forward.shape, i, j)
+            seconds = _pass_s(v, i, j)
             if seconds > 0:
                 out.append((cfg, zero, share / seconds))
             break
@@ -413,6 +408,12 @@ def _layouts(problem: Problem, costs: StageCosts, kind: str, devices: int, stage
 
 def _at(x, shape: tuple, i: int, j: int) -> float:  # noqa: ANN001
     return float(np.broadcast_to(x, shape)[i, j])
+
+
+def _pass_s(v, i: int, j: int) -> float:  # noqa: ANN001
+    """A variant's forward and backward of one microbatch over layers [i, j): what a
+    part's speed (rows over it) is reckoned from."""
+    return _at(v.forward, v.forward.shape, i, j) + _at(v.backward, v.forward.shape, i, j)
 
 
 def _mixed(choice: PlanChoice, p: int, parts: list[tuple[StageConfig, int, float]], b: int,
@@ -429,8 +430,7 @@ def _mixed_split(choice: PlanChoice, p: int, parts: list[tuple[StageConfig, int,
     lead = choice.stages[p]
     cfg = StageConfig(lead.kind, lead.dp, lead.tp)
     v = costs.variant(cfg, b, 1, False, lead.zero, "full" if lead.remat else "")
-    seconds = _at(v.forward, v.forward.shape, lead.layer_start, lead.layer_end) + _at(v.backward, v.forward.shape,
-                                                                                     lead.layer_start, lead.layer_end)
+    seconds = _pass_s(v, lead.layer_start, lead.layer_end)
     speeds = [b / seconds if seconds > 0 else 1.0, *(speed for _, _, speed in parts)]
     try:
         rows = proportional_examples(b, speeds, least=costs.problem.min_microbatch,  # a part's rows trace as a microbatch
@@ -443,11 +443,3 @@ def _mixed_split(choice: PlanChoice, p: int, parts: list[tuple[StageConfig, int,
         stages.append(replace(lead, kind=c.kind, dp=c.dp, tp=c.tp, zero=zero, offload="", part_of=p, examples=n))
     off = max(n / v for n, v in zip(rows, speeds)) * sum(speeds) / b - 1
     return replace(choice, stages=tuple(stages)), off
-
-
-def _with_costs(choice: PlanChoice, cost) -> PlanChoice:  # noqa: ANN001
-    """`choice` with each stage's figures and the step the estimator's."""
-    stages = tuple(replace(s, forward_s=c.forward_s, backward_s=c.backward_s, send_s=c.send_s, sync_s=c.sync_s,
-                           optimizer_s=c.optimizer_s, memory_bytes=int(c.group_memory_bytes), memory_capacity=c.capacity)
-                   for s, c in zip(choice.stages, cost.stages))
-    return replace(choice, stages=stages, step_s=cost.step_s, peak_flops=cost.peak_flops)

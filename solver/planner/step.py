@@ -38,6 +38,14 @@ def with_estimate(problem: Problem, choice: PlanChoice, costs: StageCosts | None
     return replace(choice, step_s=priced(problem, choice, costs).step_s)
 
 
+def with_costs(choice: PlanChoice, cost: PlanCost) -> PlanChoice:
+    """`choice` with each stage's figures and the step the estimator's `cost` of it."""
+    stages = tuple(replace(s, forward_s=c.forward_s, backward_s=c.backward_s, send_s=c.send_s, sync_s=c.sync_s,
+                           optimizer_s=c.optimizer_s, memory_bytes=int(c.group_memory_bytes), memory_capacity=c.capacity)
+                   for s, c in zip(choice.stages, cost.stages))
+    return replace(choice, stages=stages, step_s=cost.step_s, peak_flops=cost.peak_flops)
+
+
 def rank(problem: Problem, choices: list[PlanChoice], costs: StageCosts | None = None) -> list[PlanChoice]:
     """Finalists priced by the estimator, fastest first."""
     return sorted((with_estimate(problem, c, costs) for c in choices), key=lambda c: c.step_s)
