@@ -125,14 +125,7 @@ def interpret(step: CompiledStep, transport: Transport, flat_args: Sequence[Any]
     def fetch(value: int, mb: int | None, replica: int, stage: int, target: Any) -> Any:
         if mb is not None and stage in rows:
             return parts.fetch(value, mb, replica, stage, target)
-        key = (value, mb, replica)
-        copies = store.get(key)
-        if copies is None and mb is None and value in inputs and (replica == 0 or (value, None, 0) not in store):
-            # A step argument read whole (a parameter), the first time this step: most
-            # of a step's reads, so the short way (no mixed part makes a step argument).
-            x = move(inputs[value], target)
-            store[key] = {stage: x}
-            return x
+        copies = store.get((value, mb, replica))
         if copies is None:
             if mb is not None and (value in analysis.sliced or value in inputs):
                 split(value, replica, stage, target)
@@ -241,12 +234,9 @@ def _combine_replicas(step: CompiledStep, store: dict, transport: Transport) -> 
 
 
 def _output(value: int, step: CompiledStep, store: dict, inputs: dict, transport: Transport) -> Any:
-    copies = store.get((value, None, 0))
-    if copies and value not in step.graph.constants:  # the usual output: a value made (or moved) once this step
-        for x in copies.values():
-            return x
     if value in step.graph.constants:
         return constant_output(step.constants[value], step.graph.avals[value])
+    copies = store.get((value, None, 0))
     if copies:
         return next(iter(copies.values()))
     if step.per_microbatch(value) and value not in inputs:
