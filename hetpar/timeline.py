@@ -222,7 +222,7 @@ def _lane_label(plan: Plan, lane: Lane) -> str:
     replica = f" (replica {s.replica}, {s.batch_share:.0%} of batch)" if plan.num_replicas > 1 else ""
     chunks = [c.index for c in plan.stages if c.device_ids == s.device_ids]
     name = f"stage {s.index}" if len(chunks) == 1 else f"stages {', '.join(map(str, chunks))}"
-    lead = s.part_of if s.is_part else s.index
+    lead = s.lead
     parts = plan.parts(lead)
     if parts:  # a mixed stage's part: which stage, which part, its rows
         name = f"stage {lead} part {[q.index for q in parts].index(s.index)}"

@@ -81,8 +81,8 @@ def mix_stage(plan: Plan, stage: int, parts: Sequence[Part]) -> Plan:
 
 def proportional_examples(size: int, speeds: Sequence[float], least: int = 1) -> tuple[int, ...]:
     """`size` rows split in proportion to `speeds`, whole examples, at least `least`
-    each (largest remainders): what each part of a mixed stage takes, as the planner
-    splits them (solver/planner/mixed.py). A part of one example traces differently
+    each (every row left given where it finishes soonest): what each part of a mixed
+    stage takes, as the planner splits them (solver/planner/mixed.py). A part of one example traces differently
     from the batch in many models: give parts two or more."""
     try:
         return _proportional(size, speeds, least)

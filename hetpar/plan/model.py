@@ -102,6 +102,12 @@ class StagePlan:
         return self.part_of >= 0
 
     @property
+    def lead(self) -> int:
+        """The stage whose operators this one runs and whose position it holds: a mixed
+        stage's part's lead (`Plan.operator_stages` names the lead), else itself."""
+        return self.part_of if self.is_part else self.index
+
+    @property
     def num_layers(self) -> int:
         return self.layer_end - self.layer_start
 
@@ -189,7 +195,7 @@ class Plan:
 
     def stage_label(self, stage: StagePlan) -> str:
         """How views name a stage: its index, and for a mixed stage's part which part of which stage."""
-        lead = stage.part_of if stage.is_part else stage.index
+        lead = stage.lead
         parts = self.parts(lead)
         if not parts:
             return str(stage.index)
@@ -197,7 +203,7 @@ class Plan:
 
     def rows_label(self, stage: StagePlan) -> str:
         """A mixed stage's part's rows of each microbatch, as views print them; "" otherwise."""
-        parts = self.parts(stage.part_of if stage.is_part else stage.index)
+        parts = self.parts(stage.lead)
         return f"{stage.examples}/{sum(q.examples for q in parts)} rows" if parts else ""
 
     @property

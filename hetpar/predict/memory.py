@@ -69,7 +69,7 @@ def stage_memory(
         stage_inputs = sum(graph.nbytes(v) * share(graph, analysis, v, k) for p in forward for v in p.task.inputs
                            if compiled.per_microbatch(v))
         stages = plan.replica_stages(stage.replica)
-        position = [s.index for s in stages].index(stage.part_of if stage.is_part else stage.index)  # a part: its lead's
+        position = [s.index for s in stages].index(stage.lead)  # a part: its lead's
         held = in_flight(schedule, plan.num_microbatches, position, len(stages), plan.chunks)
         workspace = max((e.temp_bytes for _, e in programs), default=0)
         price = remat if not stage.remat else ""  # a recomputing stage's programs already keep less

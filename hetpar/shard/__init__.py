@@ -159,7 +159,7 @@ def _zero(traced: TracedStep, layers: Layers, plan: Plan, stage: StagePlan, spec
     dp = mesh.get("data", 1)
     if dp == 1 or option.zero == 0:
         return specs, 0, {}
-    params = stage_params(traced, plan.stage_of_operators(stage.replica), operator_stage(stage))
+    params = stage_params(traced, plan.stage_of_operators(stage.replica), stage.lead)
     shards, axis = zero_shards(stage, mesh)
     forced = option.zero if option.zero is not None else stage.zero  # the user's, or the planner's priced choice
     if forced:
@@ -177,13 +177,6 @@ def _zero(traced: TracedStep, layers: Layers, plan: Plan, stage: StagePlan, spec
         log.info("stage %d: ZeRO-%d over %d devices of its %d-way data axis (%d of %d parameters sharded)", stage.index, zero,
                  shards, dp, sum(1 for z in levels if z), len(params))
     return specs, zero, gathered
-
-
-def operator_stage(stage: StagePlan) -> int:
-    """The stage whose operators `stage` runs: a mixed stage's part runs its lead's
-    (`Plan.operator_stages` names the lead), so it is sharded, and its ZeRO laid out,
-    over the same parameters and matmuls on its own mesh."""
-    return stage.part_of if stage.is_part else stage.index
 
 
 def kept_bytes(plan: Plan, stage: StagePlan) -> float:
@@ -304,7 +297,7 @@ class _StageSolver:
     def _solve(self, stage: StagePlan, mesh: dict[str, int]) -> tuple[dict[int, Spec], float, dict[int, tuple[Spec, Spec]], tuple]:
         traced = self.traced
         of_op = self.plan.stage_of_operators(stage.replica)
-        ops = [i for i, s in enumerate(of_op) if s == operator_stage(stage)]
+        ops = [i for i, s in enumerate(of_op) if s == stage.lead]
         batch_free = {v for v in traced.full.invars if v not in traced.analysis.batch_axis}
         sustained, half = self.speed(stage)
         link = self.link(stage)

@@ -181,7 +181,7 @@ def offloaded_state(traced: TracedStep, plan, stage) -> tuple[tuple[int, int], .
     new state it returns in its place), the pairs the stage's programs keep in host
     memory between steps."""
     graph = traced.full
-    params = stage_params(traced, plan.stage_of_operators(stage.replica), stage.part_of if stage.part_of >= 0 else stage.index)
+    params = stage_params(traced, plan.stage_of_operators(stage.replica), stage.lead)
     new_of = {old: new for new, old in zip(graph.outvars, graph.invars)
               if getattr(graph.avals[new], "shape", None) == graph.avals[old].shape}
     return tuple(sorted((o, new_of[o]) for p in params for o in p.opt if o in new_of and new_of[o] not in graph.invars))
