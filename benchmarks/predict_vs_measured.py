@@ -1,6 +1,6 @@
 """Plans predicted from measured layer profiles against the same plans run.
 
-1. Layer profiles made here (`hetpar.predict.layer_profile.measure_layers`, what
+1. Layer profiles made here (`hetpar.predict.layer_profile.layer_timing`, what
    `hetpar profile --layers` runs): each distinct layer of the benchmark GPT
    (benchmarks/step_timing.gpt_benchmark: d_model 128, 4 heads, 64 tokens, 4 blocks,
    cut into 6 layers: embedding, 4 blocks, head) timed on meshes of the data-parallel

@@ -16,8 +16,7 @@ from hetpar.cli import main
 from hetpar.errors import HetparError
 from hetpar.pipeline import layers_of
 from hetpar.plan.file import load_plan, save_plan
-from hetpar.predict.layer_profile import (LayerPointRecord, LayerRecord, LayerTiming, _Layer, layer_signatures,
-                                          measure_layers)
+from hetpar.predict.layer_profile import LayerPointRecord, LayerRecord, LayerTiming, _Layer, layer_signatures, layer_timing
 from hetpar.predict.profile import Profile
 from hetpar.trace.traced_step import trace_step
 from models import gpt
@@ -235,9 +234,9 @@ def test_plans_and_show_say_which_layers_were_measured(workload, tmp_path, capsy
 
 def test_profiling_a_steps_layers_records_each_distinct_layer(workload):
     with pytest.raises(HetparError, match="one example"):
-        measure_layers(workload.step, (workload.state, workload.batch), [0, 1], "cpu", examples=(1, 2), data_parallel=(1,))
-    records = measure_layers(workload.step, (workload.state, workload.batch), [0, 1], "cpu", examples=(2, 4),
-                             data_parallel=(1, 2), num_layers=6, remat=True, rounds=1)
+        layer_timing(workload.step, (workload.state, workload.batch), [0, 1], "cpu", examples=(1, 2), data_parallel=(1,))
+    records = layer_timing(workload.step, (workload.state, workload.batch), [0, 1], "cpu", examples=(2, 4),
+                           data_parallel=(1, 2), num_layers=6, remat=True).measure(rounds=1)
     assert len(records) == 6  # 3 distinct layers (embedding, block, head) x 2 data-parallel degrees
     assert {r.dp for r in records} == {1, 2} and all(r.shared_host and r.dtype == "float32" for r in records)
     for r in records:

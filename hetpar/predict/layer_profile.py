@@ -148,34 +148,6 @@ class _Layer:
     send: Callable[[], Any] | None = None  # the layer's input arriving from another stage's mesh (`_send_run`)
 
 
-def measure_layers(
-    fn: Callable,
-    args: tuple,
-    device_ids: Sequence[int],
-    device_kind: str,
-    examples: Sequence[int] = (1, 2, 4),
-    data_parallel: Sequence[int] = (1,),
-    num_layers: int | None = None,
-    batch_argnum: int = 1,
-    remat: bool = True,
-    rounds: int = 7,
-    back_to_back: int = 4,
-) -> list[LayerRecord]:
-    """Times each distinct layer of `fn(*args)` on meshes of the first `dp` of
-    `device_ids` for each `dp` in `data_parallel`, at `examples` per device and
-    microbatch; `num_layers`: the cut (default: the planner's, one layer per repeated
-    block plus what comes before and after). All programs of all sizes are timed in
-    one interleaved pool (`timing.median_times`); `layer_timing` holds the pool for a
-    caller that times other work in the same rounds."""
-    from hetpar.cluster.cluster import jax_devices
-    from hetpar.predict.timing import busy_clock, median_times
-
-    timing = layer_timing(fn, args, device_ids, device_kind, examples, data_parallel, num_layers, batch_argnum, remat,
-                          back_to_back)
-    log.info("timing %d layer programs", len(timing.runs))
-    return timing.records(median_times(timing.runs, rounds=rounds, clock=busy_clock(jax_devices(device_ids[:1])[0].platform)))
-
-
 @dataclass
 class LayerTiming:
     """The runs a layer profile times and how their times become records: apart, so
@@ -188,6 +160,16 @@ class LayerTiming:
     launches: list[int]  # the data-parallel degrees whose launch runs come first in `runs`
     layers: list["_Layer"]
     together: list[tuple[int, int]] = field(default_factory=list)  # (dp, examples) of the whole-model runs after them
+    platform: str = "cpu"  # of the devices timed: which clock times them (`timing.busy_clock`)
+
+    def measure(self, rounds: int = 7) -> list[LayerRecord]:
+        """Times every run in one interleaved pool (`timing.median_times`, `rounds`
+        rounds) and makes the records: a profile on its own, as `hetpar profile
+        --layers` makes it."""
+        from hetpar.predict.timing import busy_clock, median_times
+
+        log.info("timing %d layer programs", len(self.runs))
+        return self.records(median_times(self.runs, rounds=rounds, clock=busy_clock(self.platform)))
 
     def records(self, times: Sequence[float]) -> list[LayerRecord]:
         """The records of one time (seconds of `busy_clock()`, per run of `runs`) each."""
@@ -247,7 +229,11 @@ def layer_timing(
     remat: bool = True,
     back_to_back: int = 4,
 ) -> LayerTiming:
-    """The layer programs `measure_layers` times, compiled and ready to run. Each run
+    """Each distinct layer of `fn(*args)` on meshes of the first `dp` of `device_ids`
+    for each `dp` in `data_parallel`, at `examples` per device and microbatch
+    (`num_layers`: the cut; default the planner's, one layer per repeated block plus
+    what comes before and after), as programs compiled and ready to time:
+    `LayerTiming.measure` times them alone, a benchmark in its own rounds. Each run
     dispatches a program `back_to_back` times and waits once, as a pipeline's runtime
     dispatches a stage's programs one after another without waiting: a program timed
     alone and waited on also pays the devices going idle after it (on CPU, XLA's
@@ -263,7 +249,8 @@ def layer_timing(
     if min(examples) * min(data_parallel) < 2:
         raise HetparError("a microbatch of one example traces apart from larger ones (hetpar runs none): profile at "
                           "least 2 examples per microbatch, e.g. --microbatch-sizes 2,4 on one device or 1,2 on two")
-    shared = jax_devices(device_ids[:1])[0].platform == "cpu"
+    platform = jax_devices(device_ids[:1])[0].platform
+    shared = platform == "cpu"
     layers: list[_Layer] = []
     together: dict[tuple[int, int], Callable[[], Any]] = {}
     for dp in dict.fromkeys(data_parallel):
@@ -280,7 +267,7 @@ def layer_timing(
     for layer in layers:
         runs += [_repeated(r, k) for r in (layer.forward, layer.backward, layer.backward_remat, layer.merge, layer.send,
                                            *layer.once) if r is not None]
-    return LayerTiming(runs, k, list(launches), layers, list(together))
+    return LayerTiming(runs, k, list(launches), layers, list(together), platform)
 
 
 def _layer_runs(fn: Callable, args: tuple, batch_argnum: int, device_ids: Sequence[int], device_kind: str, examples: int,
