@@ -90,6 +90,30 @@ def test_the_process_that_failed_first_is_named_with_its_last_lines(tmp_path):
     assert "  | loading shard 7 of 9" in message and "  | shard 7 is corrupt" in message
 
 
+def test_a_traceback_is_quoted_whole_however_much_stdout_follows(tmp_path):
+    """A traceback of four frames (with Python's column markers), then twenty
+    progress lines on stdout: the quote keeps every frame, from the script's own
+    outermost one, and only the last few stdout lines."""
+    script = tmp_path / "train.py"
+    script.write_text("import os, sys, traceback, time\n"
+                      "def deep(n):\n"
+                      "    return deep(n - 1) if n else 1 / (n * 1)\n"
+                      "if os.environ['HETPAR_PROCESS_ID'] == '1':\n"
+                      "    try:\n"
+                      "        deep(2)\n"
+                      "    except ZeroDivisionError:\n"
+                      "        traceback.print_exc(); sys.stderr.flush()\n"
+                      "    for i in range(20): print('progress', i, flush=True)\n"
+                      "    raise SystemExit(3)\n"
+                      "time.sleep(60)\n")
+    with pytest.raises(hetpar.HetparError) as error:
+        launch_local(hetpar.Cluster.from_file(str(TWO)), [sys.executable, str(script)], timeout_s=60)
+    quoted = str(error.value).split("Its last lines:", 1)[1]
+    assert "train.py\", line 6, in <module>" in quoted and "ZeroDivisionError: division by zero" in quoted, quoted
+    assert "  | progress 19" in quoted and "progress 10" not in quoted, quoted
+    assert "^^^" not in quoted, quoted
+
+
 def test_a_command_that_does_not_exist_is_one_line(capsys):
     assert cli_main(["launch", "--cluster", str(TWO), "--", "no-such-program-hetpar"]) == 2
     err = capsys.readouterr().err

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -29,7 +30,11 @@ from typing import IO, Sequence
 
 from hetpar.errors import HetparError
 
-TAIL_LINES = 12
+TAIL_LINES = 12  # of stderr, where a traceback goes
+STDOUT_LINES = 4  # of stdout: what the program said it was doing
+# Python's column markers under a traceback's source lines: out of their place they
+# only take room from the frames.
+_MARKERS = re.compile(r"^\s*[\^~]+\s*$")
 # Run by path with -S: importing the hetpar package (and so JAX) would cost seconds.
 _SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "die_with_parent.py")
 _OUTPUT_LOCK = threading.Lock()
@@ -55,12 +60,16 @@ class Child:
         self.popen = subprocess.Popen(shim, env=env, start_new_session=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.label = label
-        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        # Per stream, each line with its place in the order read: what the program
+        # prints to stdout while its traceback is written must not push the
+        # frames out of the lines quoted.
+        self.tails: tuple[collections.deque[tuple[int, str]], ...] = (
+            collections.deque(maxlen=STDOUT_LINES), collections.deque(maxlen=TAIL_LINES))
         self.ended_at: float | None = None
         self.lines_read = 0
         self._threads = [
-            threading.Thread(target=self._forward, args=(self.popen.stdout, sys.stdout), daemon=True),
-            threading.Thread(target=self._forward, args=(self.popen.stderr, sys.stderr), daemon=True),
+            threading.Thread(target=self._forward, args=(self.popen.stdout, sys.stdout, self.tails[0]), daemon=True),
+            threading.Thread(target=self._forward, args=(self.popen.stderr, sys.stderr, self.tails[1]), daemon=True),
             threading.Thread(target=self._time_exit, daemon=True),
         ]
         for t in self._threads:
@@ -80,8 +89,9 @@ class Child:
         return self.ended_at if self.ended_at is not None else time.monotonic()
 
     def last_lines(self) -> list[str]:
-        """What it wrote last, taken before the launcher stops anyone (what the
-        others print while being stopped is noise)."""
+        """What it wrote last (its last lines of stderr and a few of stdout, in the
+        order written), taken before the launcher stops anyone (what the others
+        print while being stopped is noise)."""
         if self.poll() is not None:
             for t in self._threads[:2]:  # its pipes are closing: let the readers finish
                 t.join(timeout=0.5)
@@ -91,15 +101,16 @@ class Child:
             while seen != self.lines_read and time.monotonic() < deadline and self.poll() is None:
                 seen = self.lines_read
                 time.sleep(0.2)
-        return list(self.tail)
+        return [line for _, line in sorted([*self.tails[0], *self.tails[1]])]
 
-    def _forward(self, pipe: IO[bytes] | None, stream: IO[str]) -> None:
+    def _forward(self, pipe: IO[bytes] | None, stream: IO[str], tail: collections.deque[tuple[int, str]]) -> None:
         if pipe is None:
             return
         for raw in iter(pipe.readline, b""):
             line = raw.decode("utf-8", errors="replace")
-            self.tail.append(line.rstrip("\n"))
             self.lines_read += 1
+            if not _MARKERS.match(line):
+                tail.append((self.lines_read, line.rstrip("\n")))
             with _OUTPUT_LOCK:
                 try:
                     stream.write(line)
