@@ -118,6 +118,7 @@ class StageCosts:
         self._tables = lru_cache(maxsize=None)(self._table)
         self._measured = lru_cache(maxsize=None)(self._measured_uncached)
         self._ranges = lru_cache(maxsize=None)(self._ranges_uncached)
+        self._layer_times = lru_cache(maxsize=None)(self._layer_times_uncached)
         self.per_layer = lru_cache(maxsize=None)(self._per_layer)  # the stage tables and the planner's bounds both read it
         # A stage's times do not depend on where it sits nor on what it holds, its memory's
         # parts not on how many microbatches it holds: each priced once, not once per table.
@@ -212,21 +213,49 @@ class StageCosts:
             return sharded_state(params, 0.0 * params, 0.0 * params, dp, 0)
         return sharded_state(params, params, params * (self.problem.state_factor - 2), dp, zero)
 
+    def times_key(self, cfg: StageConfig, b: int) -> tuple:
+        """What `per_layer`'s times depend on: a kind's modelled layers run alike on every
+        stage of one model axis that gives each device as many examples (b / dp), so
+        the search prices them once per such shape, not per data axis and microbatch
+        (a shared host's, a measured layer's and two model axes' times read more)."""
+        if self.kinds[cfg.kind].shared_host or cfg.model_collectives or self.problem.measured_layers:
+            return cfg, b
+        return cfg.kind, cfg.tp, b / cfg.dp
+
     def _per_layer(self, cfg: StageConfig, b: int) -> PerLayer:
         """Each layer alone on one of these stages: the numbers every range sums, and
         what the planner's lower bounds take the least of (`state`: under the ZeRO
         stage that shards the most, so a bound never says too few layers fit)."""
         kind = self.kinds[cfg.kind]
         per_device = b / cfg.dp  # examples each data-parallel slice runs
+        shard = per_device / cfg.tp  # activations split over tensor-parallel devices too (sequence parallel)
+        params = self.tp_params(cfg.tp)
+        state = self._state(params, cfg.dp, max(self.zero_stages(cfg)))
+        held = state.state - (state.optimizer_state if self.may_offload(kind) else 0.0)  # the least on the device
+        forward, backward, rerun = self._layer_times(self.times_key(cfg, b))
+        return PerLayer(
+            forward=forward,
+            backward=backward,
+            state=held,
+            saved=self.saved * shard,
+            inputs=self.inputs * shard,
+            recomputed=self.recomputed * shard,
+            rerun=rerun,
+        )
+
+    def _layer_times_uncached(self, key: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`per_layer`'s forward, backward and rerun seconds for a `times_key`."""
+        if len(key) == 2:
+            cfg, b = key
+            per_device = b / cfg.dp  # examples each data-parallel slice runs
+        else:  # (b, the microbatch, is read only by the two-tuple keys' two model axes)
+            cfg, b, per_device = _config_of(key[0], key[1]), 0, key[2]
+        kind = self.kinds[cfg.kind]
         speed = cfg.tp * self.matmul_rates(kind, cfg, per_device, self.fwd_flops, self.matmuls)
         bwd_speed = cfg.tp * self.matmul_rates(kind, cfg, per_device, self.flops - self.fwd_flops, self.bwd_matmuls)
         tp_comm = bwd_comm = self.tp_allreduce(kind, cfg.tp, self.tp_bytes * per_device, self.tp_count)  # backward as much
         if cfg.model_collectives:  # two model axes: what its layouts run, not Megatron's
             tp_comm, bwd_comm = model_comm_s(cfg.model_collectives, kind.intra, b, self.n)
-        shard = per_device / cfg.tp  # activations split over tensor-parallel devices too (sequence parallel)
-        params = self.tp_params(cfg.tp)
-        state = self._state(params, cfg.dp, max(self.zero_stages(cfg)))
-        held = state.state - (state.optimizer_state if self.may_offload(kind) else 0.0)  # the least on the device
         trains = float(self.problem.training)  # a forward-only function has no backward
         # memory-bound operators: their bytes, split like the activations where tensor parallelism splits them
         streaming = per_device * (self.elementwise_split / cfg.tp + 1 - self.elementwise_split) / kind.memory_bandwidth
@@ -239,15 +268,7 @@ class StageCosts:
         for layer, price in self.measured(cfg, per_device).items():  # measured beats modelled
             forward[layer], backward[layer] = price.forward_s, trains * price.backward_s
             rerun[layer] = price.forward_s if price.rerun_s is None else price.rerun_s
-        return PerLayer(
-            forward=forward,
-            backward=backward,
-            state=held,
-            saved=self.saved * shard,
-            inputs=self.inputs * shard,
-            recomputed=self.recomputed * shard,
-            rerun=rerun,
-        )
+        return forward, backward, rerun
 
     def measured(self, cfg: StageConfig, per_device: float) -> dict[int, LayerPrice]:
         """The layers `Problem.measured_layers` prices on this stage config, at
@@ -563,6 +584,12 @@ class StageCosts:
         out = np.concatenate([out, [INF]])  # no cut after the last layer
         out.setflags(write=False)
         return out
+
+
+@lru_cache(maxsize=None)
+def _config_of(kind: str, tp: int) -> StageConfig:
+    """A one-slice stage of `kind` on a `tp`-wide model axis: whose per-layer times a `times_key` names."""
+    return StageConfig(kind, 1, tp)
 
 
 __all__ = ["INF", "StageConfig", "StageCosts", "StageTable", "StageVariant", "in_flight"]  # in_flight: solver.memory's, re-exported
