@@ -21,6 +21,7 @@ from solver.collectives import Topology, best, fastest_times
 from solver.efficiency import matmul_rate
 from solver.memory import (OFFLOAD_TIERS, DeviceMemory, StageActivations, in_flight, model_split_bytes, offloaded,
                            sharded_state, stage_memory)
+from solver.cost.choice_memory import ChoiceMemory
 from solver.cost.measured import LayerPrice, lookup
 from solver.cost.model_axes import model_comm_s
 from solver.cost.problem import DeviceKind, Problem
@@ -125,6 +126,7 @@ class StageCosts:
         self._times = lru_cache(maxsize=None)(self._times_uncached)
         self._table_times = lru_cache(maxsize=None)(self._table_times_uncached)
         self._held_memory = lru_cache(maxsize=None)(self._held_memory_uncached)
+        self._choice_memory = ChoiceMemory(self)  # a table's memory for all its choices at once
         self._params_max = lru_cache(maxsize=None)(lambda tp: _range_max(self.tp_params(tp)))
         self._grads = lru_cache(maxsize=None)(lambda tp: _span(_cumsum(self.tp_params(tp))))
         # ZeRO's collectives and the tail depend on the stage alone, not on its
@@ -214,10 +216,9 @@ class StageCosts:
         return sharded_state(params, params, params * (self.problem.state_factor - 2), dp, zero)
 
     def times_key(self, cfg: StageConfig, b: int) -> tuple:
-        """What `per_layer`'s times depend on: a kind's modelled layers run alike on every
-        stage of one model axis that gives each device as many examples (b / dp), so
-        the search prices them once per such shape, not per data axis and microbatch
-        (a shared host's, a measured layer's and two model axes' times read more)."""
+        """What `per_layer`'s times depend on: modelled layers run alike on every stage of a
+        kind and model axis giving each device as many examples (b / dp), so the search
+        prices them once per such shape (a shared host's, measured and two model axes' read more)."""
         if self.kinds[cfg.kind].shared_host or cfg.model_collectives or self.problem.measured_layers:
             return cfg, b
         return cfg.kind, cfg.tp, b / cfg.dp
@@ -245,11 +246,8 @@ class StageCosts:
 
     def _layer_times_uncached(self, key: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """`per_layer`'s forward, backward and rerun seconds for a `times_key`."""
-        if len(key) == 2:
-            cfg, b = key
-            per_device = b / cfg.dp  # examples each data-parallel slice runs
-        else:  # (b, the microbatch, is read only by the two-tuple keys' two model axes)
-            cfg, b, per_device = _config_of(key[0], key[1]), 0, key[2]
+        cfg, b = key if len(key) == 2 else (StageConfig(key[0], 1, key[1]), 0)  # b: read by two model axes only
+        per_device = b / cfg.dp if len(key) == 2 else key[2]  # examples each data-parallel slice runs
         kind = self.kinds[cfg.kind]
         speed = cfg.tp * self.matmul_rates(kind, cfg, per_device, self.fwd_flops, self.matmuls)
         bwd_speed = cfg.tp * self.matmul_rates(kind, cfg, per_device, self.flops - self.fwd_flops, self.bwd_matmuls)
@@ -336,12 +334,22 @@ class StageCosts:
         rows: list[tuple[int, str, str]] = []  # (ZeRO stage, recomputation, offload tier) per stacked row
         stacked: dict[str, list[np.ndarray]] = {name: [] for name in (*fields, "memory")}
         costs: list[np.ndarray] = []
+        plain = totals = np.zeros(0)  # the on-device choices' costs and memory, all at once (`ChoiceMemory`)
         host, disk = self.host_capacity(cfg.kind), self.nvme_capacity(cfg.kind)
         for offload in tiers:
             # Offloading only adds time: a tier is tried where some range fits in none tried
             # before it (host memory before disk), unless it is the only one allowed.
             if offload and (not host or offload == "nvme" and not disk
                             or costs and (np.min(costs, axis=0)[self._upper] < INF).all()):
+                continue
+            if not offload:  # every choice at once, by `variant`'s own sums (`ChoiceMemory`)
+                totals = self._choice_memory.totals(cfg, b, held, last, choices)
+                plain = np.where(totals <= capacity, time_cost, INF)
+                stacked["memory"] += list(totals)
+                for name in fields:
+                    stacked[name] += list(fields[name])
+                costs += list(plain)
+                rows += [(zero, remat, "") for zero, remat in choices]
                 continue
             for i, (zero, remat) in enumerate(choices):
                 v = self.variant(cfg, b, held, last, zero, remat, offload=offload)
@@ -356,10 +364,11 @@ class StageCosts:
                 cost = time_cost[i] if not offload else m * (fields["forward"][i] + fields["backward"][i]) + tail
                 costs.append(np.where(_full(fits, shape), cost, INF))
                 rows.append((zero, remat, offload))
-        cost = np.stack(costs)
+        only_plain = len(rows) == len(choices) and all(o == "" for _, _, o in rows)
+        cost = plain if only_plain else np.stack(costs)
         pick = cost.argmin(axis=0)  # the first of the fastest, in the order above (ties keep the simpler choice)
-        if len(rows) == len(choices) and all(o == "" for _, _, o in rows):
-            stacked.update(fields)  # the times, already stacked in this order (`_table_times`): not stacked again
+        if only_plain:  # the times, already stacked in this order (`_table_times`), and the memory: not stacked again
+            stacked.update(fields, memory=totals)
         cells = pick * pick.size + self._cells  # each range's entry in its picked row of a stack, flattened
         out = {name: (value if isinstance(value, np.ndarray) else np.stack(value)).reshape(-1)[cells]
                for name, value in stacked.items()}
@@ -584,12 +593,6 @@ class StageCosts:
         out = np.concatenate([out, [INF]])  # no cut after the last layer
         out.setflags(write=False)
         return out
-
-
-@lru_cache(maxsize=None)
-def _config_of(kind: str, tp: int) -> StageConfig:
-    """A one-slice stage of `kind` on a `tp`-wide model axis: whose per-layer times a `times_key` names."""
-    return StageConfig(kind, 1, tp)
 
 
 __all__ = ["INF", "StageConfig", "StageCosts", "StageTable", "StageVariant", "in_flight"]  # in_flight: solver.memory's, re-exported
