@@ -14,6 +14,7 @@ state + activations + workspace), in the same order: each figure is `variant`'s.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -41,9 +42,14 @@ class _Parts(NamedTuple):
 class ChoiceMemory:
     """Bytes per device of every on-device choice of one stage, per held count."""
 
+    # Stacks kept, the least recently used dropped: a stack is a few MiB on an 80-layer
+    # model, and a stage's tables are mostly asked for together (on the 768-GPU
+    # scenario 16 rebuild a quarter more stacks than keeping all 101, ~200 MiB).
+    KEEP = 16
+
     def __init__(self, costs: StageCosts):
         self.costs = costs
-        self._parts: dict[tuple[StageConfig, int, bool, tuple[tuple[int, str], ...]], _Parts] = {}
+        self._parts: OrderedDict[tuple[StageConfig, int, bool, tuple[tuple[int, str], ...]], _Parts] = OrderedDict()
 
     def totals(self, cfg: StageConfig, b: int, held: int, last: bool, choices: list[tuple[int, str]]) -> np.ndarray:
         """(choices, L+1, L+1): each choice's bytes per device with `held` microbatches in
@@ -54,7 +60,11 @@ class ChoiceMemory:
 
     def _stacked(self, cfg: StageConfig, b: int, last: bool, choices: tuple[tuple[int, str], ...]) -> _Parts:
         key = (cfg, b, last, choices)
-        if key not in self._parts:
+        if key in self._parts:
+            self._parts.move_to_end(key)
+        else:
+            if len(self._parts) >= self.KEEP:
+                self._parts.popitem(last=False)
             shape = (self.costs.n + 1, self.costs.n + 1)
             rows = []
             for zero, remat in choices:
