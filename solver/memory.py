@@ -145,20 +145,31 @@ def sharded_state(param_bytes: float, gradient_bytes: float, optimizer_bytes: fl
     )
 
 
-def activation_bytes(per_microbatch: StageActivations, held: int, remat: str = "", fused: bool = False) -> float:
-    """Activations a device keeps with `held` microbatches in flight under `remat`.
-    `fused`: the stage runs forward and backward as one program (a pipeline's last)."""
+def activation_parts(per_microbatch: StageActivations, remat: str = "",
+                     fused: bool = False) -> tuple[float | np.ndarray, float | np.ndarray, float | np.ndarray]:
+    """`activation_bytes`'s three parts under `remat`: bytes per microbatch in flight,
+    bytes held once (what a rerun forward holds), and the backward's working buffers.
+    Apart so that the planner's stage tables price every choice at once from one set
+    of parts (`solver.cost.choice_memory`) by the same sums."""
     if remat not in REMAT_POLICIES:
         raise ValueError(f"unknown recomputation policy {remat!r}; use one of {REMAT_POLICIES}")
     a = per_microbatch
     working = 2 * a.largest  # the cotangent an operator's backward receives and the one it passes on
     if fused or not remat:
-        return a.saved * (1 if fused else held) + working
+        return a.saved, 0.0, working
     dots = a.dots if remat == "dots" else 0.0
     rerun = a.saved if a.recomputed is None else a.recomputed
     if a.rerun_working is not None:
         working = a.rerun_working
-    return (a.inputs + dots) * held + np.maximum(rerun - dots, 0.0) + working
+    return a.inputs + dots, np.maximum(rerun - dots, 0.0), working
+
+
+def activation_bytes(per_microbatch: StageActivations, held: int, remat: str = "", fused: bool = False) -> float:
+    """Activations a device keeps with `held` microbatches in flight under `remat`.
+    `fused`: the stage runs forward and backward as one program (a pipeline's last),
+    which holds one microbatch's."""
+    per_held, once, working = activation_parts(per_microbatch, remat, fused)
+    return per_held * (1 if fused else held) + once + working
 
 
 def stage_memory(state: DeviceMemory, per_microbatch: StageActivations, held: int, remat: str = "",

@@ -21,6 +21,7 @@ from solver.collectives import Topology, best, fastest_times
 from solver.efficiency import matmul_rate
 from solver.memory import (OFFLOAD_TIERS, DeviceMemory, StageActivations, in_flight, model_split_bytes, offloaded,
                            sharded_state, stage_memory)
+from solver.cost.choice_memory import ChoiceMemory
 from solver.cost.measured import LayerPrice, lookup
 from solver.cost.model_axes import model_comm_s
 from solver.cost.problem import DeviceKind, Problem
@@ -118,12 +119,14 @@ class StageCosts:
         self._tables = lru_cache(maxsize=None)(self._table)
         self._measured = lru_cache(maxsize=None)(self._measured_uncached)
         self._ranges = lru_cache(maxsize=None)(self._ranges_uncached)
+        self._layer_times = lru_cache(maxsize=None)(self._layer_times_uncached)
         self.per_layer = lru_cache(maxsize=None)(self._per_layer)  # the stage tables and the planner's bounds both read it
         # A stage's times do not depend on where it sits nor on what it holds, its memory's
         # parts not on how many microbatches it holds: each priced once, not once per table.
         self._times = lru_cache(maxsize=None)(self._times_uncached)
         self._table_times = lru_cache(maxsize=None)(self._table_times_uncached)
         self._held_memory = lru_cache(maxsize=None)(self._held_memory_uncached)
+        self._choice_memory = ChoiceMemory(self)  # a table's memory for all its choices at once
         self._params_max = lru_cache(maxsize=None)(lambda tp: _range_max(self.tp_params(tp)))
         self._grads = lru_cache(maxsize=None)(lambda tp: _span(_cumsum(self.tp_params(tp))))
         # ZeRO's collectives and the tail depend on the stage alone, not on its
@@ -212,21 +215,45 @@ class StageCosts:
             return sharded_state(params, 0.0 * params, 0.0 * params, dp, 0)
         return sharded_state(params, params, params * (self.problem.state_factor - 2), dp, zero)
 
+    def times_key(self, cfg: StageConfig, b: int) -> tuple:
+        """What `per_layer`'s times depend on: modelled layers run alike on every stage of a
+        kind and model axis giving each device as many examples (b / dp), so the search
+        prices them once per such shape (a shared host's, measured and two model axes' read more)."""
+        if self.kinds[cfg.kind].shared_host or cfg.model_collectives or self.problem.measured_layers:
+            return cfg, b
+        return cfg.kind, cfg.tp, b / cfg.dp
+
     def _per_layer(self, cfg: StageConfig, b: int) -> PerLayer:
         """Each layer alone on one of these stages: the numbers every range sums, and
         what the planner's lower bounds take the least of (`state`: under the ZeRO
         stage that shards the most, so a bound never says too few layers fit)."""
         kind = self.kinds[cfg.kind]
         per_device = b / cfg.dp  # examples each data-parallel slice runs
+        shard = per_device / cfg.tp  # activations split over tensor-parallel devices too (sequence parallel)
+        params = self.tp_params(cfg.tp)
+        state = self._state(params, cfg.dp, max(self.zero_stages(cfg)))
+        held = state.state - (state.optimizer_state if self.may_offload(kind) else 0.0)  # the least on the device
+        forward, backward, rerun = self._layer_times(self.times_key(cfg, b))
+        return PerLayer(
+            forward=forward,
+            backward=backward,
+            state=held,
+            saved=self.saved * shard,
+            inputs=self.inputs * shard,
+            recomputed=self.recomputed * shard,
+            rerun=rerun,
+        )
+
+    def _layer_times_uncached(self, key: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`per_layer`'s forward, backward and rerun seconds for a `times_key`."""
+        cfg, b = key if len(key) == 2 else (StageConfig(key[0], 1, key[1]), 0)  # b: read by two model axes only
+        per_device = b / cfg.dp if len(key) == 2 else key[2]  # examples each data-parallel slice runs
+        kind = self.kinds[cfg.kind]
         speed = cfg.tp * self.matmul_rates(kind, cfg, per_device, self.fwd_flops, self.matmuls)
         bwd_speed = cfg.tp * self.matmul_rates(kind, cfg, per_device, self.flops - self.fwd_flops, self.bwd_matmuls)
         tp_comm = bwd_comm = self.tp_allreduce(kind, cfg.tp, self.tp_bytes * per_device, self.tp_count)  # backward as much
         if cfg.model_collectives:  # two model axes: what its layouts run, not Megatron's
             tp_comm, bwd_comm = model_comm_s(cfg.model_collectives, kind.intra, b, self.n)
-        shard = per_device / cfg.tp  # activations split over tensor-parallel devices too (sequence parallel)
-        params = self.tp_params(cfg.tp)
-        state = self._state(params, cfg.dp, max(self.zero_stages(cfg)))
-        held = state.state - (state.optimizer_state if self.may_offload(kind) else 0.0)  # the least on the device
         trains = float(self.problem.training)  # a forward-only function has no backward
         # memory-bound operators: their bytes, split like the activations where tensor parallelism splits them
         streaming = per_device * (self.elementwise_split / cfg.tp + 1 - self.elementwise_split) / kind.memory_bandwidth
@@ -239,15 +266,7 @@ class StageCosts:
         for layer, price in self.measured(cfg, per_device).items():  # measured beats modelled
             forward[layer], backward[layer] = price.forward_s, trains * price.backward_s
             rerun[layer] = price.forward_s if price.rerun_s is None else price.rerun_s
-        return PerLayer(
-            forward=forward,
-            backward=backward,
-            state=held,
-            saved=self.saved * shard,
-            inputs=self.inputs * shard,
-            recomputed=self.recomputed * shard,
-            rerun=rerun,
-        )
+        return forward, backward, rerun
 
     def measured(self, cfg: StageConfig, per_device: float) -> dict[int, LayerPrice]:
         """The layers `Problem.measured_layers` prices on this stage config, at
@@ -315,12 +334,22 @@ class StageCosts:
         rows: list[tuple[int, str, str]] = []  # (ZeRO stage, recomputation, offload tier) per stacked row
         stacked: dict[str, list[np.ndarray]] = {name: [] for name in (*fields, "memory")}
         costs: list[np.ndarray] = []
+        plain = totals = np.zeros(0)  # the on-device choices' costs and memory, all at once (`ChoiceMemory`)
         host, disk = self.host_capacity(cfg.kind), self.nvme_capacity(cfg.kind)
         for offload in tiers:
             # Offloading only adds time: a tier is tried where some range fits in none tried
             # before it (host memory before disk), unless it is the only one allowed.
             if offload and (not host or offload == "nvme" and not disk
                             or costs and (np.min(costs, axis=0)[self._upper] < INF).all()):
+                continue
+            if not offload:  # every choice at once, by `variant`'s own sums (`ChoiceMemory`)
+                totals = self._choice_memory.totals(cfg, b, held, last, choices)
+                plain = np.where(totals <= capacity, time_cost, INF)
+                stacked["memory"] += list(totals)
+                for name in fields:
+                    stacked[name] += list(fields[name])
+                costs += list(plain)
+                rows += [(zero, remat, "") for zero, remat in choices]
                 continue
             for i, (zero, remat) in enumerate(choices):
                 v = self.variant(cfg, b, held, last, zero, remat, offload=offload)
@@ -335,10 +364,11 @@ class StageCosts:
                 cost = time_cost[i] if not offload else m * (fields["forward"][i] + fields["backward"][i]) + tail
                 costs.append(np.where(_full(fits, shape), cost, INF))
                 rows.append((zero, remat, offload))
-        cost = np.stack(costs)
+        only_plain = len(rows) == len(choices) and all(o == "" for _, _, o in rows)
+        cost = plain if only_plain else np.stack(costs)
         pick = cost.argmin(axis=0)  # the first of the fastest, in the order above (ties keep the simpler choice)
-        if len(rows) == len(choices) and all(o == "" for _, _, o in rows):
-            stacked.update(fields)  # the times, already stacked in this order (`_table_times`): not stacked again
+        if only_plain:  # the times, already stacked in this order (`_table_times`), and the memory: not stacked again
+            stacked.update(fields, memory=totals)
         cells = pick * pick.size + self._cells  # each range's entry in its picked row of a stack, flattened
         out = {name: (value if isinstance(value, np.ndarray) else np.stack(value)).reshape(-1)[cells]
                for name, value in stacked.items()}

@@ -142,7 +142,7 @@ class LowerBounds:
         self.problem = problem
         self.costs = costs
         self._fitting: dict[tuple[KindLayout, int, int], tuple[int, int]] = {}
-        self._runs: dict[tuple[StageConfig, int], _Runs] = {}
+        self._runs: dict[tuple, _Runs] = {}
         self._tails: dict[StageConfig, np.ndarray] = {}
         self._groups: dict[tuple, _Group] = {}
         self._orders: dict[tuple, tuple[list[KindLayout], np.ndarray, float]] = {}
@@ -450,8 +450,9 @@ class LowerBounds:
     def _stage_runs(self, cfg: StageConfig, b: int) -> _Runs:
         """The least times of runs of consecutive layers on one of these stages, the
         forward and backward summed as the stage table sums them (ZeRO's collectives
-        and the choice of ZeRO stage only add to them)."""
-        key = (cfg, b)
+        and the choice of ZeRO stage only add to them): priced once per shape whose
+        per-layer times are the same (`StageCosts.times_key`)."""
+        key = self.costs.times_key(cfg, b)
         if key not in self._runs:
             layer = self.costs.per_layer(cfg, b)
             f = span(cumsum(layer.forward))

@@ -1,0 +1,68 @@
+"""The stage tables' shared work gives each stage its own figures.
+
+Two shortcuts the planner's search takes for speed must not change a number: per-layer
+times priced once per (kind, model axis, examples per device) instead of per stage
+(`StageCosts.times_key`), and every (ZeRO stage, recomputation) choice's memory priced at
+once (`solver.cost.choice_memory`) instead of one `variant` each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from solver.cost.stage_costs import StageCosts
+from solver.planner.bounds import kind_layouts
+from test_planner import random_problem
+
+
+def _stages(problem):  # noqa: ANN001, ANN202
+    """Every stage shape the search may build, with each microbatch size it may run."""
+    for kind in problem.kinds:
+        for lay in kind_layouts(problem, kind.name):
+            for m in problem.microbatch_counts():
+                b = problem.batch_size // m
+                if not b % lay.dp:
+                    yield lay.config, b
+
+
+def test_shared_layer_times_are_each_stages_own():
+    shared = 0
+    for seed in range(12):
+        problem = random_problem(np.random.default_rng(seed))
+        costs = StageCosts(problem)
+        for cfg, b in _stages(problem):
+            layer = costs.per_layer(cfg, b)
+            own = costs._layer_times_uncached((cfg, b))  # this stage's own, nothing shared
+            for got, want in zip((layer.forward, layer.backward, layer.rerun), own):
+                assert np.array_equal(got, want)
+            shared += costs.times_key(cfg, b) != (cfg, b)
+    assert shared > 20  # the shortcut was taken
+
+
+def test_shapes_with_as_many_examples_per_device_share_their_times():
+    problem = random_problem(np.random.default_rng(3), kinds=1)
+    costs = StageCosts(problem)
+    keys = [costs.times_key(cfg, b) for cfg, b in _stages(problem)]
+    assert len(set(keys)) < len(keys)
+
+
+@pytest.mark.parametrize("checkpoints", [False, True])
+def test_every_choices_memory_is_its_variants(checkpoints):
+    compared = set()
+    for seed in range(12):
+        problem = random_problem(np.random.default_rng(seed))
+        problem = replace(problem, allow_remat=True, layer_checkpoints=checkpoints)
+        costs = StageCosts(problem)
+        for cfg, b in _stages(problem):
+            choices = costs._table_times(cfg, b, 1)[0]
+            for last in (False, True):
+                for held in (1, 2, 5):
+                    totals = costs._choice_memory.totals(cfg, b, held, last, choices)
+                    for row, (zero, remat) in zip(totals, choices):
+                        want = costs.variant(cfg, b, held, last, zero, remat).memory.total
+                        assert np.array_equal(row, np.broadcast_to(want, row.shape))
+                        compared.add((zero > 0, bool(remat), last))
+    assert len(compared) == 8  # ZeRO or not, recomputing or not, last or not: each compared
