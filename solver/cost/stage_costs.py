@@ -44,6 +44,9 @@ class PerLayer:
     inputs: np.ndarray  # bytes of the layer's input (all that remat keeps)
     recomputed: np.ndarray  # bytes of `saved` a backward rerunning the forward holds (solver.memory)
     rerun: np.ndarray  # seconds a backward that recomputes adds: the forward again, or as measured
+    # seconds of the forward and backward as one program, as the pipeline's last stage runs them (XLA fuses
+    # across the two): as measured (`LayerPrice.fused_s`), else the two above
+    fused: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,7 @@ class StageCosts:
         # A stage's times do not depend on where it sits nor on what it holds, its memory's
         # parts not on how many microbatches it holds: each priced once, not once per table.
         self._times = lru_cache(maxsize=None)(self._times_uncached)
+        self._fusion = lru_cache(maxsize=None)(self._fusion_uncached)
         self._table_times = lru_cache(maxsize=None)(self._table_times_uncached)
         self._held_memory = lru_cache(maxsize=None)(self._held_memory_uncached)
         self._params_max = lru_cache(maxsize=None)(lambda tp: _range_max(self.tp_params(tp)))
@@ -236,9 +240,11 @@ class StageCosts:
         if kind.shared_host:  # one host's cores run every device's share, one after another
             forward, backward = forward * cfg.devices, backward * cfg.devices
         rerun = np.array(forward, dtype=float)
+        fused = np.array(forward + backward, dtype=float)
         for layer, price in self.measured(cfg, per_device).items():  # measured beats modelled
             forward[layer], backward[layer] = price.forward_s, trains * price.backward_s
             rerun[layer] = price.forward_s if price.rerun_s is None else price.rerun_s
+            fused[layer] = price.fused_s if price.fused_s is not None and trains else forward[layer] + backward[layer]
         return PerLayer(
             forward=forward,
             backward=backward,
@@ -247,6 +253,7 @@ class StageCosts:
             inputs=self.inputs * shard,
             recomputed=self.recomputed * shard,
             rerun=rerun,
+            fused=fused,
         )
 
     def measured(self, cfg: StageConfig, per_device: float) -> dict[int, LayerPrice]:
@@ -310,7 +317,7 @@ class StageCosts:
         per range the fastest that fits."""
         capacity = self.capacity(cfg.kind)
         shape = (self.n + 1, self.n + 1)
-        choices, fields, time_cost = self._table_times(cfg, b, m)
+        choices, fields, time_cost = self._table_times(cfg, b, m, last)
         tiers = self.offload_tiers(cfg)
         rows: list[tuple[int, str, str]] = []  # (ZeRO stage, recomputation, offload tier) per stacked row
         stacked: dict[str, list[np.ndarray]] = {name: [] for name in (*fields, "memory")}
@@ -351,13 +358,14 @@ class StageCosts:
                           np.where(ok, out["memory"], 0.0), np.where(ok, out["tail"], 0.0), np.where(ok, out["sync"], 0.0),
                           capacity, np.where(ok, zero, 0), np.where(ok, offload, 0))
 
-    def _table_times_uncached(self, cfg: StageConfig, b: int, m: int) -> tuple[list[tuple[int, str]], dict[str, np.ndarray], np.ndarray]:
+    def _table_times_uncached(self, cfg: StageConfig, b: int, m: int,
+                              last: bool = False) -> tuple[list[tuple[int, str]], dict[str, np.ndarray], np.ndarray]:
         """The (ZeRO stage, recomputation) choices a table picks from, their times
         stacked, and what each costs a step of `m` microbatches (memory aside)."""
         p = self.problem
         remats = ["full"] if p.force_remat else [""] + (["full"] if p.allow_remat else [])  # large runs recompute always
         choices = [(zero, remat) for zero in self.zero_stages(cfg) for remat in remats]
-        times = [self._times(cfg, b, zero, remat) for zero, remat in choices]
+        times = [self._placed_times(cfg, b, zero, remat, last) for zero, remat in choices]
         fields = {name: np.stack([t[i] for t in times]) for i, name in enumerate(("forward", "backward", "tail", "sync"))}
         return choices, fields, m * (fields["forward"] + fields["backward"]) + fields["tail"]
 
@@ -374,7 +382,7 @@ class StageCosts:
         and the tail reads and writes it there too (`nvme_transfer_s`)."""
         state, activations, fused, workspace = self._held_memory(cfg, b, last, zero, remat, dots)
         memory = stage_memory(state, activations, held, remat, fused=fused, workspace=workspace)
-        forward, backward, tail, sync, hidden = self._times(cfg, b, zero, remat)
+        forward, backward, tail, sync, hidden = self._placed_times(cfg, b, zero, remat, last)
         if not offload:
             return StageVariant(forward, backward, memory, tail, sync, hidden)
         per_layer = self._params_max(cfg.tp) * max(self.problem.state_factor - 2, 0.0) / (cfg.zero_shards if zero >= 1 else 1)
@@ -382,6 +390,31 @@ class StageCosts:
         if offload == "nvme":
             moved = moved + self.nvme_transfer_s(cfg, memory.optimizer_state)
         return StageVariant(forward, backward, offloaded(memory, offload, per_layer), tail + moved, sync, hidden)
+
+    def _placed_times(self, cfg: StageConfig, b: int, zero: int, remat: str, last: bool) -> tuple[np.ndarray, ...]:
+        """`_times` where the stage sits: on the last stage, its forward and backward
+        one program (`_fused_backward`), unless it recomputes (priced as before)."""
+        forward, backward, tail, sync, hidden = self._times(cfg, b, zero, remat)
+        if last and not remat:
+            backward = self._fused_backward(cfg, b, backward)
+        return forward, backward, tail, sync, hidden
+
+    def _fused_backward(self, cfg: StageConfig, b: int, backward: np.ndarray) -> np.ndarray:
+        """The last stage's backward: its forward and backward are one program
+        (hetpar.compile.tasks), so it pays one program's cost per microbatch, not two
+        (`launches`, both in `forward` and `backward`), and its layers cost what they
+        measured inside such a program (`PerLayer.fused`: XLA fuses across the two;
+        the layers measured apart are priced as they were). The forward keeps its
+        price, the backward is the rest. Unchanged where no layer was measured."""
+        if not self.measured(cfg, b / cfg.dp):
+            return backward
+        return np.maximum(backward + self._fusion(cfg, b), 0.0)
+
+    def _fusion_uncached(self, cfg: StageConfig, b: int) -> np.ndarray:
+        """Per layer range, what a last stage's one program changes against two: one
+        program's cost less, and each layer's fused time against its two apart."""
+        layer = self.per_layer(cfg, b)
+        return _span(_cumsum(layer.fused - layer.forward - layer.backward)) - self.launches(cfg, b / cfg.dp)
 
     def _held_memory_uncached(self, cfg: StageConfig, b: int, last: bool, zero: int, remat: str,
                               dots: float) -> tuple[DeviceMemory, StageActivations, bool, np.ndarray | float]:
