@@ -59,9 +59,10 @@ class MeasuredLayer:
     # program per array, `hetpar.runtime`'s replica combine); 0: not measured.
     merge_s: float = 0.0
     # What one more per-microbatch program costs on the record's mesh beyond its layers' work: the
-    # model's layers timed one program each against all of them in one program (`hetpar.predict.
-    # layer_profile`); taken out of `forward_s` and `backward_s` and paid per stage program. 0: not
-    # measured, the near-empty program's `program_s` instead (on 4 CPU devices 5x less than this).
+    # first layers timed one program each against all of them as one stage that is not the last, its
+    # forward and backward program (`hetpar.predict.layer_profile`); taken out of `forward_s`,
+    # `backward_s` and `fused_s` and paid per stage program (a last stage runs one a microbatch). 0: not
+    # measured, the near-empty program's `program_s` instead.
     stage_program_s: float = 0.0
 
     def at(self, examples: float, field: str) -> float:
