@@ -131,8 +131,9 @@ def main() -> None:
     loads.append(os.getloadavg()[0])
     records = timing.records(contenders["layers"].medians())
     for r in records:
-        points = "; ".join(f"{p.examples}/dev {p.forward_s * 1e3:.2f}+{p.backward_s * 1e3:.2f} ms, send {p.send_s * 1e3:.2f} ms, "
-                           f"per program {p.stage_program_s * 1e3:.2f} ms"
+        points = "; ".join(f"{p.examples}/dev {p.forward_s * 1e3:.2f}+{p.backward_s * 1e3:.2f} ms"
+                           + (f" (one program {p.fused_s * 1e3:.2f} ms)" if p.fused_s else "")
+                           + f", send {p.send_s * 1e3:.2f} ms, per program {p.stage_program_s * 1e3:.2f} ms"
                            for p in r.points)
         print(f"  {r.name:<12} on {r.dp} devices: launch {r.program_s * 1e3:.2f} ms, per stage program "
               f"{r.stage_program_s * 1e3:.2f} ms, merge {r.merge_s * 1e3:.2f} ms, once {r.points[0].once_s * 1e3:.2f} ms "

@@ -157,6 +157,31 @@ def test_a_stage_program_costs_what_the_profile_measured_one_more_program_to_cos
     assert at_two.stages[0].forward_s == pytest.approx(2 * (0.010 - 0.004) + 0.004)
 
 
+def test_the_last_stage_is_one_program_per_microbatch_at_its_layers_fused_times():
+    # The last stage's forward and backward are one program (hetpar.compile.tasks): it pays one program's
+    # cost per microbatch, not two, and a layer measured inside such a program (`fused_s`, with one
+    # program's cost) costs that, less than its forward and backward apart (XLA fuses across the two).
+    def layers(fused):
+        return [MeasuredLayer("A100", layer, 1, 2, (LayerPoint(2, 0.010, 0.020, -1.0, 0.0, fused_s=fused if layer else 0.0),),
+                              program_s=0.001, stage_program_s=0.004) for layer in range(3)]
+    decisions = Decisions((StageDecision("A100", 2, 1, 0, 1), StageDecision("A100", 2, 1, 1, 3)), 2, "1f1b", (8,))
+    apart = estimate(_problem(layers(0.0)), decisions)
+    assert apart.stages[0].forward_s == pytest.approx(0.010) and apart.stages[0].backward_s == pytest.approx(0.020)
+    last = apart.stages[1]
+    assert last.forward_s == pytest.approx(2 * (0.010 - 0.004) + 0.004)  # the forward keeps its price
+    assert last.forward_s + last.backward_s == pytest.approx(2 * (0.030 - 0.008) + 0.004)  # one program's cost
+    fused = estimate(_problem(layers(0.024)), decisions).stages[1]
+    assert fused.forward_s + fused.backward_s == pytest.approx(2 * (0.024 - 0.004) + 0.004)
+    assert estimate(_problem(layers(0.024)), decisions).stages[0].backward_s == pytest.approx(0.020)  # not last: apart
+    # The planner's stage table prices the last stage the same way, and its lower bounds stay below it.
+    costs = StageCosts(_problem(layers(0.024)))
+    table = costs.table(StageConfig("A100", 2, 1), 4, 1, last=True, m=2)
+    assert table.forward[1, 3] + table.backward[1, 3] == pytest.approx(fused.forward_s + fused.backward_s)
+    from solver.planner.bounds import LowerBounds
+    runs = LowerBounds(costs.problem, costs)._stage_runs(StageConfig("A100", 2, 1), 4)
+    assert runs.time[1] <= fused.forward_s + fused.backward_s  # two consecutive layers, at least
+
+
 def test_a_shared_hosts_replica_combine_is_priced_as_the_profile_measured_it():
     point = LayerPoint(2, 0.010, 0.020, -1.0, 0.0)
     measured = tuple(MeasuredLayer("A100", layer, 1, 2, (point,), shared_host=True, merge_s=0.003 * (layer + 1))
@@ -170,25 +195,33 @@ def test_a_shared_hosts_replica_combine_is_priced_as_the_profile_measured_it():
     assert estimate(unmeasured, three).cross_sync_s < 0.001  # the collective's bytes alone
 
 
-def test_one_more_programs_cost_is_the_layers_apart_against_together():
-    # Two distinct layers (one of them twice in the model), forward and backward programs each, and the
-    # last fused; the whole model in one program: (apart - together) / (programs - 2).
-    def layer(name, count, fused=False):
+def test_one_more_programs_cost_is_the_layers_apart_against_a_stage_that_is_not_last():
+    # A model of 5 layers: first, block x3, head. The reference stage holds the first 3 layers (first and two
+    # blocks, a forward and a backward program); the last two (a block and the head) are one fused program.
+    # Per program: (those 3 layers apart - the stage) / (6 - 2); not against the whole model fused, whose
+    # fusion saving is no program's cost.
+    def layer(name, count, before, fused=False, pair=False):
         record = LayerRecord(name, name, "cpu", "float32", 1, 2, True)
         return _Layer(record, 2, lambda: 0, None if fused else (lambda: 0), None, [], 0.5, 0, None, count,
-                      send=lambda: 0)
+                      send=lambda: 0, fused=(lambda: 0) if pair else None, before=before)
 
-    layers = [layer("block", 2), layer("head", 1, fused=True)]
-    timing = LayerTiming([lambda: 0] * 7, 1, [2], layers, [(2, 2)])
-    # launch, together, block fwd, block bwd, block send, head (fused), head send
-    records = timing.records([0.001, 0.050, 0.010, 0.020, 0.0007, 0.012, 0.0009])
-    apart = 2 * (0.010 + 0.020) + 0.012  # 5 programs
-    assert all(r.stage_program_s == pytest.approx((apart - 0.050) / 3) for r in records)
-    assert all(r.points[0].stage_program_s == pytest.approx((apart - 0.050) / 3) for r in records)  # per size too
+    layers = [layer("first", 1, 1), layer("block", 3, 2, pair=True), layer("head", 1, 0, fused=True)]
+    timing = LayerTiming([lambda: 0] * 11, 1, [2], layers, [(2, 2)])
+    # launch, reference stage; first fwd, bwd, send; block fwd, bwd, send, with the head; head (fused), send
+    records = timing.records([0.001, 0.045, 0.002, 0.003, 0.0005, 0.010, 0.020, 0.0007, 0.040, 0.012, 0.0009])
+    per_program = (0.005 + 2 * 0.030 - 0.045) / 4
+    assert all(r.stage_program_s == pytest.approx(per_program) for r in records)
+    assert all(r.points[0].stage_program_s == pytest.approx(per_program) for r in records)  # per size too
     assert all(r.program_s == 0.001 for r in records)
-    assert [r.points[0].send_s for r in records] == [0.0007, 0.0009]  # the sends are not programs
-    with pytest.raises(HetparError, match="6 times for 7"):
-        timing.records([0.0] * 6)
+    assert [r.points[0].send_s for r in records] == [0.0005, 0.0007, 0.0009]  # the sends are not programs
+    # Inside a last stage's program: the block is its program with the head less the head alone (with one
+    # program's cost, as its forward has it); the head is its own program; the first was not measured so.
+    first, block, head = (r.points[0] for r in records)
+    assert block.fused_s == pytest.approx(0.040 - 0.012 + per_program)
+    assert head.fused_s == pytest.approx(0.012) and head.forward_s + head.backward_s == pytest.approx(0.012)
+    assert first.fused_s == 0.0
+    with pytest.raises(HetparError, match="10 times for 11"):
+        timing.records([0.0] * 10)
 
 
 @pytest.fixture(scope="module")
@@ -248,6 +281,9 @@ def test_profiling_a_steps_layers_records_each_distinct_layer(workload):
     # a layer fed by the one before it measured that input's arrival from another mesh; the first, fed by the batch, not
     assert all(p.send_s > 0 for r in records if r.name != records[0].name for p in r.points)
     assert all(p.send_s == 0 for r in records if r.name == records[0].name for p in r.points)
+    # the last layer and the one before it measured inside one program, as a last stage runs them; the first not
+    assert all(p.fused_s > 0 for r in records if r.name != records[0].name for p in r.points)
+    assert all(p.fused_s == 0 for r in records if r.name == records[0].name for p in r.points)
 
 
 def test_float32_matmuls_are_priced_at_the_precision_jax_runs_them():

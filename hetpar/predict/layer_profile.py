@@ -25,14 +25,18 @@ and holds one point per microbatch size (`examples`: per data-parallel device).
 Times are seconds of `timing.busy_clock()` (wall time on accelerators; on CPU virtual
 devices the process's CPU time, all the mesh's devices' work: `shared_host`), the
 median of interleaved rounds (`timing.median_times`). Besides the layers, per mesh:
-one more program's cost (`stage_program_s`: the model's layers one program each
-against the whole model in one, which the estimator charges per stage program; a
-near-empty program's launch, `program_s`, misses most of it on CPU devices, where
-every program wakes and parks the devices' threads) and the replica combine of each
-layer's gradients (`merge_s`); per point, the layer's input arriving from another
-mesh of as many devices (`send_s`: on CPU devices a copy per shard and a dispatch,
-what a pipeline pays per microbatch and cut, each way). The last layer's forward and
-backward are one program (hetpar.compile.tasks), split between the two by FLOPs.
+one more program's cost (`stage_program_s`: the first layers one program each
+against all of them as one stage that is not the last, a forward and a backward
+program, which the estimator charges per stage program; a near-empty program's
+launch, `program_s`, misses most of it on CPU devices, where every program wakes and
+parks the devices' threads) and the replica combine of each layer's gradients
+(`merge_s`); per point, the layer's input arriving from another mesh of as many
+devices (`send_s`: on CPU devices a copy per shard and a dispatch, what a pipeline
+pays per microbatch and cut, each way). The last layer's forward and backward are
+one program (hetpar.compile.tasks), split between the two by FLOPs; so are a last
+stage's, which XLA fuses across (the backward's residuals never leave the program):
+`fused_s` is what a layer costs inside such a program, measured for the last layer
+and the one before it (it and the last as one program, less the last alone).
 Peak memory is XLA's `memory_analysis()` of the layer's largest program (arguments +
 outputs + temporaries - aliased), per device.
 
@@ -67,6 +71,10 @@ class LayerPointRecord:
     peak_bytes: int = 0  # per device, the layer's largest program
     send_s: float = 0.0  # one microbatch's layer input moved here from another mesh of as many devices; 0: not measured
     stage_program_s: float = 0.0  # one more per-microbatch program's cost on the mesh at this size; 0: not measured
+    # The layer's forward and backward as one program, as the pipeline's last stage runs them (with one
+    # program's cost, as `forward_s` has it): XLA fuses across the two, and the backward's residuals never
+    # leave the program. 0: not measured (the last layer's, and the one before it where the model has one).
+    fused_s: float = 0.0
 
 
 @dataclass
@@ -146,6 +154,8 @@ class _Layer:
     merge: Callable[[], Any] | None = None  # the replica combine of the layer's gradients (`_merge_run`)
     count: int = 1  # the model's layers with this signature
     send: Callable[[], Any] | None = None  # the layer's input arriving from another stage's mesh (`_send_run`)
+    fused: Callable[[], Any] | None = None  # the layer and the last one in one program, as a last stage runs them
+    before: int = 0  # how many of the `count` layers come before the reference stage's end (`_layer_runs`)
 
 
 @dataclass
@@ -179,34 +189,54 @@ class LayerTiming:
         launch_s = {dp: next(it) for dp in self.launches}
         together = {key: next(it) for key in self.together}
         apart: dict[tuple[int, int], list[float]] = {key: [0.0, 0.0] for key in self.together}  # seconds, programs
+        last_s: dict[tuple[int, int], float] = {}  # the last layer's one program, per mesh and microbatch size
         records: dict[tuple, LayerRecord] = {}
+        seen = []
         for layer in self.layers:
             forward = next(it)
             backward = next(it) if layer.backward is not None else None
             remat_s = next(it) if layer.backward_remat is not None else -1.0
             merge_s = next(it) if layer.merge is not None else 0.0
             send_s = next(it) if layer.send is not None else 0.0
+            fused_s = next(it) if layer.fused is not None else 0.0
             once = sum(next(it) for _ in layer.once)
-            sums = apart.setdefault((layer.record.dp, layer.examples), [0.0, 0.0])
-            sums[0] += layer.count * (forward + (backward or 0.0))
-            sums[1] += layer.count * (1 if backward is None else 2)
-            if backward is None:  # the last layer: forward and backward are one program
-                forward, backward = forward * layer.forward_share, forward * (1 - layer.forward_share)
-                remat_s = -1.0
-            record = records.setdefault(layer.record.key, replace(layer.record, points=[]))
-            record.program_s, record.once_programs = launch_s[record.dp], len(layer.once)
-            record.merge_s = max(record.merge_s, merge_s)  # one per (dp, examples): the same arrays each time
-            record.points.append(LayerPointRecord(layer.examples, forward, backward, remat_s, once, layer.peak_bytes, send_s))
-        # One more program's cost: the model's layers one program each against all of them in one program
-        # (a forward and backward program each, as the estimator charges a stage), per mesh and
-        # microbatch size: it grows with the examples (on 4 CPU devices a plan of 1 example per device
+            key = (layer.record.dp, layer.examples)
+            sums = apart.setdefault(key, [0.0, 0.0])
+            if backward is not None:  # the reference stage's layers, each its own forward and backward program
+                sums[0] += layer.before * (forward + backward)
+                sums[1] += layer.before * 2
+            else:
+                last_s[key] = forward
+            seen.append((layer, forward, backward, remat_s, merge_s, send_s, fused_s, once))
+        # One more program's cost: the first layers one program each (a forward and a backward) against
+        # all of them as one stage that is not the last (its forward and its backward program), per mesh
+        # and microbatch size: it grows with the examples (on 4 CPU devices a plan of 1 example per device
         # was priced 21-27% under with the median over 1, 2 and 4 examples), so each point keeps its own
-        # and the record the median of its mesh's.
+        # and the record the median of its mesh's. Not against the whole model as one program: that is
+        # the last stage's, forward and backward fused, and what the fusion saves (on 4 CPU devices ~10%
+        # of the model's time) was counted as per-program cost, which priced a stage of several layers
+        # that is not the last 2 x (layers - 1) such costs too fast per microbatch.
         per_program: dict[tuple[int, int], float] = {}
         for key, t in together.items():
             seconds, programs = apart[key]
             if programs > 2:
                 per_program[key] = (seconds - t) / (programs - 2)
+        for layer, forward, backward, remat_s, merge_s, send_s, fused_s, once in seen:
+            key = (layer.record.dp, layer.examples)
+            program = max(launch_s[layer.record.dp], per_program.get(key, 0.0))
+            if backward is None:  # the last layer: forward and backward are one program
+                fused_s = forward
+                forward, backward = forward * layer.forward_share, forward * (1 - layer.forward_share)
+                remat_s = -1.0
+            elif fused_s and key in last_s:  # the layer's share of its program with the last layer: that less the last's
+                fused_s = max(0.0, fused_s - last_s[key] + program)
+            else:
+                fused_s = 0.0
+            record = records.setdefault(layer.record.key, replace(layer.record, points=[]))
+            record.program_s, record.once_programs = launch_s[record.dp], len(layer.once)
+            record.merge_s = max(record.merge_s, merge_s)  # one per (dp, examples): the same arrays each time
+            record.points.append(LayerPointRecord(layer.examples, forward, backward, remat_s, once, layer.peak_bytes, send_s,
+                                                  fused_s=fused_s))
         for record in records.values():
             got = [v for (dp, _), v in per_program.items() if dp == record.dp]
             record.stage_program_s = max(record.program_s, statistics.median(got)) if got else 0.0
@@ -266,7 +296,7 @@ def layer_timing(
     runs = [_repeated(run, k) for run in runs]
     for layer in layers:
         runs += [_repeated(r, k) for r in (layer.forward, layer.backward, layer.backward_remat, layer.merge, layer.send,
-                                           *layer.once) if r is not None]
+                                           layer.fused, *layer.once) if r is not None]
     return LayerTiming(runs, k, list(launches), layers, list(together), platform)
 
 
@@ -276,8 +306,10 @@ def _layer_runs(fn: Callable, args: tuple, batch_argnum: int, device_ids: Sequen
                 send_ids: Sequence[int] | None = None) -> tuple[list[_Layer], Callable[[], Any] | None]:
     """The programs of each distinct layer, compiled alone on one mesh of `device_ids`
     (and with `merge_ids`, the devices there are, its replica combine: `_merge_run`;
-    with `send_ids`, its input's arrival from another mesh of them: `_send_run`);
-    and one microbatch of the whole model as one stage (None for a model of one layer)."""
+    with `send_ids`, its input's arrival from another mesh of them: `_send_run`; the
+    layer before the last: it and the last in one program, as a last stage runs them);
+    and one microbatch of all the layers but the last two as one stage that is not the
+    last, its forward and backward program (None for a model of fewer than 4 layers)."""
     from hetpar.compile.programs import stage_mesh
     from hetpar.compile.step import compile_layer_stages
     from hetpar.predict.calibrate import program_inputs, program_run
@@ -297,10 +329,21 @@ def _layer_runs(fn: Callable, args: tuple, batch_argnum: int, device_ids: Sequen
     meshes = {i: mesh for i in stages}
     plain = compile_layer_stages(traced, layers, stages, meshes)
     rerun = compile_layer_stages(traced, layers, stages, meshes, remat="full") if remat else None
-    whole = None
-    if layers.num_layers > 1:
-        one = compile_layer_stages(traced, layers, [0] * layers.num_layers, {0: mesh})
-        whole = _carried_run(next(p for p in one.programs if p.task.per_microbatch and p.task.kind == "fwd"), one.graph)
+    # One reference compile: the layers before the last two as one stage that is not the last (its
+    # forward and backward program: the per-program cost's reference, `LayerTiming.records`), and
+    # the last two layers as the last stage, forward and backward one program (what the layer before
+    # the last costs inside a last stage's program, `LayerPointRecord.fused_s`).
+    n = layers.num_layers
+    whole = pair = None
+    if n > 1:
+        split = [0] * (n - 2) + [1 if n > 2 else 0] * 2
+        ref = compile_layer_stages(traced, layers, split, {s: mesh for s in set(split)})
+        last = [p for p in ref.programs if p.task.per_microbatch and p.task.stage == split[-1]]
+        if len(last) == 1:
+            pair = _carried_run(last[0], ref.graph)
+        if n >= 4:  # at least two layers in the reference stage: its programs against theirs apart
+            runs = [_carried_run(p, ref.graph) for p in ref.programs if p.task.per_microbatch and p.task.stage == 0]
+            whole = lambda: [r() for r in runs]  # noqa: E731
     out, seen = [], set()
     for layer, signature in enumerate(signatures):
         if signature in seen:
@@ -321,6 +364,8 @@ def _layer_runs(fn: Callable, args: tuple, batch_argnum: int, device_ids: Sequen
                        device_ids, merge_ids) if merge_ids is not None else None,
             signatures.count(signature),
             _send_run(fwd, plain, device_ids, send_ids) if send_ids is not None else None,
+            pair if n > 1 and signature == signatures[n - 2] and bwd is not None else None,
+            signatures[: n - 2].count(signature) if whole is not None else 0,
         ))
     return out, whole
 
@@ -461,7 +506,7 @@ def problem_layers(records: Sequence[LayerRecord], signatures: Sequence[str], dt
         for layer, signature in enumerate(signatures):
             for r in by_key.get((signature, device_kind), ()):
                 points = tuple(LayerPoint(p.examples, p.forward_s, p.backward_s, p.backward_remat_s, p.once_s, p.send_s,
-                                          p.stage_program_s) for p in r.points)
+                                          p.stage_program_s, p.fused_s) for p in r.points)
                 if points:
                     out.append(MeasuredLayer(label, layer, r.tp, r.dp, points, r.shared_host, r.program_s, r.once_programs,
                                             r.merge_s, r.stage_program_s))

@@ -30,12 +30,14 @@ from solver.schedules import StageTimes
 
 # Bumped whenever a change to the cost model changes a price: a plan file that keeps
 # figures as a cache records the version they were made with.
-ESTIMATOR_VERSION = 6  # 2: shared NICs, host-staged links, blocking sends, the JAX client's memory share;
+ESTIMATOR_VERSION = 7  # 2: shared NICs, host-staged links, blocking sends, the JAX client's memory share;
 # 3: measured layer profiles (solver.cost.measured), devices sharing one host run one after another;
 # 4: a shared host's replica combine priced from the profile's measured merges (`cross_replica_sync_s`);
 # 5: a shared host's sends priced from the profile's measured ones, both ways per microbatch (`serial_step_s`);
 # a measured layer's net time (less the per-program cost) no longer floored at zero per layer, only the stage's;
 # 6: a mixed stage updates on its lead and copies the parameters to its parts (`solver.cost.mixed.parameter_copy_s`)
+# 7: measured layers: the per-program cost against a stage that is not the last (not the fused whole model),
+# and the last stage priced as one program per microbatch at its layers' fused times (`StageCosts._fused_backward`)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ class LayerPoint:
     once_s: float = 0.0  # per step: the layer's update (and, measured at dp > 1, its gradient reduction)
     send_s: float = 0.0  # the layer's input arriving from another mesh of as many devices (one way); 0: not measured
     stage_program_s: float = 0.0  # one more per-microbatch program's cost at this size; 0: the record's (`MeasuredLayer`)
+    fused_s: float = 0.0  # forward and backward as one program, as a last stage runs them (with one program's cost); 0: not measured
 
 
 @dataclass(frozen=True)
@@ -58,9 +59,10 @@ class MeasuredLayer:
     # program per array, `hetpar.runtime`'s replica combine); 0: not measured.
     merge_s: float = 0.0
     # What one more per-microbatch program costs on the record's mesh beyond its layers' work: the
-    # model's layers timed one program each against all of them in one program (`hetpar.predict.
-    # layer_profile`); taken out of `forward_s` and `backward_s` and paid per stage program. 0: not
-    # measured, the near-empty program's `program_s` instead (on 4 CPU devices 5x less than this).
+    # first layers timed one program each against all of them as one stage that is not the last, its
+    # forward and backward program (`hetpar.predict.layer_profile`); taken out of `forward_s`,
+    # `backward_s` and `fused_s` and paid per stage program (a last stage runs one a microbatch). 0: not
+    # measured, the near-empty program's `program_s` instead.
     stage_program_s: float = 0.0
 
     def at(self, examples: float, field: str) -> float:
@@ -100,6 +102,9 @@ class LayerPrice:
     once_launch_s: float = 0.0  # one once-per-step program's launch, taken out of `once_s`
     merge_s: float = 0.0  # combining one other replica's gradients of the layer into this one's (per step)
     send_s: float = 0.0  # the layer's input (one microbatch's) arriving from the stage before, one way; 0: not measured
+    # The layer's forward and backward inside one program, as the pipeline's last stage runs them, less
+    # the program's cost (`program_s`); None: not measured (the two nets above, as a stage that is not last).
+    fused_s: float | None = None
 
 
 def lookup(measured: tuple[MeasuredLayer, ...], kind: str, layer: int, tp: int, dp: int,
@@ -121,6 +126,7 @@ def lookup(measured: tuple[MeasuredLayer, ...], kind: str, layer: int, tp: int, 
     backward = record.at(examples, "backward_s") * scale
     once = float(np.mean([p.once_s for p in record.points])) * scale
     send = record.at(examples, "send_s") * scale if all(p.send_s > 0 for p in record.points) else 0.0
+    fused = record.at(examples, "fused_s") * scale - program if all(p.fused_s > 0 for p in record.points) else None
     # Not floored at zero per layer: the per-program cost is what the layers apart cost beyond the
     # whole model as one program, and a small layer (an embedding: 0.3 ms on 4 CPU devices, against a
     # measured 1.5-3.7 ms per program) pays less than it alone. A stage is its layers' net times plus the
@@ -129,4 +135,4 @@ def lookup(measured: tuple[MeasuredLayer, ...], kind: str, layer: int, tp: int, 
     # ~11 ms a microbatch on a 4-device stage holding the embedding and the head.
     return LayerPrice(record.at(examples, "forward_s") * scale - program, backward - program,
                       None if rerun is None else max(0.0, rerun * scale - backward), max(0.0, once - record.once_programs * launch),
-                      record.dp == dp, program, record.once_programs, launch, record.merge_s, send)
+                      record.dp == dp, program, record.once_programs, launch, record.merge_s, send, fused)

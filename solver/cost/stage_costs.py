@@ -12,8 +12,7 @@ of stage layouts in seconds.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import lru_cache
 
 import numpy as np
 
@@ -26,60 +25,13 @@ from solver.cost.measured import LayerPrice, lookup
 from solver.cost.model_axes import model_comm_s
 from solver.cost.problem import DeviceKind, Problem
 from solver.cost.stage_config import StageConfig
+from solver.cost.stage_tables import PerLayer, StageTable, StageVariant
 from solver.cost.ranges import cumsum as _cumsum, first as _first, full as _full, last as _last
 from solver.cost.ranges import range_max as _range_max, span as _span
 from solver.cost.topologies import across_topology, all_reduce_times, dp_topology, exposed, tp_topology, zero_topology
 from solver.zero import zero_time
 
 INF = float("inf")
-
-
-@dataclass(frozen=True)
-class PerLayer:
-    """Per layer, on one device of a stage, for one microbatch."""
-
-    forward: np.ndarray  # seconds
-    backward: np.ndarray
-    state: np.ndarray  # bytes of parameters, gradients and optimizer state
-    saved: np.ndarray  # bytes of activations kept for the backward
-    inputs: np.ndarray  # bytes of the layer's input (all that remat keeps)
-    recomputed: np.ndarray  # bytes of `saved` a backward rerunning the forward holds (solver.memory)
-    rerun: np.ndarray  # seconds a backward that recomputes adds: the forward again, or as measured
-
-
-@dataclass(frozen=True)
-class StageVariant:
-    """One stage under one ZeRO stage and recomputation policy, for all layer ranges
-    [i, j): per microbatch forward and backward seconds, memory per device by what
-    holds it (`solver.memory.DeviceMemory` of arrays), the once-per-step tail and its
-    gradient sync."""
-
-    forward: np.ndarray
-    backward: np.ndarray
-    memory: DeviceMemory
-    tail: np.ndarray
-    sync: np.ndarray
-    hidden: np.ndarray | float = 0.0  # seconds of the once-per-step reduction run under the last backward (not in `tail`)
-
-
-@dataclass(frozen=True)
-class StageTable:
-    """Everything about one stage position, for all layer ranges [i, j) (i < j), with
-    the fastest ZeRO stage and recomputation choice that fits chosen per range."""
-
-    forward: np.ndarray  # (L+1, L+1) seconds per microbatch, inf where the range does not fit
-    backward: np.ndarray
-    remat: np.ndarray  # bool: the range recomputes its forward ("full")
-    memory: np.ndarray  # bytes per device (solver.memory)
-    tail: np.ndarray  # gradient sync + optimizer, seconds per step
-    sync: np.ndarray
-    capacity: int
-    zero: np.ndarray | None = None  # int: the range's ZeRO stage; None: 0 everywhere
-    offload: np.ndarray | None = None  # int: the range's place in solver.memory.OFFLOAD_TIERS; None: "" everywhere
-
-    @cached_property
-    def time(self) -> np.ndarray:
-        return self.forward + self.backward
 
 
 class StageCosts:
@@ -124,6 +76,7 @@ class StageCosts:
         # A stage's times do not depend on where it sits nor on what it holds, its memory's
         # parts not on how many microbatches it holds: each priced once, not once per table.
         self._times = lru_cache(maxsize=None)(self._times_uncached)
+        self._fusion = lru_cache(maxsize=None)(self._fusion_uncached)
         self._table_times = lru_cache(maxsize=None)(self._table_times_uncached)
         self._held_memory = lru_cache(maxsize=None)(self._held_memory_uncached)
         self._choice_memory = ChoiceMemory(self)  # a table's memory for all its choices at once
@@ -233,7 +186,7 @@ class StageCosts:
         params = self.tp_params(cfg.tp)
         state = self._state(params, cfg.dp, max(self.zero_stages(cfg)))
         held = state.state - (state.optimizer_state if self.may_offload(kind) else 0.0)  # the least on the device
-        forward, backward, rerun = self._layer_times(self.times_key(cfg, b))
+        forward, backward, rerun, fused = self._layer_times(self.times_key(cfg, b))
         return PerLayer(
             forward=forward,
             backward=backward,
@@ -242,10 +195,11 @@ class StageCosts:
             inputs=self.inputs * shard,
             recomputed=self.recomputed * shard,
             rerun=rerun,
+            fused=fused,
         )
 
-    def _layer_times_uncached(self, key: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """`per_layer`'s forward, backward and rerun seconds for a `times_key`."""
+    def _layer_times_uncached(self, key: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """`per_layer`'s forward, backward, rerun and fused seconds for a `times_key`."""
         cfg, b = key if len(key) == 2 else (StageConfig(key[0], 1, key[1]), 0)  # b: read by two model axes only
         per_device = b / cfg.dp if len(key) == 2 else key[2]  # examples each data-parallel slice runs
         kind = self.kinds[cfg.kind]
@@ -263,10 +217,12 @@ class StageCosts:
         if kind.shared_host:  # one host's cores run every device's share, one after another
             forward, backward = forward * cfg.devices, backward * cfg.devices
         rerun = np.array(forward, dtype=float)
+        fused = np.array(forward + backward, dtype=float)
         for layer, price in self.measured(cfg, per_device).items():  # measured beats modelled
             forward[layer], backward[layer] = price.forward_s, trains * price.backward_s
             rerun[layer] = price.forward_s if price.rerun_s is None else price.rerun_s
-        return forward, backward, rerun
+            fused[layer] = price.fused_s if price.fused_s is not None and trains else forward[layer] + backward[layer]
+        return forward, backward, rerun, fused
 
     def measured(self, cfg: StageConfig, per_device: float) -> dict[int, LayerPrice]:
         """The layers `Problem.measured_layers` prices on this stage config, at
@@ -329,7 +285,7 @@ class StageCosts:
         per range the fastest that fits."""
         capacity = self.capacity(cfg.kind)
         shape = (self.n + 1, self.n + 1)
-        choices, fields, time_cost = self._table_times(cfg, b, m)
+        choices, fields, time_cost = self._table_times(cfg, b, m, last)
         tiers = self.offload_tiers(cfg)
         rows: list[tuple[int, str, str]] = []  # (ZeRO stage, recomputation, offload tier) per stacked row
         stacked: dict[str, list[np.ndarray]] = {name: [] for name in (*fields, "memory")}
@@ -381,13 +337,14 @@ class StageCosts:
                           np.where(ok, out["memory"], 0.0), np.where(ok, out["tail"], 0.0), np.where(ok, out["sync"], 0.0),
                           capacity, np.where(ok, zero, 0), np.where(ok, offload, 0))
 
-    def _table_times_uncached(self, cfg: StageConfig, b: int, m: int) -> tuple[list[tuple[int, str]], dict[str, np.ndarray], np.ndarray]:
+    def _table_times_uncached(self, cfg: StageConfig, b: int, m: int,
+                              last: bool = False) -> tuple[list[tuple[int, str]], dict[str, np.ndarray], np.ndarray]:
         """The (ZeRO stage, recomputation) choices a table picks from, their times
         stacked, and what each costs a step of `m` microbatches (memory aside)."""
         p = self.problem
         remats = ["full"] if p.force_remat else [""] + (["full"] if p.allow_remat else [])  # large runs recompute always
         choices = [(zero, remat) for zero in self.zero_stages(cfg) for remat in remats]
-        times = [self._times(cfg, b, zero, remat) for zero, remat in choices]
+        times = [self._placed_times(cfg, b, zero, remat, last) for zero, remat in choices]
         fields = {name: np.stack([t[i] for t in times]) for i, name in enumerate(("forward", "backward", "tail", "sync"))}
         return choices, fields, m * (fields["forward"] + fields["backward"]) + fields["tail"]
 
@@ -404,7 +361,7 @@ class StageCosts:
         and the tail reads and writes it there too (`nvme_transfer_s`)."""
         state, activations, fused, workspace = self._held_memory(cfg, b, last, zero, remat, dots)
         memory = stage_memory(state, activations, held, remat, fused=fused, workspace=workspace)
-        forward, backward, tail, sync, hidden = self._times(cfg, b, zero, remat)
+        forward, backward, tail, sync, hidden = self._placed_times(cfg, b, zero, remat, last)
         if not offload:
             return StageVariant(forward, backward, memory, tail, sync, hidden)
         per_layer = self._params_max(cfg.tp) * max(self.problem.state_factor - 2, 0.0) / (cfg.zero_shards if zero >= 1 else 1)
@@ -412,6 +369,31 @@ class StageCosts:
         if offload == "nvme":
             moved = moved + self.nvme_transfer_s(cfg, memory.optimizer_state)
         return StageVariant(forward, backward, offloaded(memory, offload, per_layer), tail + moved, sync, hidden)
+
+    def _placed_times(self, cfg: StageConfig, b: int, zero: int, remat: str, last: bool) -> tuple[np.ndarray, ...]:
+        """`_times` where the stage sits: on the last stage, its forward and backward
+        one program (`_fused_backward`), unless it recomputes (priced as before)."""
+        forward, backward, tail, sync, hidden = self._times(cfg, b, zero, remat)
+        if last and not remat:
+            backward = self._fused_backward(cfg, b, backward)
+        return forward, backward, tail, sync, hidden
+
+    def _fused_backward(self, cfg: StageConfig, b: int, backward: np.ndarray) -> np.ndarray:
+        """The last stage's backward: its forward and backward are one program
+        (hetpar.compile.tasks), so it pays one program's cost per microbatch, not two
+        (`launches`, both in `forward` and `backward`), and its layers cost what they
+        measured inside such a program (`PerLayer.fused`: XLA fuses across the two;
+        the layers measured apart are priced as they were). The forward keeps its
+        price, the backward is the rest. Unchanged where no layer was measured."""
+        if not self.measured(cfg, b / cfg.dp):
+            return backward
+        return np.maximum(backward + self._fusion(cfg, b), 0.0)
+
+    def _fusion_uncached(self, cfg: StageConfig, b: int) -> np.ndarray:
+        """Per layer range, what a last stage's one program changes against two: one
+        program's cost less, and each layer's fused time against its two apart."""
+        layer = self.per_layer(cfg, b)
+        return _span(_cumsum(layer.fused - layer.forward - layer.backward)) - self.launches(cfg, b / cfg.dp)
 
     def _held_memory_uncached(self, cfg: StageConfig, b: int, last: bool, zero: int, remat: str,
                               dots: float) -> tuple[DeviceMemory, StageActivations, bool, np.ndarray | float]:

@@ -450,14 +450,16 @@ class LowerBounds:
     def _stage_runs(self, cfg: StageConfig, b: int) -> _Runs:
         """The least times of runs of consecutive layers on one of these stages, the
         forward and backward summed as the stage table sums them (ZeRO's collectives
-        and the choice of ZeRO stage only add to them): priced once per shape whose
-        per-layer times are the same (`StageCosts.times_key`)."""
+        and the choice of ZeRO stage only add to them), or as one program where that
+        is less (a last stage's, `StageCosts._fused_backward`: it may be either); priced
+        once per shape whose per-layer times are the same (`StageCosts.times_key`)."""
         key = self.costs.times_key(cfg, b)
         if key not in self._runs:
             layer = self.costs.per_layer(cfg, b)
             f = span(cumsum(layer.forward))
             bw = span(cumsum(layer.backward))
-            plain, remat = _least_runs(f + bw), _least_runs(f + (bw + f))
+            both = f + bw if layer.fused is None else np.minimum(f + bw, span(cumsum(layer.fused)))
+            plain, remat = _least_runs(both), _least_runs(f + (bw + f))
             self._runs[key] = _Runs(plain, remat, _least_step(plain), _least_step(remat))
         return self._runs[key]
 

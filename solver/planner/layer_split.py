@@ -23,7 +23,8 @@ import numpy as np
 
 from solver import schedules
 from solver.schedules import StageTimes
-from solver.cost.stage_costs import INF, StageTable
+from solver.cost.stage_costs import INF
+from solver.cost.stage_tables import StageTable
 
 
 @dataclass(frozen=True)
