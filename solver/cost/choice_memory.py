@@ -15,16 +15,13 @@ state + activations + workspace), in the same order: each figure is `variant`'s.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 
 from solver.cost.ranges import full
 from solver.cost.stage_config import StageConfig
 from solver.memory import activation_parts
-
-if TYPE_CHECKING:
-    from solver.cost.stage_costs import StageCosts
 
 
 class _Parts(NamedTuple):
@@ -47,8 +44,10 @@ class ChoiceMemory:
     # scenario 16 rebuild a quarter more stacks than keeping all 101, ~200 MiB).
     KEEP = 16
 
-    def __init__(self, costs: StageCosts):
-        self.costs = costs
+    def __init__(self, held_memory: Callable[..., tuple], layers: int):
+        """`held_memory`: `StageCosts._held_memory`, the parts of one choice's memory;
+        `layers`: the model's, so a stack has (layers + 1) squared entries per choice."""
+        self.held_memory, self.layers = held_memory, layers
         self._parts: OrderedDict[tuple[StageConfig, int, bool, tuple[tuple[int, str], ...]], _Parts] = OrderedDict()
 
     def totals(self, cfg: StageConfig, b: int, held: int, last: bool, choices: list[tuple[int, str]]) -> np.ndarray:
@@ -65,10 +64,10 @@ class ChoiceMemory:
         else:
             if len(self._parts) >= self.KEEP:
                 self._parts.popitem(last=False)
-            shape = (self.costs.n + 1, self.costs.n + 1)
+            shape = (self.layers + 1, self.layers + 1)
             rows = []
             for zero, remat in choices:
-                state, activations, fused, workspace = self.costs._held_memory(cfg, b, last, zero, remat, 0.0)
+                state, activations, fused, workspace = self.held_memory(cfg, b, last, zero, remat, 0.0)
                 per_held, once, working = activation_parts(activations, remat, fused)
                 rows.append((state.state, per_held, once, working, state.workspace + workspace, fused))
             columns = list(zip(*rows))

@@ -79,7 +79,7 @@ class StageCosts:
         self._fusion = lru_cache(maxsize=None)(self._fusion_uncached)
         self._table_times = lru_cache(maxsize=None)(self._table_times_uncached)
         self._held_memory = lru_cache(maxsize=None)(self._held_memory_uncached)
-        self._choice_memory = ChoiceMemory(self)  # a table's memory for all its choices at once
+        self._choice_memory = ChoiceMemory(self._held_memory, self.n)  # a table's memory for all its choices at once
         self._params_max = lru_cache(maxsize=None)(lambda tp: _range_max(self.tp_params(tp)))
         self._grads = lru_cache(maxsize=None)(lambda tp: _span(_cumsum(self.tp_params(tp))))
         # ZeRO's collectives and the tail depend on the stage alone, not on its
