@@ -39,7 +39,7 @@ from hetpar.runtime.nvme_store import NvmeStore
 from hetpar.runtime.nvme_tier import NvmeRun, has_handles, nvme_values, readable
 from hetpar.runtime.ray_runtime import RayStep
 from hetpar.runtime.remote import has_local_devices
-from hetpar.signature import bind_call, free_donated, normalize_argnums
+from hetpar.signature import bind_call, free_donated, is_array, normalize_argnums
 from hetpar.trace.traced_step import as_array, trace_step
 
 log = logging.getLogger("hetpar")
@@ -99,7 +99,7 @@ class ParallelFunction:
         """A call that also records, in `stats`, what the runtime holds at its peak."""
         o = self._options
         call = bind_call(self._fn, args, kwargs, o.batch_argnum, o.static_argnums, o.donate_argnums)
-        flat, treedef = jax.tree.flatten(call.args)
+        flat, treedef = call.leaves, call.treedef
         key = (call.static_key, treedef, tuple(map(_shape_key, flat)))
         if key not in self._cache:
             args = call.args
@@ -219,7 +219,7 @@ def _shape_key(x: Any) -> tuple:
     """An argument's part of the cache key: shape and dtype (read from arrays as they
     are; only Python scalars are made into arrays to learn theirs). Runs per leaf per
     call: a jax Array's aval holds both, a tuple already."""
-    if isinstance(x, jax.Array):
+    if is_array(x):
         return x.shape, x.dtype
     if not hasattr(x, "dtype"):
         x = as_array(x)

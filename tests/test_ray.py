@@ -171,7 +171,10 @@ def test_a_retry_after_a_worker_error_equals_jit(ray_cluster, workload):
 
             return faulty
 
-        # The worker's `fault_at`-th program call raises (here microbatch 2 of the last stage).
+        # The worker's `fault_at`-th call of a program's `fn` raises. The last stage calls
+        # it for microbatches 1 and 2 only (its first starts the accumulators with
+        # `first`, its last runs the fused update; no pre or second update program is
+        # dispatched, compile/remade.py): the 2nd is microbatch 2.
         worker._saved = list(worker._programs)
         worker._programs = [p if p is None else dataclasses.replace(p, fn=wrap(p.fn)) for p in worker._programs]
 
@@ -181,7 +184,7 @@ def test_a_retry_after_a_worker_error_equals_jit(ray_cluster, workload):
     import ray
 
     victim = parallel.compiled().workers[1]
-    ray.get(victim.__ray_call__.remote(sabotage, 4))
+    ray.get(victim.__ray_call__.remote(sabotage, 2))
     with pytest.raises(hetpar.HetparError, match="RuntimeError: .*injected fault"):
         parallel(later, workload.batch)
     ray.get(victim.__ray_call__.remote(restore))

@@ -81,7 +81,9 @@ def recompute(tasks: list[Task], graph: OpGraph, policies: dict[int, str]) -> li
         redo, _ = rerun(graph, fwd.ops, bwd.inputs, keep)
         if not redo:
             continue
-        ops = sorted(redo) + bwd.ops  # forward operators come first: none reads a backward value
+        # In trace order, a dependency order: forward operators come first (none reads a
+        # backward value), and one both programs remake (compile/remade.py) runs once.
+        ops = sorted(redo.union(bwd.ops))
         made_here = {v for i in ops for v in graph.ops[i].outputs}
         inputs = list(dict.fromkeys(v for i in ops for v in graph.ops[i].inputs
                                     if v not in made_here and v not in graph.constants))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hetpar.compile.remade import remakeable, remake
 from hetpar.trace.microbatch import MicrobatchAnalysis, Phase
 from hetpar.trace.opgraph import OpGraph
 
@@ -47,12 +48,15 @@ def build_tasks(graph: OpGraph, analysis: MicrobatchAnalysis, stage: list[int]) 
         backward = analysis.backward[op.index] and stage[op.index] != last
         kind.append(p.value if p is not Phase.MICRO else ("bwd" if backward else "fwd"))
 
+    # Small values made from the step's inputs alone are remade by their readers on
+    # other stages (remade.py): reading one waits for no other stage.
+    free = remakeable(graph, analysis)
     phase = [0] * len(graph.ops)
     for op in graph.ops:  # a new phase whenever pre/post work waits on another stage
         if kind[op.index] in ("pre", "post"):
             for v in op.inputs:
                 p = graph.producer.get(v)
-                if p is not None and kind[p] == kind[op.index]:
+                if p is not None and p not in free and kind[p] == kind[op.index]:
                     phase[op.index] = max(phase[op.index], phase[p] + (stage[p] != stage[op.index]))
 
     key_of = [(kind[i], stage[i], phase[i]) for i in range(len(graph.ops))]
@@ -77,6 +81,7 @@ def build_tasks(graph: OpGraph, analysis: MicrobatchAnalysis, stage: list[int]) 
             and (v in step_outputs or any(c not in members for c in graph.consumers.get(v, ())))
         ]
         tasks.append(Task(k, s, ph, ops, inputs, outputs, reductions))
+    tasks = remake(tasks, graph, free)
     order = {"pre": 0, "fwd": 1, "bwd": 2, "post": 3}
     tasks.sort(key=lambda t: (order[t.kind], t.phase, t.stage if t.kind != "bwd" else -t.stage))
     return tasks

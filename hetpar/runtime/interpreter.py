@@ -148,6 +148,23 @@ def interpret(step: CompiledStep, transport: Transport, flat_args: Sequence[Any]
     # microbatch and do not change during the step, so later microbatches reuse them.
     once: dict[int, list] = {}
     microbatch_inputs = step.microbatch_inputs
+
+    def arguments(p: int, values: Sequence[int], wanted: Sequence[Any], mb: int | None, replica: int, stage: int) -> list:
+        """Program p's inputs `values` (where `wanted`) at microbatch `mb`. A
+        per-microbatch program's first dispatch fetches them all; a later one (its
+        last, with the update folded in, too) reuses the once-per-step ones."""
+        args = once.get(p)
+        if args is None:
+            args = [fetch(v, mb if per_mb else None, replica, stage, target)
+                    for v, per_mb, target in zip(values, input_keys[p], wanted)]
+            if tasks[p].per_microbatch:
+                once[p] = args
+            return args
+        args = args.copy()
+        for i in microbatch_inputs[p]:
+            args[i] = fetch(values[i], mb, replica, stage, wanted[i])
+        return args
+
     for item in step.order:
         if item.combine:
             parts.combine()
@@ -159,19 +176,9 @@ def interpret(step: CompiledStep, transport: Transport, flat_args: Sequence[Any]
         mb = item.microbatch
         stage = task.stage
         if item.fused is not None:
-            _run_fused(step, transport, p, mb, replica, accumulators, fetch, store)
+            _run_fused(step, transport, p, mb, replica, accumulators, fetch, store, arguments)
         else:
-            args = once.get(p)
-            if args is None:
-                args = [fetch(v, mb if per_mb else None, replica, stage, target)
-                        for v, per_mb, target in zip(task.inputs, input_keys[p], targets[p])]
-                if task.per_microbatch:
-                    once[p] = args
-            else:  # a later microbatch: only its own inputs are looked up
-                args = args.copy()
-                values, wanted = task.inputs, targets[p]
-                for i in microbatch_inputs[p]:
-                    args[i] = fetch(values[i], mb, replica, stage, wanted[i])
+            args = arguments(p, task.inputs, targets[p], mb, replica, stage)
             outs, acc = call(p, accumulators.pop(p, None), args, item.last_microbatch)
             key = mb if task.per_microbatch else None
             if task.per_microbatch and stage in rows:  # a part of a mixed stage: its rows, its share of the reductions
@@ -199,15 +206,16 @@ def interpret(step: CompiledStep, transport: Transport, flat_args: Sequence[Any]
 
 
 def _run_fused(step: CompiledStep, transport: Transport, p: int, mb: int, replica: int, accumulators: dict,
-               fetch: Any, store: dict) -> None:
+               fetch: Any, store: dict, arguments: Any) -> None:
     """A stage's last microbatch with its update: the microbatch's outputs, the
-    reductions still read elsewhere and the update's results go to the store."""
+    reductions still read elsewhere and the update's results go to the store. Its
+    microbatch inputs are the program's own (`arguments`: laid out as in its other
+    microbatches), then the update's."""
     task, folded = step.tasks[p], step.fusions[p]
     stage, n = task.stage, len(folded.inputs)  # a folded pre program's outputs are made inside
     targets = transport.fused_targets[p]
-    args = [fetch(v, mb if per_mb else None, replica, stage, t)
-            for v, per_mb, t in zip(folded.inputs, step.input_keys[p], targets[:n])]
-    args += [fetch(v, None, replica, stage, t) for v, t in zip(folded.post_inputs, targets[n:])]
+    args = arguments(p, folded.inputs, targets[:n], mb, replica, stage) + [
+        fetch(v, None, replica, stage, t) for v, t in zip(folded.post_inputs, targets[n:])]
     outs, finals, updated = transport.call_fused(p, accumulators.pop(p, None), args)
     for v, x in zip(task.outputs, outs):
         store[(v, mb, replica)] = {stage: x}
