@@ -83,10 +83,7 @@ def remake(tasks: Sequence, graph: OpGraph, free: set[int]) -> list:
         chain = _chain(graph, free, [v for v in t.inputs if remade_here(v, t)])
         if chain:
             ops = sorted(chain.union(t.ops))  # trace order is a dependency order
-            made = {v for i in ops for v in graph.ops[i].outputs}
-            inputs = list(dict.fromkeys(v for i in ops for v in graph.ops[i].inputs
-                                        if v not in made and v not in graph.constants))
-            t = replace(t, ops=ops, inputs=inputs)
+            t = replace(t, ops=ops, inputs=graph.read_from_outside(ops))
         out.append(t)
     read = {v for t in out for v in t.inputs}
     kept = []

@@ -84,9 +84,7 @@ def recompute(tasks: list[Task], graph: OpGraph, policies: dict[int, str]) -> li
         # In trace order, a dependency order: forward operators come first (none reads a
         # backward value), and one both programs remake (compile/remade.py) runs once.
         ops = sorted(redo.union(bwd.ops))
-        made_here = {v for i in ops for v in graph.ops[i].outputs}
-        inputs = list(dict.fromkeys(v for i in ops for v in graph.ops[i].inputs
-                                    if v not in made_here and v not in graph.constants))
+        inputs = graph.read_from_outside(ops)
         members = set(ops) | set(fwd.ops)
         step_outputs = set(graph.outvars)
         fwd_outputs = [v for v in fwd.outputs

@@ -69,11 +69,7 @@ def build_tasks(graph: OpGraph, analysis: MicrobatchAnalysis, stage: list[int]) 
     for (k, s, ph), ops in groups.items():
         members = set(ops)
         produced = {v for i in ops for v in graph.ops[i].outputs}
-        inputs = []
-        for i in ops:
-            for v in graph.ops[i].inputs:
-                if v not in produced and v not in graph.constants and v not in inputs:
-                    inputs.append(v)
+        inputs = graph.read_from_outside(ops)
         reductions = [v for v in sorted(produced) if v in analysis.reductions]
         outputs = [
             v for v in sorted(produced)

@@ -83,6 +83,14 @@ class OpGraph:
                 out.setdefault(v, []).append(op.index)
         return out
 
+    def read_from_outside(self, ops: list[int]) -> list[int]:
+        """The values operators `ops` read that none of them makes and that are not
+        constants, in the order first read: a program's arguments, for every way a
+        task's operators are chosen (cut by stage, recomputed, remade)."""
+        made = {v for i in ops for v in self.ops[i].outputs}
+        return list(dict.fromkeys(v for i in ops for v in self.ops[i].inputs
+                                  if v not in made and v not in self.constants))
+
     def nbytes(self, value: int) -> int:
         aval = self.avals[value]
         size = 1
