@@ -168,13 +168,14 @@ class StageCosts:
             return sharded_state(params, 0.0 * params, 0.0 * params, dp, 0)
         return sharded_state(params, params, params * (self.problem.state_factor - 2), dp, zero)
 
-    def times_key(self, cfg: StageConfig, b: int) -> tuple:
+    def times_key(self, cfg: StageConfig, b: int) -> tuple[StageConfig, float]:
         """What `per_layer`'s times depend on: modelled layers run alike on every stage of a
         kind and model axis giving each device as many examples (b / dp), so the search
-        prices them once per such shape (a shared host's, measured and two model axes' read more)."""
+        prices them once per such shape, as one device's slice of the data axis (a shared
+        host's, measured and two model axes' read more: the stage itself)."""
         if self.kinds[cfg.kind].shared_host or cfg.model_collectives or self.problem.measured_layers:
             return cfg, b
-        return cfg.kind, cfg.tp, b / cfg.dp
+        return StageConfig(cfg.kind, 1, cfg.tp), b / cfg.dp
 
     def _per_layer(self, cfg: StageConfig, b: int) -> PerLayer:
         """Each layer alone on one of these stages: the numbers every range sums, and
@@ -198,10 +199,10 @@ class StageCosts:
             fused=fused,
         )
 
-    def _layer_times_uncached(self, key: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def _layer_times_uncached(self, key: tuple[StageConfig, float]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """`per_layer`'s forward, backward, rerun and fused seconds for a `times_key`."""
-        cfg, b = key if len(key) == 2 else (StageConfig(key[0], 1, key[1]), 0)  # b: read by two model axes only
-        per_device = b / cfg.dp if len(key) == 2 else key[2]  # examples each data-parallel slice runs
+        cfg, b = key
+        per_device = b / cfg.dp  # examples each data-parallel slice runs
         kind = self.kinds[cfg.kind]
         speed = cfg.tp * self.matmul_rates(kind, cfg, per_device, self.fwd_flops, self.matmuls)
         bwd_speed = cfg.tp * self.matmul_rates(kind, cfg, per_device, self.flops - self.fwd_flops, self.bwd_matmuls)
