@@ -5,6 +5,7 @@ Process 0 prints `CHECK <name> ok` after each; any failure raises (and fails the
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import hetpar
 from hetpar.runtime import distributed
@@ -39,9 +40,10 @@ def reference(w, steps: int):
     return out
 
 
-def compare(parallel, w, steps: int, name: str, resident_from: int = 1) -> None:
+def compare(parallel, w, steps: int, name: str, resident_from: int = 1) -> Any:
     """`steps` steps of `parallel` against jax.jit; from step `resident_from` on, no
-    array may leave the devices for the host during the step (state stays resident)."""
+    array may leave the devices for the host during the step (state stays resident).
+    Returns the last state."""
     expected = reference(w, steps)
     state = w.state
     for i in range(steps):
@@ -58,6 +60,7 @@ def compare(parallel, w, steps: int, name: str, resident_from: int = 1) -> None:
     distributed.barrier()
     if jax.process_index() == 0:
         print(f"CHECK {name} ok plan={parallel.plan.num_stages}stages", flush=True)
+    return state
 
 
 def check_pipeline(schedule: str) -> None:
@@ -283,8 +286,10 @@ def check_mixed() -> None:
     plan = replace(plan, stages=(replace(first, device_ids=first.device_ids[:2], mesh_shape=(2,), data_parallel=2), last))
     mixed = mix_stage(plan, 1, [Part("a100", first.device_ids[2:], 3), Part(last.group, last.device_ids, 2)])
     par = hetpar.parallelize(with_grads(w.loss_fn), cluster=cluster, plan=mixed)
-    compare(par, w, 2, "mixed")
+    state = compare(par, w, 3, "mixed")  # steps 2 and 3: each part on the state its own update made
     assert par.plan.mixed_stages == (1,)
+    kept = par.compiled().kept  # every process keeps the V100 part's copies of what the lead returned
+    assert sum(kept.copy_of(x, 2) is not None for x in jax.tree.leaves(state.params)) == 4  # stage 1's two layers
 
 
 CHECKS = {"mixed": check_mixed, "transfer": check_transfer, "gpipe": lambda: check_pipeline("gpipe"), "1f1b": lambda: check_pipeline("1f1b"), "replicas": check_replicas,

@@ -61,7 +61,7 @@ def test_two_kind_mixed_stage_parity_with_an_uneven_split():
     cluster, plan = _plan(w, THREE_KINDS)
     mixed = _last_stage_mixed(plan)
     assert [(s.device_type, s.examples, s.part_of) for s in mixed.stages] == [("A100", 0, -1), ("V100", 3, -1), ("T4", 2, 1)]
-    used = run_parity(w, cluster, steps=2, plan=mixed)
+    used = run_parity(w, cluster, steps=3, plan=mixed)  # steps 2 and 3 read the parts' own updated state
     assert used.mixed_stages == (1,)
 
 
@@ -75,7 +75,67 @@ def test_three_kind_mixed_first_stage_parity():
     mixed = mix_stage(plan, 0, [Part(first.group, first.device_ids, 3), Part("V100", _positions(plan, "V100"), 2),
                                 Part("T4", _positions(plan, "T4"), 2)])
     assert sorted(s.device_type for s in mixed.parts(0)) == ["H100", "T4", "V100"]
-    run_parity(w, cluster, steps=2, plan=mixed)
+    run_parity(w, cluster, steps=3, plan=mixed)
+
+
+class _Moves:
+    """The device path with every move recorded (source, target sharding)."""
+
+    def __init__(self, path):
+        self.path, self.seen = path, []
+
+    def to_mesh(self, x, sharding):
+        self.seen.append((x, sharding))
+        return self.path.to_mesh(x, sharding)
+
+    def __getattr__(self, name):
+        return getattr(self.path, name)
+
+
+def test_each_part_updates_its_own_state_and_a_next_step_copies_none_of_it(monkeypatch):
+    """Every part runs the update on its own copy: the next step reads the T4 part's
+    parameters and optimizer state where its own update left them (no move of any
+    state the lead returned onto the T4s). State the caller changed (new arrays) is
+    copied from the arguments, and the steps stay in parity."""
+    import jax
+
+    from hetpar.runtime import executor
+    from parity import assert_close
+    w = _mlp()
+    cluster, plan = _plan(w, THREE_KINDS)
+    mixed = _last_stage_mixed(plan)
+    step = with_grads(w.loss_fn)
+    parallel, reference = hetpar.parallelize(step, cluster=cluster, plan=mixed), jax.jit(step)
+    moves = _Moves(executor._PATH)
+    monkeypatch.setattr(executor, "_PATH", moves)
+
+    def copied_into_t4(state) -> int:
+        """Moves of `state`'s own parameters and moments (the call's arguments; not the
+        scalar step count, which another stage updates and every update reads) onto
+        the T4 part's devices."""
+        compiled = parallel.compiled()
+        t4 = {d for p in compiled.programs if p.task.stage == 2 for d in p.mesh.devices.flat}
+        mine = {id(x) for x in jax.tree.leaves(state) if np.ndim(x)}
+        return sum(1 for x, target in moves.seen if id(x) in mine and set(target.device_set) <= t4)
+
+    def both(par_state, ref_state, what):
+        moves.seen.clear()
+        par, ref = parallel(par_state, w.batch), reference(ref_state, w.batch)
+        for a, e, name in zip(par, ref, ("state", "loss", "gradients")):
+            assert_close(a, e, f"{name}, {what}")
+        return par[0], ref[0], copied_into_t4(par_state)
+
+    par, ref, _ = both(w.state, w.state, "step 1")  # the T4 part's state copied from the arguments
+    kept = next(iter(parallel._kept.values()))  # the runtime's part copies, by the lead's returned arrays
+    pairs = [(x, kept.copy_of(x, 2)) for x in jax.tree.leaves(par.params) if kept.copy_of(x, 2) is not None]
+    assert len(pairs) == 2  # the last layer's weight and bias, each beside the lead's on the T4s
+    assert all(x.devices() != y.devices() and np.array_equal(x, y) for x, y in pairs)
+    par, ref, second = both(par, ref, "step 2")
+    assert second == 0  # every part's own copy: nothing of the returned state crosses to the T4s
+    changed = lambda s: s.replace(params=jax.tree.map(lambda p: p * 0.5, s.params))  # noqa: E731
+    par, ref, third = both(changed(par), changed(ref), "step 3 from changed parameters")
+    assert third == 2  # the caller's new parameters (the last layer's two) are copied, not the part's stale ones
+    both(par, ref, "step 4")
 
 
 def test_mixed_single_stage_with_one_microbatch_parity():

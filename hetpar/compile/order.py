@@ -101,10 +101,10 @@ def fuse_updates(steps: Sequence[Step], fused_posts: dict[int, int]) -> list[Ste
 def with_parts(steps: Sequence[Step], own: Sequence[int], tasks: Sequence, parts: dict[int, tuple[int, ...]]) -> list[Step]:
     """`steps`, ordered over the programs `own` (positions in `tasks`: every task but
     mixed stages' non-lead parts), as steps over all of `tasks`: each dispatch of a
-    mixed stage's lead's forward or backward followed by the same dispatch of its other
-    parts' copies (the tasks after it of the same kind and phase whose stage is one of
-    its parts: `parts`, lead -> its parts' stages), the microbatch's release moved to
-    the last of them."""
+    mixed stage's lead's forward, backward or update followed by the same dispatch of
+    its other parts' copies (the tasks after it of the same kind and phase whose stage
+    is one of its parts: `parts`, lead -> its parts' stages), a microbatch's release
+    moved to the last of them."""
     copies: dict[int, list[int]] = {}
     lead = None
     for i, t in enumerate(tasks):
@@ -116,7 +116,7 @@ def with_parts(steps: Sequence[Step], own: Sequence[int], tasks: Sequence, parts
     out: list[Step] = []
     for s in steps:
         program = own[s.program] if s.program >= 0 else s.program
-        extra = copies.get(program, []) if s.microbatch is not None else []
+        extra = copies.get(program, [])
         if not extra:
             out.append(replace(s, program=program))
             continue

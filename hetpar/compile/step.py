@@ -48,7 +48,9 @@ def step_tasks(traced: TracedStep, plan: Plan) -> StepTasks:
     microbatches r*m .. r*m+m-1, laid end to end over the batch. Only replica 0 runs
     the post work (the update), on the reductions of all replicas combined. A mixed
     stage's other parts run copies of its lead's forward and backward tasks at their
-    own rows of each microbatch (`mixed_rows`); its pre and post work runs on the lead."""
+    own rows of each microbatch (`mixed_rows`), and copies of its post work (the
+    update, each part on its own copy of the parameters and optimizer state, so no
+    part waits for the lead's new parameters next step); its pre work runs on the lead."""
     if not plan.operator_stages:
         raise PlanError("the plan does not say which stage runs each operator (operator_stages): it can be shown and "
                         "simulated but not run; make it with hetpar solve or hetpar.make_plan")
@@ -67,11 +69,11 @@ def step_tasks(traced: TracedStep, plan: Plan) -> StepTasks:
         for t in recompute(built, traced.full, {s.index: s.remat for s in plan.replica_stages(r)}):
             if t.kind == "post" and r > 0:
                 continue
-            copies = parts.get(t.stage, (t.stage,)) if t.per_microbatch else (t.stage,)
-            for stage in copies:  # a mixed stage's forward and backward: one task per part
+            copies = parts.get(t.stage, (t.stage,)) if t.per_microbatch or t.kind == "post" else (t.stage,)
+            for stage in copies:  # a mixed stage's forward, backward and update: one task per part
                 tasks.append(t if stage == t.stage else replace(t, stage=stage))
                 replica_of.append(r)
-                sizes.append(rows[stage][1] if stage in rows else size)
+                sizes.append(rows[stage][1] if stage in rows and t.per_microbatch else size)
         slices += [(start + j * size, size) for j in range(m)]
         start += examples
     return StepTasks(tuple(tasks), tuple(replica_of), tuple(sizes), tuple(slices), m, rows, parts)

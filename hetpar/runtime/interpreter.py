@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
 from hetpar.compile.compiled import CompiledStep, constant_output
-from hetpar.runtime.mixed import MixedStages
+from hetpar.runtime.mixed import MixedStages, PartState
 
 # How replicas' shares of a reduction combine (the reduction's kind -> the operation's name).
 MERGE_KIND = {"sum": "add", "mean": "add", "max": "maximum", "min": "minimum"}
@@ -92,18 +92,26 @@ class RunStats:
             self.peak_activation_bytes[stage] = max(self.peak_activation_bytes.get(stage, 0), nbytes)
 
 
-def interpret(step: CompiledStep, transport: Transport, flat_args: Sequence[Any], stats: RunStats | None = None) -> list[Any]:
+def interpret(step: CompiledStep, transport: Transport, flat_args: Sequence[Any], stats: RunStats | None = None,
+              kept: PartState | None = None) -> list[Any]:
     """Runs every instruction of one step in the schedule's order over `transport`.
     With `stats`, also records what the step holds at its peak (costs a walk over
-    held values per program, so only for measurements)."""
+    held values per program, so only for measurements). With `kept` (held by the
+    runtime between its calls), a mixed stage's part reads its own copy of the state
+    it updated last step, where an argument is the very array the lead returned for
+    it, and keeps this step's copies for the next."""
     graph, analysis = step.graph, step.analysis
     # (value, microbatch, replica) -> stage -> value. Once-per-step values (microbatch
     # None) are per replica: each data-parallel pipeline has its own.
     store: dict[tuple[int, int | None, int], dict[int, Any]] = {}
     inputs = dict(zip(graph.invars, flat_args))
+    carried = kept.carried(inputs) if kept is not None and step.parts else {}
     move, call = transport.move, transport.call
 
-    def source(value: int, mb: int | None, replica: int) -> Any:
+    def source(value: int, mb: int | None, replica: int, stage: int) -> Any:
+        mine = carried.get(value, {}).get(stage) if carried else None
+        if mine is not None:  # a part's own copy of the state it updated last step
+            return mine
         copies = store.get((value, mb, replica)) or store.get((value, mb, 0))
         if copies:
             return next(iter(copies.values()))
@@ -135,7 +143,7 @@ def interpret(step: CompiledStep, transport: Transport, flat_args: Sequence[Any]
             return copies[stage]
         # A value already where the program wants it (a parameter this stage
         # returned last step) is used in place: no copy, no dispatch.
-        x = copies[stage] = move(source(value, mb, replica), target)
+        x = copies[stage] = move(source(value, mb, replica, stage), target)
         return x
 
     rows = step.rows
@@ -183,6 +191,9 @@ def interpret(step: CompiledStep, transport: Transport, flat_args: Sequence[Any]
             key = mb if task.per_microbatch else None
             if task.per_microbatch and stage in rows:  # a part of a mixed stage: its rows, its share of the reductions
                 parts.made(task, mb, replica, outs, acc if item.last_microbatch else None)
+            elif stage in rows and stage not in step.parts:  # a part's update: its copy beside the lead's
+                for v, x in zip(task.outputs, outs):
+                    store.setdefault((v, key, replica), {})[stage] = x
             else:
                 for v, x in zip(task.outputs, outs):
                     store[(v, key, replica)] = {stage: x}
@@ -202,7 +213,10 @@ def interpret(step: CompiledStep, transport: Transport, flat_args: Sequence[Any]
             parts.release(item.release, returned)
 
     parts.join_outputs(returned)
-    return transport.results([_output(v, step, store, inputs, transport) for v in graph.outvars])
+    outputs = [_output(v, step, store, inputs, transport) for v in graph.outvars]
+    if kept is not None and step.parts:
+        kept.keep(step, graph.outvars, outputs, store)
+    return transport.results(outputs)
 
 
 def _run_fused(step: CompiledStep, transport: Transport, p: int, mb: int, replica: int, accumulators: dict,
@@ -226,7 +240,8 @@ def _run_fused(step: CompiledStep, transport: Transport, p: int, mb: int, replic
 def _combine_replicas(step: CompiledStep, store: dict, transport: Transport) -> None:
     """Each replica accumulated its own share of every reduction (gradients, loss
     sums); replica 0 receives the others' and combines them, so its post work sees
-    the full batch's."""
+    the full batch's. Where replica 0's sum lies on several stages (a mixed stage's
+    parts, each updating), each copy takes the others' in the same order."""
     reductions = step.analysis.reductions
     for (value, mb, replica), copies in list(store.items()):
         if mb is not None or replica == 0 or value not in reductions:
@@ -236,8 +251,8 @@ def _combine_replicas(step: CompiledStep, store: dict, transport: Transport) -> 
         if not home:
             store[(value, None, 0)] = copies
             continue
-        stage, mine = next(iter(home.items()))
-        store[(value, None, 0)] = {stage: transport.merge(MERGE_KIND[reductions[value]], mine, other)}
+        how = MERGE_KIND[reductions[value]]
+        store[(value, None, 0)] = {stage: transport.merge(how, mine, other) for stage, mine in home.items()}
         del store[(value, mb, replica)]
 
 

@@ -9,15 +9,19 @@ values: a part reads its own rows of what it made itself, its cut of everything 
 (a batch argument or whole-batch value cut straight at its rows; another stage's value
 cut at its offset), and a stage that reads a value a mixed stage made gets the parts'
 rows joined end to end along the batch axis. Each part accumulates its share of the
-reductions over its rows; they are summed into the lead's (as replicas' are summed
-into replica 0's) before the post work reads them, and the lead alone runs the
-stage's once-per-step work. Every transport call is one the interpreter already
+reductions over its rows; every part sums all parts' shares in one order on its own
+mesh (`combine`), and runs its own copy of the stage's update on its own copy of the
+parameters and optimizer state, so every part ends the step with the lead's numbers
+and the next step needs no copy of the new parameters from the lead (`PartState`
+keeps the parts' copies between calls). The lead's results are the step's; its pre
+work runs on the lead alone. Every transport call is one the interpreter already
 makes (split, concatenate, merge, free), so every runtime runs mixed stages.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import weakref
+from typing import Any, Sequence
 
 from hetpar.errors import PlanError
 
@@ -31,6 +35,15 @@ class MixedStages:
         self.merge_kind = merge_kind
         self.rows, self.parts = step.rows, step.parts
         self.lead = {s: lead for lead, mine in step.parts.items() for s in mine}
+        # (reduction, part stage) -> where the part's update wants that reduction (a
+        # non-lead part's post program's input target): where its sum is made.
+        reductions = step.analysis.reductions
+        self.update_targets = {
+            (v, t.stage): target
+            for t, wanted in zip(step.tasks, transport.targets)
+            if t.kind == "post" and t.stage in self.lead and t.stage not in self.parts
+            for v, target in zip(t.inputs, wanted) if v in reductions
+        }
         # (value, microbatch, replica) -> part stage -> the rows that part made
         self.pieces: dict[tuple[int, int, int], dict[int, Any]] = {}
         # (value, microbatch, replica, part stage) -> that part's rows of a value made elsewhere
@@ -92,16 +105,27 @@ class MixedStages:
                 self.shares.setdefault((v, replica), {})[task.stage] = x
 
     def combine(self) -> None:
-        """Each mixed stage's parts' reductions summed (or maxed) into its lead's, where
-        the lead lies, as the step's post work and the replicas' combine expect."""
+        """Each mixed stage's reductions summed (or maxed) over its parts, on every part
+        whose update reads them: the same sum everywhere, so each part's update makes
+        the lead's numbers. Each part adds the shares in one order, the parts' row
+        order (the first share moved to the part, then the others merged in, `merge`
+        combining where its home lies), so no rounding differs between the parts;
+        the lead's sum is the one the step returns and the replicas' combine reads."""
         kinds = self.step.analysis.reductions
         for (value, replica), shares in self.shares.items():
             lead = self.lead[next(iter(shares))]
-            mine = [shares[s] for s in self.parts[lead] if s in shares]
-            total = mine[0]
-            for other in mine[1:]:
-                total = self.transport.merge(self.merge_kind[kinds[value]], total, other)
-            self.store[(value, None, replica)] = {lead: total}
+            mine = [s for s in self.parts[lead] if s in shares]
+            how = self.merge_kind[kinds[value]]
+            totals: dict[int, Any] = {}
+            for home in mine:
+                target = self.update_targets.get((value, home)) if home != lead else None
+                if home != lead and target is None:
+                    continue  # no update of this part reads it: the lead's sum alone
+                total = shares[mine[0]] if home == mine[0] else self.transport.move(shares[mine[0]], target)
+                for other in mine[1:]:
+                    total = self.transport.merge(how, total, shares[other])
+                totals[home] = total
+            self.store[(value, None, replica)] = totals
         self.shares.clear()
 
     def release(self, mb: int, returned: set[int]) -> None:
@@ -121,3 +145,49 @@ class MixedStages:
         for (value, mb, replica) in list(self.pieces):
             if value in returned and (value, mb, replica) not in self.store:
                 self.store[(value, mb, replica)] = self.joined(value, mb, replica)
+
+
+class PartState:
+    """What a runtime keeps between calls for its mixed stages' parts: each part's
+    copy of the state its update made (new parameters, optimizer state), by the
+    array the lead returned for it. A next call's argument that IS that array (the
+    same object, alive: a weak reference, so a dropped result frees its copies) is
+    read by each part from its own copy, with no move from the lead; any other
+    argument (changed, replaced, loaded) is copied from the argument, as on a
+    first step. A part's copies are dropped with the lead's array they shadow. Holds values of the in-process and `jax.distributed` transports;
+    Ray's step outputs come back to the driver as new arrays, so Ray has none."""
+
+    def __init__(self) -> None:
+        # id(lead's output) -> (a weak reference to it, part stage -> that part's copy)
+        self._kept: dict[int, tuple[weakref.ref, dict[int, Any]]] = {}
+
+    def carried(self, inputs: dict[int, Any]) -> dict[int, dict[int, Any]]:
+        """Per step input (value index) that is an array the lead returned last call:
+        each part's own copy of it."""
+        out = {}
+        for value, x in inputs.items():
+            entry = self._kept.get(id(x))
+            if entry is not None and entry[0]() is x:
+                out[value] = entry[1]
+        return out
+
+    def copy_of(self, x: Any, stage: int) -> Any:
+        """Part `stage`'s copy of `x`, an array the lead returned last call (None if none)."""
+        entry = self._kept.get(id(x))
+        return entry[1].get(stage) if entry is not None and entry[0]() is x else None
+
+    def keep(self, step: Any, outvars: Sequence[int], outputs: Sequence[Any], store: dict) -> None:
+        """This call's part copies of the values parts' updates made, replacing the
+        last call's (which the parts have now read or never will)."""
+        made = {(v, t.stage) for t in step.tasks if t.kind == "post" and t.stage in step.rows
+                and t.stage not in step.parts for v in t.outputs}
+        kept: dict[int, tuple[weakref.ref, dict[int, Any]]] = {}
+        for v, x in zip(outvars, outputs):
+            copies = store.get((v, None, 0)) or {}
+            mine = {s: y for s, y in copies.items() if (v, s) in made and y is not x}
+            if mine:
+                try:  # the copies go when the caller drops the lead's array
+                    kept[id(x)] = (weakref.ref(x, lambda _, key=id(x): kept.pop(key, None)), mine)
+                except TypeError:  # not weakly referable: never taken for its copy
+                    continue
+        self._kept = kept

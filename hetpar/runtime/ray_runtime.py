@@ -182,9 +182,9 @@ class RayTransport:
         return outs, finals, updated
 
     def merge(self, how: str, home: RayValue, other: Any) -> RayValue:
-        into = self._new(home.actor)
-        (theirs,), arrivals, received = self._send([self.move(other, home.actor)])
-        self.tokens.append(self.actors[home.actor].merge.remote(how, home.id, theirs, into.id, arrivals, *received))
+        into = self._new(home.actor)  # `home` may itself be on its way there (a mixed stage's part's first share)
+        (mine, theirs), arrivals, received = self._send([home, self.move(other, home.actor)])
+        self.tokens.append(self.actors[home.actor].merge.remote(how, mine, theirs, into.id, arrivals, *received))
         return into
 
     def concatenate(self, pieces: list, axis: int) -> RayValue:

@@ -123,11 +123,19 @@ class StageWorker:
         return into
 
     def merge(self, how: str, home: int, other: int, into: int, arrivals: tuple[int, ...], *received: Any) -> int:
-        """Another replica's share of a reduction combined into this one's."""
+        """Another replica's (or mixed stage part's) share of a reduction combined into
+        this one's. Either may have just arrived from another worker (a part's sum
+        starts from the first part's share): it is laid out as the one held here."""
         import jax.numpy as jnp
 
+        for i, x in zip(arrivals, received):
+            self._values[i] = x
         mine = self._values[home]
-        (theirs,) = self._inputs((other,), (mine.sharding,), arrivals, received)
+        if hasattr(mine, "sharding"):
+            (theirs,) = self._inputs((other,), (mine.sharding,), (), ())
+        else:
+            theirs = self._values[other]
+            (mine,) = self._inputs((home,), (theirs.sharding,), (), ())
         self._values[into] = getattr(jnp, how)(mine, theirs)
         return into
 
