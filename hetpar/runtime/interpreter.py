@@ -14,7 +14,9 @@ run is a `Transport`'s business:
 
 A mixed-kind stage's parts (compile/step.mixed_rows) each run their rows of every
 microbatch: `MixedStages` (runtime/mixed.py) cuts their inputs, joins their outputs
-for the stages that read them whole and sums their reductions before the replicas'.
+for the stages that read them whole and sums their reductions on every part (before
+the replicas'), each part then updating its own copy of the state, which the runtime
+keeps between calls (`PartState`) so the next step copies no parameters to a part.
 
 The interpreter never looks inside a value or a target (where an input must be for
 its program): it only hands them to the transport, so a runtime gains every feature

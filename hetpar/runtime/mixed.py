@@ -3,7 +3,7 @@ parts sit on meshes of different kinds, each running its rows of every microbatc
 (`CompiledStep.rows`, from the plan's `StagePlan.examples`).
 
 The parts' programs are the lead's forward and backward compiled at their own row
-count, so everything the interpreter does for a stage holds for a part, except that a
+count (and its update, on the part's mesh), so everything the interpreter does for a stage holds for a part, except that a
 part's per-microbatch values are its rows only. This keeps them apart from whole
 values: a part reads its own rows of what it made itself, its cut of everything else
 (a batch argument or whole-batch value cut straight at its rows; another stage's value
@@ -15,7 +15,7 @@ parameters and optimizer state, so every part ends the step with the lead's numb
 and the next step needs no copy of the new parameters from the lead (`PartState`
 keeps the parts' copies between calls). The lead's results are the step's; its pre
 work runs on the lead alone. Every transport call is one the interpreter already
-makes (split, concatenate, merge, free), so every runtime runs mixed stages.
+makes (move, split, concatenate, merge, free), so every runtime runs mixed stages.
 """
 
 from __future__ import annotations

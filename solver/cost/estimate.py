@@ -23,14 +23,14 @@ import numpy as np
 from solver.memory import OFFLOAD_TIERS, DeviceMemory, in_flight
 from solver.pipeline_sim import MAX_SIMULATED_MICROBATCHES, Simulation, pipeline_time, simulate, step_time
 from solver.cost.decisions import Decisions, StageDecision
-from solver.cost.mixed import as_part, check_parts, mixed_position
+from solver.cost.mixed import check_parts, mixed_position
 from solver.cost.problem import PlanningError, Problem
 from solver.cost.stage_costs import StageConfig, StageCosts
 from solver.schedules import StageTimes
 
 # Bumped whenever a change to the cost model changes a price: a plan file that keeps
 # figures as a cache records the version they were made with.
-ESTIMATOR_VERSION = 7  # 2: shared NICs, host-staged links, blocking sends, the JAX client's memory share;
+ESTIMATOR_VERSION = 8  # 2: shared NICs, host-staged links, blocking sends, the JAX client's memory share;
 # 3: measured layer profiles (solver.cost.measured), devices sharing one host run one after another;
 # 4: a shared host's replica combine priced from the profile's measured merges (`cross_replica_sync_s`);
 # 5: a shared host's sends priced from the profile's measured ones, both ways per microbatch (`serial_step_s`);
@@ -38,6 +38,7 @@ ESTIMATOR_VERSION = 7  # 2: shared NICs, host-staged links, blocking sends, the 
 # 6: a mixed stage updates on its lead and copies the parameters to its parts (`solver.cost.mixed.parameter_copy_s`)
 # 7: measured layers: the per-program cost against a stage that is not the last (not the fused whole model),
 # and the last stage priced as one program per microbatch at its layers' fused times (`StageCosts._fused_backward`)
+# 8: every part of a mixed stage holds its optimizer state and updates its own copy (no parameter copy between kinds)
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,6 @@ def estimate(problem: Problem, decisions: Decisions, costs: StageCosts | None = 
             parts = d.parts(index[id(s)])
             if parts:  # a mixed-kind stage: each part priced at its rows, the slowest sets the pace
                 mine = [_priced(costs, q, q.config, q.examples, held, p == n - 1, following) for q in parts]
-                mine[1:] = [as_part(r_) for r_ in mine[1:]]
                 for q, r_ in zip(parts[1:], mine[1:]):
                     priced[index[id(q)]] = StageCost(*r_[1:6], r_[6], r_[7], r_[6].total, r_[8], r_[6].host,
                                                      costs.host_capacity(q.kind), r_[6].nvme, costs.nvme_capacity(q.kind))

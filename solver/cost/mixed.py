@@ -22,30 +22,28 @@ the last microbatch's backward as a stage's own reduction is (`topologies.expose
 on the compute the part's own buckets left free; without it both are exposed after the
 last backward, as every stage's are.
 
-The update is priced as the runtime runs it (`hetpar/runtime/mixed.py`): the parts'
-shares are summed into the lead, the lead alone holds the optimizer state and updates,
-and the next step moves the new parameters to every other part (`parameter_copy_s`:
-each of a part's devices its shard, through its node's share of the link between the
-kinds), before the part's first forward. So a part's memory holds parameters,
-gradients and activations but no optimizer state, and the position's update is the
-lead's plus that copy, exposed. (The sum is priced as the all-reduce the links favour;
-the runtime's sum into the lead takes about as long for two parts, a ring's two
-directions against one, and longer for three, whose lead's node receives both other
-shares.)
+The update is priced as the runtime runs it (`hetpar/runtime/mixed.py`): every part
+ends the sum with the same total and updates its own copy of the parameters with its
+own optimizer state, side by side, so no parameters cross between kinds from one step
+to the next. A part's memory holds the optimizer state as a stage's does (under its own
+ZeRO stage), and the position's update is its slowest part's. The sum is priced as
+the all-reduce the links favour, which is what the runtime moves for two parts (each
+sends its whole share to the other: a two-node ring's bytes each way). For three or
+more, the runtime's sum sends every part's whole share to every other part, k - 1
+shares into each part's devices where a ring moves 2 (k - 1) / k of one, so the price
+is under the runtime's by up to half for three parts (the planner's mixed stages are
+two- and three-kind; the bytes between kinds are the layers' gradients once per step).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 
-from solver.collectives import Topology, best, fastest_times, p2p
+from solver.collectives import Topology, best, fastest_times
 from solver.cost.decisions import Decisions, StageDecision
 from solver.cost.problem import PlanningError
 from solver.cost.stage_costs import StageCosts
 from solver.cost.topologies import dp_topology, exposed
-from solver.memory import DeviceMemory
 
 
 def parts_reduction(costs: StageCosts, parts: list[StageDecision]) -> tuple[Topology, float]:
@@ -122,48 +120,17 @@ def parts_sync_overlapped(costs: StageCosts, parts: list[StageDecision], priced:
     return shown, float(buckets.sum()) - shown
 
 
-def parameter_copy_s(costs: StageCosts, parts: list[StageDecision]) -> float:
-    """Seconds to move the lead's new parameters of the stage's layers to the other
-    parts once per step (the runtime updates on the lead alone): each device of a part
-    receives its shard (the layers' bytes over its tensor-parallel degree, and over its
-    data axis under ZeRO-3), a node's devices through the node's share of the link
-    between the lead's kind and the part's; the parts' nodes receive side by side."""
-    if not costs.problem.training:
-        return 0.0
-    lead = parts[0]
-    layers = float(costs.params[lead.layer_start:lead.layer_end].sum())
-    seconds = 0.0
-    for q in parts[1:]:
-        shard = layers / q.tp / (q.config.zero_shards if q.zero >= 3 else 1)
-        per_node = min(q.devices, costs.kinds[q.kind].devices_per_node)
-        link = costs.problem.link(lead.kind, q.kind).per_flow(per_node)
-        seconds = max(seconds, p2p(shard, link))
-    return seconds
-
-
-def without_optimizer_state(memory: DeviceMemory) -> DeviceMemory:
-    """A non-lead part's memory: the lead alone holds and updates the optimizer state."""
-    return replace(memory, optimizer_state=0.0, host=0.0, nvme=0.0)
-
-
-def as_part(priced: tuple) -> tuple:
-    """A non-lead part's row as `estimate` assembles stages (s, forward, backward, send,
-    sync, optimizer, memory, capacity, hidden): no update of its own and no optimizer
-    state, so neither its view nor a shared host's serial step charges them."""
-    return (*priced[:5], 0.0, without_optimizer_state(priced[6]), *priced[7:])
-
-
 def mixed_position(costs: StageCosts, parts: list[StageDecision], priced: list[tuple]) -> tuple:
     """The pipeline position of a mixed stage, as `estimate` assembles a replica's
     stages (s, forward, backward, send, sync, optimizer, memory, capacity, hidden):
     the lead's memory, the slowest part's times, the parts' gradient sum added to the
-    slowest part's own (its exposed part; the rest hidden), and the lead's update
-    followed by the parameters' copy to the other parts."""
+    slowest part's own (its exposed part; the rest hidden), and the slowest part's
+    update (every part updates its own copy, side by side)."""
     lead = priced[0]
     slowest = lambda k: max(r[k] for r in priced)  # noqa: E731
     shown, hidden = parts_sync_overlapped(costs, parts, priced)
-    return (lead[0], slowest(1), slowest(2), slowest(3), slowest(4) + shown, lead[5] + parameter_copy_s(costs, parts),
-            lead[6], lead[7], slowest(8) + hidden)
+    return (lead[0], slowest(1), slowest(2), slowest(3), slowest(4) + shown, slowest(5), lead[6], lead[7],
+            slowest(8) + hidden)
 
 
 def check_parts(d: Decisions) -> None:

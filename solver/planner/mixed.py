@@ -33,7 +33,6 @@ import numpy as np
 
 from solver.collectives import fastest_times
 from solver.cost.estimate import estimate
-from solver.cost.mixed import without_optimizer_state
 from solver.cost.problem import PlanningError, Problem
 from solver.cost.stage_costs import INF, StageConfig, StageCosts
 from solver.memory import OFFLOAD_TIERS, in_flight
@@ -315,9 +314,9 @@ def _position(problem: Problem, costs: StageCosts, stages: tuple[StageChoice, ..
     for remat in remats:
         fb_all, tail_all, least, zeros = np.zeros(shape), np.zeros(shape), np.zeros(shape), []
         for k, s in enumerate(stages):
-            key = ("part", s.kind, s.dp, s.tp, s.examples or b, m, held, last, remat, k == 0)
+            key = ("part", s.kind, s.dp, s.tp, s.examples or b, m, held, last, remat)
             if key not in memo:
-                memo[key] = _part(costs, StageConfig(s.kind, s.dp, s.tp), s.examples or b, m, held, last, remat, lead=k == 0)
+                memo[key] = _part(costs, StageConfig(s.kind, s.dp, s.tp), s.examples or b, m, held, last, remat)
             part_cost, part_fb, part_tail, part_zero = memo[key]
             fb_all, tail_all = np.maximum(fb_all, part_fb), np.maximum(tail_all, part_tail)
             least = np.maximum(least, part_cost)
@@ -347,21 +346,20 @@ def _meshes(problem: Problem, s: StageChoice, b: int) -> list[StageConfig]:
     return [own, *others]
 
 
-def _part(costs: StageCosts, cfg: StageConfig, rows: int, m: int, held: int, last: bool, remat: str,
-          lead: bool = True) -> tuple[np.ndarray, ...]:
+def _part(costs: StageCosts, cfg: StageConfig, rows: int, m: int, held: int, last: bool,
+          remat: str) -> tuple[np.ndarray, ...]:
     """A mixed stage's part on `rows` of every microbatch, for every layer range: the
     least of `m` forwards and backwards plus the tail over its ZeRO stages that fit
     (inf where none does), that choice's forward and backward, its tail, its ZeRO stage.
-    A part that is not the `lead` holds no optimizer state and runs no update, as the
-    estimator prices it (`solver.cost.mixed`): no tail, and its memory without that state."""
+    Every part holds its optimizer state and runs its own update, as the estimator
+    prices it (`solver.cost.mixed`)."""
     shape = (costs.n + 1, costs.n + 1)
     cost, fb, tail, zeros = np.full(shape, INF), np.full(shape, INF), np.zeros(shape), np.zeros(shape, dtype=int)
     for zero in costs.zero_stages(cfg):
         v = costs.variant(cfg, rows, held, last, zero, remat)
-        held_bytes = (v.memory if lead else without_optimizer_state(v.memory)).total
-        fits = np.broadcast_to(held_bytes, shape) <= costs.capacity(cfg.kind)
+        fits = np.broadcast_to(v.memory.total, shape) <= costs.capacity(cfg.kind)
         f_b = np.broadcast_to(v.forward + v.backward, shape)
-        t = np.broadcast_to(v.tail if lead else 0.0, shape)
+        t = np.broadcast_to(v.tail, shape)
         c = np.where(fits, m * f_b + t, INF)
         take = c < cost
         cost, fb, tail, zeros = np.where(take, c, cost), np.where(take, f_b, fb), np.where(take, t, tail), np.where(take, zero, zeros)
@@ -397,7 +395,7 @@ def _layouts(problem: Problem, costs: StageCosts, kind: str, devices: int, stage
         share = max(cfg.dp, b * cfg.devices // max(1, devices + stage.devices))  # about the rows it would take
         for zero in sorted(z for z in problem.zero_stages if z == 0 or cfg.dp > 1):
             v = costs.variant(cfg, share, 1, False, zero, remat)
-            if _at(without_optimizer_state(v.memory).total, v.forward.shape, i, j) > costs.capacity(kind):
+            if _at(v.memory.total, v.forward.shape, i, j) > costs.capacity(kind):
                 continue
             seconds = _pass_s(v, i, j)
             if seconds > 0:
