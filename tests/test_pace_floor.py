@@ -1,7 +1,8 @@
-"""`_Row.pace_floor`: the floor under an interleaved pipeline's pace that `best_split`
-refuses rows on must lie below the pace of every split of the row (brute force on the
-random small problems of test_planner), and it must bite where the least shared work
-spread evenly does not (a slow kind's device group holding a layer per stage)."""
+"""The floors under an interleaved pipeline that rows are refused on (`_Row.pace_floor`
+in `best_split`, `LowerBounds.interleaved_floor` before the stage tables) must lie below
+every split of the row (brute force on the random small problems of test_planner), and
+the first must bite where the least shared work spread evenly does not (a slow kind's
+device group holding a layer per stage)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pytest
 
 from solver.cost.stage_costs import INF, StageCosts, in_flight
 from solver.planner.bounds import kind_layouts
-from solver.planner.layer_split import _Row
+from solver.planner.layer_split import _Row, score
+from solver.planner.search import Planner
 from test_planner import compositions, random_problem
 
 
@@ -86,3 +88,36 @@ def test_the_pace_floor_sees_a_slow_group_that_even_work_misses():
     assert row.least_work() * 2 / 4 < floor / 1.5  # the even spread: 11
     least = min(_pace(tables, sends, cuts, 2) for cuts in compositions(n, 4))
     assert floor <= least
+
+
+@pytest.mark.parametrize("seeds", [range(0, 12), range(12, 24)])
+def test_the_interleaved_floor_is_below_every_interleaved_split(seeds):
+    """`LowerBounds.interleaved_floor`, which the search refuses interleaved rows on
+    before their stage tables are built, never exceeds the interleaved step of a split
+    of the row (brute force)."""
+    checked = 0
+    for seed in seeds:
+        rng = np.random.default_rng(900 + seed)
+        problem = random_problem(rng, kinds=int(rng.integers(1, 4)))
+        planner = Planner(problem)
+        costs, bounds = planner.costs, planner.bounds
+        for m in problem.microbatch_counts():
+            b = problem.batch_size // m
+            for order in itertools.permutations([k.name for k in problem.kinds]):
+                for layouts in itertools.product(*(kind_layouts(problem, k) for k in order)):
+                    groups = [lay.config for lay in layouts for _ in range(lay.stages)]
+                    if any(b % c.dp for c in groups):
+                        continue
+                    for chunks in (2, 3):
+                        configs = groups * chunks
+                        if len(configs) > costs.n:
+                            continue
+                        floor = bounds.interleaved_floor(layouts, m, b, chunks)
+                        tables = [costs.table(c, b, in_flight("interleaved", m, p, len(configs), chunks),
+                                              p == len(configs) - 1, m) for p, c in enumerate(configs)]
+                        sends = [costs.sends(a, c, b) for a, c in zip(configs, configs[1:])]
+                        best = min(score(tables, sends, m, cuts, "interleaved", chunks)
+                                   for cuts in compositions(costs.n, len(configs)))
+                        assert floor <= best * (1 + 1e-12), (order, layouts, m, chunks, floor, best)
+                        checked += best < INF
+    assert checked >= 10, checked

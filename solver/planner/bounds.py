@@ -380,6 +380,24 @@ class LowerBounds:
             best = min(float(before[-1]), float(values[-1]))
         return best + offset
 
+    def interleaved_floor(self, layouts: tuple[KindLayout, ...], m: int, b: int, chunks: int) -> float:
+        """No split of these device groups, each holding `chunks` = v stages (the row
+        of groups repeated v times), runs an interleaved step faster than this: its
+        pace (the busiest group's stages summed) is at least a group's v least
+        one-layer times, and at least n / sum(1 / r_g) where r_g is the group's least
+        time per layer over runs of any length (the groups balanced, were layers
+        divisible); the first microbatch's pass, every stage's least time over v.
+        (`layer_split._Row.pace_floor` on the stage tables, taken here before they are
+        built, from the least runs that bound every table entry.)"""
+        groups = [lay.config for lay in layouts for _ in range(lay.stages)]
+        runs = [self._stage_runs(c, b) for c in groups]
+        least = np.array([min(r.time[0], r.remat[0]) for r in runs])
+        lengths = np.arange(1, self.costs.n + 1)
+        rates = np.array([float((np.minimum(r.time, r.remat) / lengths).min()) for r in runs])
+        balanced = self.costs.n / float((1.0 / rates).sum()) if (rates > 0).all() else 0.0
+        pace = max(chunks * float(least.max()), balanced)
+        return (float(least.sum()) + (m - 1 / chunks) * pace) * _BELOW
+
     def _work_s(self) -> float:
         """Seconds of work per example at one FLOP/s: what a step's devices share."""
         return float(self.costs.flops.sum() if self.problem.training else self.costs.fwd_flops.sum())

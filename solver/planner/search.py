@@ -103,6 +103,8 @@ class Planner:
             return None
         if registry.get(schedule).check(len(groups), m, chunks):
             return None
+        if chunks > 1 and self.bounds.interleaved_floor(layouts, m, b, chunks) >= beat:
+            return None  # no split's pace could win: refused before the tables of its positions are built
         tables = [self.costs.table(c, b, in_flight(schedule, m, p, len(configs), chunks), p == len(configs) - 1, m)
                   for p, c in enumerate(configs)]
         if chunks > 1 and not _chunks_may_fit(tables, len(groups)):
