@@ -288,6 +288,8 @@ class StageCosts:
         shape = (self.n + 1, self.n + 1)
         choices, fields, time_cost = self._table_times(cfg, b, m, last)
         tiers = self.offload_tiers(cfg)
+        if tiers == [""]:  # on the devices only (most problems): the loop below's figures, without its lists
+            return self._device_table(cfg, b, held, last, capacity, choices, fields, time_cost)
         rows: list[tuple[int, str, str]] = []  # (ZeRO stage, recomputation, offload tier) per stacked row
         stacked: dict[str, list[np.ndarray]] = {name: [] for name in (*fields, "memory")}
         costs: list[np.ndarray] = []
@@ -337,6 +339,21 @@ class StageCosts:
         return StageTable(np.where(ok, out["forward"], INF), np.where(ok, out["backward"], INF), remat & ok,
                           np.where(ok, out["memory"], 0.0), np.where(ok, out["tail"], 0.0), np.where(ok, out["sync"], 0.0),
                           capacity, np.where(ok, zero, 0), np.where(ok, offload, 0))
+
+    def _device_table(self, cfg: StageConfig, b: int, held: int, last: bool, capacity: int, choices: list[tuple[int, str]],
+                      fields: dict[str, np.ndarray], time_cost: np.ndarray) -> StageTable:
+        """`_table` where the optimizer state stays on the devices: per range the first of
+        the fastest choices that fit, each field read from its stack at once."""
+        totals = self._choice_memory.totals(cfg, b, held, last, choices)
+        cost = np.where(totals <= capacity, time_cost, INF)
+        pick = cost.argmin(axis=0)
+        cells = pick * pick.size + self._cells  # each range's entry in its picked row of a stack, flattened
+        ok = np.triu(cost.reshape(-1)[cells] < INF, k=1)
+        picked = lambda stack, otherwise: np.where(ok, stack.reshape(-1)[cells], otherwise)  # noqa: E731
+        zero, remat = np.array([z for z, _ in choices])[pick], np.array([bool(r) for _, r in choices])[pick]
+        return StageTable(picked(fields["forward"], INF), picked(fields["backward"], INF), remat & ok, picked(totals, 0.0),
+                          picked(fields["tail"], 0.0), picked(fields["sync"], 0.0), capacity, np.where(ok, zero, 0),
+                          np.zeros(pick.shape, dtype=int))
 
     def _table_times_uncached(self, cfg: StageConfig, b: int, m: int,
                               last: bool = False) -> tuple[list[tuple[int, str]], dict[str, np.ndarray], np.ndarray]:

@@ -75,6 +75,8 @@ class _Runs(NamedTuple):
     remat: np.ndarray  # the same, the backward rerunning the forward
     step: float  # the least increment per layer beyond the first, without recomputation
     step_remat: float
+    last: np.ndarray  # [n - 1]: the last n layers' forward + backward (a pipeline's last stage holds them)
+    last_remat: np.ndarray
 
 
 class _Group(NamedTuple):
@@ -84,6 +86,19 @@ class _Group(NamedTuple):
     rooms: dict[KindLayout, tuple[np.ndarray, np.ndarray]]  # per layout and step: the longest run within it (plain, remat)
     tail: float  # the least slowest tail
     blocks: dict[KindLayout, tuple[np.ndarray, ...]]  # per layout, its stages' rows of `_Prepared`'s first six arrays
+
+
+class _LastStage(NamedTuple):
+    """A pipeline's last stage (`LowerBounds._last_stage`): its least one-layer time and
+    increment per further layer, plain and recomputing, over the model's last runs,
+    and its rooms per candidate step time of its group."""
+
+    first: float
+    first_remat: float
+    step: float
+    step_remat: float
+    rooms: np.ndarray
+    rooms_remat: np.ndarray
 
 
 class _Prepared(NamedTuple):
@@ -154,6 +169,7 @@ class LowerBounds:
         self._grids: dict[tuple[int, tuple[str, ...]], np.ndarray] = {}
         self._tail_values: np.ndarray | None = None
         self._held_tails: dict[StageConfig, np.ndarray] = {}
+        self._lasts: dict[tuple, _LastStage] = {}
         self._envelopes: dict[tuple[tuple[KindLayout, ...], int], tuple[np.ndarray, float, np.ndarray]] = {}
 
     def bound(self, layouts: tuple[KindLayout, ...], m: int, b: int, schedule: str) -> float:
@@ -308,12 +324,14 @@ class LowerBounds:
                                                           for lay in kind_layouts(self.problem, k.name)]))
         return self._tail_values
 
-    def order_bound(self, order: tuple[KindLayout, ...], m: int, b: int, schedule: str, beat: float = INF) -> float:
+    def order_bound(self, order: tuple[KindLayout, ...], m: int, b: int, schedule: str, beat: float = INF,
+                    last: bool = False) -> float:
         """`bound` for one order of the kinds, and tighter: each stage holds only as many
         layers as fit beside the activations its position keeps in flight, a stage
         that cannot hold one layer without recomputing pays the recompute, and every
-        cut pays its least send both ways. Stops at `beat`: a bound that reaches it is
-        as good as exact for pruning."""
+        cut pays its least send both ways; with `last`, the last stage is priced by the
+        model's last layers, which it holds (`_last_stage`). Stops at `beat`: a bound
+        that reaches it is as good as exact for pruning."""
         if registry.get(schedule).interleaved:
             return self.bound(order, m, b, schedule)
         key = (order, m, b, schedule)
@@ -324,14 +342,16 @@ class LowerBounds:
             configs = [lay.config for lay in stages]
             self._orders[key] = stages, fitting, 2 * sum(self._least_send(a, c, b) for a, c in zip(configs, configs[1:]))
         stages, fitting, sends = self._orders[key]
-        return self._bound(order, stages, fitting, m, b, schedule, sends, beat)
+        return self._bound(order, stages, fitting, m, b, schedule, sends, beat, self._last_stage(order, b) if last else None)
 
     def _bound(self, layouts: tuple[KindLayout, ...], stages: list[KindLayout], fitting: np.ndarray, m: int, b: int,
-               schedule: str, offset: float, beat: float) -> float:
+               schedule: str, offset: float, beat: float, last: _LastStage | None = None) -> float:
         """The least (m - 1) t + summed stage times over candidate bottlenecks t, plus
         the tail's bound and `offset`; `fitting` (stages x 2): the most layers each
-        stage holds without and with recomputation. (An interleaved schedule's tail is
-        its device groups' chunks' tails summed, not one run's: it gets no tail bound.)"""
+        stage holds without and with recomputation; `last`: the last stage's own
+        figures (`_last_stage`), where the order is known. (An interleaved schedule's
+        tail is its device groups' chunks' tails summed, not one run's: it gets no
+        tail bound.)"""
         layers = self.costs.n
         n, nr = fitting[:, 0], fitting[:, 1]
         if np.maximum(n, nr).sum() < layers:
@@ -344,6 +364,11 @@ class LowerBounds:
         plain = n >= 1  # a stage that cannot hold one layer without recomputing recomputes
         firsts = np.where(plain, prep.firsts, prep.firsts_remat)
         rates = np.where(plain, prep.rates, prep.rates_remat)
+        # Per candidate bottleneck time t: the most layers each stage may hold.
+        rooms = np.maximum(np.minimum(prep.plain_rooms, n[:, None]), np.minimum(prep.remat_rooms, nr[:, None])).T
+        if last is not None:
+            firsts[-1], rates[-1] = (last.first, last.step) if plain[-1] else (last.first_remat, last.step_remat)
+            rooms[:, -1] = np.minimum(rooms[:, -1], np.maximum(np.minimum(last.rooms, n[-1]), np.minimum(last.rooms_remat, nr[-1])))
         by_rate = np.argsort(rates, kind="stable")
         sorted_rates = rates[by_rate]
         budget = layers - len(stages)  # layers beyond one per stage
@@ -359,8 +384,6 @@ class LowerBounds:
             sums = base + (take * sorted_rates).sum(axis=1)
             return np.where((extra.min(axis=1) < 0) | (extra.sum(axis=1) < budget), INF, sums)
 
-        # Per candidate bottleneck time t: the most layers each stage may hold.
-        rooms = np.maximum(np.minimum(prep.plain_rooms, n[:, None]), np.minimum(prep.remat_rooms, nr[:, None])).T
         steps = group.steps
         enough = rooms.sum(axis=1) >= layers
         if not enough.any():
@@ -379,6 +402,24 @@ class LowerBounds:
                 return float(before[losing[0]]) + offset
             best = min(float(before[-1]), float(values[-1]))
         return best + offset
+
+    def interleaved_floor(self, layouts: tuple[KindLayout, ...], m: int, b: int, chunks: int) -> float:
+        """No split of these device groups, each holding `chunks` = v stages (the row
+        of groups repeated v times), runs an interleaved step faster than this: its
+        pace (the busiest group's stages summed) is at least a group's v least
+        one-layer times, and at least n / sum(1 / r_g) where r_g is the group's least
+        time per layer over runs of any length (the groups balanced, were layers
+        divisible); the first microbatch's pass, every stage's least time over v.
+        (`layer_split._Row.pace_floor` on the stage tables, taken here before they are
+        built, from the least runs that bound every table entry.)"""
+        groups = [lay.config for lay in layouts for _ in range(lay.stages)]
+        runs = [self._stage_runs(c, b) for c in groups]
+        least = np.array([min(r.time[0], r.remat[0]) for r in runs])
+        lengths = np.arange(1, self.costs.n + 1)
+        rates = np.array([float((np.minimum(r.time, r.remat) / lengths).min()) for r in runs])
+        balanced = self.costs.n / float((1.0 / rates).sum()) if (rates > 0).all() else 0.0
+        pace = max(chunks * float(least.max()), balanced)
+        return (float(least.sum()) + (m - 1 / chunks) * pace) * _BELOW
 
     def _work_s(self) -> float:
         """Seconds of work per example at one FLOP/s: what a step's devices share."""
@@ -420,6 +461,25 @@ class LowerBounds:
             self._groups[key] = _Group(steps, rooms, self._least_tail(key[0]), blocks)
         return self._groups[key]
 
+    def _last_stage(self, order: tuple[KindLayout, ...], b: int) -> _LastStage:
+        """A pipeline's last stage holds the model's last layers (on a language model,
+        the head, heavier than any other layer), so its times are at least those of
+        the last runs, not only of the least runs anywhere. Its rooms on the group's
+        grid of candidate times t (`_group`) count the layers whose last run stays
+        within the next candidate above t, not t: a split's bottleneck M is at least
+        every other stage's least run, each a candidate, so it is counted at the
+        largest candidate t <= M, where its last stage's run (<= M, below the next
+        candidate) has room (as its least run, a candidate <= M, has at t: the rooms
+        are the lesser of the two)."""
+        key = (order[-1], tuple(sorted(order)), b)  # the last layout, and its group's key
+        if key not in self._lasts:
+            steps = self._group(order, b).steps
+            r = self._stage_runs(order[-1].config, b)
+            above = np.append(steps[1:], INF)
+            self._lasts[key] = _LastStage(float(r.last[0]), float(r.last_remat[0]), _least_step(r.last),
+                                          _least_step(r.last_remat), _longest(r.last, above), _longest(r.last_remat, above))
+        return self._lasts[key]
+
     def _least_tail(self, layouts: tuple[KindLayout, ...]) -> float:
         """The least u such that stages whose every run costs at most u in tail (and
         per-microbatch ZeRO collectives, which a stage pays at least once) can hold
@@ -459,8 +519,11 @@ class LowerBounds:
             f = span(cumsum(layer.forward))
             bw = span(cumsum(layer.backward))
             both = f + bw if layer.fused is None else np.minimum(f + bw, span(cumsum(layer.fused)))
-            plain, remat = _least_runs(both), _least_runs(f + (bw + f))
-            self._runs[key] = _Runs(plain, remat, _least_step(plain), _least_step(remat))
+            rerun = f + (bw + f)
+            plain, remat = _least_runs(both), _least_runs(rerun)
+            ends = np.arange(self.costs.n - 1, -1, -1)  # where the last stage starts, holding 1, 2, ... layers
+            self._runs[key] = _Runs(plain, remat, _least_step(plain), _least_step(remat), both[ends, self.costs.n],
+                                    rerun[ends, self.costs.n])
         return self._runs[key]
 
     def _least_send(self, a: StageConfig, c: StageConfig, b: int) -> float:

@@ -17,6 +17,7 @@ bubble term dominates and moves little between neighbouring bounds.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -93,6 +94,24 @@ class _Row:
             best = (best[:, None] + t).min(axis=0)
         return float(best[self.n])
 
+    def pace_floor(self, v: int) -> float:
+        """A floor under the pace of the busiest device group of the row (stage p on
+        group p mod k/v, each holding v stages) in any split, beside the least shared
+        work spread evenly (`least_work`), which misses what slow kinds cost:
+        - every stage holds a layer at least, so a group takes at least the least time
+          of any range on each of its stages, summed;
+        - no stage runs a range faster per layer than its least time per layer over
+          the ranges it can hold, so group g spends at least its stages' least such
+          rate r_g on each of its q_g layers; with sum q_g = n, the busiest group takes
+          at least n / sum(1 / r_g) (the balance were layers divisible)."""
+        groups = len(self.times) // v
+        length = _lengths(self.n)
+        least = np.array([t.min() for t in self.times]).reshape(v, groups)
+        per_layer = np.array([np.where(length > 0, t / np.maximum(length, 1), INF).min() for t in self.times])
+        rates = per_layer.reshape(v, groups).min(axis=0)
+        balanced = float(self.n / (1.0 / rates).sum()) if (rates > 0).all() else 0.0
+        return max(float(least.sum(axis=0).max()), balanced)
+
     def least_sums(self, t_maxes: np.ndarray) -> np.ndarray:
         """`least_sum(t_max)`'s value for each of `t_maxes` at once (the same sums in
         the same order, so the same figures), without the cuts."""
@@ -159,7 +178,7 @@ def best_split(
     sum0 = row.least_total()
     # An interleaved pace is a device group's chunks summed: at least the groups' least
     # shared work spread evenly over them (k / v groups), which one chunk's t_lo is not.
-    pace_lo = t_lo if v == 1 else max(t_lo, row.least_work() * v / k)
+    pace_lo = t_lo if v == 1 else max(t_lo, row.least_work() * v / k, row.pace_floor(v) * _BELOW)
     if sum0 / v + (m - 1 / v) * pace_lo >= beat:
         return None  # before the tail's bound (tails are never negative) and the sweep's grids
     u_floor = row.least_max(of_tails=True)
@@ -193,6 +212,15 @@ def best_split(
             if value <= sum_t:
                 break  # a looser tail bound cannot shorten the sum further
     return best if best.objective_s < beat else None
+
+
+_BELOW = 1 - 1e-9  # a pace bound kept below what it bounds despite rounding (the splits' figures sum in their own order)
+
+
+@lru_cache(maxsize=None)
+def _lengths(n: int) -> np.ndarray:
+    """(n+1, n+1): layers in range [i, j) (j - i; no range where not positive)."""
+    return np.arange(n + 1)[None, :] - np.arange(n + 1)[:, None]
 
 
 _REFUSE_TOL = 1 + 1e-9  # a bound refuses only what loses by more than rounding (score sums in its own order)

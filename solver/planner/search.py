@@ -56,6 +56,9 @@ log = logging.getLogger(__name__)
 # did not (on three kinds an interleaved plan the estimator prefers is only tried on an
 # order whose plain pipeline makes the finalists, which took 50 on 64 and 256 GPUs).
 FINALISTS = 50
+# How far above its order's bound a row's last-stage bound reaches, at most, on the
+# benchmark scenarios (~5%): rows bounded further below the beat are split without it.
+_LAST_REACH = 1.1
 _STREAM = None  # a queue entry that stands for a stream's next combination, not yet drawn
 
 
@@ -75,11 +78,12 @@ class Planner:
         self.work_flops = self.total_flops if problem.training else float(self.costs.fwd_flops.sum())
         self._single: dict[tuple[str, int, int], tuple[PlanChoice | None, float]] = {}  # and the bound it was searched under
         self._pipelines: dict[tuple, tuple[PlanChoice | None, float]] = {}  # `pipeline`'s, and the beat it was searched under
+        self._tabled: set[tuple] = set()  # the stage tables `_split` has priced (`StageCosts.table`'s arguments)
 
     # --- one pipeline -------------------------------------------------------------
 
     def pipeline(self, layouts: tuple[KindLayout, ...], m: int, b: int, schedule: str, beat: float = INF,
-                 chunks: int = 1) -> PlanChoice | None:
+                 chunks: int = 1, lower: float = 0.0) -> PlanChoice | None:
         """The best split of the layers over these stages, if it fits and beats `beat`.
         With `chunks` = v > 1 each stage is a device group holding v chunks: the
         layers are split over the row of stages repeated v times. Remembered: the
@@ -91,11 +95,14 @@ class Planner:
             return plan if plan.step_s < beat else None
         if beat <= searched_below:
             return None
-        plan = self._split(layouts, m, b, schedule, beat, chunks)
+        plan = self._split(layouts, m, b, schedule, beat, chunks, lower)
         self._pipelines[key] = (plan, beat)
         return plan
 
-    def _split(self, layouts: tuple[KindLayout, ...], m: int, b: int, schedule: str, beat: float, chunks: int) -> PlanChoice | None:
+    def _split(self, layouts: tuple[KindLayout, ...], m: int, b: int, schedule: str, beat: float, chunks: int,
+               lower: float = 0.0) -> PlanChoice | None:
+        """`pipeline`'s split; `lower`: the order's bound, where known (a row it leaves
+        near the beat is bounded by its last stage too, before tables not yet priced)."""
         groups = [lay.config for lay in layouts for _ in range(lay.stages)]
         configs = groups * chunks
         if len(configs) > self.costs.n or b < self.problem.min_microbatch or any(
@@ -103,8 +110,14 @@ class Planner:
             return None
         if registry.get(schedule).check(len(groups), m, chunks):
             return None
-        tables = [self.costs.table(c, b, in_flight(schedule, m, p, len(configs), chunks), p == len(configs) - 1, m)
-                  for p, c in enumerate(configs)]
+        if chunks > 1 and self.bounds.interleaved_floor(layouts, m, b, chunks) >= beat:
+            return None  # no split's pace could win: refused before the tables of its positions are built
+        keys = [(c, b, in_flight(schedule, m, p, len(configs), chunks), p == len(configs) - 1, m) for p, c in enumerate(configs)]
+        if chunks == 1 and lower * _LAST_REACH >= beat and not self._tabled.issuperset(keys) and \
+                self.bounds.order_bound(layouts, m, b, schedule, beat, last=True) >= beat:
+            return None  # its last stage's own bound refuses it before tables not yet priced are (most of its cost)
+        self._tabled.update(keys)
+        tables = [self.costs.table(*key) for key in keys]
         if chunks > 1 and not _chunks_may_fit(tables, len(groups)):
             return None  # no split fits, so neither would the best one (`_chunks_fit` below)
         sends = [self.costs.sends(a, c, b) for a, c in zip(configs, configs[1:])]
@@ -286,7 +299,7 @@ class Planner:
                     if chunks > 1 and scouted and not competitive:
                         continue  # interleaving refines competitive pipelines only: it costs v x the split's work
                     # (and is not held to the plain schedules' bound, which its shorter fill can beat)
-                    plan = self.pipeline(order, m, b, schedule, beat=worst, chunks=chunks)
+                    plan = self.pipeline(order, m, b, schedule, beat=worst, chunks=chunks, lower=order_lower)
                     if plan is not None:
                         competitive = competitive or chunks == 1
                         heapq.heappush(heap, (-plan.step_s, next(counter), plan))
