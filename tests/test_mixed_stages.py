@@ -151,13 +151,13 @@ def test_mixed_single_stage_with_one_microbatch_parity():
 def test_a_mixed_stage_inside_a_replica_plan_parity():
     """Two data-parallel pipelines (12 + 4 examples); replica 0's stage split 4 + 2 rows of
     each 6-example microbatch between its A100s and the T4s: the parts' sums, then the
-    replicas'."""
+    replicas', on every part and replica, each updating its own copy."""
     w = _mlp(batch=16)
     cluster, plan = _plan(w, THREE_KINDS, num_stages=None, num_replicas=2)
     assert plan.replica_batch == (12, 4)
     s = plan.stages[0]
     mixed = mix_stage(plan, s.index, [Part(s.group, s.device_ids, 4), Part("T4", _positions(plan, "T4"), 2)])
-    run_parity(w, cluster, steps=2, plan=mixed)
+    run_parity(w, cluster, steps=3, plan=mixed)  # steps 2 and 3: every part and replica on its own updated copy
 
 
 def _alone(plan: hetpar.Plan, part: hetpar.StagePlan) -> tuple[float, float]:
