@@ -34,7 +34,7 @@ from hetpar.pipeline import check_fits, cluster_for, price_like, solve
 from hetpar.runtime.distributed import (DistributedStep, check_cross_process, cross_process_collectives, is_multiprocess,
                                         share_plan, stages_of_process)
 from hetpar.runtime.identity import check_same_run, run_identity
-from hetpar.runtime.executor import PartState, RunStats, run
+from hetpar.runtime.executor import RunStats, StateCopies, run
 from hetpar.runtime.nvme_store import NvmeStore
 from hetpar.runtime.nvme_tier import NvmeRun, has_handles, nvme_values, readable
 from hetpar.runtime.ray_runtime import RayStep
@@ -73,7 +73,7 @@ class ParallelFunction:
         self._last_compiled: CompiledStep | RayStep | DistributedStep | None = None
         self._nvme: dict[Any, frozenset[int]] = {}  # per cache key with NVMe-tier stages: the values kept on disk
         self._nvme_store: NvmeStore | None = None  # one per function: every plan's NVMe state, one generation a step
-        self._kept: dict[Any, PartState] = {}  # per cache key: its mixed stages' part copies between calls
+        self._kept: dict[Any, StateCopies] = {}  # per cache key: its parts' and replicas' state copies between calls
         functools.update_wrapper(self, fn)
 
     @property
@@ -119,7 +119,7 @@ class ParallelFunction:
         elif key in self._nvme or has_handles(flat):  # state to and from the NVMe tier's files, handles in its place
             outputs = run(compiled, flat, stats, NvmeRun(compiled, self._nvme.get(key, frozenset()), self._nvme_store))
         else:
-            outputs = run(compiled, flat, stats, kept=self._kept.setdefault(key, PartState()) if compiled.parts else None)
+            outputs = run(compiled, flat, stats, kept=self._kept.setdefault(key, StateCopies()) if compiled.parts or compiled.replica_of else None)
         result = jax.tree.unflatten(compiled.graph.out_tree, outputs)
         if self._metrics[key]:
             result = place_metrics(result)

@@ -76,12 +76,17 @@ def check_pipeline(schedule: str) -> None:
 
 
 def check_replicas() -> None:
-    """Two data-parallel pipelines of different kinds, each with its own share of the batch."""
+    """Two data-parallel pipelines of different kinds, each with its own share of the
+    batch, each updating its own copy of the state (kept between calls)."""
     w = workload(batch_size=12)
     cluster = hetpar.Cluster.from_file(sys.argv[1]).bind()
     par = hetpar.parallelize(with_grads(w.loss_fn), cluster=cluster, num_replicas=len(cluster.groups), num_microbatches=2)
-    compare(par, w, 2, "replicas")
+    state = compare(par, w, 3, "replicas")  # steps 2 and 3: each replica on the state its own update made
     batch = list(par.plan.replica_batch)
+    stage = par.plan.replica_stages(1)[0].index
+    kept = par.compiled().kept  # every process keeps replica 1's copies of what replica 0 returned
+    held = sum(kept.copy_of(x, stage) is not None for x in jax.tree.leaves(state.params))
+    assert held == len(jax.tree.leaves(state.params)), f"replica 1 keeps {held} of the parameters"
     assert len(set(batch)) > 1, f"the replicas' batch shares are even ({batch}): the test wants uneven ones"
     if jax.process_index() == 0:
         print(f"CHECK replicas-uneven ok shares={batch}", flush=True)

@@ -148,16 +148,20 @@ def test_mixed_single_stage_with_one_microbatch_parity():
     run_parity(w, cluster, steps=2, plan=mixed)
 
 
-def test_a_mixed_stage_inside_a_replica_plan_parity():
-    """Two data-parallel pipelines (12 + 4 examples); replica 0's stage split 4 + 2 rows of
-    each 6-example microbatch between its A100s and the T4s: the parts' sums, then the
-    replicas'."""
-    w = _mlp(batch=16)
-    cluster, plan = _plan(w, THREE_KINDS, num_stages=None, num_replicas=2)
-    assert plan.replica_batch == (12, 4)
-    s = plan.stages[0]
-    mixed = mix_stage(plan, s.index, [Part(s.group, s.device_ids, 4), Part("T4", _positions(plan, "T4"), 2)])
-    run_parity(w, cluster, steps=2, plan=mixed)
+@pytest.mark.parametrize("replica, batch, microbatches", [(0, 16, 2), (1, 64, 1)])
+def test_a_mixed_stage_inside_a_replica_plan_parity(replica, batch, microbatches):
+    """Two data-parallel pipelines of uneven shares; one replica's stage split between its
+    devices and the T4s (replica 0's 4 + 2 rows of each 6-example microbatch of 12, or
+    replica 1's one microbatch about evenly): the parts' sums, then the replicas', on
+    every part and replica, each updating its own copy."""
+    w = _mlp(batch=batch)
+    cluster, plan = _plan(w, THREE_KINDS, num_stages=None, num_replicas=2, num_microbatches=microbatches)
+    b = plan.replica_batch[replica] // microbatches
+    assert len(set(plan.replica_batch)) == 2 and (replica == 1 or plan.replica_batch == (12, 4)) and b >= 4
+    shares = (4, 2) if replica == 0 else (b - b // 2, b // 2)
+    s = plan.replica_stages(replica)[0]
+    mixed = mix_stage(plan, s.index, [Part(s.group, s.device_ids, shares[0]), Part("T4", _positions(plan, "T4"), shares[1])])
+    run_parity(w, cluster, steps=3, plan=mixed)  # steps 2 and 3: every part and replica on its own updated copy
 
 
 def _alone(plan: hetpar.Plan, part: hetpar.StagePlan) -> tuple[float, float]:

@@ -38,7 +38,8 @@ def workload():
     "options",
     [
         dict(cluster=TWO_TYPES, num_stages=2, num_microbatches=4, num_layers=2, schedule="1f1b"),
-        dict(cluster=FAST_SLOW, num_replicas=2, num_microbatches=2, num_layers=2),  # 12:4 batch split
+        # 12:4 batch split; 3 steps: each replica updates its own copy (Ray's from the arguments)
+        dict(cluster=FAST_SLOW, num_replicas=2, num_microbatches=2, num_layers=2),
     ],
     ids=["1f1b", "uneven-replicas"],
 )

@@ -23,7 +23,7 @@ class Step:
     microbatch: int | None  # None for once-per-step work (pre, post)
     last_microbatch: bool = False  # the program's accumulators are final after this
     release: int | None = None  # per-microbatch values of this microbatch are dead after this
-    combine: bool = False  # no program: reductions are final; replicas' are summed into replica 0's
+    combine: bool = False  # no program: reductions are final; every replica sums all replicas' shares
     fused: int | None = None  # the post program run inside this one (compiled.fused[program]); last microbatch only
 
 
@@ -62,8 +62,9 @@ def replicated_order(programs: Sequence, replica_of: Sequence[int], num_microbat
                      chunks: int = 1) -> list[Step]:
     """Data-parallel pipelines side by side: each replica's pre work, then the
     replicas' microbatches interleaved (replica r's microbatch j is global microbatch
-    r * num_microbatches + j), then one step that sums the replicas' reductions, then
-    replica 0's post work, whose results are the step's."""
+    r * num_microbatches + j), then one step that sums the replicas' reductions (on
+    every replica), then every replica's post work, replica 0's first: its results
+    are the step's; the others' keep each replica's own copy of the new state."""
     replicas = sorted(set(replica_of))
     per_replica = []
     for r in replicas:
@@ -78,7 +79,7 @@ def replicated_order(programs: Sequence, replica_of: Sequence[int], num_microbat
     pre = [s for steps in per_replica for s in steps if kind(s) == "pre"]
     middle = [[s for s in steps if kind(s) in ("fwd", "bwd")] for steps in per_replica]
     interleaved = [s for group in _round_robin(middle) for s in group]
-    post = [s for s in per_replica[0] if kind(s) == "post"]
+    post = [s for steps in per_replica for s in steps if kind(s) == "post"]
     return pre + interleaved + [Step(-1, None, combine=True)] + post
 
 

@@ -45,8 +45,11 @@ class StepTasks:
 
 def step_tasks(traced: TracedStep, plan: Plan) -> StepTasks:
     """Every data-parallel replica's tasks; replica r's microbatches are global
-    microbatches r*m .. r*m+m-1, laid end to end over the batch. Only replica 0 runs
-    the post work (the update), on the reductions of all replicas combined. A mixed
+    microbatches r*m .. r*m+m-1, laid end to end over the batch. Every replica runs
+    its own post work (the update) on its own stages, on the reductions of all
+    replicas combined (each replica sums them in the same order, so every replica's
+    new state is replica 0's, bit for bit): the next step's replicas read their own
+    copies, and no parameter crosses from replica 0 (runtime/replicas.py). A mixed
     stage's other parts run copies of its lead's forward and backward tasks at their
     own rows of each microbatch (`mixed_rows`), and copies of its post work (the
     update, each part on its own copy of the parameters and optimizer state, so no
@@ -67,8 +70,6 @@ def step_tasks(traced: TracedStep, plan: Plan) -> StepTasks:
         size = examples // m
         built = build_tasks(traced.full, traced.analysis, plan.stage_of_operators(r))
         for t in recompute(built, traced.full, {s.index: s.remat for s in plan.replica_stages(r)}):
-            if t.kind == "post" and r > 0:
-                continue
             copies = parts.get(t.stage, (t.stage,)) if t.per_microbatch or t.kind == "post" else (t.stage,)
             for stage in copies:  # a mixed stage's forward, backward and update: one task per part
                 tasks.append(t if stage == t.stage else replace(t, stage=stage))

@@ -45,7 +45,7 @@ from hetpar.errors import HetparError, PlanError
 from hetpar.plan import Plan
 from hetpar.plan.file import plan_from_dict, plan_to_dict
 from hetpar.runtime.communicator import check_host_staged
-from hetpar.runtime.executor import PartState, RunStats, run
+from hetpar.runtime.executor import RunStats, StateCopies, run
 from hetpar.runtime.remote import has_local_devices, placeholder, skipped
 
 log = logging.getLogger("hetpar.distributed")
@@ -395,7 +395,7 @@ class DistributedStep:
         self.status = Status()
         self.steps = 0
         self.status.update(stages=stages, step=0)
-        self.kept = PartState()  # mixed stages' part copies between calls, as in one process
+        self.kept = StateCopies()  # mixed stages' parts' and replicas' state copies between calls, as in one process
 
     def __call__(self, flat_args: Sequence[Any], stats: RunStats | None = None) -> list[Any]:
         self.steps += 1

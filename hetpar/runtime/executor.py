@@ -20,11 +20,11 @@ import numpy as np
 from hetpar.compile.compiled import CompiledStep
 from hetpar.runtime.communicator import DevicePath, HostStagedPath
 from hetpar.runtime.interpreter import RunStats, interpret
-from hetpar.runtime.mixed import PartState
+from hetpar.runtime.copies import StateCopies
 from hetpar.runtime.nvme_tier import NvmeRun
 from hetpar.runtime.remote import eager
 
-__all__ = ["DeviceTransport", "PartState", "RunStats", "run", "MERGE"]
+__all__ = ["DeviceTransport", "StateCopies", "RunStats", "run", "MERGE"]
 
 _PATH = DevicePath()
 _HOST = HostStagedPath()
@@ -98,12 +98,12 @@ class DeviceTransport:
 
 
 def run(step: CompiledStep, flat_args: Sequence[Any], stats: RunStats | None = None,
-        nvme: NvmeRun | None = None, kept: PartState | None = None) -> list[Any]:
+        nvme: NvmeRun | None = None, kept: StateCopies | None = None) -> list[Any]:
     """Dispatches every program of one step in the schedule's order, in this process.
     With `nvme`, state on the NVMe tier is read where a program first wants it and the
     new state written as it is made, one generation committed when the step is done
     (runtime/nvme_tier.py); a step that raises commits nothing. `kept`: the caller's
-    mixed-stage part copies between calls (runtime/mixed.PartState; not under NVMe,
+    mixed-stage parts' and replicas' state copies between calls (runtime/copies.py; not under NVMe,
     whose outputs are handles)."""
     transport = DeviceTransport(step)
     if nvme is None:

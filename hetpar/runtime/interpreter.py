@@ -15,8 +15,11 @@ run is a `Transport`'s business:
 A mixed-kind stage's parts (compile/step.mixed_rows) each run their rows of every
 microbatch: `MixedStages` (runtime/mixed.py) cuts their inputs, joins their outputs
 for the stages that read them whole and sums their reductions on every part (before
-the replicas'), each part then updating its own copy of the state, which the runtime
-keeps between calls (`PartState`) so the next step copies no parameters to a part.
+the replicas'), each part then updating its own copy of the state. Data-parallel
+replicas likewise: every replica sums all replicas' shares in one order and runs its
+own update (runtime/replicas.py). The runtime keeps those copies between calls
+(runtime/copies.StateCopies), so the next step copies no parameters to a part or a
+replica; the step returns replica 0's (its lead's) results.
 
 The interpreter never looks inside a value or a target (where an input must be for
 its program): it only hands them to the transport, so a runtime gains every feature
@@ -34,10 +37,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
 from hetpar.compile.compiled import CompiledStep, constant_output
-from hetpar.runtime.mixed import MixedStages, PartState
-
-# How replicas' shares of a reduction combine (the reduction's kind -> the operation's name).
-MERGE_KIND = {"sum": "add", "mean": "add", "max": "maximum", "min": "minimum"}
+from hetpar.runtime.copies import StateCopies
+from hetpar.runtime.mixed import MixedStages
+from hetpar.runtime.replicas import MERGE_KIND, combine_replicas, update_homes
 
 
 class Transport(Protocol):
@@ -95,19 +97,20 @@ class RunStats:
 
 
 def interpret(step: CompiledStep, transport: Transport, flat_args: Sequence[Any], stats: RunStats | None = None,
-              kept: PartState | None = None) -> list[Any]:
+              kept: StateCopies | None = None) -> list[Any]:
     """Runs every instruction of one step in the schedule's order over `transport`.
     With `stats`, also records what the step holds at its peak (costs a walk over
     held values per program, so only for measurements). With `kept` (held by the
-    runtime between its calls), a mixed stage's part reads its own copy of the state
-    it updated last step, where an argument is the very array the lead returned for
-    it, and keeps this step's copies for the next."""
+    runtime between its calls), a mixed stage's part or a replica r > 0 reads its own
+    copy of the state it updated last step, where an argument is the very array the
+    step returned for it, and keeps this step's copies for the next."""
     graph, analysis = step.graph, step.analysis
     # (value, microbatch, replica) -> stage -> value. Once-per-step values (microbatch
     # None) are per replica: each data-parallel pipeline has its own.
     store: dict[tuple[int, int | None, int], dict[int, Any]] = {}
     inputs = dict(zip(graph.invars, flat_args))
-    carried = kept.carried(inputs) if kept is not None and step.parts else {}
+    copied = bool(step.parts or step.replica_of)  # updates that run on copies of the returned state
+    carried = kept.carried(inputs) if kept is not None and copied else {}
     move, call = transport.move, transport.call
 
     def source(value: int, mb: int | None, replica: int, stage: int) -> Any:
@@ -149,6 +152,7 @@ def interpret(step: CompiledStep, transport: Transport, flat_args: Sequence[Any]
         return x
 
     rows = step.rows
+    homes = update_homes(step, transport.targets) if step.replica_of else {}
     parts = MixedStages(step, transport, store, inputs, MERGE_KIND)
     accumulators: dict[int, Any] = {}
     returned = set(graph.outvars)
@@ -178,7 +182,7 @@ def interpret(step: CompiledStep, transport: Transport, flat_args: Sequence[Any]
     for item in step.order:
         if item.combine:
             parts.combine()
-            _combine_replicas(step, store, transport)
+            combine_replicas(step, store, transport, homes)
             continue
         p = item.program
         task = tasks[p]
@@ -216,7 +220,7 @@ def interpret(step: CompiledStep, transport: Transport, flat_args: Sequence[Any]
 
     parts.join_outputs(returned)
     outputs = [_output(v, step, store, inputs, transport) for v in graph.outvars]
-    if kept is not None and step.parts:
+    if kept is not None and copied:
         kept.keep(step, graph.outvars, outputs, store)
     return transport.results(outputs)
 
@@ -237,25 +241,6 @@ def _run_fused(step: CompiledStep, transport: Transport, p: int, mb: int, replic
         store[(v, mb, replica)] = {stage: x}
     for v, x in zip((*folded.reductions, *folded.post.outputs), (*finals, *updated)):
         store[(v, None, replica)] = {stage: x}
-
-
-def _combine_replicas(step: CompiledStep, store: dict, transport: Transport) -> None:
-    """Each replica accumulated its own share of every reduction (gradients, loss
-    sums); replica 0 receives the others' and combines them, so its post work sees
-    the full batch's. Where replica 0's sum lies on several stages (a mixed stage's
-    parts, each updating), each copy takes the others' in the same order."""
-    reductions = step.analysis.reductions
-    for (value, mb, replica), copies in list(store.items()):
-        if mb is not None or replica == 0 or value not in reductions:
-            continue
-        home = store.get((value, None, 0))
-        other = next(iter(copies.values()))
-        if not home:
-            store[(value, None, 0)] = copies
-            continue
-        how = MERGE_KIND[reductions[value]]
-        store[(value, None, 0)] = {stage: transport.merge(how, mine, other) for stage, mine in home.items()}
-        del store[(value, mb, replica)]
 
 
 def _output(value: int, step: CompiledStep, store: dict, inputs: dict, transport: Transport) -> Any:

@@ -12,16 +12,15 @@ rows joined end to end along the batch axis. Each part accumulates its share of 
 reductions over its rows; every part sums all parts' shares in one order on its own
 mesh (`combine`), and runs its own copy of the stage's update on its own copy of the
 parameters and optimizer state, so every part ends the step with the lead's numbers
-and the next step needs no copy of the new parameters from the lead (`PartState`
-keeps the parts' copies between calls). The lead's results are the step's; its pre
+and the next step needs no copy of the new parameters from the lead
+(runtime/copies.StateCopies keeps the parts' copies between calls). The lead's results are the step's; its pre
 work runs on the lead alone. Every transport call is one the interpreter already
 makes (move, split, concatenate, merge, free), so every runtime runs mixed stages.
 """
 
 from __future__ import annotations
 
-import weakref
-from typing import Any, Sequence
+from typing import Any
 
 from hetpar.errors import PlanError
 
@@ -146,48 +145,3 @@ class MixedStages:
             if value in returned and (value, mb, replica) not in self.store:
                 self.store[(value, mb, replica)] = self.joined(value, mb, replica)
 
-
-class PartState:
-    """What a runtime keeps between calls for its mixed stages' parts: each part's
-    copy of the state its update made (new parameters, optimizer state), by the
-    array the lead returned for it. A next call's argument that IS that array (the
-    same object, alive: a weak reference, so a dropped result frees its copies) is
-    read by each part from its own copy, with no move from the lead; any other
-    argument (changed, replaced, loaded) is copied from the argument, as on a
-    first step. A part's copies are dropped with the lead's array they shadow. Holds values of the in-process and `jax.distributed` transports;
-    Ray's step outputs come back to the driver as new arrays, so Ray has none."""
-
-    def __init__(self) -> None:
-        # id(lead's output) -> (a weak reference to it, part stage -> that part's copy)
-        self._kept: dict[int, tuple[weakref.ref, dict[int, Any]]] = {}
-
-    def carried(self, inputs: dict[int, Any]) -> dict[int, dict[int, Any]]:
-        """Per step input (value index) that is an array the lead returned last call:
-        each part's own copy of it."""
-        out = {}
-        for value, x in inputs.items():
-            entry = self._kept.get(id(x))
-            if entry is not None and entry[0]() is x:
-                out[value] = entry[1]
-        return out
-
-    def copy_of(self, x: Any, stage: int) -> Any:
-        """Part `stage`'s copy of `x`, an array the lead returned last call (None if none)."""
-        entry = self._kept.get(id(x))
-        return entry[1].get(stage) if entry is not None and entry[0]() is x else None
-
-    def keep(self, step: Any, outvars: Sequence[int], outputs: Sequence[Any], store: dict) -> None:
-        """This call's part copies of the values parts' updates made, replacing the
-        last call's (which the parts have now read or never will)."""
-        made = {(v, t.stage) for t in step.tasks if t.kind == "post" and t.stage in step.rows
-                and t.stage not in step.parts for v in t.outputs}
-        kept: dict[int, tuple[weakref.ref, dict[int, Any]]] = {}
-        for v, x in zip(outvars, outputs):
-            copies = store.get((v, None, 0)) or {}
-            mine = {s: y for s, y in copies.items() if (v, s) in made and y is not x}
-            if mine:
-                try:  # the copies go when the caller drops the lead's array
-                    kept[id(x)] = (weakref.ref(x, lambda _, key=id(x): kept.pop(key, None)), mine)
-                except TypeError:  # not weakly referable: never taken for its copy
-                    continue
-        self._kept = kept

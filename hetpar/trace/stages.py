@@ -22,11 +22,14 @@ def op_stages(graph: OpGraph, analysis: MicrobatchAnalysis, layers: Layers, laye
 def place_once_ops(graph: OpGraph, analysis: MicrobatchAnalysis, stage: list[int | None]) -> list[int]:
     """Every operator's stage, given the per-microbatch operators' (`stage`, None
     for the others): where the once-per-step work before and after them runs."""
+    # Work nothing places (no user, no input made here) goes to the pipeline's first
+    # stage: replica r's own, so a replica's step never runs on another's devices.
+    first = min((s for s in stage if s is not None), default=0)
     # Pre work goes to the earliest stage that needs it.
     for op in reversed(graph.ops):
         if analysis.phase[op.index] is Phase.PRE:
             users = [stage[c] for v in op.outputs for c in graph.consumers.get(v, ()) if stage[c] is not None]
-            stage[op.index] = min(users) if users else 0
+            stage[op.index] = min(users) if users else first
     _slice_where_stacked(graph, analysis, stage)
 
     # Post work follows its inputs (the optimizer update of a layer runs where its
@@ -38,7 +41,7 @@ def place_once_ops(graph: OpGraph, analysis: MicrobatchAnalysis, stage: list[int
     for op in reversed(post):
         if stage[op.index] is None:
             users = [stage[c] for v in op.outputs for c in graph.consumers.get(v, ()) if stage[c] is not None]
-            stage[op.index] = min(users) if users else 0
+            stage[op.index] = min(users) if users else first
     return [int(s) for s in stage]
 
 

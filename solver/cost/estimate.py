@@ -30,7 +30,7 @@ from solver.schedules import StageTimes
 
 # Bumped whenever a change to the cost model changes a price: a plan file that keeps
 # figures as a cache records the version they were made with.
-ESTIMATOR_VERSION = 8  # 2: shared NICs, host-staged links, blocking sends, the JAX client's memory share;
+ESTIMATOR_VERSION = 9  # 2: shared NICs, host-staged links, blocking sends, the JAX client's memory share;
 # 3: measured layer profiles (solver.cost.measured), devices sharing one host run one after another;
 # 4: a shared host's replica combine priced from the profile's measured merges (`cross_replica_sync_s`);
 # 5: a shared host's sends priced from the profile's measured ones, both ways per microbatch (`serial_step_s`);
@@ -39,6 +39,8 @@ ESTIMATOR_VERSION = 8  # 2: shared NICs, host-staged links, blocking sends, the 
 # 7: measured layers: the per-program cost against a stage that is not the last (not the fused whole model),
 # and the last stage priced as one program per microbatch at its layers' fused times (`StageCosts._fused_backward`)
 # 8: every part of a mixed stage holds its optimizer state and updates its own copy (no parameter copy between kinds)
+# 9: every replica sums all replicas' shares and updates its own copy (no parameter copy from replica 0): a shared
+# host's combine is every replica's merges (`runtime_merges`), not replica 0's alone
 
 
 @dataclass(frozen=True)
@@ -244,10 +246,13 @@ def cross_replica_sync_s(costs: StageCosts, decisions: Decisions) -> float:
     """Summing every gradient across the replicas: one stream per device of the
     smallest replica (`StageCosts.replica_sync`). On a shared host (CPU virtual
     devices) whose layers were measured, the runtime's combine as the profile timed
-    it for those layers (`MeasuredLayer.merge_s`: every other replica's gradient
-    arrays moved to the first's mesh and added, one program each, which costs the
+    it for those layers (`MeasuredLayer.merge_s`: one other replica's gradient
+    arrays moved to a replica's mesh and added, one program each, which costs the
     host about a millisecond a layer where the collective's bytes are priced at a
-    tenth of one), and the collective's share of the other layers' bytes."""
+    tenth of one) times the merges the runtime makes (`runtime_merges`: every
+    replica makes the sum for its own update), and the collective's share of the
+    other layers' bytes. Each replica's update itself is its own stages'
+    `optimizer_s`, and its optimizer state their memory, as for any stage."""
     modelled = costs.replica_sync(*replica_streams(decisions))
     problem = costs.problem
     if not problem.measured_layers or not all(problem.kind(s.kind).shared_host for s in decisions.stages):
@@ -261,7 +266,16 @@ def cross_replica_sync_s(costs: StageCosts, decisions: Decisions) -> float:
                 merges, measured[layer] = merges + price.merge_s, True
     total = float(costs.params.sum())
     rest = float(costs.params[~measured].sum()) / total if total > 0 else 0.0
-    return merges * (len(decisions.replica_batch) - 1) + modelled * rest
+    return merges * runtime_merges(len(decisions.replica_batch)) + modelled * rest
+
+
+def runtime_merges(replicas: int) -> int:
+    """The merges (and lone moves, priced as merges) the runtime makes to sum one
+    reduction over `replicas` replicas so that every replica updates on the same sum
+    (hetpar/runtime/replicas.py): each replica adds the R - 1 others' shares, and a
+    replica past the second first moves replica 0's share to itself (one order for
+    all, so every replica's sum is bit for bit replica 0's)."""
+    return replicas * (replicas - 1) + max(replicas - 2, 0)
 
 
 def replica_streams(decisions: Decisions) -> tuple[list[str], int]:
