@@ -278,6 +278,13 @@ def test_one_more_programs_cost_is_the_layers_apart_against_a_stage_that_is_not_
     records = hosted.records(times)
     assert all(r.dispatch_s == pytest.approx(0.0002) and r.points[0].split_s == pytest.approx(0.0009) for r in records)
     assert [r.points[0].send_s for r in records] == [0.0005, 0.0007, 0.0009]  # the layers' runs as before
+    # A layer's gradient sums finished over the data axis once a step: their work (less a launch, since a
+    # step runs it inside the update program) is part of the layer's once-per-step time.
+    finishing = [replace(layers[0], once=[lambda: 0], finish=lambda: 0), *layers[1:]]
+    timing = LayerTiming([lambda: 0] * 13, 1, [2], finishing, [(2, 2)])
+    # launch, reference; first fwd, bwd, send, finish, update; block fwd, bwd, send, with the head; head, send
+    records = timing.records([0.001, 0.045, 0.002, 0.003, 0.0005, 0.0016, 0.004, 0.010, 0.020, 0.0007, 0.040, 0.012, 0.0009])
+    assert records[0].points[0].once_s == pytest.approx(0.004 + 0.0006) and records[0].once_programs == 1
 
 
 @pytest.fixture(scope="module")
@@ -349,6 +356,8 @@ def test_profiling_measures_the_runtimes_host_work(workload):
     timing = layer_timing(workload.step, (workload.state, workload.batch), [0, 1], "cpu", examples=(2,),
                           data_parallel=(2,), num_layers=6, remat=False, host=host_runs)
     assert len(timing.hosts) == 1 and timing.hosts[0][2] >= 6  # a 2-stage step of 2 microbatches: 6 programs or more
+    # on 2 devices every layer's gradient sums are partial per device, finished over the data axis once a step
+    assert all(layer.finish is not None for layer in timing.layers)
     records = timing.measure(rounds=1)
     assert all(r.dispatch_s > 0 and all(p.split_s > 0 for p in r.points) for r in records)
     # the interpreter alone is host work only: well under one program of the block it dispatches

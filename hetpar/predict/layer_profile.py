@@ -72,7 +72,9 @@ class LayerPointRecord:
     forward_s: float
     backward_s: float
     backward_remat_s: float = -1.0  # < 0: recomputation not measured
-    once_s: float = 0.0  # the layer's once-per-step programs (update; gradient reduction at dp > 1)
+    # The layer's once-per-step programs: its update, and at dp > 1 its gradient sums reduced over the data
+    # axis (`_finish_run`: that work without its own launch, as a step runs it inside the update program).
+    once_s: float = 0.0
     peak_bytes: int = 0  # per device, the layer's largest program
     send_s: float = 0.0  # one microbatch's layer input moved here from another mesh of as many devices; 0: not measured
     stage_program_s: float = 0.0  # one more per-microbatch program's cost on the mesh at this size; 0: not measured
@@ -168,6 +170,9 @@ class _Layer:
     send: Callable[[], Any] | None = None  # the layer's input arriving from another stage's mesh (`_send_run`)
     fused: Callable[[], Any] | None = None  # the layer and the last one in one program, as a last stage runs them
     before: int = 0  # how many of the `count` layers come before the reference stage's end (`_layer_runs`)
+    # The layer's gradient sums finished once a step: per-data-shard partial sums reduced over the data axis
+    # (`Program.finish`), which a step runs inside its stage's update program; None where there are none.
+    finish: Callable[[], Any] | None = None
 
 
 @dataclass
@@ -218,7 +223,9 @@ class LayerTiming:
             merge_s = next(it) if layer.merge is not None else 0.0
             send_s = next(it) if layer.send is not None else 0.0
             fused_s = next(it) if layer.fused is not None else 0.0
-            once = sum(next(it) for _ in layer.once)
+            # the finish's work, not its launch: a step runs it inside the stage's update program
+            finish_s = max(0.0, next(it) - launch_s[layer.record.dp]) if layer.finish is not None else 0.0
+            once = sum(next(it) for _ in layer.once) + finish_s
             key = (layer.record.dp, layer.examples)
             sums = apart.setdefault(key, [0.0, 0.0])
             if backward is not None:  # the reference stage's layers, each its own forward and backward program
@@ -327,7 +334,7 @@ def layer_timing(
     runs = [_repeated(run, k) for run in runs]
     for layer in layers:
         runs += [_repeated(r, k) for r in (layer.forward, layer.backward, layer.backward_remat, layer.merge, layer.send,
-                                           layer.fused, *layer.once) if r is not None]
+                                           layer.fused, layer.finish, *layer.once) if r is not None]
     return LayerTiming(runs, k, list(launches), layers, list(together), platform, list(hosts))
 
 
@@ -399,6 +406,7 @@ def _layer_runs(fn: Callable, args: tuple, batch_argnum: int, device_ids: Sequen
             _send_run(fwd, plain, device_ids, send_ids) if send_ids is not None else None,
             pair if n > 1 and signature == signatures[n - 2] and bwd is not None else None,
             signatures[: n - 2].count(signature) if whole is not None else 0,
+            _finish_run(next((p for p in mine if p.task.per_microbatch and p.finish is not None), None)),
         ))
     return out, whole, ref
 
@@ -419,6 +427,16 @@ def _carried_run(program: Any, graph: Any) -> Callable[[], Any]:
         out, acc[0] = program.fn(acc[0], *inputs)
         return out, acc[0]
     return run
+
+
+def _finish_run(program: Any) -> Callable[[], Any] | None:
+    """The once-a-step finish of `program`'s gradient sums (`Program.finish`: on a mesh
+    of several devices, the per-shard partial sums reduced over the data axis), on
+    accumulators of zeros; None for a program without one."""
+    if program is None:
+        return None
+    acc = program.init_acc()
+    return lambda: program.finish(acc)
 
 
 def _merge_run(avals: Sequence[Any], device_ids: Sequence[int], all_ids: Sequence[int]) -> Callable[[], Any]:
