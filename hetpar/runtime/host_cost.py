@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from hetpar.compile.compiled import CompiledStep
+from hetpar.runtime.communicator import already_there
 from hetpar.runtime.executor import DeviceTransport
 from hetpar.runtime.interpreter import interpret
 
@@ -93,15 +94,18 @@ class _Recording:
 
 class _Replay:
     """A transport whose calls hand back what a recorded run's returned, in order:
-    interpreting over it costs the interpreter's host work alone. Moves are real
-    (`DevicePath.to_mesh`): a value already where a program wants it, as every value
-    of a one-mesh step is, costs the check the runtime makes, nothing more."""
+    interpreting over it costs the interpreter's host work alone. A move makes the
+    check the runtime makes (`already_there`) and no copy: a value between two meshes
+    is a send, which the profile times apart (`LayerPointRecord.send_s`)."""
 
     frees = False
 
     def __init__(self, recording: _Recording):
         self.targets, self.fused_targets = recording.targets, recording.fused_targets
-        self.move, self._returned, self._next = recording.real.move, recording.returned, 0
+        self._returned, self._next = recording.returned, 0
+
+    def move(self, x: Any, target: Any) -> Any:
+        return x if already_there(x, target) else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=target)
 
     def _give(self, *_: Any) -> Any:
         out = self._returned[self._next]
@@ -140,6 +144,11 @@ def step_arguments(step: CompiledStep) -> list[Any] | None:
     return out
 
 
+def _stand_in(x: Any) -> Any:
+    """An array's shape, dtype and sharding without its buffer."""
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x
+
+
 def host_runs(step: CompiledStep) -> HostRuns | None:
     """The runtime's host work of `step` as two runs to time (`HostRuns`); None where
     the step's arguments cannot be made here (`step_arguments`)."""
@@ -151,6 +160,10 @@ def host_runs(step: CompiledStep) -> HostRuns | None:
     jax.block_until_ready(interpret(step, recording, args))
     splits = recording.splits
     real = recording.real
+    # The replay only hands values on and checks where they lie: stand-ins with their shardings take their
+    # place, so the profile does not hold a step's outputs (a model's state) for as long as it times.
+    recording.returned = jax.tree.map(_stand_in, recording.returned)
+    args = [_stand_in(a) for a in args]
 
     def split() -> list:
         return [real.split(x, pieces, axis, target) for x, pieces, axis, target in splits]
