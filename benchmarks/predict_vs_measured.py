@@ -59,6 +59,7 @@ from hetpar.plan.costs import estimate_plan  # noqa: E402
 from hetpar.predict.layer_profile import layer_timing  # noqa: E402
 from hetpar.predict.timing import busy_clock, median_times  # noqa: E402
 from hetpar.predict.profile import Profile  # noqa: E402
+from hetpar.runtime.host_cost import host_runs  # noqa: E402
 from step_timing import Stepper, gpt_benchmark, interleaved_rounds  # noqa: E402
 
 NUM_LAYERS = 6  # embedding, 4 blocks, head
@@ -108,7 +109,8 @@ def main() -> None:
     examples = sorted({e for _, e in shapes})
     print(f"profiling layers on meshes of {dps} devices at {examples} examples per device")
     start = time.perf_counter()
-    timing = layer_timing(w.step, (w.state, w.batch), list(range(8)), "cpu", examples, dps, NUM_LAYERS, remat=False)
+    timing = layer_timing(w.step, (w.state, w.batch), list(range(8)), "cpu", examples, dps, NUM_LAYERS, remat=False,
+                          host=host_runs)
     clock = busy_clock("cpu")
     # A first profile, only to make the plans with (which layers each stage holds).
     first = Path(tempfile.mkdtemp()) / "first.json"
@@ -137,7 +139,8 @@ def main() -> None:
                            for p in r.points)
         print(f"  {r.name:<12} on {r.dp} devices: launch {r.program_s * 1e3:.2f} ms, per stage program "
               f"{r.stage_program_s * 1e3:.2f} ms, merge {r.merge_s * 1e3:.2f} ms, once {r.points[0].once_s * 1e3:.2f} ms "
-              f"({r.once_programs} programs); fwd+bwd {points}")
+              f"({r.once_programs} programs), runtime per dispatch {r.dispatch_s * 1e3:.2f} ms, batch split "
+              f"{r.points[0].split_s * 1e3:.2f} ms; fwd+bwd {points}")
     path = Path(tempfile.mkdtemp()) / "layers.json"
     Profile({}, layers=records).save(path)
 

@@ -43,6 +43,20 @@ def test_profile_json_round_trip_keeps_layer_records(tmp_path):
     assert back.layers == profile.layers
 
 
+def test_the_runtimes_host_costs_are_saved_and_loaded_with_the_records(tmp_path):
+    record = replace(_record(), dispatch_s=2e-4, points=[replace(p, split_s=7e-4 * p.examples) for p in _record().points])
+    Profile({}, layers=[record]).save(tmp_path / "p.json")
+    raw = json.loads((tmp_path / "p.json").read_text())["layers"][0]
+    assert raw["dispatch_s"] == 2e-4 and [p["split_s"] for p in raw["points"]] == [7e-4, 14e-4, 28e-4]
+    back = Profile.load(tmp_path / "p.json").layers[0]
+    assert back == record
+    # A profile made before these were measured loads with them unmeasured (0), and prices as before.
+    for r in raw, *raw["points"]:
+        r.pop("dispatch_s", None), r.pop("split_s", None)
+    old = LayerRecord.from_dict(raw)
+    assert old.dispatch_s == 0.0 and all(p.split_s == 0.0 for p in old.points)
+
+
 def test_a_version_1_profile_still_loads(tmp_path):
     (tmp_path / "old.json").write_text(json.dumps({"version": 1, "devices": {}}))
     assert Profile.load(tmp_path / "old.json").layers == []
@@ -182,6 +196,41 @@ def test_the_last_stage_is_one_program_per_microbatch_at_its_layers_fused_times(
     assert runs.time[1] <= fused.forward_s + fused.backward_s  # two consecutive layers, at least
 
 
+def test_a_shared_host_pays_the_runtimes_host_work_per_program_and_its_batch_split_per_pipeline():
+    # The interpreter's own host work per stage program dispatched (`dispatch_s`) and cutting each pipeline's
+    # batch into microbatches once per step (`split_s`): not in any program's time, so added on a shared host.
+    def layers(dispatch, split):
+        return tuple(MeasuredLayer("A100", layer, 1, 2, (LayerPoint(1, 0.010, 0.020, -1.0, 0.0, split_s=split),
+                                                          LayerPoint(4, 0.040, 0.080, -1.0, 0.0, split_s=4 * split)),
+                                   shared_host=True, program_s=0.001, stage_program_s=0.004, dispatch_s=dispatch)
+                     for layer in range(3))
+
+    def shared(measured):
+        problem = _problem(measured)
+        return replace(problem, kinds=tuple(replace(k, shared_host=True) for k in problem.kinds))
+
+    two = Decisions((StageDecision("A100", 2, 1, 0, 2), StageDecision("A100", 2, 1, 2, 3)), 2, "1f1b", (8,))
+    before, after = estimate(shared(layers(0.0, 0.0)), two), estimate(shared(layers(0.0005, 0.001)), two)
+    first, last = (a.forward_s - b.forward_s + a.backward_s - b.backward_s for a, b in zip(after.stages, before.stages))
+    assert first == pytest.approx(2 * 0.0005)  # a stage that is not the last: a forward and a backward program
+    assert last == pytest.approx(0.0005)  # the last: one program a microbatch
+    split = 0.001 + (0.004 - 0.001) / 3  # 2 examples a device: between the measured points
+    assert after.step_s - before.step_s == pytest.approx(2 * (first + last) + split)
+    replicas = Decisions(tuple(StageDecision("A100", 2, 1, 0, 3, replica=r) for r in range(2)), 2, "1f1b", (8, 8))
+    more = estimate(shared(layers(0.0005, 0.001)), replicas).step_s - estimate(shared(layers(0.0, 0.0)), replicas).step_s
+    assert more == pytest.approx(2 * 2 * 0.0005 + 2 * split)  # each pipeline splits its own batch
+    # Elsewhere the host dispatches and splits while the devices compute: not priced.
+    apart = estimate(_problem(layers(0.0005, 0.001)), two)
+    assert apart.step_s == pytest.approx(estimate(_problem(layers(0.0, 0.0)), two).step_s)
+    # The planner's lower bounds stay below the stage table that now pays them.
+    from solver.planner.bounds import LowerBounds
+    costs = StageCosts(shared(layers(0.0005, 0.001)))
+    table = costs.table(StageConfig("A100", 2, 1), 8, 1, last=True, m=2)
+    runs = LowerBounds(costs.problem, costs)._stage_runs(StageConfig("A100", 2, 1), 8)
+    assert runs.time[0] <= table.forward[2, 3] + table.backward[2, 3]  # one layer, at least
+    assert runs.time[1] <= table.forward[1, 3] + table.backward[1, 3]  # two consecutive layers, at least
+
+
 def test_a_shared_hosts_replica_combine_is_priced_as_the_profile_measured_it():
     point = LayerPoint(2, 0.010, 0.020, -1.0, 0.0)
     measured = tuple(MeasuredLayer("A100", layer, 1, 2, (point,), shared_host=True, merge_s=0.003 * (layer + 1))
@@ -223,6 +272,20 @@ def test_one_more_programs_cost_is_the_layers_apart_against_a_stage_that_is_not_
     assert first.fused_s == 0.0
     with pytest.raises(HetparError, match="10 times for 11"):
         timing.records([0.0] * 10)
+    # The runtime's host-cost runs after the reference stage: the interpreter alone over 8 dispatches, then the
+    # batch split; per dispatch and per split on every record of the mesh.
+    hosted = LayerTiming([lambda: 0] * 13, 1, [2], layers, [(2, 2)], hosts=[(2, 2, 8, True)])
+    times = [0.001, 0.045, 0.0016, 0.0009, 0.002, 0.003, 0.0005, 0.010, 0.020, 0.0007, 0.040, 0.012, 0.0009]
+    records = hosted.records(times)
+    assert all(r.dispatch_s == pytest.approx(0.0002) and r.points[0].split_s == pytest.approx(0.0009) for r in records)
+    assert [r.points[0].send_s for r in records] == [0.0005, 0.0007, 0.0009]  # the layers' runs as before
+    # A layer's gradient sums finished over the data axis once a step: their work (less a launch, since a
+    # step runs it inside the update program) is part of the layer's once-per-step time.
+    finishing = [replace(layers[0], once=[lambda: 0], finish=lambda: 0), *layers[1:]]
+    timing = LayerTiming([lambda: 0] * 13, 1, [2], finishing, [(2, 2)])
+    # launch, reference; first fwd, bwd, send, finish, update; block fwd, bwd, send, with the head; head, send
+    records = timing.records([0.001, 0.045, 0.002, 0.003, 0.0005, 0.0016, 0.004, 0.010, 0.020, 0.0007, 0.040, 0.012, 0.0009])
+    assert records[0].points[0].once_s == pytest.approx(0.004 + 0.0006) and records[0].once_programs == 1
 
 
 @pytest.fixture(scope="module")
@@ -285,6 +348,22 @@ def test_profiling_a_steps_layers_records_each_distinct_layer(workload):
     # the last layer and the one before it measured inside one program, as a last stage runs them; the first not
     assert all(p.fused_s > 0 for r in records if r.name != records[0].name for p in r.points)
     assert all(p.fused_s == 0 for r in records if r.name == records[0].name for p in r.points)
+    assert all(r.dispatch_s == 0 and all(p.split_s == 0 for p in r.points) for r in records)  # no runtime given
+
+
+def test_profiling_measures_the_runtimes_host_work(workload):
+    from hetpar.runtime.host_cost import host_runs
+
+    timing = layer_timing(workload.step, (workload.state, workload.batch), [0, 1], "cpu", examples=(2,),
+                          data_parallel=(2,), num_layers=6, remat=False, host=host_runs)
+    assert len(timing.hosts) == 1 and timing.hosts[0][2] >= 6  # a 2-stage step of 2 microbatches: 6 programs or more
+    # on 2 devices every layer's gradient sums are partial per device, finished over the data axis once a step
+    assert all(layer.finish is not None for layer in timing.layers)
+    records = timing.measure(rounds=1)
+    assert all(r.dispatch_s > 0 and all(p.split_s > 0 for p in r.points) for r in records)
+    # the interpreter alone is host work only: well under one program of the block it dispatches
+    block = next(r for r in records if r.name == "Block_0")
+    assert block.dispatch_s < block.points[0].forward_s
 
 
 def test_float32_matmuls_are_priced_at_the_precision_jax_runs_them():

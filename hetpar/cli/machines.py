@@ -142,13 +142,14 @@ def profile_layers(args: argparse.Namespace, workload) -> list:  # noqa: ANN001
     timed on every device kind of this process (predict/layer_profile.py)."""
     from hetpar.cluster.cluster import Cluster
     from hetpar.predict.layer_profile import layer_timing
+    from hetpar.runtime.host_cost import host_runs
 
     records = []
     for group in Cluster.local().groups:
         kind = args.device_type or group.type_name
         records += layer_timing(workload.step, workload.args, group.device_ids, kind,
                                 ints(args.microbatch_sizes, "--microbatch-sizes"), ints(args.data_parallel, "--data-parallel"),
-                                num_layers=args.num_layers, remat=not args.no_remat).measure(args.rounds)
+                                num_layers=args.num_layers, remat=not args.no_remat, host=host_runs).measure(args.rounds)
     for r in records:
         sizes = ", ".join(f"{p.examples}: {p.forward_s * 1e3:.3g}/{p.backward_s * 1e3:.3g} ms" for p in r.points)
         print(f"  layer {r.name} [{r.signature}] on {r.dp}x{r.device_kind} ({r.dtype}), fwd/bwd per examples {sizes}")

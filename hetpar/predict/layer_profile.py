@@ -38,7 +38,12 @@ stage's, which XLA fuses across (the backward's residuals never leave the progra
 `fused_s` is what a layer costs inside such a program, measured for the last layer
 and the one before it (it and the last as one program, less the last alone).
 Peak memory is XLA's `memory_analysis()` of the layer's largest program (arguments +
-outputs + temporaries - aliased), per device.
+outputs + temporaries - aliased), per device. With the runtime's host-cost runs
+(`layer_timing(host=hetpar.runtime.host_cost.host_runs)`, as `hetpar profile
+--layers` passes them), per mesh also what the runtime itself costs the host, timed on
+the reference step (two stages on the mesh, two microbatches): its interpreter's work
+per program it dispatches (`dispatch_s`, the schedule walked over calls that hand back
+recorded results) and cutting the batch into microbatches once (`split_s`, per point).
 
 The JSON is part of a `hetpar profile` file (`Profile.layers`, predict/profile.py).
 """
@@ -67,7 +72,9 @@ class LayerPointRecord:
     forward_s: float
     backward_s: float
     backward_remat_s: float = -1.0  # < 0: recomputation not measured
-    once_s: float = 0.0  # the layer's once-per-step programs (update; gradient reduction at dp > 1)
+    # The layer's once-per-step programs: its update, and at dp > 1 its gradient sums reduced over the data
+    # axis (`_finish_run`: that work without its own launch, as a step runs it inside the update program).
+    once_s: float = 0.0
     peak_bytes: int = 0  # per device, the layer's largest program
     send_s: float = 0.0  # one microbatch's layer input moved here from another mesh of as many devices; 0: not measured
     stage_program_s: float = 0.0  # one more per-microbatch program's cost on the mesh at this size; 0: not measured
@@ -75,6 +82,9 @@ class LayerPointRecord:
     # program's cost, as `forward_s` has it): XLA fuses across the two, and the backward's residuals never
     # leave the program. 0: not measured (the last layer's, and the one before it where the model has one).
     fused_s: float = 0.0
+    # The runtime cutting the step's batch arguments into microbatches on this mesh, all of them once:
+    # what a pipeline pays once per step (`hetpar.runtime.host_cost`). 0: not measured.
+    split_s: float = 0.0
 
 
 @dataclass
@@ -91,6 +101,10 @@ class LayerRecord:
     once_programs: int = 0  # how many programs `once_s` adds up
     merge_s: float = 0.0  # one replica's gradients of the layer added into another's (`_merge_run`); 0: not measured
     stage_program_s: float = 0.0  # one more per-microbatch program's cost on the mesh (`LayerTiming.records`); 0: not measured
+    # The runtime's own host work per program it dispatches (the interpreter's walk of the schedule, each
+    # program's inputs looked up and checked where they lie), beyond the program's cost: measured by
+    # interpreting a step whose calls hand back recorded results (`hetpar.runtime.host_cost`). 0: not measured.
+    dispatch_s: float = 0.0
 
     @property
     def key(self) -> tuple[str, str, str, int, int]:
@@ -156,6 +170,9 @@ class _Layer:
     send: Callable[[], Any] | None = None  # the layer's input arriving from another stage's mesh (`_send_run`)
     fused: Callable[[], Any] | None = None  # the layer and the last one in one program, as a last stage runs them
     before: int = 0  # how many of the `count` layers come before the reference stage's end (`_layer_runs`)
+    # The layer's gradient sums finished once a step: per-data-shard partial sums reduced over the data axis
+    # (`Program.finish`), which a step runs inside its stage's update program; None where there are none.
+    finish: Callable[[], Any] | None = None
 
 
 @dataclass
@@ -171,6 +188,9 @@ class LayerTiming:
     layers: list["_Layer"]
     together: list[tuple[int, int]] = field(default_factory=list)  # (dp, examples) of the whole-model runs after them
     platform: str = "cpu"  # of the devices timed: which clock times them (`timing.busy_clock`)
+    # (dp, examples, programs dispatched, whether a split run follows) of the runtime's host-cost runs after
+    # the whole-model runs: the interpreter alone, then the batch split (`hetpar.runtime.host_cost`)
+    hosts: list[tuple[int, int, int, bool]] = field(default_factory=list)
 
     def measure(self, rounds: int = 7) -> list[LayerRecord]:
         """Times every run in one interleaved pool (`timing.median_times`, `rounds`
@@ -188,6 +208,10 @@ class LayerTiming:
         it = iter(t / self.back_to_back for t in times)
         launch_s = {dp: next(it) for dp in self.launches}
         together = {key: next(it) for key in self.together}
+        dispatch_s, split_s = {}, {}
+        for dp, examples, dispatches, splits in self.hosts:
+            dispatch_s[(dp, examples)] = next(it) / max(dispatches, 1)
+            split_s[(dp, examples)] = next(it) if splits else 0.0
         apart: dict[tuple[int, int], list[float]] = {key: [0.0, 0.0] for key in self.together}  # seconds, programs
         last_s: dict[tuple[int, int], float] = {}  # the last layer's one program, per mesh and microbatch size
         records: dict[tuple, LayerRecord] = {}
@@ -199,7 +223,9 @@ class LayerTiming:
             merge_s = next(it) if layer.merge is not None else 0.0
             send_s = next(it) if layer.send is not None else 0.0
             fused_s = next(it) if layer.fused is not None else 0.0
-            once = sum(next(it) for _ in layer.once)
+            # the finish's work, not its launch: a step runs it inside the stage's update program
+            finish_s = max(0.0, next(it) - launch_s[layer.record.dp]) if layer.finish is not None else 0.0
+            once = sum(next(it) for _ in layer.once) + finish_s
             key = (layer.record.dp, layer.examples)
             sums = apart.setdefault(key, [0.0, 0.0])
             if backward is not None:  # the reference stage's layers, each its own forward and backward program
@@ -242,6 +268,9 @@ class LayerTiming:
             record.stage_program_s = max(record.program_s, statistics.median(got)) if got else 0.0
             record.points = [replace(p, stage_program_s=max(record.program_s, per_program[(record.dp, p.examples)]))
                              if (record.dp, p.examples) in per_program else p for p in record.points]
+            mine = [v for (dp, _), v in dispatch_s.items() if dp == record.dp]
+            record.dispatch_s = statistics.median(mine) if mine else 0.0
+            record.points = [replace(p, split_s=split_s.get((record.dp, p.examples), 0.0)) for p in record.points]
         for record in records.values():
             record.points.sort(key=lambda p: p.examples)
         return list(records.values())
@@ -258,6 +287,7 @@ def layer_timing(
     batch_argnum: int = 1,
     remat: bool = True,
     back_to_back: int = 4,
+    host: Callable[[Any], Any] | None = None,
 ) -> LayerTiming:
     """Each distinct layer of `fn(*args)` on meshes of the first `dp` of `device_ids`
     for each `dp` in `data_parallel`, at `examples` per device and microbatch
@@ -268,7 +298,10 @@ def layer_timing(
     dispatches a stage's programs one after another without waiting: a program timed
     alone and waited on also pays the devices going idle after it (on CPU, XLA's
     worker threads spinning before they sleep, which a later program queued behind it
-    does not see)."""
+    does not see). `host`: `hetpar.runtime.host_cost.host_runs`, passed in by the
+    caller (this package does not import the runtime): with it, the runtime's own
+    host work per program dispatch and its batch split are timed on each mesh's
+    reference step (`LayerRecord.dispatch_s`, `LayerPointRecord.split_s`)."""
     from hetpar.cluster.cluster import jax_devices
 
     if not examples or min(examples) < 1:
@@ -283,33 +316,40 @@ def layer_timing(
     shared = platform == "cpu"
     layers: list[_Layer] = []
     together: dict[tuple[int, int], Callable[[], Any]] = {}
+    hosts: dict[tuple[int, int, int, bool], list[Callable[[], Any]]] = {}
     for dp in dict.fromkeys(data_parallel):
         for e in dict.fromkeys(examples):
-            mine, whole = _layer_runs(fn, args, batch_argnum, device_ids[:dp], device_kind, e, dp, num_layers, remat,
-                                      shared, device_ids if e == min(examples) else None, device_ids)
+            mine, whole, ref = _layer_runs(fn, args, batch_argnum, device_ids[:dp], device_kind, e, dp, num_layers, remat,
+                                           shared, device_ids if e == min(examples) else None, device_ids)
             layers += mine
             if whole is not None:
                 together[(dp, e)] = whole
+            made = host(ref) if host is not None and ref is not None else None
+            if made is not None and made.dispatches:
+                hosts[(dp, e, made.dispatches, made.split is not None)] = [made.interpreter] + (
+                    [made.split] if made.split is not None else [])
     launches = {dp: _launch_run(device_ids[:dp]) for dp in dict.fromkeys(data_parallel)}
-    runs: list[Callable[[], Any]] = [*launches.values(), *together.values()]
+    runs: list[Callable[[], Any]] = [*launches.values(), *together.values(), *(r for rs in hosts.values() for r in rs)]
     k = max(1, back_to_back)
     runs = [_repeated(run, k) for run in runs]
     for layer in layers:
         runs += [_repeated(r, k) for r in (layer.forward, layer.backward, layer.backward_remat, layer.merge, layer.send,
-                                           layer.fused, *layer.once) if r is not None]
-    return LayerTiming(runs, k, list(launches), layers, list(together), platform)
+                                           layer.fused, layer.finish, *layer.once) if r is not None]
+    return LayerTiming(runs, k, list(launches), layers, list(together), platform, list(hosts))
 
 
 def _layer_runs(fn: Callable, args: tuple, batch_argnum: int, device_ids: Sequence[int], device_kind: str, examples: int,
                 dp: int, num_layers: int | None, remat: bool, shared: bool,
                 merge_ids: Sequence[int] | None = None,
-                send_ids: Sequence[int] | None = None) -> tuple[list[_Layer], Callable[[], Any] | None]:
+                send_ids: Sequence[int] | None = None) -> tuple[list[_Layer], Callable[[], Any] | None, Any]:
     """The programs of each distinct layer, compiled alone on one mesh of `device_ids`
     (and with `merge_ids`, the devices there are, its replica combine: `_merge_run`;
     with `send_ids`, its input's arrival from another mesh of them: `_send_run`; the
     layer before the last: it and the last in one program, as a last stage runs them);
     and one microbatch of all the layers but the last two as one stage that is not the
-    last, its forward and backward program (None for a model of fewer than 4 layers)."""
+    last, its forward and backward program (None for a model of fewer than 4 layers);
+    and the reference compile those come from, a two-stage step on the one mesh (None
+    for a model of one layer), on which the runtime's host work is timed."""
     from hetpar.compile.programs import stage_mesh
     from hetpar.compile.step import compile_layer_stages
     from hetpar.predict.calibrate import program_inputs, program_run
@@ -334,7 +374,7 @@ def _layer_runs(fn: Callable, args: tuple, batch_argnum: int, device_ids: Sequen
     # the last two layers as the last stage, forward and backward one program (what the layer before
     # the last costs inside a last stage's program, `LayerPointRecord.fused_s`).
     n = layers.num_layers
-    whole = pair = None
+    whole = pair = ref = None
     if n > 1:
         split = [0] * (n - 2) + [1 if n > 2 else 0] * 2
         ref = compile_layer_stages(traced, layers, split, {s: mesh for s in set(split)})
@@ -366,8 +406,9 @@ def _layer_runs(fn: Callable, args: tuple, batch_argnum: int, device_ids: Sequen
             _send_run(fwd, plain, device_ids, send_ids) if send_ids is not None else None,
             pair if n > 1 and signature == signatures[n - 2] and bwd is not None else None,
             signatures[: n - 2].count(signature) if whole is not None else 0,
+            _finish_run(next((p for p in mine if p.task.per_microbatch and p.finish is not None), None)),
         ))
-    return out, whole
+    return out, whole, ref
 
 
 def _carried_run(program: Any, graph: Any) -> Callable[[], Any]:
@@ -386,6 +427,16 @@ def _carried_run(program: Any, graph: Any) -> Callable[[], Any]:
         out, acc[0] = program.fn(acc[0], *inputs)
         return out, acc[0]
     return run
+
+
+def _finish_run(program: Any) -> Callable[[], Any] | None:
+    """The once-a-step finish of `program`'s gradient sums (`Program.finish`: on a mesh
+    of several devices, the per-shard partial sums reduced over the data axis), on
+    accumulators of zeros; None for a program without one."""
+    if program is None:
+        return None
+    acc = program.init_acc()
+    return lambda: program.finish(acc)
 
 
 def _merge_run(avals: Sequence[Any], device_ids: Sequence[int], all_ids: Sequence[int]) -> Callable[[], Any]:
@@ -506,8 +557,8 @@ def problem_layers(records: Sequence[LayerRecord], signatures: Sequence[str], dt
         for layer, signature in enumerate(signatures):
             for r in by_key.get((signature, device_kind), ()):
                 points = tuple(LayerPoint(p.examples, p.forward_s, p.backward_s, p.backward_remat_s, p.once_s, p.send_s,
-                                          p.stage_program_s, p.fused_s) for p in r.points)
+                                          p.stage_program_s, p.fused_s, p.split_s) for p in r.points)
                 if points:
                     out.append(MeasuredLayer(label, layer, r.tp, r.dp, points, r.shared_host, r.program_s, r.once_programs,
-                                            r.merge_s, r.stage_program_s))
+                                            r.merge_s, r.stage_program_s, r.dispatch_s))
     return tuple(out)

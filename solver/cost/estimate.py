@@ -30,7 +30,7 @@ from solver.schedules import StageTimes
 
 # Bumped whenever a change to the cost model changes a price: a plan file that keeps
 # figures as a cache records the version they were made with.
-ESTIMATOR_VERSION = 9  # 2: shared NICs, host-staged links, blocking sends, the JAX client's memory share;
+ESTIMATOR_VERSION = 10  # 2: shared NICs, host-staged links, blocking sends, the JAX client's memory share;
 # 3: measured layer profiles (solver.cost.measured), devices sharing one host run one after another;
 # 4: a shared host's replica combine priced from the profile's measured merges (`cross_replica_sync_s`);
 # 5: a shared host's sends priced from the profile's measured ones, both ways per microbatch (`serial_step_s`);
@@ -41,6 +41,8 @@ ESTIMATOR_VERSION = 9  # 2: shared NICs, host-staged links, blocking sends, the 
 # 8: every part of a mixed stage holds its optimizer state and updates its own copy (no parameter copy between kinds)
 # 9: every replica sums all replicas' shares and updates its own copy (no parameter copy from replica 0): a shared
 # host's combine is every replica's merges (`runtime_merges`), not replica 0's alone
+# 10: a shared host pays the runtime's own host work, as the profile measured it (`hetpar.runtime.host_cost`): per
+# stage program dispatched (`StageCosts.dispatches`) and each pipeline's batch split once per step (`StageCosts.split_s`)
 
 
 @dataclass(frozen=True)
@@ -190,7 +192,8 @@ def estimate(problem: Problem, decisions: Decisions, costs: StageCosts | None = 
     per_replica = [[c.times for c, s in zip(stage_costs, d.stages) if s.replica == r and s.part_of < 0]
                    for r in range(len(d.replica_batch))]
     if all(problem.kind(s.kind).shared_host for s in d.stages):
-        closed = step = serial_step_s(stage_costs, m, cross)
+        splits = sum(costs.split_s(d.replica_stages(r)[0].config, b // m) for r, b in enumerate(d.replica_batch))
+        closed = step = serial_step_s(stage_costs, m, cross, splits)
     else:
         closed = max(pipeline_time(t, m, d.schedule, d.chunks) for t in per_replica)
         step = max(step_time(t, m, d.schedule, d.chunks) for t in per_replica) if simulate_step else closed
@@ -214,17 +217,19 @@ def _priced(costs: StageCosts, s: StageDecision, cfg: StageConfig, b: int, held:
             costs.capacity(s.kind), at(v.hidden))
 
 
-def serial_step_s(stages: tuple[StageCost, ...], m: int, cross: float) -> float:
+def serial_step_s(stages: tuple[StageCost, ...], m: int, cross: float, splits: float = 0.0) -> float:
     """A step on devices that are one host's cores (`DeviceKind.shared_host`): no
     stage runs beside another, so the step is all of their work one after another,
     every microbatch's forward, backward and sends, each stage's once-per-step tail,
     and the cross-replica sum once (each stage's `sync_s` carries it). A stage that
     hands its activation on (`send_s` > 0) also gets its gradient back, as many bytes
     the other way (the simulator's transfers go both ways too): a training stage
-    pays two sends per microbatch, a forward-only one (no backward) one."""
+    pays two sends per microbatch, a forward-only one (no backward) one. `splits`:
+    the runtime cutting every pipeline's batch into microbatches (`StageCosts.split_s`),
+    host work beside the stages', once per step."""
     work = sum(m * (c.forward_s + c.backward_s + (2 if c.backward_s > 0 else 1) * c.send_s) + c.sync_s - cross
                + c.optimizer_s + c.overlapped_s for c in stages)
-    return work + cross
+    return work + cross + splits
 
 
 def _blocking_sends(problem: Problem, raw: list[tuple]) -> list[tuple]:

@@ -35,6 +35,7 @@ class LayerPoint:
     send_s: float = 0.0  # the layer's input arriving from another mesh of as many devices (one way); 0: not measured
     stage_program_s: float = 0.0  # one more per-microbatch program's cost at this size; 0: the record's (`MeasuredLayer`)
     fused_s: float = 0.0  # forward and backward as one program, as a last stage runs them (with one program's cost); 0: not measured
+    split_s: float = 0.0  # the runtime cutting the step's batch arguments into microbatches on the mesh, once; 0: not measured
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,10 @@ class MeasuredLayer:
     # `backward_s` and `fused_s` and paid per stage program (a last stage runs one a microbatch). 0: not
     # measured, the near-empty program's `program_s` instead.
     stage_program_s: float = 0.0
+    # The runtime's own host work per program it dispatches, beyond the program (the interpreter's
+    # walk of the schedule: `hetpar.runtime.host_cost`); not part of any time above, so paid per
+    # stage program on top of `stage_program_s`. 0: not measured.
+    dispatch_s: float = 0.0
 
     def at(self, examples: float, field: str) -> float:
         """`field` of the points, interpolated to `examples` per device."""
@@ -105,6 +110,8 @@ class LayerPrice:
     # The layer's forward and backward inside one program, as the pipeline's last stage runs them, less
     # the program's cost (`program_s`); None: not measured (the two nets above, as a stage that is not last).
     fused_s: float | None = None
+    dispatch_s: float = 0.0  # the runtime's host work per program dispatched (`MeasuredLayer.dispatch_s`)
+    split_s: float = 0.0  # the runtime cutting the batch into microbatches on the stage's mesh, once per step
 
 
 def lookup(measured: tuple[MeasuredLayer, ...], kind: str, layer: int, tp: int, dp: int,
@@ -127,6 +134,7 @@ def lookup(measured: tuple[MeasuredLayer, ...], kind: str, layer: int, tp: int, 
     once = float(np.mean([p.once_s for p in record.points])) * scale
     send = record.at(examples, "send_s") * scale if all(p.send_s > 0 for p in record.points) else 0.0
     fused = record.at(examples, "fused_s") * scale - program if all(p.fused_s > 0 for p in record.points) else None
+    split = record.at(examples, "split_s") if all(p.split_s > 0 for p in record.points) else 0.0
     # Not floored at zero per layer: the per-program cost is what the layers apart cost beyond the
     # whole model as one program, and a small layer (an embedding: 0.3 ms on 4 CPU devices, against a
     # measured 1.5-3.7 ms per program) pays less than it alone. A stage is its layers' net times plus the
@@ -135,4 +143,5 @@ def lookup(measured: tuple[MeasuredLayer, ...], kind: str, layer: int, tp: int, 
     # ~11 ms a microbatch on a 4-device stage holding the embedding and the head.
     return LayerPrice(record.at(examples, "forward_s") * scale - program, backward - program,
                       None if rerun is None else max(0.0, rerun * scale - backward), max(0.0, once - record.once_programs * launch),
-                      record.dp == dp, program, record.once_programs, launch, record.merge_s, send, fused)
+                      record.dp == dp, program, record.once_programs, launch, record.merge_s, send, fused,
+                      record.dispatch_s, split)

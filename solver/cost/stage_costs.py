@@ -271,6 +271,25 @@ class StageCosts:
         microbatch (the cost grows with them where the profile measured it per size)."""
         return max((p.program_s for p in self.measured(cfg, per_device).values()), default=0.0)
 
+    def dispatches(self, cfg: StageConfig) -> float:
+        """What the runtime's own host work adds per stage program it dispatches, as
+        the profile measured it (`MeasuredLayer.dispatch_s`): on a shared host (the
+        devices are its cores) part of every step's time, paid per stage program
+        beside `launches`. Elsewhere the host dispatches ahead of the devices while
+        they compute, so 0; 0 too where nothing of the stage config was measured."""
+        if not self.kinds[cfg.kind].shared_host:
+            return 0.0
+        return max((p.dispatch_s for p in self.measured(cfg, 1.0).values()), default=0.0)
+
+    def split_s(self, cfg: StageConfig, b: int) -> float:
+        """What cutting a pipeline's batch arguments into microbatches of `b` examples
+        costs the runtime on this stage's mesh, once per step, as the profile measured
+        it (`LayerPoint.split_s`); on a shared host only (elsewhere the host does it
+        while the devices compute), 0 where not measured."""
+        if not self.kinds[cfg.kind].shared_host:
+            return 0.0
+        return max((p.split_s for p in self.measured(cfg, b / cfg.dp).values()), default=0.0)
+
     def matmul_rates(self, kind: DeviceKind, cfg: StageConfig, per_device: float, flops: np.ndarray,
                      matmuls: np.ndarray) -> np.ndarray:
         """FLOP/s of each layer's pass (`flops` per example, in `matmuls` kernels) on one
@@ -411,7 +430,8 @@ class StageCosts:
         """Per layer range, what a last stage's one program changes against two: one
         program's cost less, and each layer's fused time against its two apart."""
         layer = self.per_layer(cfg, b)
-        return _span(_cumsum(layer.fused - layer.forward - layer.backward)) - self.launches(cfg, b / cfg.dp)
+        return (_span(_cumsum(layer.fused - layer.forward - layer.backward)) - self.launches(cfg, b / cfg.dp)
+                - self.dispatches(cfg))
 
     def _held_memory_uncached(self, cfg: StageConfig, b: int, last: bool, zero: int, remat: str,
                               dots: float) -> tuple[DeviceMemory, StageActivations, bool, np.ndarray | float]:
@@ -442,9 +462,10 @@ class StageCosts:
             return v.forward, v.backward, v.tail, v.sync, _full(v.hidden, f.shape)
         extra_f, extra_b, step_sync, tail = self.step_costs(cfg, zero)
         launch = self.launches(cfg, b / cfg.dp)  # measured layers: one program's cost per stage program
+        dispatch = self.dispatches(cfg)  # and the runtime's host work to dispatch it (shared host only)
         # (a measured layer's net time may be below zero, `solver.cost.measured.lookup`; a stage's never)
-        forward = np.maximum(f + extra_f + launch, 0.0)
-        backward = np.maximum(bw + extra_b + launch + (rerun + extra_f if remat else 0.0), 0.0)
+        forward = np.maximum(f + extra_f + launch, 0.0) + dispatch
+        backward = np.maximum(bw + extra_b + launch + (rerun + extra_f if remat else 0.0), 0.0) + dispatch
         return _full(forward, f.shape), _full(backward, f.shape), _full(tail, f.shape), _full(step_sync, f.shape), 0.0
 
     def _buckets(self, cfg: StageConfig, zero: int = 0) -> dict[str, np.ndarray]:

@@ -1,0 +1,55 @@
+"""The runtime's host work as a profile times it (hetpar/runtime/host_cost.py): the
+interpreter walks a compiled step's schedule over recorded results (no program, split
+or copy runs), and the batch split runs on its own."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import jax
+import pytest
+
+from hetpar.compile.programs import stage_mesh
+from hetpar.compile.step import compile_layer_stages
+from hetpar.predict.layer_profile import with_batch
+from hetpar.runtime import executor
+from hetpar.runtime.host_cost import host_runs, step_arguments
+from hetpar.trace.flops import op_costs
+from hetpar.trace.layers import build_layers
+from hetpar.trace.traced_step import trace_step
+from models import gpt
+
+
+@pytest.fixture(scope="module")
+def two_meshes():
+    w = gpt.setup(batch_size=8)
+    traced = trace_step(w.step, with_batch((w.state, w.batch), 1, 8), 1, 2)
+    layers = build_layers(traced.full, traced.analysis, [c.flops for c in op_costs(traced.full)], 4)
+    meshes = {0: stage_mesh((0, 1)), 1: stage_mesh((2, 3))}
+    return compile_layer_stages(traced, layers, [0, 0, 1, 1], meshes)
+
+
+def test_the_interpreter_is_timed_alone_over_a_steps_recorded_results(two_meshes, monkeypatch):
+    runs = host_runs(two_meshes)
+    per_microbatch = sum(p.task.per_microbatch for p in two_meshes.programs)
+    assert runs.dispatches == per_microbatch * 2 + sum(not p.task.per_microbatch for p in two_meshes.programs)
+    assert runs.split is not None and len(runs.split()) >= 1  # the batch cut for each stage that reads it
+
+    def no_device_work(*_):
+        raise AssertionError("the interpreter's run dispatched device work")
+
+    for name in ("call", "call_fused", "split", "merge", "concatenate"):
+        monkeypatch.setattr(executor.DeviceTransport, name, no_device_work)
+    monkeypatch.setattr(jax, "device_put", no_device_work)  # a value between the two meshes is not copied
+    for _ in range(2):  # and it replays as often as it is timed
+        assert runs.interpreter() is None
+
+
+def test_a_step_taking_a_prng_key_has_no_zero_arguments(two_meshes):
+    assert len(step_arguments(two_meshes)) == len(two_meshes.graph.invars)
+    key = jax.random.key(0)
+    graph = two_meshes.graph
+    avals = list(graph.avals)
+    avals[graph.invars[0]] = jax.ShapeDtypeStruct((), key.dtype)
+    keyed = replace(two_meshes, graph=replace(graph, avals=avals))
+    assert step_arguments(keyed) is None and host_runs(keyed) is None
