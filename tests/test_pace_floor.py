@@ -6,16 +6,13 @@ device group holding a layer per stage)."""
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 
 from solver.cost.stage_costs import INF, StageCosts, in_flight
-from solver.planner.bounds import kind_layouts
 from solver.planner.layer_split import _Row, score
 from solver.planner.search import Planner
-from test_planner import compositions, random_problem
+from test_planner import compositions, every_row, random_problem
 
 
 def _pace(tables, sends, cuts, chunks: int) -> float:  # noqa: ANN001
@@ -43,25 +40,19 @@ def _check(seed: int) -> int:
     problem = random_problem(rng, kinds=int(rng.integers(2, 4)))
     costs = StageCosts(problem)
     checked = 0
-    for m in problem.microbatch_counts():
-        b = problem.batch_size // m
-        for order in itertools.permutations([k.name for k in problem.kinds]):
-            for layouts in itertools.product(*(kind_layouts(problem, k) for k in order)):
-                groups = [lay.config for lay in layouts for _ in range(lay.stages)]
-                if any(b % c.dp for c in groups):
-                    continue
-                for chunks in (1, 2, 3):
-                    configs = groups * chunks
-                    if len(configs) > costs.n:
-                        continue
-                    tables = [costs.table(c, b, in_flight("interleaved", m, p, len(configs), chunks), p == len(configs) - 1, m)
-                              for p, c in enumerate(configs)]
-                    sends = [costs.sends(a, c, b) for a, c in zip(configs, configs[1:])]
-                    floor = _Row(tables, sends).pace_floor(chunks)
-                    paces = [_pace(tables, sends, cuts, chunks) for cuts in compositions(costs.n, len(configs))]
-                    least = min((p for p in paces if p < INF), default=INF)
-                    assert floor <= least * (1 + 1e-12), (order, layouts, m, chunks, floor, least)
-                    checked += least < INF
+    for m, b, order, layouts, groups in every_row(problem):
+        for chunks in (1, 2, 3):
+            configs = groups * chunks
+            if len(configs) > costs.n:
+                continue
+            tables = [costs.table(c, b, in_flight("interleaved", m, p, len(configs), chunks), p == len(configs) - 1, m)
+                      for p, c in enumerate(configs)]
+            sends = [costs.sends(a, c, b) for a, c in zip(configs, configs[1:])]
+            floor = _Row(tables, sends).pace_floor(chunks)
+            paces = [_pace(tables, sends, cuts, chunks) for cuts in compositions(costs.n, len(configs))]
+            least = min((p for p in paces if p < INF), default=INF)
+            assert floor <= least * (1 + 1e-12), (order, layouts, m, chunks, floor, least)
+            checked += least < INF
     return checked
 
 
@@ -101,23 +92,17 @@ def test_the_interleaved_floor_is_below_every_interleaved_split(seeds):
         problem = random_problem(rng, kinds=int(rng.integers(1, 4)))
         planner = Planner(problem)
         costs, bounds = planner.costs, planner.bounds
-        for m in problem.microbatch_counts():
-            b = problem.batch_size // m
-            for order in itertools.permutations([k.name for k in problem.kinds]):
-                for layouts in itertools.product(*(kind_layouts(problem, k) for k in order)):
-                    groups = [lay.config for lay in layouts for _ in range(lay.stages)]
-                    if any(b % c.dp for c in groups):
-                        continue
-                    for chunks in (2, 3):
-                        configs = groups * chunks
-                        if len(configs) > costs.n:
-                            continue
-                        floor = bounds.interleaved_floor(layouts, m, b, chunks)
-                        tables = [costs.table(c, b, in_flight("interleaved", m, p, len(configs), chunks),
-                                              p == len(configs) - 1, m) for p, c in enumerate(configs)]
-                        sends = [costs.sends(a, c, b) for a, c in zip(configs, configs[1:])]
-                        best = min(score(tables, sends, m, cuts, "interleaved", chunks)
-                                   for cuts in compositions(costs.n, len(configs)))
-                        assert floor <= best * (1 + 1e-12), (order, layouts, m, chunks, floor, best)
-                        checked += best < INF
+        for m, b, order, layouts, groups in every_row(problem):
+            for chunks in (2, 3):
+                configs = groups * chunks
+                if len(configs) > costs.n:
+                    continue
+                floor = bounds.interleaved_floor(layouts, m, b, chunks)
+                tables = [costs.table(c, b, in_flight("interleaved", m, p, len(configs), chunks),
+                                      p == len(configs) - 1, m) for p, c in enumerate(configs)]
+                sends = [costs.sends(a, c, b) for a, c in zip(configs, configs[1:])]
+                best = min(score(tables, sends, m, cuts, "interleaved", chunks)
+                           for cuts in compositions(costs.n, len(configs)))
+                assert floor <= best * (1 + 1e-12), (order, layouts, m, chunks, floor, best)
+                checked += best < INF
     assert checked >= 10, checked

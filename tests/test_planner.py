@@ -53,6 +53,19 @@ def compositions(n: int, parts: int):
         yield cuts
 
 
+def every_row(problem: Problem):
+    """(m, examples per microbatch, order, layouts, device groups) for every microbatch
+    count, order of all the kinds and product of their layouts whose groups' data axes
+    divide the microbatch: the rows the bounds tests check by brute force."""
+    for m in problem.microbatch_counts():
+        b = problem.batch_size // m
+        for order in itertools.permutations([k.name for k in problem.kinds]):
+            for layouts in itertools.product(*(kind_layouts(problem, k) for k in order)):
+                groups = [lay.config for lay in layouts for _ in range(lay.stages)]
+                if not any(b % c.dp for c in groups):
+                    yield m, b, order, layouts, groups
+
+
 def brute_pipeline(problem: Problem, costs: StageCosts, kinds: tuple[str, ...], batch: int, schedules=("1f1b", "gpipe")) -> float:
     """Every ordered subset of kinds, layout, microbatch count, schedule and split."""
     best_value = INF
@@ -348,28 +361,22 @@ def test_a_beat_above_the_best_split_leaves_it_found(seed):
     rng = np.random.default_rng(700 + seed)
     problem = random_problem(rng, kinds=int(rng.integers(1, 4)))
     costs = StageCosts(problem)
-    for m in problem.microbatch_counts():
-        b = problem.batch_size // m
-        for order in itertools.permutations([k.name for k in problem.kinds]):
-            for layouts in itertools.product(*(kind_layouts(problem, k) for k in order)):
-                groups = [lay.config for lay in layouts for _ in range(lay.stages)]
-                if any(b % c.dp for c in groups):
-                    continue
-                for schedule, chunks in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2)):
-                    configs = groups * chunks
-                    if len(configs) > costs.n or (chunks > 1 and (len(groups) < 2 or m % len(groups))):
-                        continue
-                    tables = [costs.table(c, b, in_flight(schedule, m, p, len(configs), chunks), p == len(configs) - 1, m)
-                              for p, c in enumerate(configs)]
-                    sends = [costs.sends(a, c, b) for a, c in zip(configs, configs[1:])]
-                    free = best_split(tables, sends, m, INF, schedule, chunks)
-                    if free is None:
-                        continue
-                    for beat in (free.objective_s * (1 + 1e-7), free.objective_s * 1.02):
-                        found = best_split(tables, sends, m, beat, schedule, chunks)
-                        assert found == free, (order, layouts, m, schedule, beat, free, found)
-                    assert best_split(tables, sends, m, free.objective_s, schedule, chunks) is None
-                    assert best_split(tables, sends, m, free.objective_s * 0.999, schedule, chunks) is None
+    for m, b, order, layouts, groups in every_row(problem):
+        for schedule, chunks in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2)):
+            configs = groups * chunks
+            if len(configs) > costs.n or (chunks > 1 and (len(groups) < 2 or m % len(groups))):
+                continue
+            tables = [costs.table(c, b, in_flight(schedule, m, p, len(configs), chunks), p == len(configs) - 1, m)
+                      for p, c in enumerate(configs)]
+            sends = [costs.sends(a, c, b) for a, c in zip(configs, configs[1:])]
+            free = best_split(tables, sends, m, INF, schedule, chunks)
+            if free is None:
+                continue
+            for beat in (free.objective_s * (1 + 1e-7), free.objective_s * 1.02):
+                found = best_split(tables, sends, m, beat, schedule, chunks)
+                assert found == free, (order, layouts, m, schedule, beat, free, found)
+            assert best_split(tables, sends, m, free.objective_s, schedule, chunks) is None
+            assert best_split(tables, sends, m, free.objective_s * 0.999, schedule, chunks) is None
 
 
 def test_without_a_kind_that_fits_alone_there_is_no_bound_ratio():
