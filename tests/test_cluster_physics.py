@@ -20,6 +20,7 @@ from solver import collectives as c
 from solver.cost.estimate import Decisions, StageDecision, estimate
 from solver.cost.problem import LayerCost, PlanningError, Problem
 from solver.cost.stage_costs import StageConfig, StageCosts
+from solver.cost.topologies import tp_allreduce_s
 from solver.planner import plan as search
 
 GIB = 2**30
@@ -115,7 +116,7 @@ def test_a_link_without_peer_to_peer_is_priced_at_the_host_staged_rate(tmp_path)
     tp_price = {}
     for name, group in (("staged", staged), ("direct", direct)):
         costs = StageCosts(Problem(LAYERS, device_kinds(hetpar.Cluster((group,)).numbered()), batch_size=8))
-        tp_price[name] = costs.tp_allreduce(costs.kinds["g"], 8, np.array([nbytes]), np.array([1.0]))[0]
+        tp_price[name] = tp_allreduce_s(costs.kinds["g"], 8, np.array([nbytes]), np.array([1.0]))[0]
     assert tp_price["staged"] == pytest.approx(expected)
     assert tp_price["direct"] * 10 < expected
 

@@ -21,7 +21,7 @@ from models import mlp
 from parity import run_parity
 from solver.cost.collectives_used import across_node_bytes, collectives_used
 from solver.cost.stage_costs import StageCosts
-from solver.cost.topologies import across_topology
+from solver.cost.topologies import across_nodes_s, across_topology
 
 TWO_NODES = """\
 name: two-nodes
@@ -140,7 +140,7 @@ def test_hybrid_priced_with_overlapped_communication(tmp_path):
     problem = overlapped.cost_inputs
     costs = StageCosts(problem)
     cfg = decisions(overlapped).stages[0].config
-    across = float(costs.across_nodes(costs.kinds[cfg.kind], cfg, costs.tp_params(1)).sum())
+    across = float(across_nodes_s(costs.kinds[cfg.kind], cfg, costs.tp_params(1)).sum())
     assert cfg.hybrid and across > 0
     assert stage.sync_s + stage.overlapped_s >= across * 0.999  # every layer's shard all-reduce, shown or hidden
 

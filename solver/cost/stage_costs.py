@@ -28,7 +28,8 @@ from solver.cost.stage_config import StageConfig
 from solver.cost.stage_tables import PerLayer, StageTable, StageVariant
 from solver.cost.ranges import cumsum as _cumsum, first as _first, full as _full, last as _last
 from solver.cost.ranges import range_max as _range_max, span as _span
-from solver.cost.topologies import across_topology, all_reduce_times, dp_topology, exposed, tp_topology, zero_topology
+from solver.cost.topologies import (across_nodes_s, across_topology, dp_sync_s, exposed, tp_allreduce_s,
+                                    zero_topology)
 from solver.zero import zero_time
 
 INF = float("inf")
@@ -206,7 +207,7 @@ class StageCosts:
         kind = self.kinds[cfg.kind]
         speed = cfg.tp * self.matmul_rates(kind, cfg, per_device, self.fwd_flops, self.matmuls)
         bwd_speed = cfg.tp * self.matmul_rates(kind, cfg, per_device, self.flops - self.fwd_flops, self.bwd_matmuls)
-        tp_comm = bwd_comm = self.tp_allreduce(kind, cfg.tp, self.tp_bytes * per_device, self.tp_count)  # backward as much
+        tp_comm = bwd_comm = tp_allreduce_s(kind, cfg.tp, self.tp_bytes * per_device, self.tp_count)  # backward as much
         if cfg.model_collectives:  # two model axes: what its layouts run, not Megatron's
             tp_comm, bwd_comm = model_comm_s(cfg.model_collectives, kind.intra, b, self.n)
         trains = float(self.problem.training)  # a forward-only function has no backward
@@ -539,9 +540,9 @@ class StageCosts:
             return 0.0, 0.0, post, post + (optimizer / cfg.zero_shards if zero else optimizer)
         if zero:
             comm = zero_time(grads, grads, zero, zero_topology(kind, cfg, zero))
-            step = comm.step + self.across_nodes(kind, cfg, grads)
+            step = comm.step + across_nodes_s(kind, cfg, grads)
             return comm.forward, comm.backward, step, step + optimizer / cfg.zero_shards
-        sync = self._sync(kind, cfg, unsynced)
+        sync = dp_sync_s(kind, cfg, unsynced)
         return 0.0, 0.0, sync, sync + optimizer
 
     def _ranges_uncached(self, cfg: StageConfig, b: int) -> tuple[np.ndarray, ...]:
@@ -550,28 +551,6 @@ class StageCosts:
         layer = self.per_layer(cfg, b)
         return (_span(_cumsum(layer.forward)), _span(_cumsum(layer.backward)), _span(_cumsum(layer.saved)), self._grads(cfg.tp),
                 _span(_cumsum(layer.rerun)))
-
-    def tp_allreduce(self, kind: DeviceKind, tp: int, nbytes: np.ndarray, count: np.ndarray) -> np.ndarray:
-        """Seconds of one pass's tensor-parallel all-reduces per layer: `count` sums
-        sharing `nbytes` (Megatron: two per forward, two per backward, each once)."""
-        if tp == 1:
-            return np.zeros_like(nbytes)
-        count = np.maximum(count, 1.0)
-        return count * all_reduce_times(tp_topology(kind, tp), nbytes / count)
-
-    def across_nodes(self, kind: DeviceKind, cfg: StageConfig, grads: np.ndarray) -> np.ndarray | float:
-        """A hybrid stage's once-per-step traffic across nodes: each device's shard of
-        the gradient (1/zero_group of it, after the in-node reduce-scatter) all-reduced
-        with its counterparts on the other replicas. 0 for any other stage."""
-        if not cfg.hybrid:
-            return 0.0 * grads
-        return fastest_times("all_reduce", across_topology(kind, cfg), grads / cfg.zero_group)
-
-    def _sync(self, kind: DeviceKind, cfg: StageConfig, grads: np.ndarray) -> np.ndarray:
-        """ZeRO-0's gradient all-reduce, once per step (`solver.zero.zero_time`)."""
-        if cfg.dp == 1:
-            return np.zeros_like(grads)
-        return zero_time(grads, grads, 0, dp_topology(kind, cfg)).step
 
     def replica_sync(self, kinds: list[str] | tuple[str, ...], streams: int) -> float:
         """Summing every gradient across pipelines of `kinds` (one per replica),

@@ -12,6 +12,7 @@ import numpy as np
 from solver.collectives import Topology, fastest_times
 from solver.cost.problem import DeviceKind
 from solver.cost.stage_config import StageConfig
+from solver.zero import zero_time
 
 
 def tp_topology(kind: DeviceKind, tp: int) -> Topology:
@@ -63,3 +64,28 @@ def exposed(comm: np.ndarray, comm_first: np.ndarray, compute: np.ndarray, compu
     of c seconds of communication and p of compute this is exactly
     c + (n - 1) * max(c - p, 0), what running the buckets event by event gives."""
     return np.clip(np.maximum(comm_first, comm - (compute - compute_first)), 0.0, comm)
+
+
+def tp_allreduce_s(kind: DeviceKind, tp: int, nbytes: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """Seconds of one pass's tensor-parallel all-reduces per layer: `count` sums
+    sharing `nbytes` (Megatron: two per forward, two per backward, each once)."""
+    if tp == 1:
+        return np.zeros_like(nbytes)
+    count = np.maximum(count, 1.0)
+    return count * all_reduce_times(tp_topology(kind, tp), nbytes / count)
+
+
+def across_nodes_s(kind: DeviceKind, cfg: StageConfig, grads: np.ndarray) -> np.ndarray | float:
+    """A hybrid stage's once-per-step traffic across nodes: each device's shard of
+    the gradient (1/zero_group of it, after the in-node reduce-scatter) all-reduced
+    with its counterparts on the other replicas. 0 for any other stage."""
+    if not cfg.hybrid:
+        return 0.0 * grads
+    return fastest_times("all_reduce", across_topology(kind, cfg), grads / cfg.zero_group)
+
+
+def dp_sync_s(kind: DeviceKind, cfg: StageConfig, grads: np.ndarray) -> np.ndarray:
+    """ZeRO-0's gradient all-reduce, once per step (`solver.zero.zero_time`)."""
+    if cfg.dp == 1:
+        return np.zeros_like(grads)
+    return zero_time(grads, grads, 0, dp_topology(kind, cfg)).step
