@@ -39,7 +39,8 @@ from typing import Any, Protocol, Sequence
 from hetpar.compile.compiled import CompiledStep, constant_output
 from hetpar.runtime.copies import StateCopies
 from hetpar.runtime.mixed import MixedStages
-from hetpar.runtime.replicas import MERGE_KIND, combine_replicas, update_homes
+from hetpar.runtime.replicas import combine_replicas, update_homes
+from hetpar.runtime.sums import MERGE_KIND
 
 
 class Transport(Protocol):

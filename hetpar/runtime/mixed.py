@@ -3,18 +3,18 @@ parts sit on meshes of different kinds, each running its rows of every microbatc
 (`CompiledStep.rows`, from the plan's `StagePlan.examples`).
 
 The parts' programs are the lead's forward and backward compiled at their own row
-count (and its update, on the part's mesh), so everything the interpreter does for a stage holds for a part, except that a
-part's per-microbatch values are its rows only. This keeps them apart from whole
+count (and its update, on the part's mesh), so everything the interpreter does for a
+stage holds for a part, except that a part's per-microbatch values are its rows only. This keeps them apart from whole
 values: a part reads its own rows of what it made itself, its cut of everything else
 (a batch argument or whole-batch value cut straight at its rows; another stage's value
 cut at its offset), and a stage that reads a value a mixed stage made gets the parts'
 rows joined end to end along the batch axis. Each part accumulates its share of the
 reductions over its rows; every part sums all parts' shares in one order on its own
-mesh (`combine`), and runs its own copy of the stage's update on its own copy of the
-parameters and optimizer state, so every part ends the step with the lead's numbers
-and the next step needs no copy of the new parameters from the lead
-(runtime/copies.StateCopies keeps the parts' copies between calls). The lead's results are the step's; its pre
-work runs on the lead alone. Every transport call is one the interpreter already
+mesh (`combine`, runtime/sums.ordered_sum), and runs its own copy of the stage's update
+on its own copy of the parameters and optimizer state, so every part ends the step
+with the lead's numbers and the next step needs no copy of the new parameters from the
+lead (runtime/copies.StateCopies keeps the parts' copies between calls). The lead's
+results are the step's; its pre work runs on the lead alone. Every transport call is one the interpreter already
 makes (move, split, concatenate, merge, free), so every runtime runs mixed stages.
 """
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from hetpar.errors import PlanError
+from hetpar.runtime.sums import ordered_sum, update_targets
 
 class MixedStages:
     """The books of one step's mixed stages, beside the interpreter's value store."""
@@ -34,15 +35,10 @@ class MixedStages:
         self.merge_kind = merge_kind
         self.rows, self.parts = step.rows, step.parts
         self.lead = {s: lead for lead, mine in step.parts.items() for s in mine}
-        # (reduction, part stage) -> where the part's update wants that reduction (a
-        # non-lead part's post program's input target): where its sum is made.
-        reductions = step.analysis.reductions
-        self.update_targets = {
-            (v, t.stage): target
-            for t, wanted in zip(step.tasks, transport.targets)
-            if t.kind == "post" and t.stage in self.lead and t.stage not in self.parts
-            for v, target in zip(t.inputs, wanted) if v in reductions
-        }
+        # (reduction, replica) -> part stage -> where a non-lead part's update wants that
+        # reduction (its post program's input target): where the part's sum is made.
+        self.update_targets = update_targets(step, transport.targets,
+                                             lambda task, _: task.stage in self.lead and task.stage not in self.parts)
         # (value, microbatch, replica) -> part stage -> the rows that part made
         self.pieces: dict[tuple[int, int, int], dict[int, Any]] = {}
         # (value, microbatch, replica, part stage) -> that part's rows of a value made elsewhere
@@ -107,24 +103,20 @@ class MixedStages:
         """Each mixed stage's reductions summed (or maxed) over its parts, on every part
         whose update reads them: the same sum everywhere, so each part's update makes
         the lead's numbers. Each part adds the shares in one order, the parts' row
-        order (the first share moved to the part, then the others merged in, `merge`
-        combining where its home lies), so no rounding differs between the parts;
+        order (`ordered_sum`: the first share moved to the part, then the others merged
+        in), so no rounding differs between the parts;
         the lead's sum is the one the step returns and the replicas' combine reads."""
         kinds = self.step.analysis.reductions
         for (value, replica), shares in self.shares.items():
             lead = self.lead[next(iter(shares))]
             mine = [s for s in self.parts[lead] if s in shares]
-            how = self.merge_kind[kinds[value]]
-            totals: dict[int, Any] = {}
-            for home in mine:
-                target = self.update_targets.get((value, home)) if home != lead else None
-                if home != lead and target is None:
-                    continue  # no update of this part reads it: the lead's sum alone
-                total = shares[mine[0]] if home == mine[0] else self.transport.move(shares[mine[0]], target)
-                for other in mine[1:]:
-                    total = self.transport.merge(how, total, shares[other])
-                totals[home] = total
-            self.store[(value, None, replica)] = totals
+            ordered = [shares[s] for s in mine]
+            # the lead's sum always (the step returns it), a part's where its update reads it
+            homes = {lead: None, **self.update_targets.get((value, replica), {})}
+            self.store[(value, None, replica)] = {
+                home: ordered_sum(self.transport, self.merge_kind[kinds[value]], ordered,
+                                  mine.index(home) if home == lead else None, target)
+                for home, target in homes.items() if home in mine}
         self.shares.clear()
 
     def release(self, mb: int, returned: set[int]) -> None:
@@ -144,4 +136,3 @@ class MixedStages:
         for (value, mb, replica) in list(self.pieces):
             if value in returned and (value, mb, replica) not in self.store:
                 self.store[(value, mb, replica)] = self.joined(value, mb, replica)
-

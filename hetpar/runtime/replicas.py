@@ -10,18 +10,17 @@ Each replica then updates its own copy of the parameters and optimizer state, wh
 the runtime keeps between calls (runtime/copies.StateCopies), so the next step moves
 no parameters from replica 0 into the others. The step returns replica 0's results.
 
-The order is kept without a move where the home holds a share it can start from:
-replica 0's home starts from its own share; replica 1's from its own with replica 0's
-merged in (a + b and b + a round alike, as do max and min); replica r >= 2's from
-replica 0's moved to it. Every call is the transport's move or merge, so every runtime
-(in one process, `jax.distributed`, Ray) runs it.
+The order is kept without a move where the home holds a share it can start from
+(runtime/sums.ordered_sum, as a mixed stage's parts sum theirs): replica 0's home
+starts from its own share; replica 1's from its own with replica 0's merged in;
+replica r >= 2's from replica 0's moved to it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-MERGE_KIND = {"sum": "add", "mean": "add", "max": "maximum", "min": "minimum"}
+from hetpar.runtime.sums import MERGE_KIND, ordered_sum, update_targets
 
 
 def update_homes(step: Any, targets: Any) -> dict[tuple[int, int], dict[int, Any]]:
@@ -29,14 +28,7 @@ def update_homes(step: Any, targets: Any) -> dict[tuple[int, int], dict[int, Any
     program's input target), for every replica but 0 (whose sums stay where its
     backwards made them, as the step returns them). `targets`: the transport's, per
     program, per input."""
-    reductions = step.analysis.reductions
-    homes: dict[tuple[int, int], dict[int, Any]] = {}
-    for t, r, wanted in zip(step.tasks, step.replica_of, targets):
-        if t.kind == "post" and r > 0:
-            for v, target in zip(t.inputs, wanted):
-                if v in reductions:
-                    homes.setdefault((v, r), {}).setdefault(t.stage, target)
-    return homes
+    return update_targets(step, targets, lambda task, replica: replica > 0)
 
 
 def combine_replicas(step: Any, store: dict, transport: Any, homes: dict[tuple[int, int], dict[int, Any]]) -> None:
@@ -53,29 +45,19 @@ def combine_replicas(step: Any, store: dict, transport: Any, homes: dict[tuple[i
         how = MERGE_KIND[reductions[value]]
         shares = {r: next(iter(c.values())) for r, c in held.items()}  # each replica's own (its lead's) sum
         ranks = sorted(shares)
+
+        def summed(replica: int, mine: Any, target: Any) -> Any:
+            """The replicas' shares in rank order made where `mine` (this home's own share
+            of `replica`, or None) lies, else at `target`."""
+            ordered = [mine if r == replica and mine is not None else shares[r] for r in ranks]
+            return ordered_sum(transport, how, ordered, ranks.index(replica) if mine is not None else None, target)
+
         for r in range(step.num_replicas):
             wanted = homes.get((value, r), {}) if r > 0 else {s: None for s in held.get(0, {})}
-            sums = {stage: _canonical_sum(transport, how, ranks, shares, r, held.get(r, {}).get(stage), target)
-                    for stage, target in wanted.items()}
+            sums = {stage: summed(r, held.get(r, {}).get(stage), target) for stage, target in wanted.items()}
             if sums:
                 store[(value, None, r)] = sums
             else:
                 store.pop((value, None, r), None)
         if 0 not in held:  # replica 0 made no share (its step output is the replicas' sum all the same)
-            store[(value, None, 0)] = {stage: _canonical_sum(transport, how, ranks, shares, ranks[0], x, None)
-                                       for stage, x in held[ranks[0]].items()}
-
-
-def _canonical_sum(transport: Any, how: str, ranks: list[int], shares: dict[int, Any], replica: int, mine: Any,
-                   target: Any) -> Any:
-    """shares[ranks[0]] + shares[ranks[1]] + ... made where `mine` (replica `replica`'s
-    own share at this home, or None) lies, else at `target`."""
-    if mine is not None and replica == ranks[0]:
-        total, rest = mine, ranks[1:]
-    elif mine is not None and replica == ranks[1]:
-        total, rest = transport.merge(how, mine, shares[ranks[0]]), ranks[2:]
-    else:
-        total, rest = transport.move(shares[ranks[0]], target), ranks[1:]
-    for r in rest:
-        total = transport.merge(how, total, mine if r == replica and mine is not None else shares[r])
-    return total
+            store[(value, None, 0)] = {stage: summed(ranks[0], x, None) for stage, x in held[ranks[0]].items()}
