@@ -368,6 +368,60 @@ def test_the_sum_between_kinds_is_priced_as_the_same_devices_one_kind_stage_woul
     assert ov_lead.sync_s < pair
 
 
+def _three_kinds(overlap: bool = False) -> Problem:
+    """`_two_kinds` and a third kind, "third", as fast as "slow", one NIC per node, every
+    pair of kinds joined at 1e10 bytes/s (a node's flows sharing it)."""
+    two = _two_kinds(overlap=overlap)
+    slow = two.kind("slow")
+    third = replace(slow, name="third")
+    between = LinkCost(1e10, 1e-5, shared=1e10)
+    return replace(two, kinds=(*two.kinds, third), links=(*two.links, ("fast", "third", between), ("slow", "third", between)))
+
+
+def _mixed(kinds_rows: tuple[tuple[str, int], ...]):
+    """One mixed stage over all eight layers, a 4-device part per (kind, rows)."""
+    from solver.cost.decisions import Decisions, StageDecision
+    (lead, rows), *rest = kinds_rows
+    return Decisions((StageDecision(lead, 4, 1, 0, 8, examples=rows),
+                      *(StageDecision(k, 4, 1, 0, 8, part_of=0, examples=r) for k, r in rest)), 4, "1f1b", (32,))
+
+
+def test_three_parts_each_receive_the_two_others_whole_shares():
+    """The runtime sums a mixed stage's parts' gradients on every part, each adding all
+    shares (hetpar/runtime/sums.py): with three parts each part's devices receive two
+    whole shares, k - 1 = 2 (a ring all-reduce would price 2 (k - 1) / k = 4/3 of one).
+    Each of the 4 streams (one per device of a part) carries its 1/4 of the layers'
+    gradients over the between-kinds link, which the node's 4 flows share (1e10 / 4).
+    Two parts keep the all-reduce of one share (each whole share to the other)."""
+    from solver.cost.collectives_used import collectives_used
+    from solver.cost.mixed import parts_sync_s
+    problem = _three_kinds()
+    costs = StageCosts(problem)
+    share = float(costs.params.sum()) / 4  # each stream's share of the stage's gradients
+    per_flow, latency = 1e10 / 4, 1e-5
+    d3 = _mixed((("fast", 4), ("slow", 2), ("third", 2)))
+    lead = estimate(problem, d3, costs).stages[0]
+    own = max(_own_sync(costs, s) for s in d3.stages)
+    gathered = 2 * (latency + share / per_flow)  # two whole shares in, a latency each
+    assert parts_sync_s(costs, list(d3.stages)) == pytest.approx(gathered, rel=1e-9)
+    assert lead.sync_s == pytest.approx(own + gathered, rel=1e-9)
+    ring = 2 * 2 * latency + 4 / 3 * share / per_flow
+    assert lead.sync_s - own > 1.4 * ring  # half again what the ring all-reduce priced
+    used = [u for u in collectives_used(problem, d3, costs) if u.purpose.startswith("gradients across a mixed")]
+    assert [(u.collective, u.nbytes) for u in used] == [("all_gather", pytest.approx(3 * share))]
+    # overlapped: the buckets (one per layer) add up to the same two shares per stream
+    ov = estimate(_three_kinds(overlap=True), d3)
+    ov_lead, ov_parts = ov.stages[0], ov.stages[1:]
+    assert ov_lead.overlapped_s > 0  # some of it hidden under the last backward
+    ov_own = max(p.sync_s + p.overlapped_s for p in ov_parts)  # the other parts' own sums
+    assert ov_lead.sync_s + ov_lead.overlapped_s - ov_own >= 2 * share / per_flow
+    # two parts: the all-reduce of one share (the registry's pick over two: one exchange of it)
+    d2 = _mixed((("fast", 6), ("slow", 2)))
+    assert parts_sync_s(costs, list(d2.stages)) == pytest.approx(latency + share / per_flow, rel=1e-9)
+    used = [u for u in collectives_used(problem, d2, costs) if u.purpose.startswith("gradients across a mixed")]
+    assert [(u.collective, u.nbytes) for u in used] == [("all_reduce", pytest.approx(share))]
+
+
 def _own_sync(costs: StageCosts, s) -> float:
     v = costs.variant(s.config, s.examples, 1, False, s.zero, "")
     return float(np.broadcast_to(v.sync, v.forward.shape)[s.layer_start, s.layer_end])

@@ -105,3 +105,45 @@ def test_every_replica_updates_its_own_state_and_a_next_step_copies_none_of_it(m
     n = len(jax.tree.leaves(par.params))
     assert third[0] >= n and third[1] >= n  # the caller's new parameters are copied, not the replicas' stale ones
     both(par, ref, "step 4")
+
+
+def _replicas_problem():
+    """Eight equal layers on three kinds of one 4-device node each (one NIC a node),
+    every pair of kinds joined at 1e10 bytes/s that a node's flows share."""
+    from solver.collectives import LinkCost
+    from solver.cost.problem import DeviceKind, LayerCost, Problem
+    layers = tuple(LayerCost(flops=1e12, forward_flops=1e12 / 3, param_bytes=2**26, saved_bytes=2**20, input_bytes=2**18)
+                   for _ in range(8))
+    kinds = tuple(DeviceKind(name, 4, 4, flops, 16 * 2**30, 1e12, LinkCost(1e11, 5e-6), LinkCost(1e10, 1e-5, shared=1e10))
+                  for name, flops in (("fast", 8e12), ("slow", 2e12), ("third", 2e12)))
+    between = LinkCost(1e10, 1e-5, shared=1e10)
+    return Problem(layers, kinds, batch_size=32, links=(("fast", "slow", between), ("fast", "third", between),
+                                                         ("slow", "third", between)))
+
+
+def test_three_replicas_are_priced_with_two_whole_shares_into_each():
+    """What runs is what is priced: every replica sums all replicas' shares itself, so
+    with three replicas each replica's devices receive the two others' whole shares
+    (k - 1 = 2; a ring all-reduce would price 2 (k - 1) / k = 4/3 of one). Each of the
+    4 streams (a device of the smallest replica) carries 1/4 of the gradients over the
+    between-kinds link its node's 4 flows share (1e10 / 4 each). Two replicas: the
+    all-reduce of one share, as before."""
+    from solver.cost.collectives_used import collectives_used
+    from solver.cost.decisions import Decisions, StageDecision
+    from solver.cost.estimate import estimate
+    from solver.cost.stage_costs import StageCosts
+    problem = _replicas_problem()
+    costs = StageCosts(problem)
+    share, per_flow, latency = float(costs.params.sum()) / 4, 1e10 / 4, 1e-5
+
+    def replicas(kinds, batch):
+        return Decisions(tuple(StageDecision(k, 4, 1, 0, 8, replica=r) for r, k in enumerate(kinds)), 4, "1f1b", batch)
+    three = replicas(("fast", "slow", "third"), (16, 8, 8))
+    cost = estimate(problem, three, costs)
+    assert cost.cross_sync_s == pytest.approx(2 * (latency + share / per_flow), rel=1e-9)
+    assert cost.cross_sync_s > 1.4 * (4 * latency + 4 / 3 * share / per_flow)  # half again the ring's price
+    assert all(c.sync_s >= cost.cross_sync_s for c in cost.stages)  # every replica's stages wait for it
+    used = [u for u in collectives_used(problem, three, costs) if u.stage is None]
+    assert [(u.collective, u.nbytes) for u in used] == [("all_gather", pytest.approx(3 * share))]
+    two = estimate(problem, replicas(("fast", "slow"), (24, 8)), costs)
+    assert two.cross_sync_s == pytest.approx(latency + share / per_flow, rel=1e-9)  # one share each way

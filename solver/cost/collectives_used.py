@@ -18,7 +18,7 @@ from solver.cost.estimate import Decisions, StageDecision, replica_streams
 from solver.cost.mixed import parts_reduction
 from solver.cost.problem import Problem
 from solver.cost.stage_costs import StageCosts
-from solver.cost.topologies import across_topology, tp_topology, zero_topology
+from solver.cost.topologies import across_topology, shares_sum, tp_topology, zero_topology
 
 
 @dataclass(frozen=True)
@@ -53,12 +53,14 @@ def collectives_used(problem: Problem, decisions: Decisions, costs: StageCosts |
         b = s.examples or decisions.replica_batch[s.replica] // m
         out += _stage_collectives(costs, p, s, b, m)
         if decisions.parts(p) and problem.training:  # a mixed stage: its parts' gradients summed
-            topology, nbytes = parts_reduction(costs, decisions.parts(p))
-            out.append(_use(p, "gradients across a mixed stage's parts", "all_reduce", topology, nbytes))
+            topology, share = parts_reduction(costs, decisions.parts(p))
+            collective, shares = shares_sum(len(decisions.parts(p)))
+            out.append(_use(p, "gradients across a mixed stage's parts", collective, topology, shares * share))
     if len(decisions.replica_batch) > 1 and problem.training:
         kinds, streams = replica_streams(decisions)
-        topology, nbytes = costs.replica_reduction(kinds, streams)
-        out.append(_use(None, "gradients across replicas", "all_reduce", topology, nbytes))
+        topology, share = costs.replica_reduction(kinds, streams)
+        collective, shares = shares_sum(len(kinds))
+        out.append(_use(None, "gradients across replicas", collective, topology, shares * share))
     return tuple(u for u in out if u.nbytes > 0)
 
 

@@ -30,7 +30,7 @@ from solver.schedules import StageTimes
 
 # Bumped whenever a change to the cost model changes a price: a plan file that keeps
 # figures as a cache records the version they were made with.
-ESTIMATOR_VERSION = 10  # 2: shared NICs, host-staged links, blocking sends, the JAX client's memory share;
+ESTIMATOR_VERSION = 11  # 2: shared NICs, host-staged links, blocking sends, the JAX client's memory share;
 # 3: measured layer profiles (solver.cost.measured), devices sharing one host run one after another;
 # 4: a shared host's replica combine priced from the profile's measured merges (`cross_replica_sync_s`);
 # 5: a shared host's sends priced from the profile's measured ones, both ways per microbatch (`serial_step_s`);
@@ -43,6 +43,8 @@ ESTIMATOR_VERSION = 10  # 2: shared NICs, host-staged links, blocking sends, the
 # host's combine is every replica's merges (`runtime_merges`), not replica 0's alone
 # 10: a shared host pays the runtime's own host work, as the profile measured it (`hetpar.runtime.host_cost`): per
 # stage program dispatched (`StageCosts.dispatches`) and each pipeline's batch split once per step (`StageCosts.split_s`)
+# 11: the sum of 3+ replicas' or mixed-stage parts' shares is priced as the runtime makes it, every share to every
+# other holder (`topologies.shares_sum`: the all-gather of all shares, not the ring all-reduce of one); two unchanged
 
 
 @dataclass(frozen=True)

@@ -5,16 +5,23 @@ part taking `examples` rows of every microbatch.
 Each part is priced as a stage of its own kind at its row count (its own
 tensor- and data-parallel mesh, its own memory, its own ZeRO stage). The position runs
 as fast as its slowest part: its forward, backward and send are the parts' largest.
-Once per step the parts' gradients of the stage's layers are summed with the
-all-reduce the links between their kinds favour (`StageCosts.replica_reduction`'s
-topology, the collective registry's fastest algorithm), after each part's own
-data-parallel sum. Together that is the hierarchical all-reduce a same-kind stage over
-two nodes pays (`topologies.dp_topology`): a part's own reduction is the in-node
-reduce-scatter and all-gather, and between them each of a node's devices all-reduces
-its shard with its counterparts over the node's NICs (`per_flow`: the node's flows
-share them, the nodes of a part run side by side); where the registry prices one
-all-reduce over all the parts' devices faster (a flat ring, say), that is the price,
-as it would be for a stage of one kind over the same nodes (`joined_topology`).
+Once per step the parts' gradients of the stage's layers are summed as the runtime
+sums them (`hetpar/runtime/mixed.py`, `runtime/sums.py`: every part adds all parts'
+shares itself, in one order), after each part's own data-parallel sum, over the
+slowest link between their kinds (`StageCosts.replica_reduction`'s topology, a node's
+flows sharing its NICs, `per_flow`), with the collective registry's fastest algorithm
+for the collective that sum is (`topologies.shares_sum`). For two parts each sends its
+whole share to the other, which is what the all-reduce of one share moves: together
+with each part's own reduction that is the hierarchical all-reduce a same-kind stage
+over two nodes pays (`topologies.dp_topology`: the in-node reduce-scatter and
+all-gather, and between them each of a node's devices all-reducing its shard with its
+counterparts over the node's NICs), and where the registry prices one all-reduce over
+all the parts' devices faster (a flat ring, say), that is the price, as it would be
+for a stage of one kind over the same nodes (`joined_topology`). For three or more
+parts every part receives the k - 1 others' whole shares (the all-gather of all k),
+k / 2 times what a ring all-reduce would move into it, and the joined all-reduce does
+not stand in for it (the runtime runs no collective over all the parts' devices; for
+two parts it stays the price, as a same-kind stage over the same nodes pays it).
 
 Where the problem overlaps data-parallel collectives with compute
 (`Problem.overlap_comm`), the sum between kinds is bucketed a layer at a time under
@@ -22,34 +29,29 @@ the last microbatch's backward as a stage's own reduction is (`topologies.expose
 on the compute the part's own buckets left free; without it both are exposed after the
 last backward, as every stage's are.
 
-The update is priced as the runtime runs it (`hetpar/runtime/mixed.py`): every part
-ends the sum with the same total and updates its own copy of the parameters with its
-own optimizer state, side by side, so no parameters cross between kinds from one step
-to the next. A part's memory holds the optimizer state as a stage's does (under its own
-ZeRO stage), and the position's update is its slowest part's. The sum is priced as
-the all-reduce the links favour, which is what the runtime moves for two parts (each
-sends its whole share to the other: a two-node ring's bytes each way). For three or
-more, the runtime's sum sends every part's whole share to every other part, k - 1
-shares into each part's devices where a ring moves 2 (k - 1) / k of one, so the price
-is under the runtime's by up to half for three parts (the planner's mixed stages are
-two- and three-kind; the bytes between kinds are the layers' gradients once per step).
+The update is priced as the runtime runs it: every part ends the sum with the same
+total and updates its own copy of the parameters with its own optimizer state, side
+by side, so no parameters cross between kinds from one step to the next. A part's
+memory holds the optimizer state as a stage's does (under its own ZeRO stage), and the
+position's update is its slowest part's.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from solver.collectives import Topology, best, fastest_times
+from solver.collectives import Topology, best
 from solver.cost.decisions import Decisions, StageDecision
 from solver.cost.problem import PlanningError
 from solver.cost.stage_costs import StageCosts
-from solver.cost.topologies import dp_topology, exposed
+from solver.cost.topologies import dp_topology, exposed, shares_sum_s, shares_sum_times
 
 
 def parts_reduction(costs: StageCosts, parts: list[StageDecision]) -> tuple[Topology, float]:
     """The parts' gradient sum as a collective sees it: the parts' kinds over the
     slowest link between them, one stream per device of the smallest part, and the
-    bytes of each stream (the stage's layers' gradients over the streams)."""
+    bytes of each part's share in each stream (the stage's layers' gradients over the
+    streams)."""
     streams = min(q.devices for q in parts)
     topology, _ = costs.replica_reduction([q.kind for q in parts], streams)
     lead = parts[0]
@@ -57,11 +59,13 @@ def parts_reduction(costs: StageCosts, parts: list[StageDecision]) -> tuple[Topo
 
 
 def parts_sync_s(costs: StageCosts, parts: list[StageDecision]) -> float:
-    """Seconds to sum the parts' gradients of their layers once per step, with the
-    fastest all-reduce the collective registry has for that topology and size."""
+    """Seconds to sum the parts' gradients of their layers once per step as the
+    runtime does (`topologies.shares_sum`), with the fastest algorithm the collective
+    registry has for that collective, topology and size."""
     if not costs.problem.training:
         return 0.0
-    return best("all_reduce", *parts_reduction(costs, parts))[1]
+    topology, share = parts_reduction(costs, parts)
+    return shares_sum_s(topology, len(parts), share)
 
 
 def joined_topology(costs: StageCosts, parts: list[StageDecision]) -> Topology | None:
@@ -90,17 +94,18 @@ def joined_topology(costs: StageCosts, parts: list[StageDecision]) -> Topology |
 def parts_sync_overlapped(costs: StageCosts, parts: list[StageDecision], priced: list[tuple]) -> tuple[float, float]:
     """(exposed, hidden) seconds of the parts' gradient sum. With `overlap_comm`, a
     bucket per layer (its bytes over the streams, each the registry's fastest
-    all-reduce on the parts' topology) runs once the slowest part (the largest
+    `shares_sum` on the parts' topology) runs once the slowest part (the largest
     backward, whose layers come last) has made that layer's gradient, under the compute
     that part's own buckets left free; the first layer's bucket (made last) shows.
-    Without it: all exposed, and where one all-reduce over all the parts' devices
-    (`joined_topology`) beats each part's own sum followed by the sum between kinds,
-    only what that one adds to the slowest part's own sum."""
+    Without it: all exposed, and for two parts, where one all-reduce over both parts'
+    devices (`joined_topology`) beats each part's own sum followed by the sum between
+    kinds, only what that one adds to the slowest part's own sum."""
     total = parts_sync_s(costs, parts)
     problem = costs.problem
     if not (problem.overlap_comm and problem.training) or total <= 0:
         own = max(r[4] for r in priced)
-        joined = joined_topology(costs, parts) if all(q.zero == 0 for q in parts) and total > 0 else None
+        alike = len(parts) == 2 and all(q.zero == 0 for q in parts) and total > 0
+        joined = joined_topology(costs, parts) if alike else None
         if joined is not None:  # the whole sum as one all-reduce over the same devices, where that is faster
             lead = parts[0]
             whole = best("all_reduce", joined, float(costs.tp_params(lead.tp)[lead.layer_start:lead.layer_end].sum()))[1]
@@ -110,7 +115,7 @@ def parts_sync_overlapped(costs: StageCosts, parts: list[StageDecision], priced:
     streams = min(q.devices for q in parts)
     lead = parts[0]
     i, j = lead.layer_start, lead.layer_end
-    buckets = fastest_times("all_reduce", topology, costs.params[i:j] / max(streams, 1))
+    buckets = shares_sum_times(topology, len(parts), costs.params[i:j] / max(streams, 1))
     k = max(range(len(parts)), key=lambda n: priced[n][2])  # the part whose backward ends last
     q = parts[k]
     compute = float(costs.per_layer(q.config, q.examples).backward[i:j].sum())

@@ -16,7 +16,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from solver.collectives import Topology, best, fastest_times
+from solver.collectives import Topology, fastest_times
 from solver.efficiency import matmul_rate
 from solver.memory import (OFFLOAD_TIERS, DeviceMemory, StageActivations, in_flight, model_split_bytes, offloaded,
                            sharded_state, stage_memory)
@@ -28,7 +28,7 @@ from solver.cost.stage_config import StageConfig
 from solver.cost.stage_tables import PerLayer, StageTable, StageVariant
 from solver.cost.ranges import cumsum as _cumsum, first as _first, full as _full, last as _last
 from solver.cost.ranges import range_max as _range_max, span as _span
-from solver.cost.topologies import (across_nodes_s, across_topology, dp_sync_s, exposed, tp_allreduce_s,
+from solver.cost.topologies import (across_nodes_s, across_topology, dp_sync_s, exposed, shares_sum_s, tp_allreduce_s,
                                     zero_topology)
 from solver.zero import zero_time
 
@@ -554,16 +554,17 @@ class StageCosts:
 
     def replica_sync(self, kinds: list[str] | tuple[str, ...], streams: int) -> float:
         """Summing every gradient across pipelines of `kinds` (one per replica),
-        `streams` devices wide each: the fastest all-reduce over the slowest link
-        between their kinds. What the planner bounds replica plans by and the
-        estimator charges them."""
+        `streams` devices wide each, as the runtime does (`topologies.shares_sum`:
+        every replica adds all shares itself) over the slowest link between their
+        kinds. What the planner bounds replica plans by and the estimator charges."""
         if not self.problem.training:
             return 0.0
-        return best("all_reduce", *self.replica_reduction(kinds, streams))[1]
+        topology, share = self.replica_reduction(kinds, streams)
+        return shares_sum_s(topology, len(kinds), share)
 
     def replica_reduction(self, kinds: list[str] | tuple[str, ...], streams: int) -> tuple[Topology, float]:
-        """`replica_sync`'s all-reduce: the replicas as a collective sees them, and the
-        bytes of each of the `streams` side by side."""
+        """`replica_sync`'s sum: the replicas as a collective sees them, and the
+        bytes of one replica's share in each of the `streams` side by side."""
         pairs = list(itertools.combinations(kinds, 2)) or [(kinds[0], kinds[0])]
         # Each stream is one device's share; a node's streams leave through its NICs together.
         per_node = min(self.kinds[k].devices_per_node for k in kinds)

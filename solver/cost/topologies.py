@@ -2,14 +2,16 @@
 and which across nodes, and how many flows share each link at once. Every price of
 a stage's tensor-parallel, data-parallel, ZeRO and hybrid-sharding collectives
 starts from one of these (`StageCosts`, `collectives_used`), so the planner's
-tables, the estimator and `show`'s collectives table see the same devices."""
+tables, the estimator and `show`'s collectives table see the same devices; and the
+sum of shares between a mixed stage's parts or a plan's replicas is the collective
+`shares_sum` names, as the runtime makes it."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 import numpy as np
 
-from solver.collectives import Topology, fastest_times
+from solver.collectives import Topology, best, fastest_times
 from solver.cost.problem import DeviceKind
 from solver.cost.stage_config import StageConfig
 from solver.zero import zero_time
@@ -53,6 +55,30 @@ def across_topology(kind: DeviceKind, cfg: StageConfig) -> Topology:
 def all_reduce_times(topo: Topology, nbytes: np.ndarray) -> np.ndarray:
     """The fastest all-reduce for every size in `nbytes` at once (0 for nothing)."""
     return fastest_times("all_reduce", topo, nbytes)
+
+
+def shares_sum(holders: int) -> tuple[str, int]:
+    """The collective a sum of `holders` shares is as the runtime makes it
+    (`hetpar/runtime/sums.py`: a mixed stage's parts, a plan's replicas), and its
+    message in shares. Every holder adds all shares itself in one order, so every
+    share crosses to every other holder: for two, each whole share to the other, what
+    the all-reduce of one share moves (its price); for three or more, each holder gets
+    the `holders - 1` others' whole shares, the all-gather of all of them (k / 2 times
+    the 2 (k - 1) / k of one share a ring all-reduce would move into each)."""
+    return ("all_reduce", 1) if holders <= 2 else ("all_gather", holders)
+
+
+def shares_sum_s(topo: Topology, holders: int, share_bytes: float) -> float:
+    """Seconds of `shares_sum` over `topo`, each stream's share `share_bytes`: the
+    registry's fastest algorithm for that collective, topology and size."""
+    collective, shares = shares_sum(holders)
+    return best(collective, topo, shares * share_bytes)[1]
+
+
+def shares_sum_times(topo: Topology, holders: int, share_bytes: np.ndarray) -> np.ndarray:
+    """`shares_sum_s` for every size in `share_bytes` at once."""
+    collective, shares = shares_sum(holders)
+    return fastest_times(collective, topo, shares * np.asarray(share_bytes, dtype=float))
 
 
 def exposed(comm: np.ndarray, comm_first: np.ndarray, compute: np.ndarray, compute_first: np.ndarray) -> np.ndarray:

@@ -18,7 +18,7 @@ The rows follow the parts' speeds (whole examples, a multiple of each part's
 data-parallel degree as the search gives a stage, at least the problem's least
 microbatch: a part's rows are traced as a microbatch is). Every variant is priced by the one
 estimator (`solver.cost.estimate`: the slowest part's rows set the stage's time, the
-parts' gradients are summed with the all-reduce their links favour, each part's
+parts' gradients are summed as the runtime sums them over their links, each part's
 memory must fit), and kept only where it is faster than the finalist it came from.
 So the planner chooses a mixed stage exactly when the estimator says it wins.
 """
@@ -31,10 +31,10 @@ from typing import Sequence
 
 import numpy as np
 
-from solver.collectives import fastest_times
 from solver.cost.estimate import estimate
 from solver.cost.problem import PlanningError, Problem
 from solver.cost.stage_costs import INF, StageConfig, StageCosts
+from solver.cost.topologies import shares_sum_times
 from solver.memory import OFFLOAD_TIERS, in_flight
 from solver.planner.problem import PlanChoice, StageChoice
 from solver.planner.step import decisions, with_costs
@@ -308,7 +308,7 @@ def _position(problem: Problem, costs: StageCosts, stages: tuple[StageChoice, ..
     streams = min(s.devices for s in stages)
     topology, _ = costs.replica_reduction([s.kind for s in stages], streams)
     cum = np.concatenate([[0.0], np.cumsum(costs.params)])
-    cross = fastest_times("all_reduce", topology, np.maximum(cum[None, :] - cum[:, None], 0.0) / max(streams, 1))
+    cross = shares_sum_times(topology, len(stages), np.maximum(cum[None, :] - cum[:, None], 0.0) / max(streams, 1))
     remats = ["full"] if problem.force_remat else [""] + (["full"] if problem.allow_remat else [])
     best: dict | None = None
     for remat in remats:
