@@ -176,13 +176,12 @@ class LowerBounds:
         """No split of any order of these stages is faster than this under `schedule`
         (inf: none fits): the bounds of `order_bound` at the best case of every
         position (one microbatch in flight), without the sends."""
-        stages = [lay for lay in layouts for _ in range(lay.stages)]
         fitting = [self._layers_fitting(lay, b, 1) for lay in layouts]
         if registry.get(schedule).interleaved:
             fits = sum(lay.stages * max(fit) for lay, fit in zip(layouts, fitting)) >= self.costs.n
             return self._work_floor(layouts, m * b) if fits else INF
-        return self._bound(layouts, stages, np.repeat(np.array(fitting, dtype=float), [lay.stages for lay in layouts], axis=0),
-                           m, b, schedule, 0.0, INF)
+        rooms = np.repeat(np.array(fitting, dtype=float), [lay.stages for lay in layouts], axis=0)
+        return float(self._bounds([layouts], rooms[None], m, b, schedule, np.zeros(1), INF)[0])
 
     def product_bounds(self, per_kind: list[list[KindLayout]], m: int, b: int, schedule: str) -> list[tuple[float, tuple[KindLayout, ...]]]:
         """`product_table`'s bounds with their layouts, for every combination that can fit."""
@@ -326,14 +325,29 @@ class LowerBounds:
 
     def order_bound(self, order: tuple[KindLayout, ...], m: int, b: int, schedule: str, beat: float = INF,
                     last: bool = False) -> float:
-        """`bound` for one order of the kinds, and tighter: each stage holds only as many
-        layers as fit beside the activations its position keeps in flight, a stage
-        that cannot hold one layer without recomputing pays the recompute, and every
-        cut pays its least send both ways; with `last`, the last stage is priced by the
-        model's last layers, which it holds (`_last_stage`). Stops at `beat`: a bound
-        that reaches it is as good as exact for pruning."""
+        """`order_bounds` of one order."""
+        return float(self.order_bounds([order], m, b, schedule, beat, last)[0])
+
+    def order_bounds(self, orders: list[tuple[KindLayout, ...]], m: int, b: int, schedule: str, beat: float = INF,
+                     last: bool = False) -> np.ndarray:
+        """`bound` for each order of one set of kinds' layouts, and tighter: each stage
+        holds only as many layers as fit beside the activations its position keeps in
+        flight, a stage that cannot hold one layer without recomputing pays the
+        recompute, and every cut pays its least send both ways; with `last`, the last
+        stage is priced by the model's last layers, which it holds (`_last_stage`).
+        Stops at `beat`: a bound that reaches it is as good as exact for pruning. All
+        orders at once (one array pass, not a pass per order: the search ranks every
+        order of a set when the set reaches the front of its line)."""
         if registry.get(schedule).interleaved:
-            return self.bound(order, m, b, schedule)
+            return np.array([self.bound(order, m, b, schedule) for order in orders])
+        parts = [self._order_parts(order, m, b, schedule) for order in orders]
+        return self._bounds(orders, np.stack([fitting for _, fitting, _ in parts]), m, b, schedule,
+                            np.array([sends for _, _, sends in parts]), beat,
+                            [self._last_stage(order, b) for order in orders] if last else None)
+
+    def _order_parts(self, order: tuple[KindLayout, ...], m: int, b: int, schedule: str) -> tuple[list[KindLayout], np.ndarray, float]:
+        """An order's stages, the layers each holds at most (plain, recomputing) with its
+        position's microbatches in flight, and its cuts' least sends both ways."""
         key = (order, m, b, schedule)
         if key not in self._orders:  # the search asks again for the orders it re-bounds (replicas, each kind alone)
             stages = [lay for lay in order for _ in range(lay.stages)]
@@ -341,67 +355,81 @@ class LowerBounds:
             fitting = np.array([self._layers_fitting(lay, b, k) for lay, k in zip(stages, held)], dtype=float)
             configs = [lay.config for lay in stages]
             self._orders[key] = stages, fitting, 2 * sum(self._least_send(a, c, b) for a, c in zip(configs, configs[1:]))
-        stages, fitting, sends = self._orders[key]
-        return self._bound(order, stages, fitting, m, b, schedule, sends, beat, self._last_stage(order, b) if last else None)
+        return self._orders[key]
 
-    def _bound(self, layouts: tuple[KindLayout, ...], stages: list[KindLayout], fitting: np.ndarray, m: int, b: int,
-               schedule: str, offset: float, beat: float, last: _LastStage | None = None) -> float:
-        """The least (m - 1) t + summed stage times over candidate bottlenecks t, plus
-        the tail's bound and `offset`; `fitting` (stages x 2): the most layers each
-        stage holds without and with recomputation; `last`: the last stage's own
+    def _bounds(self, rows: list[tuple[KindLayout, ...]], fitting: np.ndarray, m: int, b: int, schedule: str,
+                offsets: np.ndarray, beat: float, lasts: list[_LastStage] | None = None) -> np.ndarray:
+        """Per row of layouts (the same set of layouts, hence stages, in each): the least
+        (m - 1) t + summed stage times over candidate bottlenecks t, plus the tail's
+        bound and the row's offset; `fitting` (rows x stages x 2): the most layers each
+        stage holds without and with recomputation; `lasts`: each row's last stage's own
         figures (`_last_stage`), where the order is known. (An interleaved schedule's
         tail is its device groups' chunks' tails summed, not one run's: it gets no
         tail bound.)"""
         layers = self.costs.n
-        n, nr = fitting[:, 0], fitting[:, 1]
-        if np.maximum(n, nr).sum() < layers:
-            return INF
-        prep = self._prepared(layouts, b)
-        group = prep.group
-        offset += 0.0 if registry.get(schedule).interleaved else group.tail
-        if offset >= beat:
-            return beat
+        out = np.full(len(rows), INF)
+        n, nr = fitting[..., 0], fitting[..., 1]
+        fits = np.maximum(n, nr).sum(axis=1) >= layers
+        if not fits.any():
+            return out
+        preps = [self._prepared(row, b) for row in rows]
+        group = preps[0].group
+        offsets = offsets + (0.0 if registry.get(schedule).interleaved else group.tail)
+        out[fits & (offsets >= beat)] = beat
+        live = np.nonzero(fits & (offsets < beat))[0]
+        if not live.size:
+            return out
+        n, nr, offsets = n[live], nr[live], offsets[live]
+        preps = [preps[i] for i in live]
         plain = n >= 1  # a stage that cannot hold one layer without recomputing recomputes
-        firsts = np.where(plain, prep.firsts, prep.firsts_remat)
-        rates = np.where(plain, prep.rates, prep.rates_remat)
-        # Per candidate bottleneck time t: the most layers each stage may hold.
-        rooms = np.maximum(np.minimum(prep.plain_rooms, n[:, None]), np.minimum(prep.remat_rooms, nr[:, None])).T
-        if last is not None:
-            firsts[-1], rates[-1] = (last.first, last.step) if plain[-1] else (last.first_remat, last.step_remat)
-            rooms[:, -1] = np.minimum(rooms[:, -1], np.maximum(np.minimum(last.rooms, n[-1]), np.minimum(last.rooms_remat, nr[-1])))
-        by_rate = np.argsort(rates, kind="stable")
-        sorted_rates = rates[by_rate]
-        budget = layers - len(stages)  # layers beyond one per stage
-        base = float(firsts.sum())
+        firsts = np.where(plain, np.stack([p.firsts for p in preps]), np.stack([p.firsts_remat for p in preps]))
+        rates = np.where(plain, np.stack([p.rates for p in preps]), np.stack([p.rates_remat for p in preps]))
+        # Per row, candidate bottleneck time t and stage: the most layers the stage may hold.
+        rooms = np.maximum(np.minimum(np.stack([p.plain_rooms for p in preps]), n[:, :, None]),
+                           np.minimum(np.stack([p.remat_rooms for p in preps]), nr[:, :, None])).transpose(0, 2, 1)
+        if lasts is not None:
+            lasts = [lasts[i] for i in live]
+            ends = plain[:, -1]
+            firsts[:, -1] = np.where(ends, [s.first for s in lasts], [s.first_remat for s in lasts])
+            rates[:, -1] = np.where(ends, [s.step for s in lasts], [s.step_remat for s in lasts])
+            last_rooms = np.maximum(np.minimum(np.stack([s.rooms for s in lasts]), n[:, -1:]),
+                                    np.minimum(np.stack([s.rooms_remat for s in lasts]), nr[:, -1:]))
+            rooms[:, :, -1] = np.minimum(rooms[:, :, -1], last_rooms)
+        by_rate = np.argsort(rates, axis=1, kind="stable")[:, None, :]
+        sorted_rates = np.take_along_axis(rates[:, None, :], by_rate, 2)
+        budget = layers - n.shape[1]  # layers beyond one per stage
+        base = firsts.sum(axis=1)[:, None]
 
-        def least_sums(rooms: np.ndarray) -> np.ndarray:
-            """Per row of `rooms` (the most layers each stage may hold): the least
-            summed stage time when each stage holds at least one layer, the extra
-            layers going to the least increments (inf where the layers do not fit)."""
-            extra = (rooms - 1)[:, by_rate]
-            before = np.cumsum(extra, axis=1) - extra
+        def least_sums(rooms: np.ndarray, rows: np.ndarray | slice = slice(None)) -> np.ndarray:
+            """Per row (of `rows`) and candidate time (`rooms`: the most layers each
+            stage may hold there): the least summed stage time when each stage holds at
+            least one layer, the extra layers going to the least increments (inf where
+            the layers do not fit)."""
+            extra = np.take_along_axis(rooms - 1, by_rate[rows], 2)
+            before = np.cumsum(extra, axis=2) - extra
             take = np.clip(budget - before, 0, extra)
-            sums = base + (take * sorted_rates).sum(axis=1)
-            return np.where((extra.min(axis=1) < 0) | (extra.sum(axis=1) < budget), INF, sums)
+            sums = base[rows] + (take * sorted_rates[rows]).sum(axis=2)
+            return np.where((extra.min(axis=2) < 0) | (extra.sum(axis=2) < budget), INF, sums)
 
         steps = group.steps
-        enough = rooms.sum(axis=1) >= layers
-        if not enough.any():
-            return INF
-        lo = int(np.argmax(enough))  # the least time at which every layer has room
-        floor_sum, best = float(least_sums(np.maximum(n, nr)[None, :])[0]), beat - offset
-        # From there on, a block of times at a time: a time's bound is (m - 1) t plus
-        # its least sum, and once (m - 1) t plus the least sum of all loses to the best
-        # so far, no later time can win.
-        for start in range(lo, len(steps), _BLOCK):
+        enough = rooms.sum(axis=2) >= layers
+        some = enough.any(axis=1)
+        floor_sums = least_sums(np.maximum(n, nr)[:, None, :])[:, 0]
+        best = beat - offsets
+        # From the least time at which some row's layers all have room, a block of times
+        # at a time: a time's bound is (m - 1) t plus its least sum (inf before the row's
+        # layers have room), and once (m - 1) t plus a row's least sum of all reaches its
+        # best so far, no later time can win it.
+        going = some.copy()
+        for start in range(int(np.argmax(enough.any(axis=0))) if some.any() else len(steps), len(steps), _BLOCK):
             ts = steps[start : start + _BLOCK]
-            values = (m - 1) * ts + least_sums(rooms[start : start + _BLOCK])
-            before = np.minimum.accumulate(np.concatenate(([best], values)))[:-1]  # the best so far, before each t
-            losing = np.nonzero((m - 1) * ts + floor_sum >= before)[0]
-            if losing.size:
-                return float(before[losing[0]]) + offset
-            best = min(float(before[-1]), float(values[-1]))
-        return best + offset
+            values = (m - 1) * ts + least_sums(rooms[going, start : start + _BLOCK], going)
+            best[going] = np.minimum(best[going], values.min(axis=1))
+            going[going] = (m - 1) * ts[-1] + floor_sums[going] < best[going]
+            if not going.any():
+                break
+        out[live] = np.where(some, best + offsets, INF)
+        return out
 
     def interleaved_floor(self, layouts: tuple[KindLayout, ...], m: int, b: int, chunks: int) -> float:
         """No split of these device groups, each holding `chunks` = v stages (the row

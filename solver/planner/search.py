@@ -284,8 +284,9 @@ class Planner:
                     heapq.heappush(queue, (max(tighter, lower), next(counter), m, layouts, ()))
                 continue
             if not orders:
-                ranked = [(self.bounds.order_bound(order, m, b, bound_schedule, worst), i, order)
-                          for i, order in enumerate(self._orders(layouts))]
+                every = self._orders(layouts)
+                ranked = [(float(bound), i, order) for i, (bound, order)
+                          in enumerate(zip(self.bounds.order_bounds(every, m, b, bound_schedule, worst), every))]
                 orders = [(bound, order) for bound, _, order in sorted(ranked)]
                 if orders and orders[0][0] < INF:
                     heapq.heappush(queue, (orders[0][0], next(counter), m, layouts, orders))
