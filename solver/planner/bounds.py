@@ -29,10 +29,10 @@ from solver import schedules as registry
 from solver.planner.problem import Problem
 from solver.cost.ranges import cumsum, span
 from solver.cost.stage_costs import INF, StageConfig, StageCosts, in_flight
+from solver.planner.runs import FITS_TOL, first_enough, least_runs, least_step, longest, nondecreasing
 
 _BLOCK = 16  # candidate step times order_bound prices at once
-_TOL = 1 + 1e-12  # a run whose time equals a candidate step time fits it despite rounding
-_BELOW = 1 - 1e-9  # a floor kept below what it bounds despite rounding (and `_TOL`)
+_BELOW = 1 - 1e-9  # a floor kept below what it bounds despite rounding (and `FITS_TOL`)
 
 
 class KindLayout(NamedTuple):
@@ -126,32 +126,6 @@ class _KindArrays(NamedTuple):
     extra: np.ndarray  # further layers its stages have memory for (beyond one each)
 
 
-def _floor(runs: np.ndarray) -> np.ndarray:
-    """`runs` made nondecreasing from above: entry n - 1 is the least run of n or more layers."""
-    return np.minimum.accumulate(runs[::-1])[::-1]
-
-
-def _least_runs(values: np.ndarray) -> np.ndarray:
-    """[n - 1]: the least sum of any n consecutive entries of `values` (a span matrix):
-    the least of its n-th diagonal above the main one, all diagonals at once."""
-    n = values.shape[0] - 1
-    first, length = np.arange(n)[None, :], np.arange(1, n + 1)[:, None]
-    last = first + length
-    return np.where(last <= n, values[first, np.minimum(last, n)], INF).min(axis=1)
-
-
-def _longest(runs: np.ndarray, limits: np.ndarray) -> np.ndarray:
-    """Per limit, the most layers n whose least run `runs[n - 1]` stays within it."""
-    return np.searchsorted(_floor(runs), limits * _TOL, side="right")  # nondecreasing; the same answer as `runs`
-
-
-def _least_step(runs: np.ndarray) -> float:
-    """The most d with runs[n - 1] >= runs[0] + (n - 1) d for every n."""
-    if len(runs) < 2:
-        return 0.0
-    return float(max(((runs[1:] - runs[0]) / np.arange(1, len(runs))).min(), 0.0))
-
-
 class LowerBounds:
     def __init__(self, problem: Problem, costs: StageCosts):
         self.problem = problem
@@ -209,7 +183,7 @@ class LowerBounds:
         if not index.shape[1]:
             return np.zeros(0), index
         grid = self._time_grid(b, kinds)
-        at = _first_enough([a.rooms for a in arrays], index, len(grid), layers)
+        at = first_enough([a.rooms for a in arrays], index, len(grid), layers)
         bottleneck = np.where(at < len(grid), (m - 1) * grid[np.minimum(at, len(grid) - 1)], INF)
         # The summed stage times with memory alone limiting each stage.
         rates = np.stack([a.rates[i] for a, i in zip(arrays, index)], axis=1)
@@ -224,7 +198,7 @@ class LowerBounds:
         tail = np.zeros(index.shape[1])
         if not registry.get(schedule).interleaved:
             tail_grid = self._tail_grid()
-            tail = tail_grid[np.minimum(_first_enough([a.held for a in arrays], index, len(tail_grid), layers), len(tail_grid) - 1)]
+            tail = tail_grid[np.minimum(first_enough([a.held for a in arrays], index, len(tail_grid), layers), len(tail_grid) - 1)]
         lower = bottleneck + sums + tail
         if registry.get(schedule).interleaved:  # its fit holds (one microbatch in flight), not its value
             rate = sum(self._kind_rate(lays[0].kind) for lays in per_kind)  # one kind per list
@@ -278,7 +252,7 @@ class LowerBounds:
         if key not in self._kinds:
             grid = self._time_grid(b, kinds)
             counts, least, held, firsts, rates, extra = self._kind_base(layouts, b)
-            rooms = [stages * np.searchsorted(row, grid * _TOL, side="right") for stages, row in zip(counts, least)]
+            rooms = [stages * np.searchsorted(row, grid * FITS_TOL, side="right") for stages, row in zip(counts, least)]
             self._kinds[key] = _KindArrays(counts, np.array(rooms).reshape(len(layouts), len(grid)), held, firsts, rates, extra)
         return self._kinds[key]
 
@@ -296,7 +270,7 @@ class LowerBounds:
             runs = [self._stage_runs(lay.config, b) for lay in layouts]
             fitting = np.array([self._layers_fitting(lay, b, 1) for lay in layouts], dtype=float).reshape(-1, 2)
             q = np.arange(1, layers + 1)
-            least = [np.minimum(np.where(q <= fit, _floor(r.time), INF), np.where(q <= fit_remat, _floor(r.remat), INF))
+            least = [np.minimum(np.where(q <= fit, nondecreasing(r.time), INF), np.where(q <= fit_remat, nondecreasing(r.remat), INF))
                      for r, (fit, fit_remat) in zip(runs, fitting)]
             held = [lay.stages * self._tail_rooms(lay.config) for lay in layouts]
             plain = fitting[:, 0] >= 1  # a stage that cannot hold one layer without recomputing recomputes
@@ -482,7 +456,7 @@ class LowerBounds:
         if key not in self._groups:
             runs = {lay: self._stage_runs(lay.config, b) for lay in key[0]}
             steps = np.unique(np.concatenate([np.concatenate([r.time, r.remat]) for r in runs.values()]))
-            rooms = {lay: (_longest(r.time, steps), _longest(r.remat, steps)) for lay, r in runs.items()}
+            rooms = {lay: (longest(r.time, steps), longest(r.remat, steps)) for lay, r in runs.items()}
             blocks = {lay: (np.full(lay.stages, r.time[0]), np.full(lay.stages, r.remat[0]), np.full(lay.stages, r.step),
                             np.full(lay.stages, r.step_remat), np.repeat(rooms[lay][0][None, :], lay.stages, axis=0),
                             np.repeat(rooms[lay][1][None, :], lay.stages, axis=0)) for lay, r in runs.items()}
@@ -504,8 +478,8 @@ class LowerBounds:
             steps = self._group(order, b).steps
             r = self._stage_runs(order[-1].config, b)
             above = np.append(steps[1:], INF)
-            self._lasts[key] = _LastStage(float(r.last[0]), float(r.last_remat[0]), _least_step(r.last),
-                                          _least_step(r.last_remat), _longest(r.last, above), _longest(r.last_remat, above))
+            self._lasts[key] = _LastStage(float(r.last[0]), float(r.last_remat[0]), least_step(r.last),
+                                          least_step(r.last_remat), longest(r.last, above), longest(r.last_remat, above))
         return self._lasts[key]
 
     def _least_tail(self, layouts: tuple[KindLayout, ...]) -> float:
@@ -520,7 +494,7 @@ class LowerBounds:
     def _tail_rooms(self, cfg: StageConfig) -> np.ndarray:
         """Per candidate tail (`_tail_grid`), the most layers one such stage holds within it."""
         if cfg not in self._held_tails:
-            self._held_tails[cfg] = _longest(self._stage_tails(cfg), self._tail_grid())
+            self._held_tails[cfg] = longest(self._stage_tails(cfg), self._tail_grid())
         return self._held_tails[cfg]
 
     def _stage_tails(self, cfg: StageConfig) -> np.ndarray:
@@ -532,7 +506,7 @@ class LowerBounds:
             for zero in self.costs.zero_stages(cfg):
                 extra_f, extra_b, _, tail = self.costs.step_costs(cfg, zero)
                 least = np.minimum(least, extra_f + extra_b + tail)
-            self._tails[cfg] = _least_runs(least)
+            self._tails[cfg] = least_runs(least)
         return self._tails[cfg]
 
     def _stage_runs(self, cfg: StageConfig, b: int) -> _Runs:
@@ -548,9 +522,9 @@ class LowerBounds:
             bw = span(cumsum(layer.backward))
             both = f + bw if layer.fused is None else np.minimum(f + bw, span(cumsum(layer.fused)))
             rerun = f + (bw + f)
-            plain, remat = _least_runs(both), _least_runs(rerun)
+            plain, remat = least_runs(both), least_runs(rerun)
             ends = np.arange(self.costs.n - 1, -1, -1)  # where the last stage starts, holding 1, 2, ... layers
-            self._runs[key] = _Runs(plain, remat, _least_step(plain), _least_step(remat), both[ends, self.costs.n],
+            self._runs[key] = _Runs(plain, remat, least_step(plain), least_step(remat), both[ends, self.costs.n],
                                     rerun[ends, self.costs.n])
         return self._runs[key]
 
@@ -588,17 +562,3 @@ class LowerBounds:
                                   most(capacity - float(layer.inputs.min()) * in_flight_count, layer.state + layer.recomputed)
                                   if p.allow_remat or p.force_remat else 0)
         return self._fitting[key]
-
-
-def _first_enough(rooms: list[np.ndarray], index: np.ndarray, size: int, layers: int) -> np.ndarray:
-    """Per combination (a column of `index`, one row of each kind's `rooms`, which
-    are nondecreasing along the grid): the first grid position where their sum
-    reaches `layers` (`size` where none does), by a binary search run on all at once."""
-    lo, hi = np.zeros(index.shape[1], dtype=int), np.full(index.shape[1], size)
-    while (lo < hi).any():
-        mid = (lo + hi) // 2
-        probe = np.minimum(mid, size - 1)
-        enough = sum(r[i, probe] for r, i in zip(rooms, index)) >= layers
-        enough &= mid < size
-        lo, hi = np.where(enough | (lo >= hi), lo, mid + 1), np.where(enough & (lo < hi), mid, hi)
-    return lo
