@@ -20,10 +20,11 @@ descent beyond. With a time limit, the best plan so far comes back with its gap.
 
 Schedules come from the registry (`solver.schedules`); an interleaved one is tried with
 each allowed chunk count, its device groups' chunks splitting the layers in a row
-repeated `chunks` times, on each order whose plain (1F1B) pipeline made the top k so
-far. Its splits are close, not proven optimal (`layer_split`), and an order pruned by
-the plain schedules' bounds is not tried interleaved: the search stays exact for the
-plain schedules, and interleaving improves on the pipelines it finds. With no plain
+repeated `chunks` times, on every order the search reaches, whichever plans it has
+found so far (its own floor, `LowerBounds.interleaved_floor`, refuses most before their
+tables). Its splits are close, not proven optimal (`layer_split`), and layouts whose
+plain schedules' bounds the search prunes are not tried interleaved: it stays exact for the
+plain schedules, and interleaving improves on the pipelines it reaches. With no plain
 schedule allowed every order is tried interleaved, pruned by bounds taken under the
 interleaved schedule (`bounds.py`: the work floor only). Where no pipeline shape can run at all (too few layers for the
 chunks, no microbatch count the schedule accepts), the error says so rather than
@@ -52,10 +53,10 @@ from solver.planner.step import rank
 
 log = logging.getLogger(__name__)
 # The search's best plans by its closed form that the estimator ranks. On the benchmark
-# scenarios (benchmarks/search_scale.py) ten times as many choose the same plans; ten
-# did not (on three kinds an interleaved plan the estimator prefers is only tried on an
-# order whose plain pipeline makes the finalists, which took 50 on 64 and 256 GPUs).
-FINALISTS = 50
+# scenarios (benchmarks/search_scale.py) ten times as many, and 500, choose the same
+# plans; ten did not (on 256 GPUs of two kinds the estimator prefers a 1F1B plan of
+# fewer microbatches that the closed form ranks eleventh).
+FINALISTS = 15
 # How far above its order's bound a row's last-stage bound reaches, at most, on the
 # benchmark scenarios (~5%): rows bounded further below the beat are split without it.
 _LAST_REACH = 1.1
@@ -225,10 +226,6 @@ class Planner:
         per_kind = {name: kind_layouts(p, name) for name in kinds}
         schedules = _schedule_choices(p, interleave)
         bound_schedule = next((name for name, chunks in schedules if chunks == 1), schedules[0][0])
-        # Interleaving refines the orders whose plain pipeline made the top k; with no
-        # plain schedule allowed (`--schedule interleaved`) there is none to wait for,
-        # and every order is tried interleaved.
-        scouted = any(chunks == 1 for _, chunks in schedules)
         # Branch and bound with lazily tightened bounds. Each (microbatch count, set of
         # kinds) is a stream of layout combinations sorted by their first bound (a
         # product's, computed for all at once); a combination leaves its stream only
@@ -292,17 +289,13 @@ class Planner:
                     heapq.heappush(queue, (orders[0][0], next(counter), m, layouts, orders))
                 continue
             for order_lower, order in orders:
-                competitive = False  # a plain schedule's pipeline on this order made the top k
                 for schedule, chunks in schedules:
                     worst = -heap[0][0] if len(heap) >= top_k else beat
                     if chunks == 1 and order_lower >= worst:
                         continue
-                    if chunks > 1 and scouted and not competitive:
-                        continue  # interleaving refines competitive pipelines only: it costs v x the split's work
-                    # (and is not held to the plain schedules' bound, which its shorter fill can beat)
+                    # (interleaved: not held to the plain schedules' bound, which its shorter fill can beat)
                     plan = self.pipeline(order, m, b, schedule, beat=worst, chunks=chunks, lower=order_lower)
                     if plan is not None:
-                        competitive = competitive or chunks == 1
                         heapq.heappush(heap, (-plan.step_s, next(counter), plan))
                         if len(heap) > top_k:
                             heapq.heappop(heap)
