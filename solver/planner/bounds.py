@@ -411,17 +411,20 @@ class LowerBounds:
         pace (the busiest group's stages summed) is at least a group's v least
         one-layer times, and at least n / sum(1 / r_g) where r_g is the group's least
         time per layer over runs of any length (the groups balanced, were layers
-        divisible); the first microbatch's pass, every stage's least time over v.
-        (`layer_split._Row.pace_floor` on the stage tables, taken here before they are
-        built, from the least runs that bound every table entry.)"""
+        divisible); the first microbatch's pass, every stage's least time over v,
+        and every one of its v x groups - 1 cuts' least send both ways (in full: each
+        lies on that pass). (`layer_split._Row.pace_floor` on the stage tables, taken
+        here before they are built, from the least runs that bound every table entry.)"""
         groups = [lay.config for lay in layouts for _ in range(lay.stages)]
+        row = groups * chunks
+        sends = 2 * sum(self._least_send(a, c, b) for a, c in zip(row, row[1:]))
         runs = [self._stage_runs(c, b) for c in groups]
         least = np.array([min(r.time[0], r.remat[0]) for r in runs])
         lengths = np.arange(1, self.costs.n + 1)
         rates = np.array([float((np.minimum(r.time, r.remat) / lengths).min()) for r in runs])
         balanced = self.costs.n / float((1.0 / rates).sum()) if (rates > 0).all() else 0.0
         pace = max(chunks * float(least.max()), balanced)
-        return (float(least.sum()) + (m - 1 / chunks) * pace) * _BELOW
+        return (float(least.sum()) + sends + (m - 1 / chunks) * pace) * _BELOW
 
     def _work_s(self) -> float:
         """Seconds of work per example at one FLOP/s: what a step's devices share."""
