@@ -57,9 +57,6 @@ log = logging.getLogger(__name__)
 # plans; ten did not (on 256 GPUs of two kinds the estimator prefers a 1F1B plan of
 # fewer microbatches that the closed form ranks eleventh).
 FINALISTS = 15
-# How far above its order's bound a row's last-stage bound reaches, at most, on the
-# benchmark scenarios (~5%): rows bounded further below the beat are split without it.
-_LAST_REACH = 1.1
 _STREAM = None  # a queue entry that stands for a stream's next combination, not yet drawn
 
 
@@ -79,12 +76,11 @@ class Planner:
         self.work_flops = self.total_flops if problem.training else float(self.costs.fwd_flops.sum())
         self._single: dict[tuple[str, int, int], tuple[PlanChoice | None, float]] = {}  # and the bound it was searched under
         self._pipelines: dict[tuple, tuple[PlanChoice | None, float]] = {}  # `pipeline`'s, and the beat it was searched under
-        self._tabled: set[tuple] = set()  # the stage tables `_split` has priced (`StageCosts.table`'s arguments)
 
     # --- one pipeline -------------------------------------------------------------
 
     def pipeline(self, layouts: tuple[KindLayout, ...], m: int, b: int, schedule: str, beat: float = INF,
-                 chunks: int = 1, lower: float = 0.0) -> PlanChoice | None:
+                 chunks: int = 1) -> PlanChoice | None:
         """The best split of the layers over these stages, if it fits and beats `beat`.
         With `chunks` = v > 1 each stage is a device group holding v chunks: the
         layers are split over the row of stages repeated v times. Remembered: the
@@ -96,14 +92,12 @@ class Planner:
             return plan if plan.step_s < beat else None
         if beat <= searched_below:
             return None
-        plan = self._split(layouts, m, b, schedule, beat, chunks, lower)
+        plan = self._split(layouts, m, b, schedule, beat, chunks)
         self._pipelines[key] = (plan, beat)
         return plan
 
-    def _split(self, layouts: tuple[KindLayout, ...], m: int, b: int, schedule: str, beat: float, chunks: int,
-               lower: float = 0.0) -> PlanChoice | None:
-        """`pipeline`'s split; `lower`: the order's bound, where known (a row it leaves
-        near the beat is bounded by its last stage too, before tables not yet priced)."""
+    def _split(self, layouts: tuple[KindLayout, ...], m: int, b: int, schedule: str, beat: float, chunks: int) -> PlanChoice | None:
+        """`pipeline`'s split."""
         groups = [lay.config for lay in layouts for _ in range(lay.stages)]
         configs = groups * chunks
         if len(configs) > self.costs.n or b < self.problem.min_microbatch or any(
@@ -114,10 +108,6 @@ class Planner:
         if chunks > 1 and self.bounds.interleaved_floor(layouts, m, b, chunks) >= beat:
             return None  # no split's pace could win: refused before the tables of its positions are built
         keys = [(c, b, in_flight(schedule, m, p, len(configs), chunks), p == len(configs) - 1, m) for p, c in enumerate(configs)]
-        if chunks == 1 and lower * _LAST_REACH >= beat and not self._tabled.issuperset(keys) and \
-                self.bounds.order_bound(layouts, m, b, schedule, beat, last=True) >= beat:
-            return None  # its last stage's own bound refuses it before tables not yet priced are (most of its cost)
-        self._tabled.update(keys)
         tables = [self.costs.table(*key) for key in keys]
         if chunks > 1 and not _chunks_may_fit(tables, len(groups)):
             return None  # no split fits, so neither would the best one (`_chunks_fit` below)
@@ -283,7 +273,7 @@ class Planner:
             if not orders:
                 every = self._orders(layouts)
                 ranked = [(float(bound), i, order) for i, (bound, order)
-                          in enumerate(zip(self.bounds.order_bounds(every, m, b, bound_schedule, worst), every))]
+                          in enumerate(zip(self.bounds.order_bounds(every, m, b, bound_schedule, worst, last=True), every))]
                 orders = [(bound, order) for bound, _, order in sorted(ranked)]
                 if orders and orders[0][0] < INF:
                     heapq.heappush(queue, (orders[0][0], next(counter), m, layouts, orders))
@@ -294,7 +284,7 @@ class Planner:
                     if chunks == 1 and order_lower >= worst:
                         continue
                     # (interleaved: not held to the plain schedules' bound, which its shorter fill can beat)
-                    plan = self.pipeline(order, m, b, schedule, beat=worst, chunks=chunks, lower=order_lower)
+                    plan = self.pipeline(order, m, b, schedule, beat=worst, chunks=chunks)
                     if plan is not None:
                         heapq.heappush(heap, (-plan.step_s, next(counter), plan))
                         if len(heap) > top_k:
