@@ -83,9 +83,16 @@ class _Group(NamedTuple):
     """What a set of layouts' bounds share, whatever their order."""
 
     steps: np.ndarray  # every time a stage of these layouts can take for a run of layers
-    rooms: dict[KindLayout, tuple[np.ndarray, np.ndarray]]  # per layout and step: the longest run within it (plain, remat)
     tail: float  # the least slowest tail
-    blocks: dict[KindLayout, tuple[np.ndarray, ...]]  # per layout, its stages' rows of `_Prepared`'s first six arrays
+    # Per layout (a row each, in `index`'s order): one stage's least one-layer time and
+    # increment per further layer, plain and recomputing, and its rooms per step (plain, remat).
+    firsts: np.ndarray
+    firsts_remat: np.ndarray
+    rates: np.ndarray
+    rates_remat: np.ndarray
+    plain_rooms: np.ndarray
+    remat_rooms: np.ndarray
+    index: dict[KindLayout, int]
 
 
 class _LastStage(NamedTuple):
@@ -99,20 +106,6 @@ class _LastStage(NamedTuple):
     step_remat: float
     rooms: np.ndarray
     rooms_remat: np.ndarray
-
-
-class _Prepared(NamedTuple):
-    """Per stage of one row of layouts (a row each): its least one-layer time and
-    increment per further layer, plain and recomputing, and its rooms per candidate
-    step time of the row's group (`_Group`)."""
-
-    firsts: np.ndarray
-    firsts_remat: np.ndarray
-    rates: np.ndarray
-    rates_remat: np.ndarray
-    plain_rooms: np.ndarray
-    remat_rooms: np.ndarray
-    group: _Group
 
 
 class _KindArrays(NamedTuple):
@@ -136,7 +129,7 @@ class LowerBounds:
         self._groups: dict[tuple, _Group] = {}
         self._orders: dict[tuple, tuple[list[KindLayout], np.ndarray, float]] = {}
         self._bases: dict[tuple[tuple[KindLayout, ...], int], tuple[np.ndarray, ...]] = {}
-        self._prep: dict[tuple[tuple[KindLayout, ...], int], _Prepared] = {}
+        self._rows: dict[tuple[KindLayout, ...], np.ndarray] = {}
         self._held: dict[tuple[str, int, int], tuple[int, ...]] = {}
         self._sends: dict[tuple[StageConfig, StageConfig, int], float] = {}
         self._kinds: dict[tuple[tuple[KindLayout, ...], int, tuple[str, ...]], _KindArrays] = {}
@@ -145,6 +138,7 @@ class LowerBounds:
         self._held_tails: dict[StageConfig, np.ndarray] = {}
         self._lasts: dict[tuple, _LastStage] = {}
         self._envelopes: dict[tuple[tuple[KindLayout, ...], int], tuple[np.ndarray, float, np.ndarray]] = {}
+        self._paces: dict[tuple[StageConfig, int], tuple[float, float]] = {}
 
     def bound(self, layouts: tuple[KindLayout, ...], m: int, b: int, schedule: str) -> float:
         """No split of any order of these stages is faster than this under `schedule`
@@ -346,21 +340,20 @@ class LowerBounds:
         fits = np.maximum(n, nr).sum(axis=1) >= layers
         if not fits.any():
             return out
-        preps = [self._prepared(row, b) for row in rows]
-        group = preps[0].group
+        group = self._group(rows[0], b)
         offsets = offsets + (0.0 if registry.get(schedule).interleaved else group.tail)
         out[fits & (offsets >= beat)] = beat
         live = np.nonzero(fits & (offsets < beat))[0]
         if not live.size:
             return out
         n, nr, offsets = n[live], nr[live], offsets[live]
-        preps = [preps[i] for i in live]
+        at = np.stack([self._row_layouts(rows[i], group) for i in live])  # each stage's layout in the group's arrays
         plain = n >= 1  # a stage that cannot hold one layer without recomputing recomputes
-        firsts = np.where(plain, np.stack([p.firsts for p in preps]), np.stack([p.firsts_remat for p in preps]))
-        rates = np.where(plain, np.stack([p.rates for p in preps]), np.stack([p.rates_remat for p in preps]))
+        firsts = np.where(plain, group.firsts[at], group.firsts_remat[at])
+        rates = np.where(plain, group.rates[at], group.rates_remat[at])
         # Per row, candidate bottleneck time t and stage: the most layers the stage may hold.
-        rooms = np.maximum(np.minimum(np.stack([p.plain_rooms for p in preps]), n[:, :, None]),
-                           np.minimum(np.stack([p.remat_rooms for p in preps]), nr[:, :, None])).transpose(0, 2, 1)
+        rooms = np.maximum(np.minimum(group.plain_rooms[at], n[:, :, None]),
+                           np.minimum(group.remat_rooms[at], nr[:, :, None])).transpose(0, 2, 1)
         if lasts is not None:
             lasts = [lasts[i] for i in live]
             ends = plain[:, -1]
@@ -418,13 +411,21 @@ class LowerBounds:
         groups = [lay.config for lay in layouts for _ in range(lay.stages)]
         row = groups * chunks
         sends = 2 * sum(self._least_send(a, c, b) for a, c in zip(row, row[1:]))
-        runs = [self._stage_runs(c, b) for c in groups]
-        least = np.array([min(r.time[0], r.remat[0]) for r in runs])
-        lengths = np.arange(1, self.costs.n + 1)
-        rates = np.array([float((np.minimum(r.time, r.remat) / lengths).min()) for r in runs])
+        paces = [self._least_pace(c, b) for c in groups]
+        least, rates = np.array([p[0] for p in paces]), np.array([p[1] for p in paces])
         balanced = self.costs.n / float((1.0 / rates).sum()) if (rates > 0).all() else 0.0
         pace = max(chunks * float(least.max()), balanced)
         return (float(least.sum()) + sends + (m - 1 / chunks) * pace) * _BELOW
+
+    def _least_pace(self, cfg: StageConfig, b: int) -> tuple[float, float]:
+        """One stage's least one-layer time and least time per layer over runs of any
+        length (`interleaved_floor`'s parts, asked for every row of device groups)."""
+        key = (cfg, b)
+        if key not in self._paces:
+            r = self._stage_runs(cfg, b)
+            lengths = np.arange(1, self.costs.n + 1)
+            self._paces[key] = (min(r.time[0], r.remat[0]), float((np.minimum(r.time, r.remat) / lengths).min()))
+        return self._paces[key]
 
     def _work_s(self) -> float:
         """Seconds of work per example at one FLOP/s: what a step's devices share."""
@@ -441,16 +442,13 @@ class LowerBounds:
         exceed an interleaved step, whose fill is 1/v and whose chunks hold fewer.)"""
         return self._work_s() * examples / sum(self._kind_rate(lay.kind) for lay in layouts)
 
-    def _prepared(self, layouts: tuple[KindLayout, ...], b: int) -> _Prepared:
-        """`_bound`'s per-stage arrays of one row of layouts: the search bounds each
-        row once as a set and once per order, so each layout's block is built once
-        per group (`_Group.blocks`) and a row only joins them."""
-        key = (layouts, b)
-        if key not in self._prep:
-            group = self._group(layouts, b)
-            blocks = [group.blocks[lay] for lay in layouts]
-            self._prep[key] = _Prepared(*(np.concatenate([block[i] for block in blocks]) for i in range(6)), group)
-        return self._prep[key]
+    def _row_layouts(self, row: tuple[KindLayout, ...], group: _Group) -> np.ndarray:
+        """Per stage of a row, its layout's position in its group's per-layout arrays
+        (the search bounds each row once as a set and once per order: the group's
+        arrays are built once and a row only picks from them)."""
+        if row not in self._rows:
+            self._rows[row] = np.repeat([group.index[lay] for lay in row], [lay.stages for lay in row])
+        return self._rows[row]
 
     def _group(self, layouts: tuple[KindLayout, ...], b: int) -> _Group:
         """Candidate step times, each layout's rooms at them, and the tail's bound:
@@ -460,10 +458,12 @@ class LowerBounds:
             runs = {lay: self._stage_runs(lay.config, b) for lay in key[0]}
             steps = np.unique(np.concatenate([np.concatenate([r.time, r.remat]) for r in runs.values()]))
             rooms = {lay: (longest(r.time, steps), longest(r.remat, steps)) for lay, r in runs.items()}
-            blocks = {lay: (np.full(lay.stages, r.time[0]), np.full(lay.stages, r.remat[0]), np.full(lay.stages, r.step),
-                            np.full(lay.stages, r.step_remat), np.repeat(rooms[lay][0][None, :], lay.stages, axis=0),
-                            np.repeat(rooms[lay][1][None, :], lay.stages, axis=0)) for lay, r in runs.items()}
-            self._groups[key] = _Group(steps, rooms, self._least_tail(key[0]), blocks)
+            each = list(runs.values())
+            self._groups[key] = _Group(
+                steps, self._least_tail(key[0]), np.array([r.time[0] for r in each]), np.array([r.remat[0] for r in each]),
+                np.array([r.step for r in each]), np.array([r.step_remat for r in each]),
+                np.array([rooms[lay][0] for lay in key[0]]), np.array([rooms[lay][1] for lay in key[0]]),
+                {lay: i for i, lay in enumerate(key[0])})
         return self._groups[key]
 
     def _last_stage(self, order: tuple[KindLayout, ...], b: int) -> _LastStage:
