@@ -159,7 +159,15 @@ def test_every_bound_is_below_every_split_it_covers(seed):
         for lower, layouts in bounds.product_bounds(usable, m, b, "1f1b"):
             layout_bound = bounds.bound(layouts, m, b, "1f1b")
             assert lower <= layout_bound * (1 + 1e-12)
-            for order in itertools.permutations(layouts):
+            orders = list(itertools.permutations(layouts))
+            # Every order at once (the search's one array pass) gives each order's own figure.
+            for last in (False, True):
+                together = bounds.order_bounds(orders, m, b, "1f1b", last=last)
+                assert list(together) == [bounds.order_bound(o, m, b, "1f1b", last=last) for o in orders]
+                beat = float(np.median(together))  # and stopped at a beat some orders reach
+                assert list(bounds.order_bounds(orders, m, b, "1f1b", beat, last)) == \
+                    [bounds.order_bound(o, m, b, "1f1b", beat, last) for o in orders]
+            for order in orders:
                 order_bound = bounds.order_bound(order, m, b, "1f1b")
                 assert layout_bound <= order_bound * (1 + 1e-12)
                 configs = [lay.config for lay in order for _ in range(lay.stages)]
@@ -168,7 +176,7 @@ def test_every_bound_is_below_every_split_it_covers(seed):
                 sends = [costs.sends(a, c, b) for a, c in zip(configs, configs[1:])]
                 exact = min((score(tables, sends, m, cuts, "1f1b") for cuts in compositions(n, len(configs))), default=INF)
                 assert order_bound <= exact * (1 + 1e-12), (order, m, order_bound, exact)
-                # With the last stage's own runs (the search refuses pipelines on it before their tables).
+                # With the last stage's own runs (what the search ranks and refuses orders by).
                 last_bound = bounds.order_bound(order, m, b, "1f1b", last=True)
                 assert last_bound <= exact * (1 + 1e-12), (order, m, last_bound, exact)
 

@@ -29,10 +29,10 @@ from solver import schedules as registry
 from solver.planner.problem import Problem
 from solver.cost.ranges import cumsum, span
 from solver.cost.stage_costs import INF, StageConfig, StageCosts, in_flight
+from solver.planner.runs import FITS_TOL, first_enough, least_runs, least_step, longest, nondecreasing
 
 _BLOCK = 16  # candidate step times order_bound prices at once
-_TOL = 1 + 1e-12  # a run whose time equals a candidate step time fits it despite rounding
-_BELOW = 1 - 1e-9  # a floor kept below what it bounds despite rounding (and `_TOL`)
+_BELOW = 1 - 1e-9  # a floor kept below what it bounds despite rounding (and `FITS_TOL`)
 
 
 class KindLayout(NamedTuple):
@@ -83,9 +83,16 @@ class _Group(NamedTuple):
     """What a set of layouts' bounds share, whatever their order."""
 
     steps: np.ndarray  # every time a stage of these layouts can take for a run of layers
-    rooms: dict[KindLayout, tuple[np.ndarray, np.ndarray]]  # per layout and step: the longest run within it (plain, remat)
     tail: float  # the least slowest tail
-    blocks: dict[KindLayout, tuple[np.ndarray, ...]]  # per layout, its stages' rows of `_Prepared`'s first six arrays
+    # Per layout (a row each, in `index`'s order): one stage's least one-layer time and
+    # increment per further layer, plain and recomputing, and its rooms per step (plain, remat).
+    firsts: np.ndarray
+    firsts_remat: np.ndarray
+    rates: np.ndarray
+    rates_remat: np.ndarray
+    plain_rooms: np.ndarray
+    remat_rooms: np.ndarray
+    index: dict[KindLayout, int]
 
 
 class _LastStage(NamedTuple):
@@ -101,20 +108,6 @@ class _LastStage(NamedTuple):
     rooms_remat: np.ndarray
 
 
-class _Prepared(NamedTuple):
-    """Per stage of one row of layouts (a row each): its least one-layer time and
-    increment per further layer, plain and recomputing, and its rooms per candidate
-    step time of the row's group (`_Group`)."""
-
-    firsts: np.ndarray
-    firsts_remat: np.ndarray
-    rates: np.ndarray
-    rates_remat: np.ndarray
-    plain_rooms: np.ndarray
-    remat_rooms: np.ndarray
-    group: _Group
-
-
 class _KindArrays(NamedTuple):
     """Per layout of one kind (a row each), what `product_table` sums over a product."""
 
@@ -124,32 +117,6 @@ class _KindArrays(NamedTuple):
     firsts: np.ndarray  # its stages' least time, one layer each
     rates: np.ndarray  # the least increment per further layer
     extra: np.ndarray  # further layers its stages have memory for (beyond one each)
-
-
-def _floor(runs: np.ndarray) -> np.ndarray:
-    """`runs` made nondecreasing from above: entry n - 1 is the least run of n or more layers."""
-    return np.minimum.accumulate(runs[::-1])[::-1]
-
-
-def _least_runs(values: np.ndarray) -> np.ndarray:
-    """[n - 1]: the least sum of any n consecutive entries of `values` (a span matrix):
-    the least of its n-th diagonal above the main one, all diagonals at once."""
-    n = values.shape[0] - 1
-    first, length = np.arange(n)[None, :], np.arange(1, n + 1)[:, None]
-    last = first + length
-    return np.where(last <= n, values[first, np.minimum(last, n)], INF).min(axis=1)
-
-
-def _longest(runs: np.ndarray, limits: np.ndarray) -> np.ndarray:
-    """Per limit, the most layers n whose least run `runs[n - 1]` stays within it."""
-    return np.searchsorted(_floor(runs), limits * _TOL, side="right")  # nondecreasing; the same answer as `runs`
-
-
-def _least_step(runs: np.ndarray) -> float:
-    """The most d with runs[n - 1] >= runs[0] + (n - 1) d for every n."""
-    if len(runs) < 2:
-        return 0.0
-    return float(max(((runs[1:] - runs[0]) / np.arange(1, len(runs))).min(), 0.0))
 
 
 class LowerBounds:
@@ -162,7 +129,7 @@ class LowerBounds:
         self._groups: dict[tuple, _Group] = {}
         self._orders: dict[tuple, tuple[list[KindLayout], np.ndarray, float]] = {}
         self._bases: dict[tuple[tuple[KindLayout, ...], int], tuple[np.ndarray, ...]] = {}
-        self._prep: dict[tuple[tuple[KindLayout, ...], int], _Prepared] = {}
+        self._rows: dict[tuple[KindLayout, ...], np.ndarray] = {}
         self._held: dict[tuple[str, int, int], tuple[int, ...]] = {}
         self._sends: dict[tuple[StageConfig, StageConfig, int], float] = {}
         self._kinds: dict[tuple[tuple[KindLayout, ...], int, tuple[str, ...]], _KindArrays] = {}
@@ -171,18 +138,18 @@ class LowerBounds:
         self._held_tails: dict[StageConfig, np.ndarray] = {}
         self._lasts: dict[tuple, _LastStage] = {}
         self._envelopes: dict[tuple[tuple[KindLayout, ...], int], tuple[np.ndarray, float, np.ndarray]] = {}
+        self._paces: dict[tuple[StageConfig, int], tuple[float, float]] = {}
 
     def bound(self, layouts: tuple[KindLayout, ...], m: int, b: int, schedule: str) -> float:
         """No split of any order of these stages is faster than this under `schedule`
         (inf: none fits): the bounds of `order_bound` at the best case of every
         position (one microbatch in flight), without the sends."""
-        stages = [lay for lay in layouts for _ in range(lay.stages)]
         fitting = [self._layers_fitting(lay, b, 1) for lay in layouts]
         if registry.get(schedule).interleaved:
             fits = sum(lay.stages * max(fit) for lay, fit in zip(layouts, fitting)) >= self.costs.n
             return self._work_floor(layouts, m * b) if fits else INF
-        return self._bound(layouts, stages, np.repeat(np.array(fitting, dtype=float), [lay.stages for lay in layouts], axis=0),
-                           m, b, schedule, 0.0, INF)
+        rooms = np.repeat(np.array(fitting, dtype=float), [lay.stages for lay in layouts], axis=0)
+        return float(self._bounds([layouts], rooms[None], m, b, schedule, np.zeros(1), INF)[0])
 
     def product_bounds(self, per_kind: list[list[KindLayout]], m: int, b: int, schedule: str) -> list[tuple[float, tuple[KindLayout, ...]]]:
         """`product_table`'s bounds with their layouts, for every combination that can fit."""
@@ -210,7 +177,7 @@ class LowerBounds:
         if not index.shape[1]:
             return np.zeros(0), index
         grid = self._time_grid(b, kinds)
-        at = _first_enough([a.rooms for a in arrays], index, len(grid), layers)
+        at = first_enough([a.rooms for a in arrays], index, len(grid), layers)
         bottleneck = np.where(at < len(grid), (m - 1) * grid[np.minimum(at, len(grid) - 1)], INF)
         # The summed stage times with memory alone limiting each stage.
         rates = np.stack([a.rates[i] for a, i in zip(arrays, index)], axis=1)
@@ -225,7 +192,7 @@ class LowerBounds:
         tail = np.zeros(index.shape[1])
         if not registry.get(schedule).interleaved:
             tail_grid = self._tail_grid()
-            tail = tail_grid[np.minimum(_first_enough([a.held for a in arrays], index, len(tail_grid), layers), len(tail_grid) - 1)]
+            tail = tail_grid[np.minimum(first_enough([a.held for a in arrays], index, len(tail_grid), layers), len(tail_grid) - 1)]
         lower = bottleneck + sums + tail
         if registry.get(schedule).interleaved:  # its fit holds (one microbatch in flight), not its value
             rate = sum(self._kind_rate(lays[0].kind) for lays in per_kind)  # one kind per list
@@ -279,7 +246,7 @@ class LowerBounds:
         if key not in self._kinds:
             grid = self._time_grid(b, kinds)
             counts, least, held, firsts, rates, extra = self._kind_base(layouts, b)
-            rooms = [stages * np.searchsorted(row, grid * _TOL, side="right") for stages, row in zip(counts, least)]
+            rooms = [stages * np.searchsorted(row, grid * FITS_TOL, side="right") for stages, row in zip(counts, least)]
             self._kinds[key] = _KindArrays(counts, np.array(rooms).reshape(len(layouts), len(grid)), held, firsts, rates, extra)
         return self._kinds[key]
 
@@ -297,7 +264,7 @@ class LowerBounds:
             runs = [self._stage_runs(lay.config, b) for lay in layouts]
             fitting = np.array([self._layers_fitting(lay, b, 1) for lay in layouts], dtype=float).reshape(-1, 2)
             q = np.arange(1, layers + 1)
-            least = [np.minimum(np.where(q <= fit, _floor(r.time), INF), np.where(q <= fit_remat, _floor(r.remat), INF))
+            least = [np.minimum(np.where(q <= fit, nondecreasing(r.time), INF), np.where(q <= fit_remat, nondecreasing(r.remat), INF))
                      for r, (fit, fit_remat) in zip(runs, fitting)]
             held = [lay.stages * self._tail_rooms(lay.config) for lay in layouts]
             plain = fitting[:, 0] >= 1  # a stage that cannot hold one layer without recomputing recomputes
@@ -326,14 +293,29 @@ class LowerBounds:
 
     def order_bound(self, order: tuple[KindLayout, ...], m: int, b: int, schedule: str, beat: float = INF,
                     last: bool = False) -> float:
-        """`bound` for one order of the kinds, and tighter: each stage holds only as many
-        layers as fit beside the activations its position keeps in flight, a stage
-        that cannot hold one layer without recomputing pays the recompute, and every
-        cut pays its least send both ways; with `last`, the last stage is priced by the
-        model's last layers, which it holds (`_last_stage`). Stops at `beat`: a bound
-        that reaches it is as good as exact for pruning."""
+        """`order_bounds` of one order."""
+        return float(self.order_bounds([order], m, b, schedule, beat, last)[0])
+
+    def order_bounds(self, orders: list[tuple[KindLayout, ...]], m: int, b: int, schedule: str, beat: float = INF,
+                     last: bool = False) -> np.ndarray:
+        """`bound` for each order of one set of kinds' layouts, and tighter: each stage
+        holds only as many layers as fit beside the activations its position keeps in
+        flight, a stage that cannot hold one layer without recomputing pays the
+        recompute, and every cut pays its least send both ways; with `last`, the last
+        stage is priced by the model's last layers, which it holds (`_last_stage`).
+        Stops at `beat`: a bound that reaches it is as good as exact for pruning. All
+        orders at once (one array pass, not a pass per order: the search ranks every
+        order of a set when the set reaches the front of its line)."""
         if registry.get(schedule).interleaved:
-            return self.bound(order, m, b, schedule)
+            return np.array([self.bound(order, m, b, schedule) for order in orders])
+        parts = [self._order_parts(order, m, b, schedule) for order in orders]
+        return self._bounds(orders, np.stack([fitting for _, fitting, _ in parts]), m, b, schedule,
+                            np.array([sends for _, _, sends in parts]), beat,
+                            [self._last_stage(order, b) for order in orders] if last else None)
+
+    def _order_parts(self, order: tuple[KindLayout, ...], m: int, b: int, schedule: str) -> tuple[list[KindLayout], np.ndarray, float]:
+        """An order's stages, the layers each holds at most (plain, recomputing) with its
+        position's microbatches in flight, and its cuts' least sends both ways."""
         key = (order, m, b, schedule)
         if key not in self._orders:  # the search asks again for the orders it re-bounds (replicas, each kind alone)
             stages = [lay for lay in order for _ in range(lay.stages)]
@@ -341,67 +323,80 @@ class LowerBounds:
             fitting = np.array([self._layers_fitting(lay, b, k) for lay, k in zip(stages, held)], dtype=float)
             configs = [lay.config for lay in stages]
             self._orders[key] = stages, fitting, 2 * sum(self._least_send(a, c, b) for a, c in zip(configs, configs[1:]))
-        stages, fitting, sends = self._orders[key]
-        return self._bound(order, stages, fitting, m, b, schedule, sends, beat, self._last_stage(order, b) if last else None)
+        return self._orders[key]
 
-    def _bound(self, layouts: tuple[KindLayout, ...], stages: list[KindLayout], fitting: np.ndarray, m: int, b: int,
-               schedule: str, offset: float, beat: float, last: _LastStage | None = None) -> float:
-        """The least (m - 1) t + summed stage times over candidate bottlenecks t, plus
-        the tail's bound and `offset`; `fitting` (stages x 2): the most layers each
-        stage holds without and with recomputation; `last`: the last stage's own
+    def _bounds(self, rows: list[tuple[KindLayout, ...]], fitting: np.ndarray, m: int, b: int, schedule: str,
+                offsets: np.ndarray, beat: float, lasts: list[_LastStage] | None = None) -> np.ndarray:
+        """Per row of layouts (the same set of layouts, hence stages, in each): the least
+        (m - 1) t + summed stage times over candidate bottlenecks t, plus the tail's
+        bound and the row's offset; `fitting` (rows x stages x 2): the most layers each
+        stage holds without and with recomputation; `lasts`: each row's last stage's own
         figures (`_last_stage`), where the order is known. (An interleaved schedule's
         tail is its device groups' chunks' tails summed, not one run's: it gets no
         tail bound.)"""
         layers = self.costs.n
-        n, nr = fitting[:, 0], fitting[:, 1]
-        if np.maximum(n, nr).sum() < layers:
-            return INF
-        prep = self._prepared(layouts, b)
-        group = prep.group
-        offset += 0.0 if registry.get(schedule).interleaved else group.tail
-        if offset >= beat:
-            return beat
+        out = np.full(len(rows), INF)
+        n, nr = fitting[..., 0], fitting[..., 1]
+        fits = np.maximum(n, nr).sum(axis=1) >= layers
+        if not fits.any():
+            return out
+        group = self._group(rows[0], b)
+        offsets = offsets + (0.0 if registry.get(schedule).interleaved else group.tail)
+        out[fits & (offsets >= beat)] = beat
+        live = np.nonzero(fits & (offsets < beat))[0]
+        if not live.size:
+            return out
+        n, nr, offsets = n[live], nr[live], offsets[live]
+        at = np.stack([self._row_layouts(rows[i], group) for i in live])  # each stage's layout in the group's arrays
         plain = n >= 1  # a stage that cannot hold one layer without recomputing recomputes
-        firsts = np.where(plain, prep.firsts, prep.firsts_remat)
-        rates = np.where(plain, prep.rates, prep.rates_remat)
-        # Per candidate bottleneck time t: the most layers each stage may hold.
-        rooms = np.maximum(np.minimum(prep.plain_rooms, n[:, None]), np.minimum(prep.remat_rooms, nr[:, None])).T
-        if last is not None:
-            firsts[-1], rates[-1] = (last.first, last.step) if plain[-1] else (last.first_remat, last.step_remat)
-            rooms[:, -1] = np.minimum(rooms[:, -1], np.maximum(np.minimum(last.rooms, n[-1]), np.minimum(last.rooms_remat, nr[-1])))
-        by_rate = np.argsort(rates, kind="stable")
-        sorted_rates = rates[by_rate]
-        budget = layers - len(stages)  # layers beyond one per stage
-        base = float(firsts.sum())
+        firsts = np.where(plain, group.firsts[at], group.firsts_remat[at])
+        rates = np.where(plain, group.rates[at], group.rates_remat[at])
+        # Per row, candidate bottleneck time t and stage: the most layers the stage may hold.
+        rooms = np.maximum(np.minimum(group.plain_rooms[at], n[:, :, None]),
+                           np.minimum(group.remat_rooms[at], nr[:, :, None])).transpose(0, 2, 1)
+        if lasts is not None:
+            lasts = [lasts[i] for i in live]
+            ends = plain[:, -1]
+            firsts[:, -1] = np.where(ends, [s.first for s in lasts], [s.first_remat for s in lasts])
+            rates[:, -1] = np.where(ends, [s.step for s in lasts], [s.step_remat for s in lasts])
+            last_rooms = np.maximum(np.minimum(np.stack([s.rooms for s in lasts]), n[:, -1:]),
+                                    np.minimum(np.stack([s.rooms_remat for s in lasts]), nr[:, -1:]))
+            rooms[:, :, -1] = np.minimum(rooms[:, :, -1], last_rooms)
+        by_rate = np.argsort(rates, axis=1, kind="stable")[:, None, :]
+        sorted_rates = np.take_along_axis(rates[:, None, :], by_rate, 2)
+        budget = layers - n.shape[1]  # layers beyond one per stage
+        base = firsts.sum(axis=1)[:, None]
 
-        def least_sums(rooms: np.ndarray) -> np.ndarray:
-            """Per row of `rooms` (the most layers each stage may hold): the least
-            summed stage time when each stage holds at least one layer, the extra
-            layers going to the least increments (inf where the layers do not fit)."""
-            extra = (rooms - 1)[:, by_rate]
-            before = np.cumsum(extra, axis=1) - extra
+        def least_sums(rooms: np.ndarray, rows: np.ndarray | slice = slice(None)) -> np.ndarray:
+            """Per row (of `rows`) and candidate time (`rooms`: the most layers each
+            stage may hold there): the least summed stage time when each stage holds at
+            least one layer, the extra layers going to the least increments (inf where
+            the layers do not fit)."""
+            extra = np.take_along_axis(rooms - 1, by_rate[rows], 2)
+            before = np.cumsum(extra, axis=2) - extra
             take = np.clip(budget - before, 0, extra)
-            sums = base + (take * sorted_rates).sum(axis=1)
-            return np.where((extra.min(axis=1) < 0) | (extra.sum(axis=1) < budget), INF, sums)
+            sums = base[rows] + (take * sorted_rates[rows]).sum(axis=2)
+            return np.where((extra.min(axis=2) < 0) | (extra.sum(axis=2) < budget), INF, sums)
 
         steps = group.steps
-        enough = rooms.sum(axis=1) >= layers
-        if not enough.any():
-            return INF
-        lo = int(np.argmax(enough))  # the least time at which every layer has room
-        floor_sum, best = float(least_sums(np.maximum(n, nr)[None, :])[0]), beat - offset
-        # From there on, a block of times at a time: a time's bound is (m - 1) t plus
-        # its least sum, and once (m - 1) t plus the least sum of all loses to the best
-        # so far, no later time can win.
-        for start in range(lo, len(steps), _BLOCK):
+        enough = rooms.sum(axis=2) >= layers
+        some = enough.any(axis=1)
+        floor_sums = least_sums(np.maximum(n, nr)[:, None, :])[:, 0]
+        best = beat - offsets
+        # From the least time at which some row's layers all have room, a block of times
+        # at a time: a time's bound is (m - 1) t plus its least sum (inf before the row's
+        # layers have room), and once (m - 1) t plus a row's least sum of all reaches its
+        # best so far, no later time can win it.
+        going = some.copy()
+        for start in range(int(np.argmax(enough.any(axis=0))) if some.any() else len(steps), len(steps), _BLOCK):
             ts = steps[start : start + _BLOCK]
-            values = (m - 1) * ts + least_sums(rooms[start : start + _BLOCK])
-            before = np.minimum.accumulate(np.concatenate(([best], values)))[:-1]  # the best so far, before each t
-            losing = np.nonzero((m - 1) * ts + floor_sum >= before)[0]
-            if losing.size:
-                return float(before[losing[0]]) + offset
-            best = min(float(before[-1]), float(values[-1]))
-        return best + offset
+            values = (m - 1) * ts + least_sums(rooms[going, start : start + _BLOCK], going)
+            best[going] = np.minimum(best[going], values.min(axis=1))
+            going[going] = (m - 1) * ts[-1] + floor_sums[going] < best[going]
+            if not going.any():
+                break
+        out[live] = np.where(some, best + offsets, INF)
+        return out
 
     def interleaved_floor(self, layouts: tuple[KindLayout, ...], m: int, b: int, chunks: int) -> float:
         """No split of these device groups, each holding `chunks` = v stages (the row
@@ -409,17 +404,28 @@ class LowerBounds:
         pace (the busiest group's stages summed) is at least a group's v least
         one-layer times, and at least n / sum(1 / r_g) where r_g is the group's least
         time per layer over runs of any length (the groups balanced, were layers
-        divisible); the first microbatch's pass, every stage's least time over v.
-        (`layer_split._Row.pace_floor` on the stage tables, taken here before they are
-        built, from the least runs that bound every table entry.)"""
+        divisible); the first microbatch's pass, every stage's least time over v,
+        and every one of its v x groups - 1 cuts' least send both ways (in full: each
+        lies on that pass). (`layer_split._Row.pace_floor` on the stage tables, taken
+        here before they are built, from the least runs that bound every table entry.)"""
         groups = [lay.config for lay in layouts for _ in range(lay.stages)]
-        runs = [self._stage_runs(c, b) for c in groups]
-        least = np.array([min(r.time[0], r.remat[0]) for r in runs])
-        lengths = np.arange(1, self.costs.n + 1)
-        rates = np.array([float((np.minimum(r.time, r.remat) / lengths).min()) for r in runs])
+        row = groups * chunks
+        sends = 2 * sum(self._least_send(a, c, b) for a, c in zip(row, row[1:]))
+        paces = [self._least_pace(c, b) for c in groups]
+        least, rates = np.array([p[0] for p in paces]), np.array([p[1] for p in paces])
         balanced = self.costs.n / float((1.0 / rates).sum()) if (rates > 0).all() else 0.0
         pace = max(chunks * float(least.max()), balanced)
-        return (float(least.sum()) + (m - 1 / chunks) * pace) * _BELOW
+        return (float(least.sum()) + sends + (m - 1 / chunks) * pace) * _BELOW
+
+    def _least_pace(self, cfg: StageConfig, b: int) -> tuple[float, float]:
+        """One stage's least one-layer time and least time per layer over runs of any
+        length (`interleaved_floor`'s parts, asked for every row of device groups)."""
+        key = (cfg, b)
+        if key not in self._paces:
+            r = self._stage_runs(cfg, b)
+            lengths = np.arange(1, self.costs.n + 1)
+            self._paces[key] = (min(r.time[0], r.remat[0]), float((np.minimum(r.time, r.remat) / lengths).min()))
+        return self._paces[key]
 
     def _work_s(self) -> float:
         """Seconds of work per example at one FLOP/s: what a step's devices share."""
@@ -436,16 +442,13 @@ class LowerBounds:
         exceed an interleaved step, whose fill is 1/v and whose chunks hold fewer.)"""
         return self._work_s() * examples / sum(self._kind_rate(lay.kind) for lay in layouts)
 
-    def _prepared(self, layouts: tuple[KindLayout, ...], b: int) -> _Prepared:
-        """`_bound`'s per-stage arrays of one row of layouts: the search bounds each
-        row once as a set and once per order, so each layout's block is built once
-        per group (`_Group.blocks`) and a row only joins them."""
-        key = (layouts, b)
-        if key not in self._prep:
-            group = self._group(layouts, b)
-            blocks = [group.blocks[lay] for lay in layouts]
-            self._prep[key] = _Prepared(*(np.concatenate([block[i] for block in blocks]) for i in range(6)), group)
-        return self._prep[key]
+    def _row_layouts(self, row: tuple[KindLayout, ...], group: _Group) -> np.ndarray:
+        """Per stage of a row, its layout's position in its group's per-layout arrays
+        (the search bounds each row once as a set and once per order: the group's
+        arrays are built once and a row only picks from them)."""
+        if row not in self._rows:
+            self._rows[row] = np.repeat([group.index[lay] for lay in row], [lay.stages for lay in row])
+        return self._rows[row]
 
     def _group(self, layouts: tuple[KindLayout, ...], b: int) -> _Group:
         """Candidate step times, each layout's rooms at them, and the tail's bound:
@@ -454,11 +457,13 @@ class LowerBounds:
         if key not in self._groups:
             runs = {lay: self._stage_runs(lay.config, b) for lay in key[0]}
             steps = np.unique(np.concatenate([np.concatenate([r.time, r.remat]) for r in runs.values()]))
-            rooms = {lay: (_longest(r.time, steps), _longest(r.remat, steps)) for lay, r in runs.items()}
-            blocks = {lay: (np.full(lay.stages, r.time[0]), np.full(lay.stages, r.remat[0]), np.full(lay.stages, r.step),
-                            np.full(lay.stages, r.step_remat), np.repeat(rooms[lay][0][None, :], lay.stages, axis=0),
-                            np.repeat(rooms[lay][1][None, :], lay.stages, axis=0)) for lay, r in runs.items()}
-            self._groups[key] = _Group(steps, rooms, self._least_tail(key[0]), blocks)
+            rooms = {lay: (longest(r.time, steps), longest(r.remat, steps)) for lay, r in runs.items()}
+            each = list(runs.values())
+            self._groups[key] = _Group(
+                steps, self._least_tail(key[0]), np.array([r.time[0] for r in each]), np.array([r.remat[0] for r in each]),
+                np.array([r.step for r in each]), np.array([r.step_remat for r in each]),
+                np.array([rooms[lay][0] for lay in key[0]]), np.array([rooms[lay][1] for lay in key[0]]),
+                {lay: i for i, lay in enumerate(key[0])})
         return self._groups[key]
 
     def _last_stage(self, order: tuple[KindLayout, ...], b: int) -> _LastStage:
@@ -476,8 +481,8 @@ class LowerBounds:
             steps = self._group(order, b).steps
             r = self._stage_runs(order[-1].config, b)
             above = np.append(steps[1:], INF)
-            self._lasts[key] = _LastStage(float(r.last[0]), float(r.last_remat[0]), _least_step(r.last),
-                                          _least_step(r.last_remat), _longest(r.last, above), _longest(r.last_remat, above))
+            self._lasts[key] = _LastStage(float(r.last[0]), float(r.last_remat[0]), least_step(r.last),
+                                          least_step(r.last_remat), longest(r.last, above), longest(r.last_remat, above))
         return self._lasts[key]
 
     def _least_tail(self, layouts: tuple[KindLayout, ...]) -> float:
@@ -492,7 +497,7 @@ class LowerBounds:
     def _tail_rooms(self, cfg: StageConfig) -> np.ndarray:
         """Per candidate tail (`_tail_grid`), the most layers one such stage holds within it."""
         if cfg not in self._held_tails:
-            self._held_tails[cfg] = _longest(self._stage_tails(cfg), self._tail_grid())
+            self._held_tails[cfg] = longest(self._stage_tails(cfg), self._tail_grid())
         return self._held_tails[cfg]
 
     def _stage_tails(self, cfg: StageConfig) -> np.ndarray:
@@ -504,7 +509,7 @@ class LowerBounds:
             for zero in self.costs.zero_stages(cfg):
                 extra_f, extra_b, _, tail = self.costs.step_costs(cfg, zero)
                 least = np.minimum(least, extra_f + extra_b + tail)
-            self._tails[cfg] = _least_runs(least)
+            self._tails[cfg] = least_runs(least)
         return self._tails[cfg]
 
     def _stage_runs(self, cfg: StageConfig, b: int) -> _Runs:
@@ -520,9 +525,9 @@ class LowerBounds:
             bw = span(cumsum(layer.backward))
             both = f + bw if layer.fused is None else np.minimum(f + bw, span(cumsum(layer.fused)))
             rerun = f + (bw + f)
-            plain, remat = _least_runs(both), _least_runs(rerun)
+            plain, remat = least_runs(both), least_runs(rerun)
             ends = np.arange(self.costs.n - 1, -1, -1)  # where the last stage starts, holding 1, 2, ... layers
-            self._runs[key] = _Runs(plain, remat, _least_step(plain), _least_step(remat), both[ends, self.costs.n],
+            self._runs[key] = _Runs(plain, remat, least_step(plain), least_step(remat), both[ends, self.costs.n],
                                     rerun[ends, self.costs.n])
         return self._runs[key]
 
@@ -560,17 +565,3 @@ class LowerBounds:
                                   most(capacity - float(layer.inputs.min()) * in_flight_count, layer.state + layer.recomputed)
                                   if p.allow_remat or p.force_remat else 0)
         return self._fitting[key]
-
-
-def _first_enough(rooms: list[np.ndarray], index: np.ndarray, size: int, layers: int) -> np.ndarray:
-    """Per combination (a column of `index`, one row of each kind's `rooms`, which
-    are nondecreasing along the grid): the first grid position where their sum
-    reaches `layers` (`size` where none does), by a binary search run on all at once."""
-    lo, hi = np.zeros(index.shape[1], dtype=int), np.full(index.shape[1], size)
-    while (lo < hi).any():
-        mid = (lo + hi) // 2
-        probe = np.minimum(mid, size - 1)
-        enough = sum(r[i, probe] for r, i in zip(rooms, index)) >= layers
-        enough &= mid < size
-        lo, hi = np.where(enough | (lo >= hi), lo, mid + 1), np.where(enough & (lo < hi), mid, hi)
-    return lo

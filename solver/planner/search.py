@@ -20,10 +20,11 @@ descent beyond. With a time limit, the best plan so far comes back with its gap.
 
 Schedules come from the registry (`solver.schedules`); an interleaved one is tried with
 each allowed chunk count, its device groups' chunks splitting the layers in a row
-repeated `chunks` times, on each order whose plain (1F1B) pipeline made the top k so
-far. Its splits are close, not proven optimal (`layer_split`), and an order pruned by
-the plain schedules' bounds is not tried interleaved: the search stays exact for the
-plain schedules, and interleaving improves on the pipelines it finds. With no plain
+repeated `chunks` times, on every order the search reaches, whichever plans it has
+found so far (its own floor, `LowerBounds.interleaved_floor`, refuses most before their
+tables). Its splits are close, not proven optimal (`layer_split`), and layouts whose
+plain schedules' bounds the search prunes are not tried interleaved: it stays exact for the
+plain schedules, and interleaving improves on the pipelines it reaches. With no plain
 schedule allowed every order is tried interleaved, pruned by bounds taken under the
 interleaved schedule (`bounds.py`: the work floor only). Where no pipeline shape can run at all (too few layers for the
 chunks, no microbatch count the schedule accepts), the error says so rather than
@@ -52,13 +53,10 @@ from solver.planner.step import rank
 
 log = logging.getLogger(__name__)
 # The search's best plans by its closed form that the estimator ranks. On the benchmark
-# scenarios (benchmarks/search_scale.py) ten times as many choose the same plans; ten
-# did not (on three kinds an interleaved plan the estimator prefers is only tried on an
-# order whose plain pipeline makes the finalists, which took 50 on 64 and 256 GPUs).
-FINALISTS = 50
-# How far above its order's bound a row's last-stage bound reaches, at most, on the
-# benchmark scenarios (~5%): rows bounded further below the beat are split without it.
-_LAST_REACH = 1.1
+# scenarios (benchmarks/search_scale.py) ten times as many, and 500, choose the same
+# plans; ten did not (on 256 GPUs of two kinds the estimator prefers a 1F1B plan of
+# fewer microbatches that the closed form ranks eleventh).
+FINALISTS = 15
 _STREAM = None  # a queue entry that stands for a stream's next combination, not yet drawn
 
 
@@ -78,12 +76,11 @@ class Planner:
         self.work_flops = self.total_flops if problem.training else float(self.costs.fwd_flops.sum())
         self._single: dict[tuple[str, int, int], tuple[PlanChoice | None, float]] = {}  # and the bound it was searched under
         self._pipelines: dict[tuple, tuple[PlanChoice | None, float]] = {}  # `pipeline`'s, and the beat it was searched under
-        self._tabled: set[tuple] = set()  # the stage tables `_split` has priced (`StageCosts.table`'s arguments)
 
     # --- one pipeline -------------------------------------------------------------
 
     def pipeline(self, layouts: tuple[KindLayout, ...], m: int, b: int, schedule: str, beat: float = INF,
-                 chunks: int = 1, lower: float = 0.0) -> PlanChoice | None:
+                 chunks: int = 1) -> PlanChoice | None:
         """The best split of the layers over these stages, if it fits and beats `beat`.
         With `chunks` = v > 1 each stage is a device group holding v chunks: the
         layers are split over the row of stages repeated v times. Remembered: the
@@ -95,14 +92,12 @@ class Planner:
             return plan if plan.step_s < beat else None
         if beat <= searched_below:
             return None
-        plan = self._split(layouts, m, b, schedule, beat, chunks, lower)
+        plan = self._split(layouts, m, b, schedule, beat, chunks)
         self._pipelines[key] = (plan, beat)
         return plan
 
-    def _split(self, layouts: tuple[KindLayout, ...], m: int, b: int, schedule: str, beat: float, chunks: int,
-               lower: float = 0.0) -> PlanChoice | None:
-        """`pipeline`'s split; `lower`: the order's bound, where known (a row it leaves
-        near the beat is bounded by its last stage too, before tables not yet priced)."""
+    def _split(self, layouts: tuple[KindLayout, ...], m: int, b: int, schedule: str, beat: float, chunks: int) -> PlanChoice | None:
+        """`pipeline`'s split."""
         groups = [lay.config for lay in layouts for _ in range(lay.stages)]
         configs = groups * chunks
         if len(configs) > self.costs.n or b < self.problem.min_microbatch or any(
@@ -113,10 +108,6 @@ class Planner:
         if chunks > 1 and self.bounds.interleaved_floor(layouts, m, b, chunks) >= beat:
             return None  # no split's pace could win: refused before the tables of its positions are built
         keys = [(c, b, in_flight(schedule, m, p, len(configs), chunks), p == len(configs) - 1, m) for p, c in enumerate(configs)]
-        if chunks == 1 and lower * _LAST_REACH >= beat and not self._tabled.issuperset(keys) and \
-                self.bounds.order_bound(layouts, m, b, schedule, beat, last=True) >= beat:
-            return None  # its last stage's own bound refuses it before tables not yet priced are (most of its cost)
-        self._tabled.update(keys)
         tables = [self.costs.table(*key) for key in keys]
         if chunks > 1 and not _chunks_may_fit(tables, len(groups)):
             return None  # no split fits, so neither would the best one (`_chunks_fit` below)
@@ -225,10 +216,6 @@ class Planner:
         per_kind = {name: kind_layouts(p, name) for name in kinds}
         schedules = _schedule_choices(p, interleave)
         bound_schedule = next((name for name, chunks in schedules if chunks == 1), schedules[0][0])
-        # Interleaving refines the orders whose plain pipeline made the top k; with no
-        # plain schedule allowed (`--schedule interleaved`) there is none to wait for,
-        # and every order is tried interleaved.
-        scouted = any(chunks == 1 for _, chunks in schedules)
         # Branch and bound with lazily tightened bounds. Each (microbatch count, set of
         # kinds) is a stream of layout combinations sorted by their first bound (a
         # product's, computed for all at once); a combination leaves its stream only
@@ -284,24 +271,21 @@ class Planner:
                     heapq.heappush(queue, (max(tighter, lower), next(counter), m, layouts, ()))
                 continue
             if not orders:
-                ranked = [(self.bounds.order_bound(order, m, b, bound_schedule, worst), i, order)
-                          for i, order in enumerate(self._orders(layouts))]
+                every = self._orders(layouts)
+                ranked = [(float(bound), i, order) for i, (bound, order)
+                          in enumerate(zip(self.bounds.order_bounds(every, m, b, bound_schedule, worst, last=True), every))]
                 orders = [(bound, order) for bound, _, order in sorted(ranked)]
                 if orders and orders[0][0] < INF:
                     heapq.heappush(queue, (orders[0][0], next(counter), m, layouts, orders))
                 continue
             for order_lower, order in orders:
-                competitive = False  # a plain schedule's pipeline on this order made the top k
                 for schedule, chunks in schedules:
                     worst = -heap[0][0] if len(heap) >= top_k else beat
                     if chunks == 1 and order_lower >= worst:
                         continue
-                    if chunks > 1 and scouted and not competitive:
-                        continue  # interleaving refines competitive pipelines only: it costs v x the split's work
-                    # (and is not held to the plain schedules' bound, which its shorter fill can beat)
-                    plan = self.pipeline(order, m, b, schedule, beat=worst, chunks=chunks, lower=order_lower)
+                    # (interleaved: not held to the plain schedules' bound, which its shorter fill can beat)
+                    plan = self.pipeline(order, m, b, schedule, beat=worst, chunks=chunks)
                     if plan is not None:
-                        competitive = competitive or chunks == 1
                         heapq.heappush(heap, (-plan.step_s, next(counter), plan))
                         if len(heap) > top_k:
                             heapq.heappop(heap)

@@ -1,0 +1,52 @@
+"""Least runs of consecutive layers, and the searches over them that the planner's
+bounds make: which run lengths fit within a candidate time, and where a sum of
+rooms first holds every layer. Pure functions of arrays, shared by the bounds of
+`bounds.py` (kept apart so that module holds only what a bound means)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from solver.cost.stage_costs import INF
+
+FITS_TOL = 1 + 1e-12  # a run whose time equals a candidate step time fits it despite rounding
+
+
+def nondecreasing(runs: np.ndarray) -> np.ndarray:
+    """`runs` made nondecreasing from above: entry n - 1 is the least run of n or more layers."""
+    return np.minimum.accumulate(runs[::-1])[::-1]
+
+
+def least_runs(values: np.ndarray) -> np.ndarray:
+    """[n - 1]: the least sum of any n consecutive entries of `values` (a span matrix):
+    the least of its n-th diagonal above the main one, all diagonals at once."""
+    n = values.shape[0] - 1
+    first, length = np.arange(n)[None, :], np.arange(1, n + 1)[:, None]
+    last = first + length
+    return np.where(last <= n, values[first, np.minimum(last, n)], INF).min(axis=1)
+
+
+def longest(runs: np.ndarray, limits: np.ndarray) -> np.ndarray:
+    """Per limit, the most layers n whose least run `runs[n - 1]` stays within it."""
+    return np.searchsorted(nondecreasing(runs), limits * FITS_TOL, side="right")  # nondecreasing; the same answer as `runs`
+
+
+def least_step(runs: np.ndarray) -> float:
+    """The most d with runs[n - 1] >= runs[0] + (n - 1) d for every n."""
+    if len(runs) < 2:
+        return 0.0
+    return float(max(((runs[1:] - runs[0]) / np.arange(1, len(runs))).min(), 0.0))
+
+
+def first_enough(rooms: list[np.ndarray], index: np.ndarray, size: int, layers: int) -> np.ndarray:
+    """Per combination (a column of `index`, one row of each kind's `rooms`, which
+    are nondecreasing along the grid): the first grid position where their sum
+    reaches `layers` (`size` where none does), by a binary search run on all at once."""
+    lo, hi = np.zeros(index.shape[1], dtype=int), np.full(index.shape[1], size)
+    while (lo < hi).any():
+        mid = (lo + hi) // 2
+        probe = np.minimum(mid, size - 1)
+        enough = sum(r[i, probe] for r, i in zip(rooms, index)) >= layers
+        enough &= mid < size
+        lo, hi = np.where(enough | (lo >= hi), lo, mid + 1), np.where(enough & (lo < hi), mid, hi)
+    return lo
