@@ -55,7 +55,7 @@ def test_a_profile_at_tp2_has_records_keyed_by_that_degree(records):
     by_tp = {tp: {r.name for r in records if r.tp == tp} for tp in (1, 2)}
     assert by_tp[1] == by_tp[2] and len(by_tp[2]) == 3  # embedding, block, head: each at both degrees
     for r in records:
-        assert r.dp == 1 and r.key[3] == r.tp and r.program_s > 0
+        assert r.dp == 1 and r.key[3] == r.tp and r.program_s > 0 and r.merge_s > 0
         for p in r.points:
             assert all(math.isfinite(t) and t > 0 for t in (p.forward_s, p.backward_s, p.once_s)) and p.peak_bytes > 0
 

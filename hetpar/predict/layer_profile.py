@@ -420,8 +420,9 @@ def _layer_runs(fn: Callable, args: tuple, batch_argnum: int, device_ids: Sequen
             record, examples, _carried_run(fwd, plain.graph), _carried_run(bwd, plain.graph) if bwd else None,
             _carried_run(redo, rerun.graph) if redo else None, [program_run(p, plain.graph) for p in once], share,
             max(_peak_bytes(p, plain.graph, program_inputs) for p in mine),
-            _merge_run([plain.graph.avals[v] for p in mine if p.task.per_microbatch for v in p.task.reductions],
-                       device_ids, merge_ids) if merge_ids is not None else None,
+            _merge_run([(plain.graph.avals[v], None if v in p.stacked else sh.spec) for p in mine if p.task.per_microbatch
+                        for v, sh in zip(p.task.reductions, p.acc_shardings)], device_ids, merge_ids, (dp, tp))
+            if merge_ids is not None else None,
             signatures.count(signature),
             _send_run(fwd, plain, device_ids, send_ids, (dp, tp)) if send_ids is not None else None,
             pair if n > 1 and signature == signatures[n - 2] and bwd is not None else None,
@@ -459,25 +460,26 @@ def _finish_run(program: Any) -> Callable[[], Any] | None:
     return lambda: program.finish(acc)
 
 
-def _merge_run(avals: Sequence[Any], device_ids: Sequence[int], all_ids: Sequence[int]) -> Callable[[], Any]:
+def _merge_run(arrays: Sequence[tuple[Any, Any]], device_ids: Sequence[int], all_ids: Sequence[int],
+               shape: tuple[int, ...] = ()) -> Callable[[], Any]:
     """What combining data-parallel replicas costs for one layer: another replica's
-    gradients of the layer (`avals`, on the next `len(device_ids)` devices of
-    `all_ids` where there are enough, else the same ones) each moved to this mesh and
-    added to this replica's, one eager program per array, as the runtime's replica
-    combine does (`hetpar.runtime.interpreter`). On a host with few cores and many
-    arrays this costs far more than the bytes do: dispatch and placement per array."""
+    gradients of the layer (`arrays`: aval and layout, None for whole, on the next
+    `len(device_ids)` devices of `all_ids` where there are enough, else the same ones,
+    shaped `shape`) each moved to this mesh and added to this replica's, one eager
+    program per array, as the runtime's replica combine does (`hetpar.runtime.interpreter`).
+    On a host with few cores and many arrays this costs far more than the bytes do:
+    dispatch and placement per array."""
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 
     from hetpar.compile.programs import stage_mesh
 
-    dp = len(device_ids)
+    n = len(device_ids)
     rest = [d for d in all_ids if d not in device_ids]
-    here = NamedSharding(stage_mesh(tuple(device_ids)), PartitionSpec())
-    there = NamedSharding(stage_mesh(tuple(rest[:dp] if len(rest) >= dp else device_ids)), PartitionSpec())
-    home = [jax.device_put(jnp.zeros(a.shape, a.dtype), here) for a in avals]
-    other = [jax.device_put(jnp.zeros(a.shape, a.dtype), there) for a in avals]
-    return lambda: [jnp.add(h, jax.device_put(o, here)) for h, o in zip(home, other)]
+    here, there = stage_mesh(tuple(device_ids), shape), stage_mesh(tuple(rest[:n] if len(rest) >= n else device_ids), shape)
+    home = [jax.device_put(jnp.zeros(a.shape, a.dtype), NamedSharding(here, spec or PartitionSpec())) for a, spec in arrays]
+    other = [jax.device_put(jnp.zeros(a.shape, a.dtype), NamedSharding(there, spec or PartitionSpec())) for a, spec in arrays]
+    return lambda: [jnp.add(h, jax.device_put(o, h.sharding)) for h, o in zip(home, other)]
 
 
 def _send_run(program: Any, compiled: Any, device_ids: Sequence[int], all_ids: Sequence[int],
