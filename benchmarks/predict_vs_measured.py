@@ -3,11 +3,13 @@
 1. Layer profiles made here (`hetpar.predict.layer_profile.layer_timing`, what
    `hetpar profile --layers` runs): each distinct layer of the benchmark GPT
    (benchmarks/step_timing.gpt_benchmark: d_model 128, 4 heads, 64 tokens, 4 blocks,
-   cut into 6 layers: embedding, 4 blocks, head) timed on meshes of the data-parallel
-   degrees the plans use, at the examples per device they run.
+   cut into 6 layers: embedding, 4 blocks, head) timed on meshes of the data- and
+   tensor-parallel degrees the plans use, at the examples per device they run (at
+   tp > 1 laid out by the sharding pass, `hetpar.predict.tp_profile`).
 2. Plans fixed by hand on a virtual cluster of two device groups ("a": devices 0-3,
    "b": 4-7, both this host's CPU): 1F1B and interleaved, 2 to 4 stages, data-parallel
-   pipelines side by side, several microbatch counts. Each is made by
+   pipelines side by side, several microbatch counts, one plan whose stages have a
+   model axis (2 x 2, data x model). Each is made by
    `hetpar.parallelize(..., profile=F)` and priced by the one estimator
    (`plan.predicted_step_time_s`); the same decisions are priced again without the
    layer records (the roofline and the catalog's CPU figures, pipeline stages side by
@@ -57,9 +59,11 @@ from hetpar.cluster.cluster import Cluster  # noqa: E402
 from hetpar.cluster.groups import DeviceGroup  # noqa: E402
 from hetpar.plan.costs import estimate_plan  # noqa: E402
 from hetpar.predict.layer_profile import layer_timing  # noqa: E402
+from hetpar.predict.tp_profile import Pooled  # noqa: E402
 from hetpar.predict.timing import busy_clock, median_times  # noqa: E402
 from hetpar.predict.profile import Profile  # noqa: E402
 from hetpar.runtime.host_cost import host_runs  # noqa: E402
+from hetpar.shard import shard_stages  # noqa: E402
 from step_timing import Stepper, gpt_benchmark, interleaved_rounds  # noqa: E402
 
 NUM_LAYERS = 6  # embedding, 4 blocks, head
@@ -74,6 +78,7 @@ PLANS = [
     ("2 data-parallel pipelines x 1 stage m=2", dict(num_replicas=2, num_stages=1, num_microbatches=2)),
     ("2 data-parallel pipelines x 2 stages m=2", dict(num_replicas=2, num_stages=2, num_microbatches=2, schedule="1f1b")),
     ("3 stages 1F1B m=4", dict(num_stages=3, num_microbatches=4, schedule="1f1b")),
+    ("2 stages 1F1B m=4, each 2x2 (data x model)", dict(num_stages=2, num_microbatches=4, schedule="1f1b", mesh_shape=(2, 2))),
 ]
 
 
@@ -97,20 +102,25 @@ def main() -> None:
     batch = args.batch_size
     print(f"load before: {os.getloadavg()}")
 
-    # 1. Which (data-parallel degree, examples per device) the plans run: a plan on the
-    # cluster is made first without a profile, only to read its meshes and microbatch.
+    # 1. Which (tensor-parallel degree, data-parallel degree, examples per device) the plans
+    # run: a plan on the cluster is made first without a profile, only to read its meshes and microbatch.
     shapes = set()
     for _, options in PLANS:
         plan = hetpar.make_plan(w.step, (w.state, w.batch), cluster, num_layers=NUM_LAYERS, **options)
         for s in plan.stages:
             share = sum(plan.replica_batch) and plan.replica_batch[s.replica] or batch
-            shapes.add((s.num_devices, share // plan.num_microbatches // s.num_devices))
-    dps = sorted({dp for dp, _ in shapes})
-    examples = sorted({e for _, e in shapes})
-    print(f"profiling layers on meshes of {dps} devices at {examples} examples per device")
+            dp = s.num_devices // s.tensor_parallel
+            shapes.add((s.tensor_parallel, dp, share // plan.num_microbatches // dp))
+    parts = []
     start = time.perf_counter()
-    timing = layer_timing(w.step, (w.state, w.batch), list(range(8)), "cpu", examples, dps, NUM_LAYERS, remat=False,
-                          host=host_runs)
+    for tp in sorted({tp for tp, _, _ in shapes}):  # each degree its own meshes and sizes, not all crossed
+        dps = sorted({dp for t, dp, _ in shapes if t == tp})
+        examples = sorted({e for t, _, e in shapes if t == tp})
+        print(f"profiling layers at tensor-parallel degree {tp} on meshes of {dps} x {tp} devices at {examples} "
+              f"examples per device")
+        parts.append(layer_timing(w.step, (w.state, w.batch), list(range(8)), "cpu", examples, dps, NUM_LAYERS, remat=False,
+                                  host=host_runs, tensor_parallel=(tp,), shard=shard_stages))
+    timing = parts[0] if len(parts) == 1 else Pooled(parts)
     clock = busy_clock("cpu")
     # A first profile, only to make the plans with (which layers each stage holds).
     first = Path(tempfile.mkdtemp()) / "first.json"
@@ -137,7 +147,7 @@ def main() -> None:
                            + (f" (one program {p.fused_s * 1e3:.2f} ms)" if p.fused_s else "")
                            + f", send {p.send_s * 1e3:.2f} ms, per program {p.stage_program_s * 1e3:.2f} ms"
                            for p in r.points)
-        print(f"  {r.name:<12} on {r.dp} devices: launch {r.program_s * 1e3:.2f} ms, per stage program "
+        print(f"  {r.name:<12} on {r.dp}x{r.tp} devices: launch {r.program_s * 1e3:.2f} ms, per stage program "
               f"{r.stage_program_s * 1e3:.2f} ms, merge {r.merge_s * 1e3:.2f} ms, once {r.points[0].once_s * 1e3:.2f} ms "
               f"({r.once_programs} programs), runtime per dispatch {r.dispatch_s * 1e3:.2f} ms, batch split "
               f"{r.points[0].split_s * 1e3:.2f} ms; fwd+bwd {points}")
@@ -158,7 +168,8 @@ def main() -> None:
         wall = statistics.median(rounds.wall[label])
         err = (predicted - cpu) / cpu
         errors.append(abs(err))
-        stages = " | ".join(f"{s.group}:{s.layer_start}-{s.layer_end - 1}x{s.num_devices}" for s in plan.stages)
+        stages = " | ".join(f"{s.group}:{s.layer_start}-{s.layer_end - 1}x{s.num_devices}"
+                            + (f" (tp {s.tensor_parallel})" if s.tensor_parallel > 1 else "") for s in plan.stages)
         print(f"{label:<48} {predicted * 1e3:>9.1f} ms {without_layers(priced) * 1e3:>7.1f} ms {cpu * 1e3:>7.1f} ms "
               f"{err:>+7.1%} {wall * 1e3:>6.1f} ms  {stages}")
     print(f"uptime load average during timing: {statistics.mean(loads):.2f} (2 cores); after: {os.getloadavg()}")

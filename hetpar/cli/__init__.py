@@ -60,12 +60,17 @@ def parser() -> argparse.ArgumentParser:
         "--layers", metavar="STEP",
         help="time each distinct layer of this step (a reference model, MODULE:FUNCTION or file.py:FUNCTION) "
         "on this machine: forward, backward with and without recomputation, and the update, at --microbatch-sizes "
-        "examples per device on meshes of --data-parallel devices; `hetpar solve --profile` then prices those layers "
-        "from the measurement",
+        "examples per device on meshes of --data-parallel x --tensor-parallel devices; `hetpar solve --profile` then "
+        "prices those layers from the measurement",
     )
     p.add_argument("--microbatch-sizes", default="2,4,8", help="with --layers: examples per device to time (default 2,4,8)")
     p.add_argument("--data-parallel", default="1",
                    help="with --layers: data-parallel degrees to time each layer on, e.g. 1,2,4 (default 1)")
+    p.add_argument("--tensor-parallel", "--tp", default="1",
+                   help="with --layers: tensor-parallel degrees to time each layer at, e.g. 1,2,4, crossed with "
+                   "--data-parallel (meshes of more devices than a kind has are left out); above 1 each layer runs as the "
+                   "sharding pass lays out a stage of it on a data x model mesh (default 1: stages with a model axis "
+                   "are then priced from the model)")
     p.add_argument("--no-remat", action="store_true", help="with --layers: skip the recomputing backward")
     p.add_argument("--rounds", type=int, default=7, help="with --layers: timed rounds per program (the median is kept)")
     p.add_argument("--links", action="store_true",

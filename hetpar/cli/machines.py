@@ -83,6 +83,9 @@ def profile(args: argparse.Namespace) -> int:
     # The step's module first: it may set JAX's CPU device count, which only works
     # before anything (the device profile below) starts JAX's backend.
     step = load_workload(args.layers) if args.layers else None
+    if args.layers:  # the layer profile's degrees checked before the device profile takes its time
+        for flag in ("--microbatch-sizes", "--data-parallel", "--tensor-parallel"):
+            ints(getattr(args, flag[2:].replace("-", "_")), flag)
     layers = []
     if args.model:
         for size in ints(args.batch_sizes, "--batch-sizes"):
@@ -143,16 +146,20 @@ def profile_layers(args: argparse.Namespace, workload) -> list:  # noqa: ANN001
     from hetpar.cluster.cluster import Cluster
     from hetpar.predict.layer_profile import layer_timing
     from hetpar.runtime.host_cost import host_runs
+    from hetpar.shard import shard_stages
 
     records = []
     for group in Cluster.local().groups:
         kind = args.device_type or group.type_name
         records += layer_timing(workload.step, workload.args, group.device_ids, kind,
                                 ints(args.microbatch_sizes, "--microbatch-sizes"), ints(args.data_parallel, "--data-parallel"),
-                                num_layers=args.num_layers, remat=not args.no_remat, host=host_runs).measure(args.rounds)
+                                num_layers=args.num_layers, remat=not args.no_remat, host=host_runs,
+                                tensor_parallel=ints(args.tensor_parallel, "--tensor-parallel"),
+                                shard=shard_stages).measure(args.rounds)
     for r in records:
         sizes = ", ".join(f"{p.examples}: {p.forward_s * 1e3:.3g}/{p.backward_s * 1e3:.3g} ms" for p in r.points)
-        print(f"  layer {r.name} [{r.signature}] on {r.dp}x{r.device_kind} ({r.dtype}), fwd/bwd per examples {sizes}")
+        mesh = f"{r.dp}x{r.tp} (data x model) {r.device_kind}" if r.tp > 1 else f"{r.dp}x{r.device_kind}"
+        print(f"  layer {r.name} [{r.signature}] on {mesh} ({r.dtype}), fwd/bwd per examples {sizes}")
     return records
 
 

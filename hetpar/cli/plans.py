@@ -202,21 +202,24 @@ def _bytes(nbytes: float) -> str:
 
 
 def layer_sources(plan) -> list[str]:  # noqa: ANN001
-    """Per device kind the plan runs on: which of its layers are priced from a
-    measured layer profile and which from the model (`hetpar profile --layers`)."""
+    """Per device kind the plan runs on (and tensor-parallel degree, where above 1):
+    which of its layers are priced from a measured layer profile and which from the
+    model (`hetpar profile --layers`; a stage is priced from records of its own
+    tensor-parallel degree only)."""
     inputs = plan.cost_inputs
     if inputs is None or not inputs.measured_layers:
         return []
     measured: dict[str, set[int]] = {}
     modelled: dict[str, set[int]] = {}
+    names = {}
     for s in plan.stages:
         kind = s.group or s.device_type
+        name = names.setdefault((kind, s.tensor_parallel), kind if s.tensor_parallel == 1 else f"{kind} (tp {s.tensor_parallel})")
         have = {m.layer for m in inputs.measured_layers if m.kind == kind and m.tp == s.tensor_parallel}
         for layer in range(s.layer_start, s.layer_end):
-            (measured if layer in have else modelled).setdefault(kind, set()).add(layer)
-    return [f"layers on {kind}: measured (profile) {_ranges(sorted(measured.get(kind, ())))}; "
-            f"modelled {_ranges(sorted(modelled.get(kind, ())))}"
-            for kind in dict.fromkeys(s.group or s.device_type for s in plan.stages)]
+            (measured if layer in have else modelled).setdefault(name, set()).add(layer)
+    return [f"layers on {name}: measured (profile) {_ranges(sorted(measured.get(name, ())))}; "
+            f"modelled {_ranges(sorted(modelled.get(name, ())))}" for name in names.values()]
 
 
 def _ranges(layers: list[int]) -> str:

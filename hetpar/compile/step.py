@@ -237,16 +237,20 @@ def _read_elsewhere(graph: OpGraph, host: Task, post: Task) -> set[int]:
 
 
 def compile_layer_stages(traced: TracedStep, layers: Layers, layer_stage: list[int], meshes: dict[int, Mesh],
-                         remat: str = "") -> CompiledStep:
+                         remat: str = "", layouts: dict[int, dict] | None = None) -> CompiledStep:
     """The step with layer i on stage `layer_stage[i]`, no plan needed: how the
     profiler compiles each layer on its own (all on one mesh). `remat`: every stage's
     backward recomputes its forward under that policy (hetpar.compile.remat), as a
-    plan's stage with that policy would."""
+    plan's stage with that policy would. `layouts`: per stage, the layouts its
+    programs apply (`stage_layouts` of a plan the sharding pass laid out: how the
+    profiler runs a layer on a mesh with a model axis as a plan's stage would run it)."""
     m = traced.batch_size // traced.microbatch_size
     tasks = build_tasks(traced.full, traced.analysis, op_stages(traced.full, traced.analysis, layers, layer_stage))
     if remat:
         tasks = recompute(tasks, traced.full, {stage: remat for stage in set(layer_stage)})
-    programs = [compile_task(t, traced.exec_graph, traced.full.constants, traced.analysis, meshes[t.stage], m) for t in tasks]
+    layouts = layouts or {}
+    programs = [compile_task(t, traced.exec_graph, traced.full.constants, traced.analysis, meshes[t.stage], m,
+                             **layouts.get(t.stage, {})) for t in tasks]
     return CompiledStep(
         traced.exec_graph, traced.full.constants, traced.analysis, programs, set(traced.batch_invars), m, traced.microbatch_size
     )

@@ -7,7 +7,7 @@ elementwise work, the precision XLA picks, dispatch) it can only guess. So
 devices, alone (each layer its own pipeline stage, `compile_layer_stages`): its
 forward program, its backward program with and without recomputation, and its
 once-per-step programs (the update; on a mesh of several devices the gradient
-reduction too), at several microbatch sizes and data-parallel degrees, and records
+reduction too), at several microbatch sizes, data- and tensor-parallel degrees, and records
 time and peak memory. Planning then prices each layer it finds in the profile from
 the measurement (`solver.cost.measured`) and every other one from the model.
 
@@ -18,8 +18,8 @@ A record is keyed by:
 - `device_kind`: the catalog name of the devices it was measured on;
 - `dtype`: the step's dtype policy: its compute dtype, and for float32 the matmul
   precision it ran under where not JAX's default (`dtype_policy`);
-- `tp` and `dp`: the tensor- and data-parallel degrees of the mesh (this profiler
-  measures tp 1: a layer alone has no intra-op layouts to split it by);
+- `tp` and `dp`: the tensor- and data-parallel degrees of the mesh (at tp > 1 the
+  layer runs as the sharding pass lays out a stage of it: `tp_profile`);
 and holds one point per microbatch size (`examples`: per data-parallel device).
 
 Times are seconds of `timing.busy_clock()` (wall time on accelerators; on CPU virtual
@@ -59,6 +59,7 @@ from typing import Any, Callable, Sequence
 import jax
 
 from hetpar.errors import HetparError
+from hetpar.predict.tp_profile import Pooled, layer_layouts
 from solver.cost.measured import LayerPoint, MeasuredLayer
 
 log = logging.getLogger("hetpar.profile")
@@ -288,7 +289,9 @@ def layer_timing(
     remat: bool = True,
     back_to_back: int = 4,
     host: Callable[[Any], Any] | None = None,
-) -> LayerTiming:
+    tensor_parallel: Sequence[int] = (1,),
+    shard: Callable[..., Any] | None = None,
+) -> LayerTiming | Pooled:
     """Each distinct layer of `fn(*args)` on meshes of the first `dp` of `device_ids`
     for each `dp` in `data_parallel`, at `examples` per device and microbatch
     (`num_layers`: the cut; default the planner's, one layer per repeated block plus
@@ -301,14 +304,28 @@ def layer_timing(
     does not see). `host`: `hetpar.runtime.host_cost.host_runs`, passed in by the
     caller (this package does not import the runtime): with it, the runtime's own
     host work per program dispatch and its batch split are timed on each mesh's
-    reference step (`LayerRecord.dispatch_s`, `LayerPointRecord.split_s`)."""
+    reference step (`LayerRecord.dispatch_s`, `LayerPointRecord.split_s`).
+    `tensor_parallel`: the model axis's degrees, each crossed with `data_parallel`
+    (meshes of more devices than there are left out), one `LayerTiming` each
+    (`tp_profile.Pooled` for several); above 1 the layers are laid out by the sharding
+    pass `shard` (`hetpar.shard.shard_stages`, passed in as `host` is: `tp_profile`)."""
     from hetpar.cluster.cluster import jax_devices
 
     if not examples or min(examples) < 1:
         raise HetparError(f"microbatch sizes to profile must be positive, got {list(examples)}")
-    if bad := [d for d in data_parallel if not 0 < d <= len(device_ids)]:
-        raise HetparError(f"cannot profile layers on {bad[0]} devices: {len(device_ids)} {device_kind} devices here; "
-                          f"pass data-parallel degrees up to {len(device_ids)}")
+    if not tensor_parallel or min(tensor_parallel) < 1:
+        raise HetparError(f"tensor-parallel degrees to profile must be positive, got {list(tensor_parallel)}")
+    if len(set(tensor_parallel)) > 1:
+        return Pooled([layer_timing(fn, args, device_ids, device_kind, examples, data_parallel, num_layers, batch_argnum, remat,
+                                    back_to_back, host, (tp,), shard) for tp in dict.fromkeys(tensor_parallel)])
+    tp = tensor_parallel[0]
+    if bad := [d for d in data_parallel if not 0 < d * tp <= len(device_ids)]:
+        if len(bad) == len(data_parallel) or tp == 1:
+            raise HetparError(f"cannot profile layers on {bad[0] * tp} devices ({bad[0]} data x {tp} tensor parallel): "
+                              f"{len(device_ids)} {device_kind} devices here; pass degrees whose product is at most "
+                              f"{len(device_ids)}")
+        log.info("tensor-parallel degree %d: data-parallel degrees %s left out (more than %d devices)", tp, bad, len(device_ids))
+        data_parallel = [d for d in data_parallel if d not in bad]
     if min(examples) * min(data_parallel) < 2:
         raise HetparError("a microbatch of one example traces apart from larger ones (hetpar runs none): profile at "
                           "least 2 examples per microbatch, e.g. --microbatch-sizes 2,4 on one device or 1,2 on two")
@@ -319,8 +336,8 @@ def layer_timing(
     hosts: dict[tuple[int, int, int, bool], list[Callable[[], Any]]] = {}
     for dp in dict.fromkeys(data_parallel):
         for e in dict.fromkeys(examples):
-            mine, whole, ref = _layer_runs(fn, args, batch_argnum, device_ids[:dp], device_kind, e, dp, num_layers, remat,
-                                           shared, device_ids if e == min(examples) else None, device_ids)
+            mine, whole, ref = _layer_runs(fn, args, batch_argnum, device_ids[:dp * tp], device_kind, e, dp, num_layers, remat,
+                                           shared, device_ids if e == min(examples) else None, device_ids, tp, shard)
             layers += mine
             if whole is not None:
                 together[(dp, e)] = whole
@@ -328,7 +345,7 @@ def layer_timing(
             if made is not None and made.dispatches:
                 hosts[(dp, e, made.dispatches, made.split is not None)] = [made.interpreter] + (
                     [made.split] if made.split is not None else [])
-    launches = {dp: _launch_run(device_ids[:dp]) for dp in dict.fromkeys(data_parallel)}
+    launches = {dp: _launch_run(device_ids[:dp * tp]) for dp in dict.fromkeys(data_parallel)}
     runs: list[Callable[[], Any]] = [*launches.values(), *together.values(), *(r for rs in hosts.values() for r in rs)]
     k = max(1, back_to_back)
     runs = [_repeated(run, k) for run in runs]
@@ -340,8 +357,8 @@ def layer_timing(
 
 def _layer_runs(fn: Callable, args: tuple, batch_argnum: int, device_ids: Sequence[int], device_kind: str, examples: int,
                 dp: int, num_layers: int | None, remat: bool, shared: bool,
-                merge_ids: Sequence[int] | None = None,
-                send_ids: Sequence[int] | None = None) -> tuple[list[_Layer], Callable[[], Any] | None, Any]:
+                merge_ids: Sequence[int] | None = None, send_ids: Sequence[int] | None = None, tp: int = 1,
+                shard: Callable[..., Any] | None = None) -> tuple[list[_Layer], Callable[[], Any] | None, Any]:
     """The programs of each distinct layer, compiled alone on one mesh of `device_ids`
     (and with `merge_ids`, the devices there are, its replica combine: `_merge_run`;
     with `send_ids`, its input's arrival from another mesh of them: `_send_run`; the
@@ -349,7 +366,8 @@ def _layer_runs(fn: Callable, args: tuple, batch_argnum: int, device_ids: Sequen
     and one microbatch of all the layers but the last two as one stage that is not the
     last, its forward and backward program (None for a model of fewer than 4 layers);
     and the reference compile those come from, a two-stage step on the one mesh (None
-    for a model of one layer), on which the runtime's host work is timed."""
+    for a model of one layer), on which the runtime's host work is timed. At `tp` > 1 the
+    mesh is `dp` x `tp` and every compile applies the sharding pass's layouts (`tp_profile`)."""
     from hetpar.compile.programs import stage_mesh
     from hetpar.compile.step import compile_layer_stages
     from hetpar.predict.calibrate import program_inputs, program_run
@@ -364,11 +382,12 @@ def _layer_runs(fn: Callable, args: tuple, batch_argnum: int, device_ids: Sequen
     layers = build_layers(traced.full, traced.analysis, flops, num_layers or block_count(traced.full, traced.analysis, flops))
     signatures = layer_signatures(traced.full, traced.analysis, layers)
     dtype = dtype_policy(compute_dtype(traced.full, flops))
-    mesh = stage_mesh(tuple(device_ids))
+    mesh = stage_mesh(tuple(device_ids), (dp, tp))
     stages = list(range(layers.num_layers))
     meshes = {i: mesh for i in stages}
-    plain = compile_layer_stages(traced, layers, stages, meshes)
-    rerun = compile_layer_stages(traced, layers, stages, meshes, remat="full") if remat else None
+    laid = layer_layouts(traced, layers, stages, device_ids, (dp, tp), device_kind, shard)
+    plain = compile_layer_stages(traced, layers, stages, meshes, layouts=laid)
+    rerun = compile_layer_stages(traced, layers, stages, meshes, remat="full", layouts=laid) if remat else None
     # One reference compile: the layers before the last two as one stage that is not the last (its
     # forward and backward program: the per-program cost's reference, `LayerTiming.records`), and
     # the last two layers as the last stage, forward and backward one program (what the layer before
@@ -377,7 +396,8 @@ def _layer_runs(fn: Callable, args: tuple, batch_argnum: int, device_ids: Sequen
     whole = pair = ref = None
     if n > 1:
         split = [0] * (n - 2) + [1 if n > 2 else 0] * 2
-        ref = compile_layer_stages(traced, layers, split, {s: mesh for s in set(split)})
+        ref = compile_layer_stages(traced, layers, split, {s: mesh for s in set(split)},
+                                   layouts=layer_layouts(traced, layers, split, device_ids, (dp, tp), device_kind, shard))
         last = [p for p in ref.programs if p.task.per_microbatch and p.task.stage == split[-1]]
         if len(last) == 1:
             pair = _carried_run(last[0], ref.graph)
@@ -394,16 +414,17 @@ def _layer_runs(fn: Callable, args: tuple, batch_argnum: int, device_ids: Sequen
         bwd = next((p for p in mine if p.task.kind == "bwd"), None)
         redo = next((p for p in rerun.programs if p.task.stage == layer and p.task.kind == "bwd"), None) if rerun else None
         once = [p for p in mine if not p.task.per_microbatch]
-        record = LayerRecord(signature, layers.names[layer], device_kind, dtype, 1, dp, shared)
+        record = LayerRecord(signature, layers.names[layer], device_kind, dtype, tp, dp, shared)
         share = layers.forward_flops[layer] / layers.flops[layer] if layers.forward_flops and layers.flops[layer] else 1 / 3
         out.append(_Layer(
             record, examples, _carried_run(fwd, plain.graph), _carried_run(bwd, plain.graph) if bwd else None,
             _carried_run(redo, rerun.graph) if redo else None, [program_run(p, plain.graph) for p in once], share,
             max(_peak_bytes(p, plain.graph, program_inputs) for p in mine),
-            _merge_run([plain.graph.avals[v] for p in mine if p.task.per_microbatch for v in p.task.reductions],
-                       device_ids, merge_ids) if merge_ids is not None else None,
+            _merge_run([(plain.graph.avals[v], None if v in p.stacked else sh.spec) for p in mine if p.task.per_microbatch
+                        for v, sh in zip(p.task.reductions, p.acc_shardings)], device_ids, merge_ids, (dp, tp))
+            if merge_ids is not None else None,
             signatures.count(signature),
-            _send_run(fwd, plain, device_ids, send_ids) if send_ids is not None else None,
+            _send_run(fwd, plain, device_ids, send_ids, (dp, tp)) if send_ids is not None else None,
             pair if n > 1 and signature == signatures[n - 2] and bwd is not None else None,
             signatures[: n - 2].count(signature) if whole is not None else 0,
             _finish_run(next((p for p in mine if p.task.per_microbatch and p.finish is not None), None)),
@@ -439,33 +460,35 @@ def _finish_run(program: Any) -> Callable[[], Any] | None:
     return lambda: program.finish(acc)
 
 
-def _merge_run(avals: Sequence[Any], device_ids: Sequence[int], all_ids: Sequence[int]) -> Callable[[], Any]:
+def _merge_run(arrays: Sequence[tuple[Any, Any]], device_ids: Sequence[int], all_ids: Sequence[int],
+               shape: tuple[int, ...] = ()) -> Callable[[], Any]:
     """What combining data-parallel replicas costs for one layer: another replica's
-    gradients of the layer (`avals`, on the next `len(device_ids)` devices of
-    `all_ids` where there are enough, else the same ones) each moved to this mesh and
-    added to this replica's, one eager program per array, as the runtime's replica
-    combine does (`hetpar.runtime.interpreter`). On a host with few cores and many
-    arrays this costs far more than the bytes do: dispatch and placement per array."""
+    gradients of the layer (`arrays`: aval and layout, None for whole, on the next
+    `len(device_ids)` devices of `all_ids` where there are enough, else the same ones,
+    shaped `shape`) each moved to this mesh and added to this replica's, one eager
+    program per array, as the runtime's replica combine does (`hetpar.runtime.interpreter`).
+    On a host with few cores and many arrays this costs far more than the bytes do:
+    dispatch and placement per array."""
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 
     from hetpar.compile.programs import stage_mesh
 
-    dp = len(device_ids)
+    n = len(device_ids)
     rest = [d for d in all_ids if d not in device_ids]
-    here = NamedSharding(stage_mesh(tuple(device_ids)), PartitionSpec())
-    there = NamedSharding(stage_mesh(tuple(rest[:dp] if len(rest) >= dp else device_ids)), PartitionSpec())
-    home = [jax.device_put(jnp.zeros(a.shape, a.dtype), here) for a in avals]
-    other = [jax.device_put(jnp.zeros(a.shape, a.dtype), there) for a in avals]
-    return lambda: [jnp.add(h, jax.device_put(o, here)) for h, o in zip(home, other)]
+    here, there = stage_mesh(tuple(device_ids), shape), stage_mesh(tuple(rest[:n] if len(rest) >= n else device_ids), shape)
+    home = [jax.device_put(jnp.zeros(a.shape, a.dtype), NamedSharding(here, spec or PartitionSpec())) for a, spec in arrays]
+    other = [jax.device_put(jnp.zeros(a.shape, a.dtype), NamedSharding(there, spec or PartitionSpec())) for a, spec in arrays]
+    return lambda: [jnp.add(h, jax.device_put(o, h.sharding)) for h, o in zip(home, other)]
 
 
-def _send_run(program: Any, compiled: Any, device_ids: Sequence[int], all_ids: Sequence[int]) -> Callable[[], Any] | None:
+def _send_run(program: Any, compiled: Any, device_ids: Sequence[int], all_ids: Sequence[int],
+              shape: tuple[int, ...] = ()) -> Callable[[], Any] | None:
     """What a pipeline pays per microbatch to hand this layer its input from the stage
     before it: the forward program's inputs that another layer's forward makes (the
     activation; none for the first layer) moved from a mesh of the next
     `len(device_ids)` devices of `all_ids` (the same ones where there are too few)
-    to this program's sharding with `jax.device_put`, as the runtime's device path
+    (shaped `shape`, as this one) to this program's sharding with `jax.device_put`, as the runtime's device path
     moves them (`hetpar.runtime.communicator`). The gradient going back is as many
     bytes the other way. On CPU devices this is a copy per shard and a dispatch, about
     a millisecond where the link's bytes are priced at hundredths of one. None where
@@ -479,9 +502,9 @@ def _send_run(program: Any, compiled: Any, device_ids: Sequence[int], all_ids: S
     wanted = [(v, s) for v, s in zip(program.task.inputs, program.in_shardings) if v in made]
     if not wanted:
         return None
-    dp = len(device_ids)
+    n = len(device_ids)
     rest = [d for d in all_ids if d not in device_ids]
-    there = stage_mesh(tuple(rest[:dp] if len(rest) >= dp else device_ids))
+    there = stage_mesh(tuple(rest[:n] if len(rest) >= n else device_ids), shape)
     graph = compiled.graph
     sources = [jax.device_put(jnp.zeros(graph.avals[v].shape, graph.avals[v].dtype), NamedSharding(there, s.spec))
                for v, s in wanted]
