@@ -34,6 +34,7 @@ from solver.cost.topologies import (across_nodes_s, across_topology, dp_sync_s, 
 from solver.zero import zero_time
 
 INF = float("inf")
+_OTHERWISE = np.array([INF, INF, 0.0, 0.0])[:, None, None]  # a table's forward, backward, tail, sync where nothing fits
 
 
 class StageCosts:
@@ -309,13 +310,13 @@ class StageCosts:
         per range the fastest that fits."""
         capacity = self.capacity(cfg.kind)
         shape = (self.n + 1, self.n + 1)
-        choices, fields, time_cost = self._table_times(cfg, b, m, last)
+        choices, fields, time_cost, stacked4 = self._table_times(cfg, b, m, last)
         tiers = self.offload_tiers(cfg)
         host, disk = self.host_capacity(cfg.kind), self.nvme_capacity(cfg.kind)
         if tiers[0] == "" and (not host or not disk and all(t == "nvme" for t in tiers[1:])):
             # on the devices only (most problems; no room to offload to skips every other tier
             # below): the loop below's figures, without its lists
-            return self._device_table(cfg, b, held, last, capacity, choices, fields, time_cost)
+            return self._device_table(cfg, b, held, last, capacity, choices, stacked4, time_cost)
         rows: list[tuple[int, str, str]] = []  # (ZeRO stage, recomputation, offload tier) per stacked row
         stacked: dict[str, list[np.ndarray]] = {name: [] for name in (*fields, "memory")}
         costs: list[np.ndarray] = []
@@ -366,37 +367,36 @@ class StageCosts:
                           capacity, np.where(ok, zero, 0), np.where(ok, offload, 0))
 
     def _device_table(self, cfg: StageConfig, b: int, held: int, last: bool, capacity: int, choices: list[tuple[int, str]],
-                      fields: dict[str, np.ndarray], time_cost: np.ndarray) -> StageTable:
-        """`_table` where the optimizer state stays on the devices: per range the first of
-        the fastest choices that fit, each field read from its stack at once."""
+                      times: np.ndarray, time_cost: np.ndarray) -> StageTable:
+        """`_table` where the optimizer state stays on the devices: per range the first of the fastest
+        choices that fit, its four times (`times`: forward, backward, tail, sync per choice) read at once."""
         totals = self._choice_memory.totals(cfg, b, held, last, choices)
         cost = np.where(totals <= capacity, time_cost, INF)
         pick = cost.argmin(axis=0)
         cells = pick * pick.size + self._cells  # each range's entry in its picked row of a stack, flattened
         ok = (cost.reshape(-1)[cells] < INF) & self._upper
-        picked = lambda stack, otherwise: np.where(ok, stack.reshape(-1)[cells], otherwise)  # noqa: E731
+        forward, backward, tail, sync = np.where(ok, times.reshape(len(times), -1)[:, cells], _OTHERWISE)
         zeros, remats = choice_arrays(tuple(choices))
         zero, remat = zeros[pick], remats[pick]
-        return StageTable(picked(fields["forward"], INF), picked(fields["backward"], INF), remat & ok, picked(totals, 0.0),
-                          picked(fields["tail"], 0.0), picked(fields["sync"], 0.0), capacity, np.where(ok, zero, 0),
-                          np.zeros(pick.shape, dtype=int))
+        return StageTable(forward, backward, remat & ok, np.where(ok, totals.reshape(-1)[cells], 0.0), tail, sync, capacity,
+                          np.where(ok, zero, 0), np.zeros(pick.shape, dtype=int))
 
     def _table_times(self, cfg: StageConfig, b: int, m: int,
-                     last: bool = False) -> tuple[list[tuple[int, str]], dict[str, np.ndarray], np.ndarray]:
-        """`_table_times_uncached`, cached; a last stage's as any other's where its one
-        program changes no time (no layer measured: `_fused_backward`)."""
+                     last: bool = False) -> tuple[list[tuple[int, str]], dict[str, np.ndarray], np.ndarray, np.ndarray]:
+        """Cached; a last stage's as any other's where its one program changes no time (`_fused_backward`)."""
         return self._placed_table_times(cfg, b, m, last and bool(self.measured(cfg, b / cfg.dp)))
 
     def _table_times_uncached(self, cfg: StageConfig, b: int, m: int,
-                              last: bool = False) -> tuple[list[tuple[int, str]], dict[str, np.ndarray], np.ndarray]:
-        """The (ZeRO stage, recomputation) choices a table picks from, their times
-        stacked, and what each costs a step of `m` microbatches (memory aside)."""
+                              last: bool = False) -> tuple[list[tuple[int, str]], dict[str, np.ndarray], np.ndarray, np.ndarray]:
+        """The (ZeRO stage, recomputation) choices a table picks from, their times stacked, what each
+        costs a step of `m` microbatches (memory aside), and the times as one stack (its fields' base)."""
         p = self.problem
         remats = ["full"] if p.force_remat else [""] + (["full"] if p.allow_remat else [])  # large runs recompute always
         choices = [(zero, remat) for zero in self.zero_stages(cfg) for remat in remats]
         times = [self._placed_times(cfg, b, zero, remat, last) for zero, remat in choices]
-        fields = {name: np.stack([t[i] for t in times]) for i, name in enumerate(("forward", "backward", "tail", "sync"))}
-        return choices, fields, m * (fields["forward"] + fields["backward"]) + fields["tail"]
+        stacked = np.stack([np.stack([t[i] for t in times]) for i in range(4)])
+        fields = dict(zip(("forward", "backward", "tail", "sync"), stacked))
+        return choices, fields, m * (fields["forward"] + fields["backward"]) + fields["tail"], stacked
 
     def variant(self, cfg: StageConfig, b: int, held: int, last: bool, zero: int, remat: str,
                 dots: float = 0.0, offload: str = "") -> StageVariant:

@@ -384,11 +384,14 @@ def _part(costs: StageCosts, cfg: StageConfig, rows: int, m: int, held: int, las
     prices it (`solver.cost.mixed`)."""
     shape = (costs.n + 1, costs.n + 1)
     cost, fb, tail, zeros = np.full(shape, INF), np.full(shape, INF), np.zeros(shape), np.zeros(shape, dtype=int)
-    for zero in costs.zero_stages(cfg):
-        v = costs.variant(cfg, rows, held, last, zero, remat)
-        fits = np.broadcast_to(v.memory.total, shape) <= costs.capacity(cfg.kind)
-        f_b = np.broadcast_to(v.forward + v.backward, shape)
-        t = np.broadcast_to(v.tail, shape)
+    choices = [(zero, remat) for zero in costs.zero_stages(cfg)]
+    memory = costs._choice_memory.totals(cfg, rows, held, last, choices)  # each `variant(...).memory.total`, at once
+    capacity = costs.capacity(cfg.kind)
+    for (zero, _), total in zip(choices, memory):
+        forward, backward, t, _, _ = costs._placed_times(cfg, rows, zero, remat, last)  # `variant`'s times
+        fits = total <= capacity
+        f_b = np.broadcast_to(forward + backward, shape)
+        t = np.broadcast_to(t, shape)
         c = np.where(fits, m * f_b + t, INF)
         take = c < cost
         cost, fb, tail, zeros = np.where(take, c, cost), np.where(take, f_b, fb), np.where(take, t, tail), np.where(take, zero, zeros)
