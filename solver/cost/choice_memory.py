@@ -92,10 +92,13 @@ class ChoiceMemory:
             self._states[key] = self._stacked_states(cfg, zeros)
         state, workspace = self._states[key]
         count = float(held)
-        # per recomputation: per_held * held' + once + working, held' = 1 where forward and backward are one program
-        acts = np.stack([full(per_held * (1.0 if fused else count) + once + working, shape)
-                         for per_held, once, working, fused in (self._parts(cfg, b, last, r) for r in remats)])
-        return ((state + acts[None]) + workspace).reshape(len(choices), *shape)
+        out = np.empty((len(zeros), len(remats), *shape))
+        for r, remat in enumerate(remats):
+            per_held, once, working, fused = self._parts(cfg, b, last, remat)
+            # per_held * held' + once + working, held' = 1 where forward and backward are one program
+            np.add(state[:, 0], full(per_held * (1.0 if fused else count) + once + working, shape), out=out[:, r])
+        out += workspace  # (state + activations) + workspace, as `DeviceMemory.total` adds them
+        return out.reshape(len(choices), *shape)
 
     def _stacked_states(self, cfg: StageConfig, zeros: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
         """(zeros, 1, L+1, L+1) each ZeRO stage's state and workspace: they depend on the
