@@ -372,17 +372,17 @@ class StageCosts:
         choices that fit, its four times (`times`: forward, backward, tail, sync per choice) read at once."""
         totals = self._choice_memory.totals(cfg, b, held, last, choices)
         cost = np.where(totals <= capacity, time_cost, INF)
-        pick = cost.argmin(axis=0)
+        least = cost.min(axis=0)  # then the first of the fastest (numpy's argmin down a short axis is slower)
+        pick = (cost == least).argmax(axis=0)
         cells = pick * pick.size + self._cells  # each range's entry in its picked row of a stack, flattened
-        ok = (cost.reshape(-1)[cells] < INF) & self._upper
+        ok = (least < INF) & self._upper
         forward, backward, tail, sync = np.where(ok, times.reshape(len(times), -1)[:, cells], _OTHERWISE)
         zeros, remats = choice_arrays(tuple(choices))
         zero, remat = zeros[pick], remats[pick]
         return StageTable(forward, backward, remat & ok, np.where(ok, totals.reshape(-1)[cells], 0.0), tail, sync, capacity,
                           np.where(ok, zero, 0), np.zeros(pick.shape, dtype=int))
 
-    def _table_times(self, cfg: StageConfig, b: int, m: int,
-                     last: bool = False) -> tuple[list[tuple[int, str]], dict[str, np.ndarray], np.ndarray, np.ndarray]:
+    def _table_times(self, cfg: StageConfig, b: int, m: int, last: bool = False) -> tuple[list, dict, np.ndarray, np.ndarray]:
         """Cached; a last stage's as any other's where its one program changes no time (`_fused_backward`)."""
         return self._placed_table_times(cfg, b, m, last and bool(self.measured(cfg, b / cfg.dp)))
 
