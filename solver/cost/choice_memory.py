@@ -65,7 +65,9 @@ def choice_arrays(choices: tuple[tuple[int, str], ...]) -> tuple[np.ndarray, np.
 
 
 class ChoiceMemory:
-    """Bytes per device of every on-device choice of one stage, per held count."""
+    """Bytes per device of every on-device choice of one stage, per held count: over every
+    [i, j] (`totals`), or over the layer ranges that exist alone (i < j, `ranges`; about
+    half the entries: what the search's tables read, `solver.cost.device_table`)."""
 
     # Activation parts kept, the least recently used dropped: a stage's tables are mostly
     # asked for together, and each entry is three (layers + 1) squared arrays.
@@ -75,42 +77,51 @@ class ChoiceMemory:
         """`costs`: the stage tables whose `_held_state` and `_held_activations` (cached
         `held_state` and `held_activations`) the choices' memory is made of."""
         self.costs, self.layers = costs, costs.n
-        self._states: dict[tuple[int, int, tuple[int, ...]], tuple[np.ndarray, np.ndarray]] = {}
+        self.shape = (costs.n + 1, costs.n + 1)
+        self.ranges = np.flatnonzero(np.triu(np.ones(self.shape, dtype=bool), k=1))  # [i, j] with i < j, flattened
+        self._states: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._parts = lru_cache(maxsize=self.KEEP)(self._parts_uncached)
 
-    def totals(self, cfg: StageConfig, b: int, held: int, last: bool, choices: list[tuple[int, str]]) -> np.ndarray:
+    def totals(self, cfg: StageConfig, b: int, held: int, last: bool, choices: list[tuple[int, str]],
+               ranges: bool = False) -> np.ndarray:
         """(choices, L+1, L+1): each choice's bytes per device with `held` microbatches in
-        flight and its optimizer state on the device, as `variant(...).memory.total`."""
+        flight and its optimizer state on the device, as `variant(...).memory.total`;
+        `ranges`: (choices, len(self.ranges)), at the ranges that exist alone."""
         zeros = tuple(dict.fromkeys(z for z, _ in choices))
         remats = tuple(dict.fromkeys(r for _, r in choices))
-        shape = (self.layers + 1, self.layers + 1)
+        shape = (len(self.ranges),) if ranges else self.shape
         if list(choices) != [(z, r) for z in zeros for r in remats]:  # not a grid (the tables' always are): one by one
-            return np.stack([self.totals(cfg, b, held, last, [choice])[0] for choice in choices])
-        key = (cfg.tp, cfg.zero_shards, zeros)
+            return np.stack([self.totals(cfg, b, held, last, [choice], ranges)[0] for choice in choices])
+        key = (cfg.tp, cfg.zero_shards, zeros, ranges)
         if key not in self._states:
-            self._states[key] = self._stacked_states(cfg, zeros)
+            self._states[key] = self._stacked_states(cfg, zeros, ranges)
         state, workspace = self._states[key]
         count = float(held)
         out = np.empty((len(zeros), len(remats), *shape))
         for r, remat in enumerate(remats):
-            per_held, once, working, fused = self._parts(cfg, b, last, remat)
+            per_held, once, working, fused = self._parts(cfg, b, last, remat, ranges)
             # per_held * held' + once + working, held' = 1 where forward and backward are one program
             np.add(state[:, 0], full(per_held * (1.0 if fused else count) + once + working, shape), out=out[:, r])
         out += workspace  # (state + activations) + workspace, as `DeviceMemory.total` adds them
         return out.reshape(len(choices), *shape)
 
-    def _stacked_states(self, cfg: StageConfig, zeros: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-        """(zeros, 1, L+1, L+1) each ZeRO stage's state and workspace: they depend on the
+    def _at_ranges(self, values: np.ndarray | float, ranges: bool) -> np.ndarray | float:
+        """`values` per [i, j] (an array or a number), or at the existing ranges alone."""
+        if not ranges or not isinstance(values, np.ndarray):
+            return values
+        return full(values, self.shape).reshape(-1)[self.ranges]
+
+    def _stacked_states(self, cfg: StageConfig, zeros: tuple[int, ...], ranges: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(zeros, 1, ...) each ZeRO stage's state and workspace: they depend on the
         model axis and the devices the state is sharded over alone (`held_state`), so
         stages of every kind and microbatch with those share them."""
-        shape = (self.layers + 1, self.layers + 1)
         rows = [self.costs._held_state(cfg, zero) for zero in zeros]
-        state = np.stack([full(s.state, shape) for s, _ in rows])[:, None]
-        workspace = np.stack([full(s.workspace + w, shape) for s, w in rows])[:, None]
-        return state, workspace
+        state = np.stack([self._at_ranges(full(s.state, self.shape), ranges) for s, _ in rows])
+        workspace = [self._at_ranges(full(s.workspace + w, self.shape), ranges) for s, w in rows]
+        return state[:, None], np.stack(workspace)[:, None]
 
-    def _parts_uncached(self, cfg: StageConfig, b: int, last: bool, remat: str) -> tuple:
+    def _parts_uncached(self, cfg: StageConfig, b: int, last: bool, remat: str, ranges: bool) -> tuple:
         """One recomputation's activation parts (`activation_parts`) and whether the
         stage's forward and backward are one program."""
         activations, fused = self.costs._held_activations(cfg, b, last, remat, 0.0)
-        return (*activation_parts(activations, remat, fused), fused)
+        return (*(self._at_ranges(x, ranges) for x in activation_parts(activations, remat, fused)), fused)

@@ -21,7 +21,8 @@ from solver.collectives import Topology, best, fastest_times
 from solver.efficiency import matmul_rate
 from solver.memory import (OFFLOAD_TIERS, DeviceMemory, StageActivations, in_flight, model_split_bytes, offloaded,
                            sharded_state, stage_memory)
-from solver.cost.choice_memory import ChoiceMemory, choice_arrays, held_activations, held_state
+from solver.cost.choice_memory import ChoiceMemory, held_activations, held_state
+from solver.cost.device_table import DeviceTables
 from solver.cost.measured import LayerPrice, lookup
 from solver.cost.model_axes import model_comm_s
 from solver.cost.problem import DeviceKind, Problem
@@ -34,7 +35,6 @@ from solver.cost.topologies import (across_nodes_s, across_topology, dp_sync_s, 
 from solver.zero import zero_time
 
 INF = float("inf")
-_OTHERWISE = np.array([INF, INF, 0.0, 0.0])[:, None, None]  # a table's forward, backward, tail, sync where nothing fits
 
 
 class StageCosts:
@@ -85,6 +85,7 @@ class StageCosts:
         self._held_state = lru_cache(maxsize=None)(functools.partial(held_state, self))
         self._held_activations = lru_cache(maxsize=None)(functools.partial(held_activations, self))
         self._choice_memory = ChoiceMemory(self)  # a table's memory for all its choices at once
+        self._device_tables = DeviceTables(self)  # the tables of stages that keep their state on the devices
         self._params_max = lru_cache(maxsize=None)(lambda tp: _range_max(self.tp_params(tp)))
         self._grads = lru_cache(maxsize=None)(lambda tp: _span(_cumsum(self.tp_params(tp))))
         # ZeRO's collectives and the tail depend on the stage alone, not on its
@@ -310,13 +311,13 @@ class StageCosts:
         per range the fastest that fits."""
         capacity = self.capacity(cfg.kind)
         shape = (self.n + 1, self.n + 1)
-        choices, fields, time_cost, stacked4 = self._table_times(cfg, b, m, last)
+        choices, fields, time_cost, _ = self._table_times(cfg, b, m, last)
         tiers = self.offload_tiers(cfg)
         host, disk = self.host_capacity(cfg.kind), self.nvme_capacity(cfg.kind)
         if tiers[0] == "" and (not host or not disk and all(t == "nvme" for t in tiers[1:])):
             # on the devices only (most problems; no room to offload to skips every other tier
             # below): the loop below's figures, without its lists
-            return self._device_table(cfg, b, held, last, capacity, choices, stacked4, time_cost)
+            return self._device_tables.table(cfg, b, held, last, m, capacity, choices)
         rows: list[tuple[int, str, str]] = []  # (ZeRO stage, recomputation, offload tier) per stacked row
         stacked: dict[str, list[np.ndarray]] = {name: [] for name in (*fields, "memory")}
         costs: list[np.ndarray] = []
@@ -365,22 +366,6 @@ class StageCosts:
         return StageTable(np.where(ok, out["forward"], INF), np.where(ok, out["backward"], INF), remat & ok,
                           np.where(ok, out["memory"], 0.0), np.where(ok, out["tail"], 0.0), np.where(ok, out["sync"], 0.0),
                           capacity, np.where(ok, zero, 0), np.where(ok, offload, 0))
-
-    def _device_table(self, cfg: StageConfig, b: int, held: int, last: bool, capacity: int, choices: list[tuple[int, str]],
-                      times: np.ndarray, time_cost: np.ndarray) -> StageTable:
-        """`_table` where the optimizer state stays on the devices: per range the first of the fastest
-        choices that fit, its four times (`times`: forward, backward, tail, sync per choice) read at once."""
-        totals = self._choice_memory.totals(cfg, b, held, last, choices)
-        cost = np.where(totals <= capacity, time_cost, INF)
-        least = cost.min(axis=0)  # then the first of the fastest (numpy's argmin down a short axis is slower)
-        pick = (cost == least).argmax(axis=0)
-        cells = pick * pick.size + self._cells  # each range's entry in its picked row of a stack, flattened
-        ok = (least < INF) & self._upper
-        forward, backward, tail, sync = np.where(ok, times.reshape(len(times), -1)[:, cells], _OTHERWISE)
-        zeros, remats = choice_arrays(tuple(choices))
-        zero, remat = zeros[pick], remats[pick]
-        return StageTable(forward, backward, remat & ok, np.where(ok, totals.reshape(-1)[cells], 0.0), tail, sync, capacity,
-                          np.where(ok, zero, 0), np.zeros(pick.shape, dtype=int))
 
     def _table_times(self, cfg: StageConfig, b: int, m: int, last: bool = False) -> tuple[list, dict, np.ndarray, np.ndarray]:
         """Cached; a last stage's as any other's where its one program changes no time (`_fused_backward`)."""
