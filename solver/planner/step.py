@@ -56,7 +56,7 @@ def rank(problem: Problem, choices: list[PlanChoice], costs: StageCosts | None =
     caller reads the ranking (it may only fall as more are simulated): the plans are
     simulated in the order of their floors (`step_floor_s`, provably at most their
     simulated step), and those whose floor is above it are left out, as they could not
-    rank before any plan the caller reads. Simulating the step is most of an estimate."""
+    rank before any plan the caller reads (simulating the step is about half an estimate)."""
     if exact_to is None:
         return sorted((with_estimate(problem, c, costs) for c in choices), key=lambda c: c.step_s)
     costs = costs or StageCosts(problem)
