@@ -45,7 +45,7 @@ class DeviceTables:
         ok = least < INF
         flat = pick * len(self.ranges) + self._index  # each range's entry in its picked row, flattened
         four = self._blank.copy()
-        four[:, self.ranges] = np.where(ok, times.reshape(len(times), -1)[:, flat], _OTHERWISE)
+        four[:, self.ranges] = np.where(ok, times[:, flat], _OTHERWISE)
         zeros, remats = choice_arrays(tuple(choices))
         size = self.shape[0] * self.shape[1]
         memory, zero, remat = np.zeros(size), np.zeros(size, dtype=int), np.zeros(size, dtype=bool)
@@ -57,7 +57,9 @@ class DeviceTables:
                           zero.reshape(self.shape), np.zeros(self.shape, dtype=int))
 
     def _times_uncached(self, cfg: StageConfig, b: int, m: int, last: bool) -> tuple[np.ndarray, np.ndarray]:
-        """Each choice's cost of a step of `m` microbatches and its four times, at the ranges."""
+        """Each choice's cost of a step of `m` microbatches (choices, ranges) and its four
+        times (4, choices x ranges, flat: a pick's are one gather), at the ranges."""
         _, _, time_cost, stacked = self.costs._table_times(cfg, b, m, last)
         choices = len(time_cost)
-        return time_cost.reshape(choices, -1)[:, self.ranges], stacked.reshape(len(stacked), choices, -1)[:, :, self.ranges]
+        times = stacked.reshape(len(stacked), choices, -1)[:, :, self.ranges]
+        return np.ascontiguousarray(time_cost.reshape(choices, -1)[:, self.ranges]), np.ascontiguousarray(times).reshape(len(times), -1)
