@@ -379,7 +379,9 @@ class StageCosts:
         remats = ["full"] if p.force_remat else [""] + (["full"] if p.allow_remat else [])  # large runs recompute always
         choices = [(zero, remat) for zero in self.zero_stages(cfg) for remat in remats]
         times = [self._placed_times(cfg, b, zero, remat, last) for zero, remat in choices]
-        stacked = np.stack([np.stack([t[i] for t in times]) for i in range(4)])
+        stacked = np.empty((4, len(choices), self.n + 1, self.n + 1))
+        for c, t in enumerate(times):
+            stacked[:, c] = t[:4]  # each a layer-range array, or a view broadcast to one
         fields = dict(zip(("forward", "backward", "tail", "sync"), stacked))
         return choices, fields, m * (fields["forward"] + fields["backward"]) + fields["tail"], stacked
 
