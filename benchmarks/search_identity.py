@@ -37,9 +37,9 @@ def record(problem, finalists: int) -> dict:  # noqa: ANN001
     seen: list = []
     rank = search.rank
 
-    def capture(problem_, choices, costs=None):  # noqa: ANN001, ANN202
+    def capture(problem_, choices, costs=None, exact_to=None):  # noqa: ANN001, ANN202
         seen.append(_plans(choices))
-        return rank(problem_, choices, costs)
+        return rank(problem_, choices, costs, exact_to)
 
     search.rank = capture
     try:

@@ -184,6 +184,41 @@ def _orders(schedule: str, d: int, m: int, chunks: int) -> tuple[tuple[tuple[boo
                  for g in range(d))
 
 
+def step_floor(stages: Sequence[StageTimes], num_microbatches: int, schedule: str = DEFAULT, chunks: int = 1) -> float:
+    """A lower bound on the simulated step (`step_time` within its simulated sizes) from
+    the stages' figures alone, so a caller ranking many pipelines simulates only those
+    that could win. Every device group runs its work one piece after another, then its
+    tail: at least its busy time plus its tail. With one chunk, too, its first forward
+    waits for the first microbatch's forwards and sends before it, and its last work
+    (a backward: each forward's backward follows it on its group) has the backwards and
+    sends before it still to run, then the first stage's tail. 0 where the schedule's
+    orders miss some forward or backward (nothing then bounds the step)."""
+    n, m = len(stages), num_microbatches
+    if not _complete(schedule, n // chunks, m, chunks):
+        return 0.0
+    d = n // chunks
+    busy, tail = [0.0] * d, [0.0] * d
+    for s, t in enumerate(stages):
+        busy[s % d] += m * (t.forward_s + t.backward_s)
+        tail[s % d] += t.sync_s + t.optimizer_s
+    if chunks > 1:
+        return max(b + t for b, t in zip(busy, tail))
+    floor = start = drain = 0.0  # drain: the backwards and sends from a stage back to the first
+    for g, t in enumerate(stages):
+        floor = max(floor, start + busy[g] + max(tail[g], drain + tail[0]))
+        start += t.forward_s + t.send_s
+        drain += t.send_s + t.backward_s
+    return floor
+
+
+@lru_cache(maxsize=256)
+def _complete(schedule: str, d: int, m: int, chunks: int) -> bool:
+    """Each device group's order runs every forward and backward of its chunks once."""
+    want = {(f, c, j) for f in (True, False) for c in range(chunks) for j in range(m)}
+    return all(len(order) == len(want) and {(f, s // d, j) for f, s, j, _ in order} == want
+               for order in _orders(schedule, d, m, chunks))
+
+
 def pipeline_time(stages: Sequence[StageTimes], num_microbatches: int, schedule: str = DEFAULT, chunks: int = 1) -> float:
     """The schedule's closed-form step time (see each schedule's `step_time`)."""
     return get(schedule).step_time(stages, num_microbatches, chunks)

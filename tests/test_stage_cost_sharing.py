@@ -66,3 +66,34 @@ def test_every_choices_memory_is_its_variants(checkpoints):
                         assert np.array_equal(row, np.broadcast_to(want, row.shape))
                         compared.add((zero > 0, bool(remat), last))
     assert len(compared) == 8  # ZeRO or not, recomputing or not, last or not: each compared
+
+
+def test_a_table_picks_each_ranges_first_fastest_choice_that_fits_by_its_variant():
+    """The device tables work on the layer ranges alone (`solver.cost.device_table`): each
+    range's entry is still the first of the fastest choices that fit, with that choice's
+    `variant` figures, and nothing where no range exists or nothing fits."""
+    picked = unfit = 0
+    for seed in range(6):
+        problem = replace(random_problem(np.random.default_rng(seed)), allow_remat=True, offload_tiers=("",))
+        costs = StageCosts(problem)
+        for cfg, b in list(_stages(problem))[:6]:
+            choices = costs._table_times(cfg, b, 1)[0]
+            for held, last, m in ((1, True, 2), (3, False, 4)):
+                table = costs.table(cfg, b, held, last, m)
+                variants = [costs.variant(cfg, b, held, last, z, r) for z, r in choices]
+                for i in range(costs.n + 1):
+                    for j in range(costs.n + 1):
+                        costs_ij = [m * (v.forward + v.backward)[i, j] + np.broadcast_to(v.tail, v.forward.shape)[i, j]
+                                    if np.broadcast_to(v.memory.total, v.forward.shape)[i, j] <= table.capacity else np.inf
+                                    for v in variants]  # what a step of m microbatches costs, where the choice fits
+                        if j <= i or min(costs_ij) == np.inf:
+                            assert table.forward[i, j] == np.inf and table.memory[i, j] == 0 and not table.remat[i, j]
+                            unfit += j > i
+                            continue
+                        k = int(np.argmin(costs_ij))
+                        v = variants[k]
+                        assert (table.forward[i, j], table.backward[i, j]) == (v.forward[i, j], v.backward[i, j])
+                        assert table.memory[i, j] == np.broadcast_to(v.memory.total, v.forward.shape)[i, j]
+                        assert (int(table.zero[i, j]), bool(table.remat[i, j])) == (choices[k][0], bool(choices[k][1]))
+                        picked += 1
+    assert picked > 100 and unfit > 10

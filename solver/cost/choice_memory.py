@@ -2,75 +2,126 @@
 
 A stage table (`StageCosts.table`) takes per layer range the fastest choice that fits,
 so it needs every choice's memory at its position's microbatches in flight. What that
-memory is made of (`StageCosts._held_memory`: the state, one microbatch's activations,
-the workspace) does not depend on the position, only how many microbatches it holds
-does; so the parts are stacked once per stage and microbatch size, and each table's
-memory is a few array operations over the stack, not one `variant` per choice (on an
-80-layer model, most of a table's time).
+memory is made of does not depend on the position, only how many microbatches it holds
+does, and each part depends on less than the whole choice: the state and the workspace
+on the ZeRO stage and the model and data axes alone (`held_state`: not on the
+microbatch, nor on recomputation), one microbatch's activations on the stage, its
+microbatch, its place (last or not) and the recomputation alone (`held_activations`:
+not on the ZeRO stage). So a table's memory is the activations of each recomputation
+at its held count, added to the states of every ZeRO stage in one broadcast, instead
+of a stack of every choice's parts built per stage (on the search-scale scenarios,
+half of a table's time).
 
 The sums are `solver.memory`'s own (`activation_parts`, then `DeviceMemory.total`'s
-state + activations + workspace), in the same order: each figure is `variant`'s.
+state + activations + workspace), in the same order: each figure is `variant`'s, bit
+for bit (`tests/test_stage_cost_sharing.py`).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from typing import Callable, NamedTuple
+from functools import lru_cache
+from typing import Any
 
 import numpy as np
 
 from solver.cost.ranges import full
 from solver.cost.stage_config import StageConfig
-from solver.memory import activation_parts
+from solver.memory import DeviceMemory, StageActivations, activation_parts
+
+StageCosts = Any  # solver.cost.stage_costs.StageCosts, which builds on this module (so not imported here)
 
 
-class _Parts(NamedTuple):
-    """Per choice (a row each, (choices, L+1, L+1)):
-    total = state + (per_held * held' + once + working) + workspace, held' = 1 where fused."""
+def held_state(costs: StageCosts, cfg: StageConfig, zero: int) -> tuple[DeviceMemory, np.ndarray | float]:
+    """A choice's state per device (parameters, gradients, optimizer state) and its
+    workspace (ZeRO-3: one layer's parameters gathered at a time), per layer range:
+    the same for every microbatch, place and recomputation."""
+    state = costs._state(costs._grads(cfg.tp), cfg.zero_shards, zero)
+    return state, costs._params_max(cfg.tp) if zero >= 3 else 0.0
 
-    state: np.ndarray  # parameters + gradients + optimizer state
-    per_held: np.ndarray  # bytes per microbatch in flight
-    once: np.ndarray
-    working: np.ndarray
-    workspace: np.ndarray
-    fused: np.ndarray  # (choices, 1, 1) bool: forward and backward one program
+
+def held_activations(costs: StageCosts, cfg: StageConfig, b: int, last: bool, remat: str,
+                     dots: float) -> tuple[StageActivations, bool]:
+    """One microbatch's activations per device of stage `cfg` at `b` examples, per layer
+    range, and whether forward and backward are one program (a pipeline's last stage):
+    the same under every ZeRO stage."""
+    _, _, saved, _, _ = costs._ranges(cfg, b)
+    inputs = np.broadcast_to((costs.inputs * (b / cfg.dp / cfg.tp)).tolist() + [0.0], saved.shape).T  # a stage keeps its own input
+    shard = b / cfg.dp / cfg.tp  # activations split over all the stage's devices
+    activations = StageActivations(saved, inputs, dots=dots * b / cfg.dp / cfg.tp, largest=costs.largest_max * shard,
+                                   recomputed=costs._recomputed_span * shard,
+                                   rerun_working=costs.rerun_working_max * shard)
+    fused = last
+    if remat == "full" and costs.problem.layer_checkpoints:  # each layer's input kept, one layer rerun at a time
+        activations = StageActivations(saved, costs._inputs_span * shard, largest=costs.largest_max * shard,
+                                       recomputed=0.0, rerun_working=costs._layer_rerun_max * shard)
+        fused = False  # the last stage recomputes too: its program still frees each layer's activations
+    return activations, fused
+
+
+@lru_cache(maxsize=None)
+def choice_arrays(choices: tuple[tuple[int, str], ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Each choice's ZeRO stage and whether it recomputes, as arrays a table's picks index."""
+    return np.array([z for z, _ in choices]), np.array([bool(r) for _, r in choices])
 
 
 class ChoiceMemory:
-    """Bytes per device of every on-device choice of one stage, per held count."""
+    """Bytes per device of every on-device choice of one stage, per held count: over every
+    [i, j] (`totals`), or over the layer ranges that exist alone (i < j, `ranges`; about
+    half the entries: what the search's tables read, `solver.cost.device_table`)."""
 
-    # Stacks kept, the least recently used dropped: a stack is a few MiB on an 80-layer
-    # model, and a stage's tables are mostly asked for together (on the 768-GPU
-    # scenario 16 rebuild a quarter more stacks than keeping all 101, ~200 MiB).
-    KEEP = 16
+    # Activation parts kept, the least recently used dropped: a stage's tables are mostly
+    # asked for together, and each entry is three (layers + 1) squared arrays.
+    KEEP = 256
 
-    def __init__(self, held_memory: Callable[..., tuple], layers: int):
-        """`held_memory`: `StageCosts._held_memory`, the parts of one choice's memory;
-        `layers`: the model's, so a stack has (layers + 1) squared entries per choice."""
-        self.held_memory, self.layers = held_memory, layers
-        self._parts: OrderedDict[tuple[StageConfig, int, bool, tuple[tuple[int, str], ...]], _Parts] = OrderedDict()
+    def __init__(self, costs: StageCosts):
+        """`costs`: the stage tables whose `_held_state` and `_held_activations` (cached
+        `held_state` and `held_activations`) the choices' memory is made of."""
+        self.costs, self.layers = costs, costs.n
+        self.shape = (costs.n + 1, costs.n + 1)
+        self.ranges = np.flatnonzero(np.triu(np.ones(self.shape, dtype=bool), k=1))  # [i, j] with i < j, flattened
+        self._states: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        self._parts = lru_cache(maxsize=self.KEEP)(self._parts_uncached)
 
-    def totals(self, cfg: StageConfig, b: int, held: int, last: bool, choices: list[tuple[int, str]]) -> np.ndarray:
+    def totals(self, cfg: StageConfig, b: int, held: int, last: bool, choices: list[tuple[int, str]],
+               ranges: bool = False) -> np.ndarray:
         """(choices, L+1, L+1): each choice's bytes per device with `held` microbatches in
-        flight and its optimizer state on the device, as `variant(...).memory.total`."""
-        p = self._stacked(cfg, b, last, tuple(choices))
-        count = np.where(p.fused, 1.0, float(held))
-        return (p.state + (p.per_held * count + p.once + p.working)) + p.workspace
+        flight and its optimizer state on the device, as `variant(...).memory.total`;
+        `ranges`: (choices, len(self.ranges)), at the ranges that exist alone."""
+        zeros = tuple(dict.fromkeys(z for z, _ in choices))
+        remats = tuple(dict.fromkeys(r for _, r in choices))
+        shape = (len(self.ranges),) if ranges else self.shape
+        if list(choices) != [(z, r) for z in zeros for r in remats]:  # not a grid (the tables' always are): one by one
+            return np.stack([self.totals(cfg, b, held, last, [choice], ranges)[0] for choice in choices])
+        key = (cfg.tp, cfg.zero_shards, zeros, ranges)
+        if key not in self._states:
+            self._states[key] = self._stacked_states(cfg, zeros, ranges)
+        state, workspace = self._states[key]
+        count = float(held)
+        out = np.empty((len(zeros), len(remats), *shape))
+        for r, remat in enumerate(remats):
+            per_held, once, working, fused = self._parts(cfg, b, last, remat, ranges)
+            # per_held * held' + once + working, held' = 1 where forward and backward are one program
+            np.add(state[:, 0], full(per_held * (1.0 if fused else count) + once + working, shape), out=out[:, r])
+        out += workspace  # (state + activations) + workspace, as `DeviceMemory.total` adds them
+        return out.reshape(len(choices), *shape)
 
-    def _stacked(self, cfg: StageConfig, b: int, last: bool, choices: tuple[tuple[int, str], ...]) -> _Parts:
-        key = (cfg, b, last, choices)
-        if key in self._parts:
-            self._parts.move_to_end(key)
-        else:
-            if len(self._parts) >= self.KEEP:
-                self._parts.popitem(last=False)
-            shape = (self.layers + 1, self.layers + 1)
-            rows = []
-            for zero, remat in choices:
-                state, activations, fused, workspace = self.held_memory(cfg, b, last, zero, remat, 0.0)
-                per_held, once, working = activation_parts(activations, remat, fused)
-                rows.append((state.state, per_held, once, working, state.workspace + workspace, fused))
-            columns = list(zip(*rows))
-            self._parts[key] = _Parts(*(np.stack([full(v, shape) for v in column]) for column in columns[:5]),
-                                      np.array(columns[5], dtype=bool)[:, None, None])
-        return self._parts[key]
+    def _at_ranges(self, values: np.ndarray | float, ranges: bool) -> np.ndarray | float:
+        """`values` per [i, j] (an array or a number), or at the existing ranges alone."""
+        if not ranges or not isinstance(values, np.ndarray):
+            return values
+        return full(values, self.shape).reshape(-1)[self.ranges]
+
+    def _stacked_states(self, cfg: StageConfig, zeros: tuple[int, ...], ranges: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(zeros, 1, ...) each ZeRO stage's state and workspace: they depend on the
+        model axis and the devices the state is sharded over alone (`held_state`), so
+        stages of every kind and microbatch with those share them."""
+        rows = [self.costs._held_state(cfg, zero) for zero in zeros]
+        state = np.stack([self._at_ranges(full(s.state, self.shape), ranges) for s, _ in rows])
+        workspace = [self._at_ranges(full(s.workspace + w, self.shape), ranges) for s, w in rows]
+        return state[:, None], np.stack(workspace)[:, None]
+
+    def _parts_uncached(self, cfg: StageConfig, b: int, last: bool, remat: str, ranges: bool) -> tuple:
+        """One recomputation's activation parts (`activation_parts`) and whether the
+        stage's forward and backward are one program."""
+        activations, fused = self.costs._held_activations(cfg, b, last, remat, 0.0)
+        return (*(self._at_ranges(x, ranges) for x in activation_parts(activations, remat, fused)), fused)

@@ -15,16 +15,17 @@ plan that does not fit is priced all the same and says where it overflows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import numpy as np
 
 from solver.memory import OFFLOAD_TIERS, DeviceMemory, in_flight
-from solver.pipeline_sim import MAX_SIMULATED_MICROBATCHES, Simulation, pipeline_time, simulate, step_time
+from solver.pipeline_sim import MAX_SIMULATED_MICROBATCHES, Simulation, pipeline_time, simulate, step_floor, step_time
 from solver.cost.decisions import Decisions, StageDecision
 from solver.cost.mixed import check_parts, mixed_position
 from solver.cost.problem import PlanningError, Problem
+from solver.cost.ranges import at as _at
 from solver.cost.stage_costs import StageConfig, StageCosts
 from solver.schedules import StageTimes
 
@@ -193,16 +194,41 @@ def estimate(problem: Problem, decisions: Decisions, costs: StageCosts | None = 
     stage_costs = tuple(c for c in priced if c is not None)  # every stage: each replica's were priced
     per_replica = [[c.times for c, s in zip(stage_costs, d.stages) if s.replica == r and s.part_of < 0]
                    for r in range(len(d.replica_batch))]
-    if all(problem.kind(s.kind).shared_host for s in d.stages):
+    if _serial(problem, d):
         splits = sum(costs.split_s(d.replica_stages(r)[0].config, b // m) for r, b in enumerate(d.replica_batch))
-        closed = step = serial_step_s(stage_costs, m, cross, splits)
+        closed = serial_step_s(stage_costs, m, cross, splits)
     else:
         closed = max(pipeline_time(t, m, d.schedule, d.chunks) for t in per_replica)
-        step = max(step_time(t, m, d.schedule, d.chunks) for t in per_replica) if simulate_step else closed
     examples = sum(d.replica_batch)
     peak = sum(s.devices * (problem.kind(s.kind).peak_flops or problem.kind(s.kind).flops) for s in d.stages) / d.chunks
-    return PlanCost(stage_costs, d, step, closed, cross, float(costs.flops.sum()) * examples, peak,
+    cost = PlanCost(stage_costs, d, closed, closed, cross, float(costs.flops.sum()) * examples, peak,
                     examples * problem.tokens_per_example)
+    return simulated(problem, cost) if simulate_step else cost
+
+
+def _serial(problem: Problem, d: Decisions) -> bool:
+    """Every stage on a shared host's cores: the step is their work one after another."""
+    return all(problem.kind(s.kind).shared_host for s in d.stages)
+
+
+def simulated(problem: Problem, cost: PlanCost) -> PlanCost:
+    """`cost`, priced with `simulate_step` False, with the step `estimate` gives it: the
+    slowest replica simulated (on a shared host the serial step it already has)."""
+    d = cost.decisions
+    if _serial(problem, d):
+        return cost
+    step = max(step_time(cost.replica_times(r), d.num_microbatches, d.schedule, d.chunks) for r in range(len(d.replica_batch)))
+    return replace(cost, step_s=step)
+
+
+def step_floor_s(problem: Problem, cost: PlanCost) -> float:
+    """At most the step `simulated` gives `cost` (priced with `simulate_step` False), from
+    its stage figures alone (`pipeline_sim.step_floor`): a ranking simulates only the
+    plans whose floor could still win."""
+    d = cost.decisions
+    if _serial(problem, d) or d.num_microbatches > MAX_SIMULATED_MICROBATCHES:
+        return cost.step_s  # the step itself: the serial sum, or the closed form past the simulated sizes
+    return max(step_floor(cost.replica_times(r), d.num_microbatches, d.schedule, d.chunks) for r in range(len(d.replica_batch)))
 
 
 def _priced(costs: StageCosts, s: StageDecision, cfg: StageConfig, b: int, held: int, last: bool,
@@ -211,7 +237,8 @@ def _priced(costs: StageCosts, s: StageDecision, cfg: StageConfig, b: int, held:
     optimizer, memory, capacity, hidden), as `estimate` assembles a replica's stages."""
     v = costs.variant(cfg, b, held, last, s.zero, s.remat, s.dots_bytes, s.offload)
     i, j = s.layer_start, s.layer_end
-    at = lambda x: float(np.broadcast_to(x, v.forward.shape)[i, j])  # noqa: E731
+    shape = v.forward.shape
+    at = lambda x: _at(x, shape, i, j)  # noqa: E731
     send = float(costs.sends(cfg, following, b)[j]) if following is not None else 0.0
     memory = DeviceMemory(at(v.memory.parameters), at(v.memory.gradients), at(v.memory.optimizer_state),
                           at(v.memory.activations), at(v.memory.workspace), at(v.memory.host), at(v.memory.nvme))

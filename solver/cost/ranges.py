@@ -41,3 +41,13 @@ def full(values: np.ndarray | float, shape: tuple[int, ...]) -> np.ndarray:
 
 def cumsum(values: np.ndarray) -> np.ndarray:
     return np.concatenate([[0.0], np.cumsum(values)])
+
+
+def at(values: np.ndarray | float, shape: tuple[int, ...], i: int, j: int) -> float:
+    """Entry [i, j] of `values` as an array of `shape` (`full`'s), without building the
+    broadcast view where it already is one (an estimate reads a dozen figures a stage)."""
+    if isinstance(values, np.ndarray) and values.shape == shape:
+        return float(values[i, j])
+    if isinstance(values, (float, int)):
+        return float(values)
+    return float(np.broadcast_to(values, shape)[i, j])

@@ -11,6 +11,7 @@ of stage layouts in seconds.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from functools import lru_cache
 
@@ -20,7 +21,8 @@ from solver.collectives import Topology, fastest_times
 from solver.efficiency import matmul_rate
 from solver.memory import (OFFLOAD_TIERS, DeviceMemory, StageActivations, in_flight, model_split_bytes, offloaded,
                            sharded_state, stage_memory)
-from solver.cost.choice_memory import ChoiceMemory
+from solver.cost.choice_memory import ChoiceMemory, held_activations, held_state
+from solver.cost.device_table import DeviceTables
 from solver.cost.measured import LayerPrice, lookup
 from solver.cost.model_axes import model_comm_s
 from solver.cost.problem import DeviceKind, Problem
@@ -78,9 +80,12 @@ class StageCosts:
         # parts not on how many microbatches it holds: each priced once, not once per table.
         self._times = lru_cache(maxsize=None)(self._times_uncached)
         self._fusion = lru_cache(maxsize=None)(self._fusion_uncached)
-        self._table_times = lru_cache(maxsize=None)(self._table_times_uncached)
+        self._placed_table_times = lru_cache(maxsize=None)(self._table_times_uncached)
         self._held_memory = lru_cache(maxsize=None)(self._held_memory_uncached)
-        self._choice_memory = ChoiceMemory(self._held_memory, self.n)  # a table's memory for all its choices at once
+        self._held_state = lru_cache(maxsize=None)(functools.partial(held_state, self))
+        self._held_activations = lru_cache(maxsize=None)(functools.partial(held_activations, self))
+        self._choice_memory = ChoiceMemory(self)  # a table's memory for all its choices at once
+        self._device_tables = DeviceTables(self)  # the tables of stages that keep their state on the devices
         self._params_max = lru_cache(maxsize=None)(lambda tp: _range_max(self.tp_params(tp)))
         self._grads = lru_cache(maxsize=None)(lambda tp: _span(_cumsum(self.tp_params(tp))))
         # ZeRO's collectives and the tail depend on the stage alone, not on its
@@ -306,15 +311,17 @@ class StageCosts:
         per range the fastest that fits."""
         capacity = self.capacity(cfg.kind)
         shape = (self.n + 1, self.n + 1)
-        choices, fields, time_cost = self._table_times(cfg, b, m, last)
+        choices, fields, time_cost, _ = self._table_times(cfg, b, m, last)
         tiers = self.offload_tiers(cfg)
-        if tiers == [""]:  # on the devices only (most problems): the loop below's figures, without its lists
-            return self._device_table(cfg, b, held, last, capacity, choices, fields, time_cost)
+        host, disk = self.host_capacity(cfg.kind), self.nvme_capacity(cfg.kind)
+        if tiers[0] == "" and (not host or not disk and all(t == "nvme" for t in tiers[1:])):
+            # on the devices only (most problems; no room to offload to skips every other tier
+            # below): the loop below's figures, without its lists
+            return self._device_tables.table(cfg, b, held, last, m, capacity, choices)
         rows: list[tuple[int, str, str]] = []  # (ZeRO stage, recomputation, offload tier) per stacked row
         stacked: dict[str, list[np.ndarray]] = {name: [] for name in (*fields, "memory")}
         costs: list[np.ndarray] = []
         plain = totals = np.zeros(0)  # the on-device choices' costs and memory, all at once (`ChoiceMemory`)
-        host, disk = self.host_capacity(cfg.kind), self.nvme_capacity(cfg.kind)
         for offload in tiers:
             # Offloading only adds time: a tier is tried where some range fits in none tried
             # before it (host memory before disk), unless it is the only one allowed.
@@ -360,31 +367,23 @@ class StageCosts:
                           np.where(ok, out["memory"], 0.0), np.where(ok, out["tail"], 0.0), np.where(ok, out["sync"], 0.0),
                           capacity, np.where(ok, zero, 0), np.where(ok, offload, 0))
 
-    def _device_table(self, cfg: StageConfig, b: int, held: int, last: bool, capacity: int, choices: list[tuple[int, str]],
-                      fields: dict[str, np.ndarray], time_cost: np.ndarray) -> StageTable:
-        """`_table` where the optimizer state stays on the devices: per range the first of
-        the fastest choices that fit, each field read from its stack at once."""
-        totals = self._choice_memory.totals(cfg, b, held, last, choices)
-        cost = np.where(totals <= capacity, time_cost, INF)
-        pick = cost.argmin(axis=0)
-        cells = pick * pick.size + self._cells  # each range's entry in its picked row of a stack, flattened
-        ok = np.triu(cost.reshape(-1)[cells] < INF, k=1)
-        picked = lambda stack, otherwise: np.where(ok, stack.reshape(-1)[cells], otherwise)  # noqa: E731
-        zero, remat = np.array([z for z, _ in choices])[pick], np.array([bool(r) for _, r in choices])[pick]
-        return StageTable(picked(fields["forward"], INF), picked(fields["backward"], INF), remat & ok, picked(totals, 0.0),
-                          picked(fields["tail"], 0.0), picked(fields["sync"], 0.0), capacity, np.where(ok, zero, 0),
-                          np.zeros(pick.shape, dtype=int))
+    def _table_times(self, cfg: StageConfig, b: int, m: int, last: bool = False) -> tuple[list, dict, np.ndarray, np.ndarray]:
+        """Cached; a last stage's as any other's where its one program changes no time (`_fused_backward`)."""
+        return self._placed_table_times(cfg, b, m, last and bool(self.measured(cfg, b / cfg.dp)))
 
     def _table_times_uncached(self, cfg: StageConfig, b: int, m: int,
-                              last: bool = False) -> tuple[list[tuple[int, str]], dict[str, np.ndarray], np.ndarray]:
-        """The (ZeRO stage, recomputation) choices a table picks from, their times
-        stacked, and what each costs a step of `m` microbatches (memory aside)."""
+                              last: bool = False) -> tuple[list[tuple[int, str]], dict[str, np.ndarray], np.ndarray, np.ndarray]:
+        """The (ZeRO stage, recomputation) choices a table picks from, their times stacked, what each
+        costs a step of `m` microbatches (memory aside), and the times as one stack (its fields' base)."""
         p = self.problem
         remats = ["full"] if p.force_remat else [""] + (["full"] if p.allow_remat else [])  # large runs recompute always
         choices = [(zero, remat) for zero in self.zero_stages(cfg) for remat in remats]
         times = [self._placed_times(cfg, b, zero, remat, last) for zero, remat in choices]
-        fields = {name: np.stack([t[i] for t in times]) for i, name in enumerate(("forward", "backward", "tail", "sync"))}
-        return choices, fields, m * (fields["forward"] + fields["backward"]) + fields["tail"]
+        stacked = np.empty((4, len(choices), self.n + 1, self.n + 1))
+        for c, t in enumerate(times):
+            stacked[:, c] = t[:4]  # each a layer-range array, or a view broadcast to one
+        fields = dict(zip(("forward", "backward", "tail", "sync"), stacked))
+        return choices, fields, m * (fields["forward"] + fields["backward"]) + fields["tail"], stacked
 
     def variant(self, cfg: StageConfig, b: int, held: int, last: bool, zero: int, remat: str,
                 dots: float = 0.0, offload: str = "") -> StageVariant:
@@ -438,21 +437,11 @@ class StageCosts:
                               dots: float) -> tuple[DeviceMemory, StageActivations, bool, np.ndarray | float]:
         """What `variant`'s memory is made of whatever the microbatches in flight: the
         state, one microbatch's activations, whether forward and backward are one
-        program, the workspace."""
-        _, _, saved, grads, _ = self._ranges(cfg, b)
-        inputs = np.broadcast_to((self.inputs * (b / cfg.dp / cfg.tp)).tolist() + [0.0], saved.shape).T  # a stage keeps its own input
-        shard = b / cfg.dp / cfg.tp  # activations split over all the stage's devices
-        activations = StageActivations(saved, inputs, dots=dots * b / cfg.dp / cfg.tp, largest=self.largest_max * shard,
-                                       recomputed=self._recomputed_span * shard,
-                                       rerun_working=self.rerun_working_max * shard)
-        gathered = self._params_max(cfg.tp)  # ZeRO-3: one layer's parameters gathered at a time
-        state = self._state(grads, cfg.zero_shards, zero)
-        fused = last
-        if remat == "full" and self.problem.layer_checkpoints:  # each layer's input kept, one layer rerun at a time
-            activations = StageActivations(saved, self._inputs_span * shard, largest=self.largest_max * shard,
-                                           recomputed=0.0, rerun_working=self._layer_rerun_max * shard)
-            fused = False  # the last stage recomputes too: its program still frees each layer's activations
-        return state, activations, fused, gathered if zero >= 3 else 0.0
+        program, the workspace (each part priced on what alone it depends on:
+        `solver.cost.choice_memory`)."""
+        state, workspace = self._held_state(cfg, zero)
+        activations, fused = self._held_activations(cfg, b, last, remat, dots)
+        return state, activations, fused, workspace
 
     def _times_uncached(self, cfg: StageConfig, b: int, zero: int, remat: str) -> tuple[np.ndarray, ...]:
         """`variant`'s times (forward, backward, tail, sync, hidden), the same wherever

@@ -31,13 +31,14 @@ from typing import Sequence
 
 import numpy as np
 
-from solver.cost.estimate import estimate
+from solver.cost.estimate import estimate, simulated, step_floor_s
 from solver.cost.problem import PlanningError, Problem
+from solver.cost.ranges import at
 from solver.cost.stage_costs import INF, StageConfig, StageCosts
 from solver.cost.topologies import shares_sum_times
 from solver.memory import OFFLOAD_TIERS, in_flight
 from solver.planner.problem import PlanChoice, StageChoice
-from solver.planner.step import decisions, with_costs
+from solver.planner.step import ROUNDING, decisions, with_costs
 
 MIXED_FINALISTS = 4  # single-chunk finalists widened with mixed stages (the best few: the rest rarely overtake them)
 MAX_PART_KINDS = 2  # idle kinds joined to one stage: a stage of at most three kinds
@@ -81,10 +82,35 @@ def with_mixed_stages(problem: Problem, found: list[PlanChoice], costs: StageCos
     where it is faster, ranked again."""
     if len(problem.kinds) < 2 or not problem.allow_mixed:
         return found
-    plain = _shapes([c for c in found if c.chunks == 1 and len(c.replica_batch) == 1])[:MIXED_FINALISTS]
+    plain = _shapes([c for c in found if _widened(c)])[:MIXED_FINALISTS]
     memo: dict = {}  # positions and parts priced for one finalist's variants serve the next's
     extra = [v for c in plain if (v := best_mixed(problem, c, costs, memo)) is not None]
     return sorted([*found, *extra], key=lambda c: c.step_s) if extra else found
+
+
+def ranked_to(problem: Problem, ranked: list[PlanChoice], finalists: list[PlanChoice]) -> float:
+    """The step up to which `with_mixed_stages` reads a ranking of `finalists` of which
+    `ranked` are ranked so far: the fastest plan of each of its first
+    `MIXED_FINALISTS` shapes (`step.rank`'s `exact_to`). Every shape's, where fewer
+    shapes are ranked than it widens and some are not ranked yet (inf); -inf where no
+    stage is widened."""
+    if len(problem.kinds) < 2 or not problem.allow_mixed:
+        return -INF
+    firsts = _shapes([c for c in ranked if _widened(c)])
+    if len(firsts) >= MIXED_FINALISTS:
+        return firsts[MIXED_FINALISTS - 1].step_s
+    if len(firsts) < len({_shape(c) for c in finalists if _widened(c)}):
+        return INF
+    return firsts[-1].step_s if firsts else -INF
+
+
+def _widened(c: PlanChoice) -> bool:
+    """Whether `with_mixed_stages` widens this finalist: a single pipeline of one chunk."""
+    return c.chunks == 1 and len(c.replica_batch) == 1
+
+
+def _shape(c: PlanChoice) -> tuple[str, ...]:
+    return tuple(s.kind for s in c.stages)
 
 
 def _shapes(plain: list[PlanChoice]) -> list[PlanChoice]:
@@ -95,7 +121,7 @@ def _shapes(plain: list[PlanChoice]) -> list[PlanChoice]:
     seen: set[tuple[str, ...]] = set()
     out = []
     for c in plain:
-        shape = tuple(s.kind for s in c.stages)
+        shape = _shape(c)
         if shape not in seen:
             seen.add(shape)
             out.append(c)
@@ -133,8 +159,11 @@ def best_mixed(problem: Problem, choice: PlanChoice, costs: StageCosts, memo: di
             # "least"), which no schedule beats; past the best so far, not priced
             if floor >= best_s:
                 continue
-            cost = estimate(problem, decisions(c), costs)
-            if cost.fits and cost.step_s < best_s:
+            cost = estimate(problem, decisions(c), costs, simulate_step=False)
+            if not cost.fits or step_floor_s(problem, cost) * (1 - ROUNDING) >= best_s:
+                continue  # its simulated step could not beat the best so far: not simulated
+            cost = simulated(problem, cost)
+            if cost.step_s < best_s:
                 best, best_s = with_costs(c, cost), cost.step_s
 
     for m in _coarser(problem, choice):
@@ -355,11 +384,14 @@ def _part(costs: StageCosts, cfg: StageConfig, rows: int, m: int, held: int, las
     prices it (`solver.cost.mixed`)."""
     shape = (costs.n + 1, costs.n + 1)
     cost, fb, tail, zeros = np.full(shape, INF), np.full(shape, INF), np.zeros(shape), np.zeros(shape, dtype=int)
-    for zero in costs.zero_stages(cfg):
-        v = costs.variant(cfg, rows, held, last, zero, remat)
-        fits = np.broadcast_to(v.memory.total, shape) <= costs.capacity(cfg.kind)
-        f_b = np.broadcast_to(v.forward + v.backward, shape)
-        t = np.broadcast_to(v.tail, shape)
+    choices = [(zero, remat) for zero in costs.zero_stages(cfg)]
+    memory = costs._choice_memory.totals(cfg, rows, held, last, choices)  # each `variant(...).memory.total`, at once
+    capacity = costs.capacity(cfg.kind)
+    for (zero, _), total in zip(choices, memory):
+        forward, backward, t, _, _ = costs._placed_times(cfg, rows, zero, remat, last)  # `variant`'s times
+        fits = total <= capacity
+        f_b = np.broadcast_to(forward + backward, shape)
+        t = np.broadcast_to(t, shape)
         c = np.where(fits, m * f_b + t, INF)
         take = c < cost
         cost, fb, tail, zeros = np.where(take, c, cost), np.where(take, f_b, fb), np.where(take, t, tail), np.where(take, zero, zeros)
@@ -405,7 +437,7 @@ def _layouts(problem: Problem, costs: StageCosts, kind: str, devices: int, stage
 
 
 def _at(x, shape: tuple, i: int, j: int) -> float:  # noqa: ANN001
-    return float(np.broadcast_to(x, shape)[i, j])
+    return at(x, shape, i, j)
 
 
 def _pass_s(v, i: int, j: int) -> float:  # noqa: ANN001

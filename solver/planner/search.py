@@ -48,7 +48,7 @@ from solver.planner.problem import PlanChoice, PlanningError, Problem, SearchRes
 from solver.cost.stage_costs import INF, StageConfig, StageCosts, in_flight
 from solver.cost.problem import memory_note
 from solver.memory import OFFLOAD_TIERS
-from solver.planner.mixed import with_mixed_stages
+from solver.planner.mixed import ranked_to, with_mixed_stages
 from solver.planner.step import rank
 
 log = logging.getLogger(__name__)
@@ -182,7 +182,11 @@ class Planner:
             raise PlanningError(self._why_nothing_fits())
         # The finalists by the figure show/simulate report (the estimator's simulated
         # step), not the search's closed form, which is exact for some shapes only.
-        found = rank(self.problem, found[: self.finalists], self.costs)
+        finalists = found[: self.finalists]
+        # the first `top_k` and what `with_mixed_stages` widens are all that is read of the
+        # ranking: plans provably slower than those are not simulated (`rank`'s `exact_to`)
+        found = rank(self.problem, finalists, self.costs, lambda ranked: max(
+            ranked[self.top_k - 1].step_s if len(ranked) >= self.top_k else INF, ranked_to(self.problem, ranked, finalists)))
         found = with_mixed_stages(self.problem, found, self.costs)  # a stage over idle kinds too, where it wins
         self.deadline = INF  # the bound's own searches run to the end
         per_kind = tuple((k.name, (rank(self.problem, self._search((k.name,), 1), self.costs) or [None])[0]) for k in self.problem.kinds)

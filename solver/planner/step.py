@@ -11,12 +11,15 @@ everything else and a plan is never chosen over one its own price rates faster.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Callable
 
-from solver.cost.estimate import Decisions, PlanCost, StageDecision, estimate
+from solver.cost.estimate import Decisions, PlanCost, StageDecision, estimate, simulated, step_floor_s
 from solver.pipeline_sim import pipeline_time, step_time
 from solver.planner.problem import PlanChoice, Problem
 from solver.cost.stage_costs import StageCosts
 from solver.schedules import StageTimes
+
+ROUNDING = 1e-9  # relative: a floor and the simulation add the same figures in other orders
 
 
 def decisions(choice: PlanChoice) -> Decisions:
@@ -46,9 +49,27 @@ def with_costs(choice: PlanChoice, cost: PlanCost) -> PlanChoice:
     return replace(choice, stages=stages, step_s=cost.step_s, peak_flops=cost.peak_flops)
 
 
-def rank(problem: Problem, choices: list[PlanChoice], costs: StageCosts | None = None) -> list[PlanChoice]:
-    """Finalists priced by the estimator, fastest first."""
-    return sorted((with_estimate(problem, c, costs) for c in choices), key=lambda c: c.step_s)
+def rank(problem: Problem, choices: list[PlanChoice], costs: StageCosts | None = None,
+         exact_to: Callable[[list[PlanChoice]], float] | None = None) -> list[PlanChoice]:
+    """Finalists priced by the estimator, fastest first (ties in the finalists' order).
+    `exact_to`: given the ranking of the plans simulated so far, the step up to which the
+    caller reads the ranking (it may only fall as more are simulated): the plans are
+    simulated in the order of their floors (`step_floor_s`, provably at most their
+    simulated step), and those whose floor is above it are left out, as they could not
+    rank before any plan the caller reads (simulating the step is about half an estimate)."""
+    if exact_to is None:
+        return sorted((with_estimate(problem, c, costs) for c in choices), key=lambda c: c.step_s)
+    costs = costs or StageCosts(problem)
+    priced = [estimate(problem, decisions(c), costs, simulate_step=False) for c in choices]
+    floors = [step_floor_s(problem, cost) for cost in priced]
+    done: list[tuple[int, PlanChoice]] = []
+    ranked: list[PlanChoice] = []
+    for i in sorted(range(len(choices)), key=lambda i: floors[i]):
+        if ranked and floors[i] * (1 - ROUNDING) > exact_to(ranked):
+            break
+        done.append((i, replace(choices[i], step_s=simulated(problem, priced[i]).step_s)))
+        ranked = sorted((c for _, c in sorted(done, key=lambda x: x[0])), key=lambda c: c.step_s)
+    return ranked
 
 
 def stage_times(choice: PlanChoice, replica: int) -> list[StageTimes]:
