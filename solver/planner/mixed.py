@@ -309,9 +309,9 @@ def _position(problem: Problem, costs: StageCosts, stages: tuple[StageChoice, ..
     member the ZeRO stage and offload tier picked and the recomputation the parts share,
     and "least": seconds the position is busy a step at the least, whatever its members'
     choices that fit (each member's least `m` forwards and backwards, and the lead's
-    tail; the estimator charges a mixed position its slowest part's forwards and
-    backwards and its lead's update, plus the parameters' copy to the parts, left out
-    here so that "least" stays under it), which no schedule beats. `memo`: parts already priced (the variants of a finalist set share many)."""
+    tail; the estimator charges a mixed position its slowest part's forwards,
+    backwards and update, each at least these), which no schedule beats. `memo`:
+    parts already priced (the variants of a finalist set share many)."""
     memo = {} if memo is None else memo
     shape = (costs.n + 1, costs.n + 1)
     upper = np.triu(np.ones(shape, dtype=bool), k=1)
