@@ -29,7 +29,7 @@ from solver import schedules as registry
 from solver.planner.problem import Problem
 from solver.cost.ranges import cumsum, span
 from solver.cost.stage_costs import INF, StageConfig, StageCosts, in_flight
-from solver.planner.runs import FITS_TOL, first_enough, least_runs, least_step, longest, nondecreasing
+from solver.planner.runs import FITS_TOL, balanced_pace, first_enough, least_runs, least_step, longest, nondecreasing
 
 _BLOCK = 16  # candidate step times order_bound prices at once
 _BELOW = 1 - 1e-9  # a floor kept below what it bounds despite rounding (and `FITS_TOL`)
@@ -413,8 +413,7 @@ class LowerBounds:
         sends = 2 * sum(self._least_send(a, c, b) for a, c in zip(row, row[1:]))
         paces = [self._least_pace(c, b) for c in groups]
         least, rates = np.array([p[0] for p in paces]), np.array([p[1] for p in paces])
-        balanced = self.costs.n / float((1.0 / rates).sum()) if (rates > 0).all() else 0.0
-        pace = max(chunks * float(least.max()), balanced)
+        pace = max(chunks * float(least.max()), balanced_pace(self.costs.n, rates))
         return (float(least.sum()) + sends + (m - 1 / chunks) * pace) * _BELOW
 
     def _least_pace(self, cfg: StageConfig, b: int) -> tuple[float, float]:

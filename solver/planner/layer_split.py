@@ -26,6 +26,7 @@ from solver import schedules
 from solver.schedules import StageTimes
 from solver.cost.stage_costs import INF
 from solver.cost.stage_tables import StageTable
+from solver.planner.runs import balanced_pace
 
 
 @dataclass(frozen=True)
@@ -109,8 +110,7 @@ class _Row:
         least = np.array([t.min() for t in self.times]).reshape(v, groups)
         per_layer = np.array([np.where(length > 0, t / np.maximum(length, 1), INF).min() for t in self.times])
         rates = per_layer.reshape(v, groups).min(axis=0)
-        balanced = float(self.n / (1.0 / rates).sum()) if (rates > 0).all() else 0.0
-        return max(float(least.sum(axis=0).max()), balanced)
+        return max(float(least.sum(axis=0).max()), balanced_pace(self.n, rates))
 
     def least_sums(self, t_maxes: np.ndarray) -> np.ndarray:
         """`least_sum(t_max)`'s value for each of `t_maxes` at once (the same sums in

@@ -427,7 +427,7 @@ def _layouts(problem: Problem, costs: StageCosts, kind: str, devices: int, stage
         share = max(cfg.dp, b * cfg.devices // max(1, devices + stage.devices))  # about the rows it would take
         for zero in sorted(z for z in problem.zero_stages if z == 0 or cfg.dp > 1):
             v = costs.variant(cfg, share, 1, False, zero, remat)
-            if _at(v.memory.total, v.forward.shape, i, j) > costs.capacity(kind):
+            if at(v.memory.total, v.forward.shape, i, j) > costs.capacity(kind):
                 continue
             seconds = _pass_s(v, i, j)
             if seconds > 0:
@@ -436,14 +436,10 @@ def _layouts(problem: Problem, costs: StageCosts, kind: str, devices: int, stage
     return sorted(out, key=lambda layout: -layout[2])
 
 
-def _at(x, shape: tuple, i: int, j: int) -> float:  # noqa: ANN001
-    return at(x, shape, i, j)
-
-
 def _pass_s(v, i: int, j: int) -> float:  # noqa: ANN001
     """A variant's forward and backward of one microbatch over layers [i, j): what a
     part's speed (rows over it) is reckoned from."""
-    return _at(v.forward, v.forward.shape, i, j) + _at(v.backward, v.forward.shape, i, j)
+    return at(v.forward, v.forward.shape, i, j) + at(v.backward, v.forward.shape, i, j)
 
 
 def _mixed(choice: PlanChoice, p: int, parts: list[tuple[StageConfig, int, float]], b: int,

@@ -1,7 +1,8 @@
 """Least runs of consecutive layers, and the searches over them that the planner's
 bounds make: which run lengths fit within a candidate time, and where a sum of
-rooms first holds every layer. Pure functions of arrays, shared by the bounds of
-`bounds.py` (kept apart so that module holds only what a bound means)."""
+rooms first holds every layer, and the balanced pace of device groups. Pure functions
+of arrays, shared by the bounds of `bounds.py` and the split's own refusals
+(`layer_split`), kept apart so those modules hold only what a bound means."""
 
 from __future__ import annotations
 
@@ -50,3 +51,10 @@ def first_enough(rooms: list[np.ndarray], index: np.ndarray, size: int, layers: 
         enough &= mid < size
         lo, hi = np.where(enough | (lo >= hi), lo, mid + 1), np.where(enough & (lo < hi), mid, hi)
     return lo
+
+
+def balanced_pace(layers: int, rates: np.ndarray) -> float:
+    """The least pace of device groups that spend at least `rates[g]` on each layer
+    they hold, were layers divisible: sharing `layers` so that every group is as busy
+    (layers / sum(1 / r_g)); 0 where some group's rate is 0 (nothing bounds it)."""
+    return float(layers / (1.0 / rates).sum()) if (rates > 0).all() else 0.0
