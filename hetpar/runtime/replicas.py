@@ -5,7 +5,9 @@ Each replica (a whole pipeline on part of the batch) accumulates its share of ev
 reduction (gradients, loss sums). Every replica whose update reads a reduction then
 makes the full sum on its own stage, adding the shares in one canonical order, replica
 0's, 1's, 2's, ..., so every replica's sum, and so its update, is bit for bit replica
-0's: the all-reduce the estimator prices, each replica receiving the others' shares.
+0's. Each replica receives the others' shares, as the estimator prices it
+(`solver/cost/topologies.shares_sum`: one share's all-reduce for two, the all-gather of
+all shares for more).
 Each replica then updates its own copy of the parameters and optimizer state, which
 the runtime keeps between calls (runtime/copies.StateCopies), so the next step moves
 no parameters from replica 0 into the others. The step returns replica 0's results.
