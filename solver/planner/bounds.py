@@ -93,6 +93,7 @@ class _Group(NamedTuple):
     plain_rooms: np.ndarray
     remat_rooms: np.ndarray
     index: dict[KindLayout, int]
+    rows: dict[tuple[KindLayout, ...], np.ndarray]  # per row of these layouts, each stage's position in the arrays above
 
 
 class _LastStage(NamedTuple):
@@ -129,7 +130,6 @@ class LowerBounds:
         self._groups: dict[tuple, _Group] = {}
         self._orders: dict[tuple, tuple[list[KindLayout], np.ndarray, float]] = {}
         self._bases: dict[tuple[tuple[KindLayout, ...], int], tuple[np.ndarray, ...]] = {}
-        self._rows: dict[tuple[KindLayout, ...], np.ndarray] = {}
         self._held: dict[tuple[str, int, int], tuple[int, ...]] = {}
         self._sends: dict[tuple[StageConfig, StageConfig, int], float] = {}
         self._kinds: dict[tuple[tuple[KindLayout, ...], int, tuple[str, ...]], _KindArrays] = {}
@@ -138,18 +138,38 @@ class LowerBounds:
         self._held_tails: dict[StageConfig, np.ndarray] = {}
         self._lasts: dict[tuple, _LastStage] = {}
         self._envelopes: dict[tuple[tuple[KindLayout, ...], int], tuple[np.ndarray, float, np.ndarray]] = {}
+        self._least_tails: dict[tuple[KindLayout, ...], float] = {}
         self._paces: dict[tuple[StageConfig, int], tuple[float, float]] = {}
 
     def bound(self, layouts: tuple[KindLayout, ...], m: int, b: int, schedule: str) -> float:
         """No split of any order of these stages is faster than this under `schedule`
         (inf: none fits): the bounds of `order_bound` at the best case of every
         position (one microbatch in flight), without the sends."""
-        fitting = [self._layers_fitting(lay, b, 1) for lay in layouts]
+        return float(self.set_bounds([layouts], m, b, schedule)[0])
+
+    def set_bounds(self, sets: list[tuple[KindLayout, ...]], m: int, b: int, schedule: str) -> np.ndarray:
+        """`bound` of each set, the same figures, in one array pass per stage count
+        among them (the search tightens a stream's next sets together). Sets of as many
+        stages share the candidate times of all their layouts, a superset of each one's
+        own: a time between two of a set's own has the lesser one's rooms and a larger
+        bottleneck, so the least is the same."""
+        out = np.full(len(sets), INF)
         if registry.get(schedule).interleaved:
-            fits = sum(lay.stages * max(fit) for lay, fit in zip(layouts, fitting)) >= self.costs.n
-            return self._work_floor(layouts, m * b) if fits else INF
-        rooms = np.repeat(np.array(fitting, dtype=float), [lay.stages for lay in layouts], axis=0)
-        return float(self._bounds([layouts], rooms[None], m, b, schedule, np.zeros(1), INF)[0])
+            for i, layouts in enumerate(sets):
+                fits = sum(lay.stages * max(self._layers_fitting(lay, b, 1)) for lay in layouts) >= self.costs.n
+                out[i] = self._work_floor(layouts, m * b) if fits else INF
+            return out
+        by_count: dict[int, list[int]] = {}
+        for i, layouts in enumerate(sets):
+            by_count.setdefault(sum(lay.stages for lay in layouts), []).append(i)
+        for chosen in by_count.values():
+            rows = [sets[i] for i in chosen]
+            group = self._group(rows[0] if len(rows) == 1 else tuple({lay for row in rows for lay in row}), b)
+            fitting = np.stack([np.repeat(np.array([self._layers_fitting(lay, b, 1) for lay in row], dtype=float),
+                                          [lay.stages for lay in row], axis=0) for row in rows])
+            tails = np.array([self._least_tail(tuple(sorted(row))) for row in rows])
+            out[chosen] = self._bounds(rows, fitting, m, b, tails, INF, group=group)
+        return out
 
     def product_bounds(self, per_kind: list[list[KindLayout]], m: int, b: int, schedule: str) -> list[tuple[float, tuple[KindLayout, ...]]]:
         """`product_table`'s bounds with their layouts, for every combination that can fit."""
@@ -309,9 +329,10 @@ class LowerBounds:
         if registry.get(schedule).interleaved:
             return np.array([self.bound(order, m, b, schedule) for order in orders])
         parts = [self._order_parts(order, m, b, schedule) for order in orders]
-        return self._bounds(orders, np.stack([fitting for _, fitting, _ in parts]), m, b, schedule,
-                            np.array([sends for _, _, sends in parts]), beat,
-                            [self._last_stage(order, b) for order in orders] if last else None)
+        group = self._group(orders[0], b)
+        return self._bounds(orders, np.stack([fitting for _, fitting, _ in parts]), m, b,
+                            np.array([sends for _, _, sends in parts]) + group.tail, beat,
+                            [self._last_stage(order, b) for order in orders] if last else None, group)
 
     def _order_parts(self, order: tuple[KindLayout, ...], m: int, b: int, schedule: str) -> tuple[list[KindLayout], np.ndarray, float]:
         """An order's stages, the layers each holds at most (plain, recomputing) with its
@@ -321,27 +342,31 @@ class LowerBounds:
             stages = [lay for lay in order for _ in range(lay.stages)]
             held = self._in_flight(schedule, m, len(stages))
             fitting = np.array([self._layers_fitting(lay, b, k) for lay, k in zip(stages, held)], dtype=float)
-            configs = [lay.config for lay in stages]
-            self._orders[key] = stages, fitting, 2 * sum(self._least_send(a, c, b) for a, c in zip(configs, configs[1:]))
+            sends: list[float] = []  # each cut's, in the row's order (a layout's stages are neighbours)
+            for i, lay in enumerate(order):
+                if i:
+                    sends.append(self._least_send(order[i - 1].config, lay.config, b))
+                sends.extend([self._least_send(lay.config, lay.config, b)] * (lay.stages - 1))
+            self._orders[key] = stages, fitting, 2 * sum(sends)
         return self._orders[key]
 
-    def _bounds(self, rows: list[tuple[KindLayout, ...]], fitting: np.ndarray, m: int, b: int, schedule: str,
-                offsets: np.ndarray, beat: float, lasts: list[_LastStage] | None = None) -> np.ndarray:
-        """Per row of layouts (the same set of layouts, hence stages, in each): the least
-        (m - 1) t + summed stage times over candidate bottlenecks t, plus the tail's
-        bound and the row's offset; `fitting` (rows x stages x 2): the most layers each
-        stage holds without and with recomputation; `lasts`: each row's last stage's own
-        figures (`_last_stage`), where the order is known. (An interleaved schedule's
-        tail is its device groups' chunks' tails summed, not one run's: it gets no
-        tail bound.)"""
+    def _bounds(self, rows: list[tuple[KindLayout, ...]], fitting: np.ndarray, m: int, b: int, offsets: np.ndarray,
+                beat: float, lasts: list[_LastStage] | None = None, group: _Group | None = None) -> np.ndarray:
+        """Per row of layouts (rows of as many stages; the layouts all in `group`, by
+        default the first row's set): the least (m - 1) t + summed stage times over
+        candidate bottlenecks t (the group's), plus the row's offset (its tail's bound
+        and sends); `fitting` (rows x stages x 2): the most layers each stage holds
+        without and with recomputation; `lasts`: each row's last stage's own figures
+        (`_last_stage`, on the group of the row's own set), where the order is known.
+        (Plain schedules only: an interleaved schedule's tail is its device groups'
+        chunks' tails summed, and its fill is 1/v, so these bounds do not hold for it.)"""
         layers = self.costs.n
         out = np.full(len(rows), INF)
         n, nr = fitting[..., 0], fitting[..., 1]
         fits = np.maximum(n, nr).sum(axis=1) >= layers
         if not fits.any():
             return out
-        group = self._group(rows[0], b)
-        offsets = offsets + (0.0 if registry.get(schedule).interleaved else group.tail)
+        group = group or self._group(rows[0], b)
         out[fits & (offsets >= beat)] = beat
         live = np.nonzero(fits & (offsets < beat))[0]
         if not live.size:
@@ -351,9 +376,6 @@ class LowerBounds:
         plain = n >= 1  # a stage that cannot hold one layer without recomputing recomputes
         firsts = np.where(plain, group.firsts[at], group.firsts_remat[at])
         rates = np.where(plain, group.rates[at], group.rates_remat[at])
-        # Per row, candidate bottleneck time t and stage: the most layers the stage may hold.
-        rooms = np.maximum(np.minimum(group.plain_rooms[at], n[:, :, None]),
-                           np.minimum(group.remat_rooms[at], nr[:, :, None])).transpose(0, 2, 1)
         if lasts is not None:
             lasts = [lasts[i] for i in live]
             ends = plain[:, -1]
@@ -361,18 +383,27 @@ class LowerBounds:
             rates[:, -1] = np.where(ends, [s.step for s in lasts], [s.step_remat for s in lasts])
             last_rooms = np.maximum(np.minimum(np.stack([s.rooms for s in lasts]), n[:, -1:]),
                                     np.minimum(np.stack([s.rooms_remat for s in lasts]), nr[:, -1:]))
-            rooms[:, :, -1] = np.minimum(rooms[:, :, -1], last_rooms)
-        by_rate = np.argsort(rates, axis=1, kind="stable")[:, None, :]
-        sorted_rates = np.take_along_axis(rates[:, None, :], by_rate, 2)
-        budget = layers - n.shape[1]  # layers beyond one per stage
         base = firsts.sum(axis=1)[:, None]
+        # The stages sorted by their increment per layer, once: the least sums hand the
+        # layers beyond one per stage to the least increments first.
+        by_rate = np.argsort(rates, axis=1, kind="stable")
+        each = np.arange(len(live))[:, None]
+        at, n, nr, sorted_rates = at[each, by_rate], n[each, by_rate], nr[each, by_rate], rates[each, by_rate][:, None, :]
+        # Per row, candidate bottleneck time t and stage: the most layers the stage may hold.
+        # (Contiguous along the stages, as the sums over them add in that layout's order.)
+        rooms = np.ascontiguousarray(np.maximum(np.minimum(group.plain_rooms[at], n[:, :, None]),
+                                                np.minimum(group.remat_rooms[at], nr[:, :, None])).transpose(0, 2, 1))
+        if lasts is not None:
+            end = np.argmax(by_rate == by_rate.shape[1] - 1, axis=1)  # where the last stage sorted to
+            rooms[each[:, 0], :, end] = np.minimum(rooms[each[:, 0], :, end], last_rooms)
+        budget = layers - n.shape[1]  # layers beyond one per stage
 
         def least_sums(rooms: np.ndarray, rows: np.ndarray | slice = slice(None)) -> np.ndarray:
             """Per row (of `rows`) and candidate time (`rooms`: the most layers each
-            stage may hold there): the least summed stage time when each stage holds at
-            least one layer, the extra layers going to the least increments (inf where
-            the layers do not fit)."""
-            extra = np.take_along_axis(rooms - 1, by_rate[rows], 2)
+            stage may hold there, stages by rate): the least summed stage time when each
+            stage holds at least one layer, the extra layers going to the least
+            increments (inf where the layers do not fit)."""
+            extra = rooms - 1
             before = np.cumsum(extra, axis=2) - extra
             take = np.clip(budget - before, 0, extra)
             sums = base[rows] + (take * sorted_rates[rows]).sum(axis=2)
@@ -445,9 +476,9 @@ class LowerBounds:
         """Per stage of a row, its layout's position in its group's per-layout arrays
         (the search bounds each row once as a set and once per order: the group's
         arrays are built once and a row only picks from them)."""
-        if row not in self._rows:
-            self._rows[row] = np.repeat([group.index[lay] for lay in row], [lay.stages for lay in row])
-        return self._rows[row]
+        if row not in group.rows:
+            group.rows[row] = np.repeat([group.index[lay] for lay in row], [lay.stages for lay in row])
+        return group.rows[row]
 
     def _group(self, layouts: tuple[KindLayout, ...], b: int) -> _Group:
         """Candidate step times, each layout's rooms at them, and the tail's bound:
@@ -462,7 +493,7 @@ class LowerBounds:
                 steps, self._least_tail(key[0]), np.array([r.time[0] for r in each]), np.array([r.remat[0] for r in each]),
                 np.array([r.step for r in each]), np.array([r.step_remat for r in each]),
                 np.array([rooms[lay][0] for lay in key[0]]), np.array([rooms[lay][1] for lay in key[0]]),
-                {lay: i for i, lay in enumerate(key[0])})
+                {lay: i for i, lay in enumerate(key[0])}, {})
         return self._groups[key]
 
     def _last_stage(self, order: tuple[KindLayout, ...], b: int) -> _LastStage:
@@ -488,10 +519,12 @@ class LowerBounds:
         """The least u such that stages whose every run costs at most u in tail (and
         per-microbatch ZeRO collectives, which a stage pays at least once) can hold
         all the layers: the slowest tail is at least that."""
-        candidates = self._tail_grid()
-        held = sum(lay.stages * self._tail_rooms(lay.config) for lay in layouts)
-        enough = np.nonzero(held >= self.costs.n)[0]
-        return float(candidates[enough[0]]) if enough.size else 0.0
+        if layouts not in self._least_tails:
+            candidates = self._tail_grid()
+            held = sum(lay.stages * self._tail_rooms(lay.config) for lay in layouts)
+            enough = np.nonzero(held >= self.costs.n)[0]
+            self._least_tails[layouts] = float(candidates[enough[0]]) if enough.size else 0.0
+        return self._least_tails[layouts]
 
     def _tail_rooms(self, cfg: StageConfig) -> np.ndarray:
         """Per candidate tail (`_tail_grid`), the most layers one such stage holds within it."""

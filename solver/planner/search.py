@@ -10,8 +10,9 @@ single-kind pipeline per kind, each on its share of every microbatch, and sums t
 gradients across them.
 
 Search is branch and bound: every layout gets a lower bound (`bounds.py`: first one
-computed for a whole product of layouts at once, tightened to the layout's own and
-then per order of kinds as it reaches the front of the line), layouts are scored
+computed for a whole product of layouts at once, tightened to the layout's own (with
+the product's next few, in one pass) and then per order of kinds as it reaches the front
+of the line), layouts are scored
 exactly in the order of their bounds, and the search stops when the next bound
 cannot beat the k-th best plan found (k: `FINALISTS`, whose closed forms the estimator
 then replaces by its simulated step to choose). Pipelines are therefore the model's optimum; replica batch shares
@@ -57,6 +58,9 @@ log = logging.getLogger(__name__)
 # plans; ten did not (on 256 GPUs of two kinds the estimator prefers a 1F1B plan of
 # fewer microbatches that the closed form ranks eleventh).
 FINALISTS = 15
+# A stream's combinations tightened at once when the first of them reaches the front of
+# the line (most of the next ones soon do; one array pass prices them all).
+_TIGHTEN_AHEAD = 16
 _STREAM = None  # a queue entry that stands for a stream's next combination, not yet drawn
 
 
@@ -227,7 +231,8 @@ class Planner:
         # ignoring where its stages sit) and goes back in line; at the front again it is
         # re-bounded per order of its kinds (activations in flight depend on the
         # position) and goes back once more.
-        streams: list[tuple[np.ndarray, np.ndarray, list[list[KindLayout]]]] = []
+        # (first bounds, layout indices, the kinds' layout lists, tightened bounds: nan until priced)
+        streams: list[tuple[np.ndarray, np.ndarray, list[list[KindLayout]], np.ndarray]] = []
         queue: list[tuple] = []  # (lower bound, tie-break, m, layouts or (stream, position), orders or _STREAM)
         counter = itertools.count()
         for m in counts or p.microbatch_counts():
@@ -243,7 +248,7 @@ class Planner:
                     # and tie-break, so the line's order is the one the tables would give.
                     floor = self.bounds.product_floor(lists, m, b, bound_schedule)
                     if floor < beat:
-                        streams.append((np.zeros(0), np.zeros((0, 0), dtype=int), lists))
+                        streams.append((np.zeros(0), np.zeros((0, 0), dtype=int), lists, np.zeros(0)))
                         queue.append((floor, next(counter), m, (len(streams) - 1, -1), _STREAM))
         heapq.heapify(queue)
         heap: list[tuple[float, int, PlanChoice]] = []  # the top_k best, worst on top (negated)
@@ -258,19 +263,23 @@ class Planner:
             b = batch // m
             if orders is _STREAM:  # the stream's next combination: tighten to the layout's own bound
                 stream, position = layouts
-                lows, index, lists = streams[stream]
+                lows, index, lists, tight = streams[stream]
                 if position < 0:  # its floor: price the product now
                     lower, index = self.bounds.product_table(lists, m, b, bound_schedule)
                     chosen = np.nonzero(lower < beat)[0]
                     if chosen.size:
                         chosen = chosen[np.argsort(lower[chosen], kind="stable")]
-                        streams[stream] = (lower[chosen], index[:, chosen], lists)
+                        streams[stream] = (lower[chosen], index[:, chosen], lists, np.full(chosen.size, np.nan))
                         heapq.heappush(queue, (float(lower[chosen[0]]), tie, m, (stream, 0), _STREAM))
                     continue
                 if position + 1 < len(lows):
                     heapq.heappush(queue, (float(lows[position + 1]), next(counter), m, (stream, position + 1), _STREAM))
                 layouts = tuple(lays[i] for lays, i in zip(lists, index[:, position]))
-                tighter = self.bounds.bound(layouts, m, b, bound_schedule)
+                if np.isnan(tight[position]):  # this and the stream's next few, tightened together
+                    ahead = range(position, min(position + _TIGHTEN_AHEAD, len(lows)))
+                    tight[ahead.start : ahead.stop] = self.bounds.set_bounds(
+                        [tuple(lays[i] for lays, i in zip(lists, index[:, p])) for p in ahead], m, b, bound_schedule)
+                tighter = float(tight[position])
                 if tighter < INF:
                     heapq.heappush(queue, (max(tighter, lower), next(counter), m, layouts, ()))
                 continue
