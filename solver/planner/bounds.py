@@ -128,7 +128,6 @@ class LowerBounds:
         self._runs: dict[tuple, _Runs] = {}
         self._tails: dict[StageConfig, np.ndarray] = {}
         self._groups: dict[tuple, _Group] = {}
-        self._orders: dict[tuple, tuple[list[KindLayout], np.ndarray, float]] = {}
         self._bases: dict[tuple[tuple[KindLayout, ...], int], tuple[np.ndarray, ...]] = {}
         self._held: dict[tuple[str, int, int], tuple[int, ...]] = {}
         self._sends: dict[tuple[StageConfig, StageConfig, int], float] = {}
@@ -136,7 +135,7 @@ class LowerBounds:
         self._grids: dict[tuple[int, tuple[str, ...]], np.ndarray] = {}
         self._tail_values: np.ndarray | None = None
         self._held_tails: dict[StageConfig, np.ndarray] = {}
-        self._lasts: dict[tuple, _LastStage] = {}
+        self._lasts: dict[tuple[KindLayout, int], _LastStage] = {}
         self._envelopes: dict[tuple[tuple[KindLayout, ...], int], tuple[np.ndarray, float, np.ndarray]] = {}
         self._least_tails: dict[tuple[KindLayout, ...], float] = {}
         self._paces: dict[tuple[StageConfig, int], tuple[float, float]] = {}
@@ -328,27 +327,24 @@ class LowerBounds:
         order of a set when the set reaches the front of its line)."""
         if registry.get(schedule).interleaved:
             return np.array([self.bound(order, m, b, schedule) for order in orders])
-        parts = [self._order_parts(order, m, b, schedule) for order in orders]
         group = self._group(orders[0], b)
-        return self._bounds(orders, np.stack([fitting for _, fitting, _ in parts]), m, b,
-                            np.array([sends for _, _, sends in parts]) + group.tail, beat,
-                            [self._last_stage(order, b) for order in orders] if last else None, group)
+        fitting, sends = self._order_parts(orders, m, b, schedule)
+        return self._bounds(orders, fitting, m, b, sends + group.tail, beat,
+                            [self._last_stage(order[-1], group, b) for order in orders] if last else None, group)
 
-    def _order_parts(self, order: tuple[KindLayout, ...], m: int, b: int, schedule: str) -> tuple[list[KindLayout], np.ndarray, float]:
-        """An order's stages, the layers each holds at most (plain, recomputing) with its
-        position's microbatches in flight, and its cuts' least sends both ways."""
-        key = (order, m, b, schedule)
-        if key not in self._orders:  # the search asks again for the orders it re-bounds (replicas, each kind alone)
-            stages = [lay for lay in order for _ in range(lay.stages)]
-            held = self._in_flight(schedule, m, len(stages))
-            fitting = np.array([self._layers_fitting(lay, b, k) for lay, k in zip(stages, held)], dtype=float)
-            sends: list[float] = []  # each cut's, in the row's order (a layout's stages are neighbours)
-            for i, lay in enumerate(order):
-                if i:
-                    sends.append(self._least_send(order[i - 1].config, lay.config, b))
-                sends.extend([self._least_send(lay.config, lay.config, b)] * (lay.stages - 1))
-            self._orders[key] = stages, fitting, 2 * sum(sends)
-        return self._orders[key]
+    def _order_parts(self, orders: list[tuple[KindLayout, ...]], m: int, b: int, schedule: str) -> tuple[np.ndarray, np.ndarray]:
+        """Per order of one set: the most layers each stage holds (plain, recomputing) with
+        its position's microbatches in flight (each layout's at every position, picked
+        per order), and its cuts' least sends both ways."""
+        count = sum(lay.stages for lay in orders[0])
+        held = self._in_flight(schedule, m, count)
+        layouts = list(orders[0])
+        at = {lay: i for i, lay in enumerate(layouts)}
+        pair = {(x, y): self._least_send(x.config, y.config, b) for x in layouts for y in layouts}
+        each = np.array([[self._layers_fitting(lay, b, k) for k in held] for lay in layouts], dtype=float)
+        rows = [[lay for lay in order for _ in range(lay.stages)] for order in orders]
+        sends = np.array([2 * sum(pair[a, c] for a, c in zip(row, row[1:])) for row in rows])
+        return each[np.array([[at[lay] for lay in row] for row in rows]), np.arange(count)], sends
 
     def _bounds(self, rows: list[tuple[KindLayout, ...]], fitting: np.ndarray, m: int, b: int, offsets: np.ndarray,
                 beat: float, lasts: list[_LastStage] | None = None, group: _Group | None = None) -> np.ndarray:
@@ -496,7 +492,7 @@ class LowerBounds:
                 {lay: i for i, lay in enumerate(key[0])}, {})
         return self._groups[key]
 
-    def _last_stage(self, order: tuple[KindLayout, ...], b: int) -> _LastStage:
+    def _last_stage(self, last: KindLayout, group: _Group, b: int) -> _LastStage:
         """A pipeline's last stage holds the model's last layers (on a language model,
         the head, heavier than any other layer), so its times are at least those of
         the last runs, not only of the least runs anywhere. Its rooms on the group's
@@ -506,10 +502,10 @@ class LowerBounds:
         largest candidate t <= M, where its last stage's run (<= M, below the next
         candidate) has room (as its least run, a candidate <= M, has at t: the rooms
         are the lesser of the two)."""
-        key = (order[-1], tuple(sorted(order)), b)  # the last layout, and its group's key
+        key = (last, id(group))  # (a group is kept as long as the bounds: its id stays its own)
         if key not in self._lasts:
-            steps = self._group(order, b).steps
-            r = self._stage_runs(order[-1].config, b)
+            steps = group.steps
+            r = self._stage_runs(last.config, b)
             above = np.append(steps[1:], INF)
             self._lasts[key] = _LastStage(float(r.last[0]), float(r.last_remat[0]), least_step(r.last),
                                           least_step(r.last_remat), longest(r.last, above), longest(r.last_remat, above))
