@@ -112,6 +112,33 @@ class _Row:
         rates = per_layer.reshape(v, groups).min(axis=0)
         return max(float(least.sum(axis=0).max()), balanced_pace(self.n, rates))
 
+    def group_paths(self, v: int, rate: float, limit: float) -> np.ndarray:
+        """Per device group g (stage p on group p mod k/v): the least over splits whose
+        stage and send times all stay within `limit` of
+
+            sum_p t_p / v + 2 sum of sends + sum over g's stages p of (rate t_p + u_p),
+
+        t_p a stage's time, u_p its tail. Additive over stages, so one shortest path per
+        group, all groups at once: the paths share every stage's cost but group g's own
+        (`_every_group_loses` says why each is a floor under an interleaved step)."""
+        groups, n = len(self.times) // v, self.n
+        best = np.zeros((groups, n + 1))
+        for p, (t, u) in enumerate(zip(self.times, self.tails)):
+            masked = np.where(t <= limit, t, INF)
+            light = masked / v
+            heavy = light + rate * masked + u  # (tails are 0 where a range does not run, its time inf)
+            g = p % groups
+            if p == 0:
+                best[:] = light[0]
+                best[g] = heavy[0]
+                continue
+            send = self.sends[p - 1]
+            start = best + 2 * np.where(send <= limit, send, INF)
+            own = (start[g][:, None] + heavy).min(axis=0)
+            best = (start[:, :, None] + light[None]).min(axis=1)
+            best[g] = own
+        return best[:, n]
+
     def least_sums(self, t_maxes: np.ndarray) -> np.ndarray:
         """`least_sum(t_max)`'s value for each of `t_maxes` at once (the same sums in
         the same order, so the same figures), without the cuts."""
@@ -186,6 +213,8 @@ def best_split(
         return None
     if m - 1 / v > 0 and beat < INF and _every_bottleneck_loses(row, m, v, pace_lo, sum0, u_floor, beat):
         return None  # before the sweep's grids: most pipelines the search prices lose here
+    if v > 1 and beat < INF and _every_group_loses(row, m, v, sum0, u_floor, beat):
+        return None  # an interleaved row whose slowest group alone loses: before the sweep, which bounds 1F1B's form
     sum0, cuts0 = row.least_sum()
     t_values = np.unique(np.concatenate([t[np.isfinite(t)] for t in row.times] + [s[1:n] for s in row.sends]))
     u_values = np.unique(np.concatenate([u[np.isfinite(t)] for u, t in zip(row.tails, row.times)]))
@@ -246,6 +275,32 @@ def _every_bottleneck_loses(row: _Row, m: int, v: int, pace_lo: float, sum0: flo
         tail_hi = float(row.least_tails(hi)[0])
         return sum_hi + rest + max(tail_hi, u_floor) >= beat * _REFUSE_TOL
     return True
+
+
+def _every_group_loses(row: _Row, m: int, v: int, sum0: float, u_floor: float, beat: float) -> bool:
+    """Whether no split of an interleaved row (v > 1 chunks per device group) beats
+    `beat`. Its step (`Interleaved1F1B.step_time`) is
+
+        I = sum_p t_p / v + 2 sum of sends + (m - 1/v) pace + the largest group tail,
+
+    pace the busiest group's stage times summed (or its sends), a group's tail its
+    stages' tails summed. A split whose pace exceeds hi = (beat - sum0 / v - u_floor)
+    / (m - 1/v) loses on that alone (its stage and send sums at least sum0, which is
+    least over all splits, its tail at least u_floor). In one whose pace is within
+    hi, every stage time and send is within hi (each lies in some group's sum), and
+    for every group g, pace >= g's times summed and the largest tail >= g's tails
+    summed: I is at least the additive cost of `_Row.group_paths` for g, whose least
+    over such splits it computes. So when some group's least reaches `beat`, no split
+    does. It bites where the shared work's floors do not: a device group that must
+    hold the head (the last stage's group) or slow kinds paces every split, and an
+    interleaved row's sweep (bounded by the 1F1B form of the splits it finds, not the
+    beat) would otherwise run to its end. Both comparisons keep `_REFUSE_TOL`'s margin
+    for rounding (hi is widened by it, which only weakens the bound)."""
+    rate = m - 1 / v
+    hi = (beat * _REFUSE_TOL - sum0 / v - u_floor) / rate
+    if not hi > 0:
+        return False  # (the caller's refusals leave none such; the sweep keeps the say)
+    return float(row.group_paths(v, rate, hi).max()) >= beat * _REFUSE_TOL
 
 
 def _swept(row: _Row, t_values: np.ndarray, going: Callable[[float], bool], useful: Callable[[float, float], bool],
