@@ -2,7 +2,9 @@
 on in `best_split` by `_every_group_loses`) must never refuse a beat some split of the
 row beats (brute force over every split on the random small problems of test_planner),
 each group's path must lie below every split within its limit, and the refusal must
-bite where the shared work's floors do not (a device group that holds a heavy layer)."""
+bite where the shared work's floors do not (a device group that holds a heavy layer).
+Likewise before the tables: `LowerBounds.interleaved_floor`'s pace of the last group,
+whose last stage holds the model's last layers (a language model's head)."""
 
 from __future__ import annotations
 
@@ -93,3 +95,51 @@ def test_the_group_refusal_sees_a_heavy_group_the_work_floors_miss():
     assert _every_group_loses(row, m, chunks, sum0, u_floor, beat)
     assert best_split(tables, sends, m, beat, "interleaved", chunks) is None
     assert best_split(tables, sends, m, best * 1.01, "interleaved", chunks) is not None
+
+
+def test_the_interleaved_floor_counts_the_head_on_the_last_group():
+    """`LowerBounds.interleaved_floor` charges the last device group its last stage's
+    least run that ends the model (a language model's head): with a head 30x the
+    other layers it rises above what its shared-work terms give, and stays below
+    every split's interleaved step (brute force)."""
+    from solver.planner.runs import balanced_pace
+
+    raised = checked = 0
+    for m, b, order, layouts, groups, costs, bounds in _heavy_head_rows():
+        chunks = 2
+        configs = groups * chunks
+        if len(configs) > costs.n or len(groups) < 2:
+            continue
+        floor = bounds.interleaved_floor(layouts, m, b, chunks)
+        tables = [costs.table(c, b, in_flight("interleaved", m, p, len(configs), chunks), p == len(configs) - 1, m)
+                  for p, c in enumerate(configs)]
+        sends = [costs.sends(a, c, b) for a, c in zip(configs, configs[1:])]
+        best = min(score(tables, sends, m, cuts, "interleaved", chunks) for cuts in compositions(costs.n, len(configs)))
+        assert floor <= best * (1 + 1e-12), (order, layouts, m, floor, best)
+        paces = [bounds._least_pace(c, b) for c in groups]
+        least = np.array([p[0] for p in paces])
+        shared = max(chunks * float(least.max()), balanced_pace(costs.n, np.array([p[1] for p in paces])))
+        head = paces[-1][2] + (chunks - 1) * float(least[-1])
+        assert floor >= (m - 1 / chunks) * head * (1 - 1e-9)
+        raised += head > shared * 1.05
+        checked += best < INF
+    assert checked >= 10 and raised >= 5, (checked, raised)
+
+
+def _heavy_head_rows():  # noqa: ANN202
+    """Rows of random problems of two kinds whose last layer costs 30x its FLOPs."""
+    import dataclasses
+
+    from solver.planner.search import Planner
+
+    for seed in range(30):
+        rng = np.random.default_rng(300 + seed)
+        problem = random_problem(rng, kinds=2)
+        if len(problem.layers) < 4:
+            continue
+        layers = list(problem.layers)
+        layers[-1] = dataclasses.replace(layers[-1], flops=layers[-1].flops * 30, forward_flops=layers[-1].forward_flops * 30)
+        problem = dataclasses.replace(problem, layers=tuple(layers))
+        planner = Planner(problem)
+        for row in every_row(problem):
+            yield (*row, planner.costs, planner.bounds)
