@@ -143,3 +143,34 @@ def _heavy_head_rows():  # noqa: ANN202
         planner = Planner(problem)
         for row in every_row(problem):
             yield (*row, planner.costs, planner.bounds)
+
+
+@pytest.mark.parametrize("seeds", [range(0, 15), range(15, 30)])
+def test_a_row_refused_for_memory_has_no_split_that_fits(seeds):
+    """`search._chunks_may_fit` (the first chunk's ranges from the first layer, the
+    last's to the last) refuses only rows where no split's chunks share their device
+    groups' memory (`_chunks_fit`, brute force over every split that runs), and does
+    refuse some rows of these random problems."""
+    from solver.planner.search import _chunks_fit, _chunks_may_fit
+
+    checked = refused = 0
+    for seed in seeds:
+        rng = np.random.default_rng(500 + seed)
+        problem = random_problem(rng, kinds=int(rng.integers(1, 4)))
+        costs = StageCosts(problem)
+        for m, b, order, layouts, groups in every_row(problem):
+            for chunks in (2, 3):
+                configs = groups * chunks
+                if len(configs) > costs.n:
+                    continue
+                tables = [costs.table(c, b, in_flight("interleaved", m, p, len(configs), chunks), p == len(configs) - 1, m)
+                          for p, c in enumerate(configs)]
+                sends = [costs.sends(a, c, b) for a, c in zip(configs, configs[1:])]
+                fitting = [cuts for cuts in compositions(costs.n, len(configs))
+                           if score(tables, sends, m, cuts, "interleaved", chunks) < INF
+                           and _chunks_fit(tables, cuts, len(groups))]
+                may = _chunks_may_fit(tables, len(groups))
+                assert may or not fitting, (order, layouts, m, chunks, fitting[:3])
+                checked += 1
+                refused += not may
+    assert checked >= 20 and refused >= 1, (checked, refused)

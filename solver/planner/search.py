@@ -519,15 +519,20 @@ def _chunks_fit(tables, cuts: tuple[int, ...], groups: int) -> bool:  # noqa: AN
 
 def _chunks_may_fit(tables, groups: int) -> bool:  # noqa: ANN001
     """Whether some split's chunks could share their device groups' memory: each
-    chunk takes at least the least memory of any range its table runs, summed per
-    group in `_chunks_fit`'s order (so a split it accepts never fails this). Most
-    groups of four chunks that a split cannot fit fail here, before the split's sweep."""
+    chunk takes at least the least memory of any range its table runs (the first
+    chunk's ranges start at the first layer, the last's end at the last: a language
+    model's embedding and head, whose state a first group's two chunks may not fit),
+    summed per group in `_chunks_fit`'s order (so a split it accepts never fails
+    this). Most groups of four chunks that a split cannot fit fail here, before the
+    split's sweep."""
     used = [0.0] * groups
+    last = len(tables) - 1
     for p, t in enumerate(tables):
-        runs = np.isfinite(t.forward)
+        held = t.memory[0] if p == 0 else t.memory[:, -1] if p == last else t.memory
+        runs = np.isfinite(t.forward[0] if p == 0 else t.forward[:, -1] if p == last else t.forward)
         if not runs.any():
             return False
-        used[p % groups] += float(t.memory[runs].min())
+        used[p % groups] += float(held[runs].min())
     return all(u <= tables[g].capacity for g, u in enumerate(used))
 
 
