@@ -4,7 +4,9 @@ row beats (brute force over every split on the random small problems of test_pla
 each group's path must lie below every split within its limit, and the refusal must
 bite where the shared work's floors do not (a device group that holds a heavy layer).
 Likewise before the tables: `LowerBounds.interleaved_floor`'s pace of the last group,
-whose last stage holds the model's last layers (a language model's head)."""
+whose last stage holds the model's last layers (a language model's head). And the
+refusals on the groups' shared memory: `search._chunks_may_fit` (no split fits) and
+`_fitting_may_win` (no split that fits is fast enough), against every split."""
 
 from __future__ import annotations
 
@@ -173,4 +175,53 @@ def test_a_row_refused_for_memory_has_no_split_that_fits(seeds):
                 assert may or not fitting, (order, layouts, m, chunks, fitting[:3])
                 checked += 1
                 refused += not may
+    assert checked >= 20 and refused >= 1, (checked, refused)
+
+
+@pytest.mark.parametrize("seeds", [range(0, 15), range(15, 30)])
+def test_the_fitting_refusal_never_refuses_a_beat_a_fitting_split_beats(seeds):
+    """`_Row.group_memory` lies below every split's groups' summed memory among the
+    splits within its limit, and `_fitting_may_win` (best_split's `shared` refusal)
+    says no only where no split that fits its groups' memory beats the beat."""
+    from solver.planner.layer_split import _fitting_may_win
+    from solver.planner.search import _chunks_fit
+
+    checked = refused = 0
+    for seed in seeds:
+        rng = np.random.default_rng(500 + seed)
+        problem = random_problem(rng, kinds=int(rng.integers(1, 4)))
+        costs = StageCosts(problem)
+        for m, b, order, layouts, groups in every_row(problem):
+            for chunks in (2, 3):
+                configs = groups * chunks
+                if len(configs) > costs.n:
+                    continue
+                tables = [costs.table(c, b, in_flight("interleaved", m, p, len(configs), chunks), p == len(configs) - 1, m)
+                          for p, c in enumerate(configs)]
+                sends = [costs.sends(a, c, b) for a, c in zip(configs, configs[1:])]
+                splits = [cuts for cuts in compositions(costs.n, len(configs))
+                          if score(tables, sends, m, cuts, "interleaved", chunks) < INF]
+                if not splits:
+                    continue
+                row = _Row(tables, sends)
+                memories = [t.memory for t in tables]
+                paces = [_pace(tables, sends, cuts, chunks) for cuts in splits]
+                for limit in (INF, float(np.median(paces))):
+                    least = row.group_memory(memories, chunks, limit)
+                    for g in range(len(groups)):
+                        held = [sum(float(t.memory[i, j]) for p, (t, (i, j)) in enumerate(zip(tables, zip([0, *cuts], [*cuts, costs.n])))
+                                    if p % len(groups) == g) for cuts, pace in zip(splits, paces) if pace <= limit]
+                        assert least[g] <= min(held, default=INF), (order, layouts, m, chunks, limit, g)
+                fitting = [score(tables, sends, m, cuts, "interleaved", chunks) for cuts in splits
+                           if _chunks_fit(tables, cuts, len(groups))]
+                best = min(fitting, default=INF)
+                every = min(score(tables, sends, m, cuts, "interleaved", chunks) for cuts in splits)
+                sum0, u_floor = row.least_total(), row.least_max(of_tails=True)
+                for beat in (best * 1.000001, best * 1.01, best * 0.99, every * 1.01, every * 1.3):
+                    if beat == INF:
+                        continue
+                    may = _fitting_may_win(row, tables, m, chunks, sum0, u_floor, beat)
+                    assert may or not best < beat, (order, layouts, m, chunks, beat, best)
+                    refused += not may
+                checked += 1
     assert checked >= 20 and refused >= 1, (checked, refused)

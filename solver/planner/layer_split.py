@@ -139,6 +139,27 @@ class _Row:
             best[g] = own
         return best[:, n]
 
+    def group_memory(self, memories: Sequence[np.ndarray], v: int, limit: float) -> np.ndarray:
+        """Per device group g: the least bytes its stages hold together (`memories`: each
+        stage's per range) over splits whose stage and send times all stay within
+        `limit`, summed in the order `search._chunks_fit` sums them (stage order), so a
+        split's own figure is exactly its path's."""
+        groups, n = len(self.times) // v, self.n
+        best = np.zeros((groups, n + 1))
+        for p, (t, held) in enumerate(zip(self.times, memories)):
+            runs = t <= limit
+            free, own = np.where(runs, 0.0, INF), np.where(runs, held, INF)
+            g = p % groups
+            if p == 0:
+                best[:] = free[0]
+                best[g] = own[0]
+                continue
+            start = best + np.where(self.sends[p - 1] <= limit, 0.0, INF)
+            mine = (start[g][:, None] + own).min(axis=0)
+            best = (start[:, :, None] + free[None]).min(axis=1)
+            best[g] = mine
+        return best[:, n]
+
     def least_sums(self, t_maxes: np.ndarray) -> np.ndarray:
         """`least_sum(t_max)`'s value for each of `t_maxes` at once (the same sums in
         the same order, so the same figures), without the cuts."""
@@ -182,7 +203,7 @@ class _Row:
 
 def best_split(
     tables: Sequence[StageTable], sends: Sequence[np.ndarray], m: int, beat: float = INF, schedule: str = schedules.DEFAULT,
-    chunks: int = 1,
+    chunks: int = 1, shared: bool = False,
 ) -> Split | None:
     """The split with the least 1F1B step time, or None when none fits or none beats `beat`.
 
@@ -193,7 +214,9 @@ def best_split(
     device group) take the 1F1B sweep too, pruned by the 1F1B form of the splits it
     finds, each scored with the interleaved form: close, not proven optimal (their pace
     is a device group's sum of chunks). Only the early refusals use the interleaved
-    form's own bound (the fill counts 1/v, the rest m - 1/v stage times)."""
+    form's own bound (the fill counts 1/v, the rest m - 1/v stage times). With `shared`
+    (v > 1), also None where no split whose chunks share their device groups' memory
+    beats `beat` (the caller refuses a split that does not fit: `search._chunks_fit`)."""
     v = chunks
     row = _Row(tables, sends)
     n, k = row.n, len(tables)
@@ -215,6 +238,8 @@ def best_split(
         # an interleaved row whose one group alone loses, before the sweep (which bounds 1F1B's form, not
         # the beat): first, as on the benchmark scenarios it refuses every row the next one does and more
         return None
+    if shared and v > 1 and beat < INF and not _fitting_may_win(row, tables, m, v, sum0, u_floor, beat):
+        return None  # a split fast enough leaves some group's chunks over its memory
     if m - 1 / v > 0 and beat < INF and _every_bottleneck_loses(row, m, v, pace_lo, sum0, u_floor, beat):
         return None  # before the sweep's grids: most pipelines the search prices lose here
     sum0, cuts0 = row.least_sum()
@@ -303,6 +328,24 @@ def _every_group_loses(row: _Row, m: int, v: int, sum0: float, u_floor: float, b
     if not hi > 0:
         return False  # (the caller's refusals leave none such; the sweep keeps the say)
     return float(row.group_paths(v, rate, hi).max()) >= beat * _REFUSE_TOL
+
+
+def _fitting_may_win(row: _Row, tables: Sequence[StageTable], m: int, v: int, sum0: float, u_floor: float,
+                     beat: float) -> bool:
+    """Whether some split of an interleaved row both fits (each device group's chunks
+    within its memory, `search._chunks_fit`) and could beat `beat`: a split whose
+    pace exceeds hi (`_every_group_loses`) loses, and in one within it every stage
+    and send time is within hi, so each group holds at least the least bytes of
+    `_Row.group_memory` over such splits (summed in `_chunks_fit`'s order, the same
+    figures); where that exceeds some group's capacity, no split both fits and wins.
+    (On 256 GPUs of three kinds: a first group of T4s can hold its two chunks only
+    with splits whose pace loses.)"""
+    rate = m - 1 / v
+    hi = (beat * _REFUSE_TOL - sum0 / v - u_floor) / rate
+    if not hi > 0:
+        return True  # (the caller's refusals leave none such; the sweep keeps the say)
+    least = row.group_memory([t.memory for t in tables], v, hi)
+    return all(float(u) <= tables[g].capacity * (1 + 1e-12) for g, u in enumerate(least))
 
 
 def _swept(row: _Row, t_values: np.ndarray, going: Callable[[float], bool], useful: Callable[[float, float], bool],

@@ -112,7 +112,7 @@ class Planner:
         if chunks > 1 and not _chunks_may_fit(tables, len(groups)):
             return None  # no split fits, so neither would the best one (`_chunks_fit` below)
         sends = [self.costs.sends(a, c, b) for a, c in zip(configs, configs[1:])]
-        split = best_split(tables, sends, m, beat, schedule, chunks)
+        split = best_split(tables, sends, m, beat, schedule, chunks, shared=chunks > 1)
         if split is None or not _chunks_fit(tables, split.cuts, len(groups)):
             return None
         return self._pipeline_choice(configs, tables, sends, m, b, schedule, split.cuts, split.objective_s, chunks)
