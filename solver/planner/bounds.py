@@ -139,6 +139,7 @@ class LowerBounds:
         self._lasts: dict[tuple, _LastStage] = {}
         self._envelopes: dict[tuple[tuple[KindLayout, ...], int], tuple[np.ndarray, float, np.ndarray]] = {}
         self._paces: dict[tuple[StageConfig, int], tuple[float, float, float]] = {}
+        self._interleaved: dict[tuple[tuple[KindLayout, ...], int, int], tuple[float, float]] = {}
 
     def bound(self, layouts: tuple[KindLayout, ...], m: int, b: int, schedule: str) -> float:
         """No split of any order of these stages is faster than this under `schedule`
@@ -412,14 +413,22 @@ class LowerBounds:
         one of its v x groups - 1 cuts' least send both ways (in full: each lies on
         that pass). (`layer_split._Row.pace_floor` on the stage tables, taken here
         before they are built, from the least runs that bound every table entry.)"""
-        groups = [lay.config for lay in layouts for _ in range(lay.stages)]
-        row = groups * chunks
-        sends = 2 * sum(self._least_send(a, c, b) for a, c in zip(row, row[1:]))
-        paces = [self._least_pace(c, b) for c in groups]
-        least, rates = np.array([p[0] for p in paces]), np.array([p[1] for p in paces])
-        last = paces[-1][2]
-        pace = max(chunks * float(least.max()), balanced_pace(self.costs.n, rates), last + (chunks - 1) * float(least[-1]))
-        return (float(least.sum()) + (last - float(least[-1])) / chunks + sends + (m - 1 / chunks) * pace) * _BELOW
+        key = (layouts, b, chunks)
+        if key not in self._interleaved:  # what does not depend on m: the search asks each order at every m
+            configs, counts = [lay.config for lay in layouts], [lay.stages for lay in layouts]
+            # the row's cuts: within each layout and between neighbours, v times over, and from the last group
+            # back to the first, v - 1 times
+            once = sum(self._least_send(a, a, b) * (s - 1) for a, s in zip(configs, counts) if s > 1) + \
+                sum(self._least_send(a, c, b) for a, c in zip(configs, configs[1:]))
+            sends = 2 * (chunks * once + (chunks - 1) * self._least_send(configs[-1], configs[0], b))
+            paces = [self._least_pace(c, b) for c in configs]
+            least = np.array([p[0] for p in paces])
+            last = paces[-1][2]
+            pace = max(chunks * float(least.max()), balanced_pace(self.costs.n, np.repeat([p[1] for p in paces], counts)),
+                       last + (chunks - 1) * float(least[-1]))
+            self._interleaved[key] = (float((least * counts).sum()) + (last - float(least[-1])) / chunks + sends, pace)
+        first, pace = self._interleaved[key]
+        return (first + (m - 1 / chunks) * pace) * _BELOW
 
     def _least_pace(self, cfg: StageConfig, b: int) -> tuple[float, float, float]:
         """One stage's least one-layer time, least time per layer over runs of any

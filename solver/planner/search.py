@@ -101,7 +101,7 @@ class Planner:
         groups = [lay.config for lay in layouts for _ in range(lay.stages)]
         configs = groups * chunks
         if len(configs) > self.costs.n or b < self.problem.min_microbatch or any(
-                b % c.dp or b // c.dp < self.problem.min_examples for c in configs):
+                b % lay.dp or b // lay.dp < self.problem.min_examples for lay in layouts):
             return None
         if registry.get(schedule).check(len(groups), m, chunks):
             return None
