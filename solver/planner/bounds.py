@@ -138,7 +138,8 @@ class LowerBounds:
         self._lasts: dict[tuple[KindLayout, int], _LastStage] = {}
         self._envelopes: dict[tuple[tuple[KindLayout, ...], int], tuple[np.ndarray, float, np.ndarray]] = {}
         self._least_tails: dict[tuple[KindLayout, ...], float] = {}
-        self._paces: dict[tuple[StageConfig, int], tuple[float, float]] = {}
+        self._paces: dict[tuple[StageConfig, int], tuple[float, float, float]] = {}
+        self._interleaved: dict[tuple[tuple[KindLayout, ...], int, int], tuple[float, float]] = {}
 
     def bound(self, layouts: tuple[KindLayout, ...], m: int, b: int, schedule: str) -> float:
         """No split of any order of these stages is faster than this under `schedule`
@@ -431,26 +432,41 @@ class LowerBounds:
         pace (the busiest group's stages summed) is at least a group's v least
         one-layer times, and at least n / sum(1 / r_g) where r_g is the group's least
         time per layer over runs of any length (the groups balanced, were layers
-        divisible); the first microbatch's pass, every stage's least time over v,
-        and every one of its v x groups - 1 cuts' least send both ways (in full: each
-        lies on that pass). (`layer_split._Row.pace_floor` on the stage tables, taken
-        here before they are built, from the least runs that bound every table entry.)"""
-        groups = [lay.config for lay in layouts for _ in range(lay.stages)]
-        row = groups * chunks
-        sends = 2 * sum(self._least_send(a, c, b) for a, c in zip(row, row[1:]))
-        paces = [self._least_pace(c, b) for c in groups]
-        least, rates = np.array([p[0] for p in paces]), np.array([p[1] for p in paces])
-        pace = max(chunks * float(least.max()), balanced_pace(self.costs.n, rates))
-        return (float(least.sum()) + sends + (m - 1 / chunks) * pace) * _BELOW
+        divisible); and at least the last group's other v - 1 stages' least times plus
+        its last stage's, which holds the model's last layers (on a language model the
+        head, heavier than any other layer: at least the least run that ends the
+        model, as `_last_stage` argues). The first microbatch's pass: every stage's
+        least time over v (the last stage's: its least run ending the model), and every
+        one of its v x groups - 1 cuts' least send both ways (in full: each lies on
+        that pass). (`layer_split._Row.pace_floor` on the stage tables, taken here
+        before they are built, from the least runs that bound every table entry.)"""
+        key = (layouts, b, chunks)
+        if key not in self._interleaved:  # what does not depend on m: the search asks each order at every m
+            configs, counts = [lay.config for lay in layouts], [lay.stages for lay in layouts]
+            # the row's cuts: within each layout and between neighbours, v times over, and from the last group
+            # back to the first, v - 1 times
+            once = sum(self._least_send(a, a, b) * (s - 1) for a, s in zip(configs, counts) if s > 1) + \
+                sum(self._least_send(a, c, b) for a, c in zip(configs, configs[1:]))
+            sends = 2 * (chunks * once + (chunks - 1) * self._least_send(configs[-1], configs[0], b))
+            paces = [self._least_pace(c, b) for c in configs]
+            least = np.array([p[0] for p in paces])
+            last = paces[-1][2]
+            pace = max(chunks * float(least.max()), balanced_pace(self.costs.n, np.repeat([p[1] for p in paces], counts)),
+                       last + (chunks - 1) * float(least[-1]))
+            self._interleaved[key] = (float((least * counts).sum()) + (last - float(least[-1])) / chunks + sends, pace)
+        first, pace = self._interleaved[key]
+        return (first + (m - 1 / chunks) * pace) * _BELOW
 
-    def _least_pace(self, cfg: StageConfig, b: int) -> tuple[float, float]:
-        """One stage's least one-layer time and least time per layer over runs of any
-        length (`interleaved_floor`'s parts, asked for every row of device groups)."""
+    def _least_pace(self, cfg: StageConfig, b: int) -> tuple[float, float, float]:
+        """One stage's least one-layer time, least time per layer over runs of any
+        length, and least time of a run that ends the model, a last stage's
+        (`interleaved_floor`'s parts, asked for every row of device groups)."""
         key = (cfg, b)
         if key not in self._paces:
             r = self._stage_runs(cfg, b)
             lengths = np.arange(1, self.costs.n + 1)
-            self._paces[key] = (min(r.time[0], r.remat[0]), float((np.minimum(r.time, r.remat) / lengths).min()))
+            self._paces[key] = (min(r.time[0], r.remat[0]), float((np.minimum(r.time, r.remat) / lengths).min()),
+                                float(min(r.last.min(), r.last_remat.min())))
         return self._paces[key]
 
     def _work_s(self) -> float:

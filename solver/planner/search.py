@@ -105,7 +105,7 @@ class Planner:
         groups = [lay.config for lay in layouts for _ in range(lay.stages)]
         configs = groups * chunks
         if len(configs) > self.costs.n or b < self.problem.min_microbatch or any(
-                b % c.dp or b // c.dp < self.problem.min_examples for c in configs):
+                b % lay.dp or b // lay.dp < self.problem.min_examples for lay in layouts):
             return None
         if registry.get(schedule).check(len(groups), m, chunks):
             return None
@@ -116,7 +116,7 @@ class Planner:
         if chunks > 1 and not _chunks_may_fit(tables, len(groups)):
             return None  # no split fits, so neither would the best one (`_chunks_fit` below)
         sends = [self.costs.sends(a, c, b) for a, c in zip(configs, configs[1:])]
-        split = best_split(tables, sends, m, beat, schedule, chunks)
+        split = best_split(tables, sends, m, beat, schedule, chunks, shared=chunks > 1)
         if split is None or not _chunks_fit(tables, split.cuts, len(groups)):
             return None
         return self._pipeline_choice(configs, tables, sends, m, b, schedule, split.cuts, split.objective_s, chunks)
@@ -528,15 +528,20 @@ def _chunks_fit(tables, cuts: tuple[int, ...], groups: int) -> bool:  # noqa: AN
 
 def _chunks_may_fit(tables, groups: int) -> bool:  # noqa: ANN001
     """Whether some split's chunks could share their device groups' memory: each
-    chunk takes at least the least memory of any range its table runs, summed per
-    group in `_chunks_fit`'s order (so a split it accepts never fails this). Most
-    groups of four chunks that a split cannot fit fail here, before the split's sweep."""
+    chunk takes at least the least memory of any range its table runs (the first
+    chunk's ranges start at the first layer, the last's end at the last: a language
+    model's embedding and head, whose state a first group's two chunks may not fit),
+    summed per group in `_chunks_fit`'s order (so a split it accepts never fails
+    this). Most groups of four chunks that a split cannot fit fail here, before the
+    split's sweep."""
     used = [0.0] * groups
+    last = len(tables) - 1
     for p, t in enumerate(tables):
-        runs = np.isfinite(t.forward)
+        held = t.memory[0] if p == 0 else t.memory[:, -1] if p == last else t.memory
+        runs = np.isfinite(t.forward[0] if p == 0 else t.forward[:, -1] if p == last else t.forward)
         if not runs.any():
             return False
-        used[p % groups] += float(t.memory[runs].min())
+        used[p % groups] += float(held[runs].min())
     return all(u <= tables[g].capacity for g, u in enumerate(used))
 
 
