@@ -378,10 +378,13 @@ class Planner:
         """The split of each microbatch's `per_mb` examples over the kinds' pipelines
         with the least slowest pipeline. Small grids are enumerated; larger ones are
         balanced by bisection on the step time, which assumes a pipeline never gets
-        faster with more examples (true up to which data-parallel degrees divide them)."""
+        faster with more examples (true up to which data-parallel degrees divide them).
+        None, before any pipeline is searched, where floors prove no split wins
+        (`_shares_lose`), or where the balancing would find no rate: a kind with no
+        pipeline on the whole microbatch (its search's own first floor there is inf)."""
         grid = list(range(step, per_mb, step))
         if len(grid) > 16 and any(self._share_floor(k, m, per_mb) == INF for k in kinds):
-            return None  # `_balanced` finds no rate for a kind with no pipeline on the whole microbatch
+            return None  # `_balanced`'s `_single_kind(k, m, per_mb)` would draw no stream: no rate
         if self._shares_lose(kinds, m, per_mb, cross, beat):
             return None  # every split leaves some kind's share too slow
         if len(grid) <= 16:
