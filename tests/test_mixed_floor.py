@@ -13,6 +13,7 @@ from solver.collectives import LinkCost
 from solver.cost.problem import DeviceKind, LayerCost, Problem
 from solver.planner import Planner, PlanningError
 from solver.planner import mixed as planner_mixed
+from solver.planner import mixed_floor
 from solver.planner.mixed_floor import least_floor
 from test_planner import random_problem
 
@@ -60,7 +61,7 @@ def test_the_floor_is_below_every_split_resplit_finds(monkeypatch):
         return out
 
     monkeypatch.setattr(planner_mixed, "_resplit", checked)
-    monkeypatch.setattr(planner_mixed, "least_floor", lambda *a, **k: -math.inf)  # every candidate reaches `_resplit`
+    monkeypatch.setattr(planner_mixed, "refused", lambda *a, **k: False)  # every candidate reaches `_resplit`
     for problem in _problems():
         _answer(problem)
     assert len(seen) > 20
@@ -70,33 +71,52 @@ def test_the_floor_is_below_every_split_resplit_finds(monkeypatch):
 def test_the_planner_answers_the_same_without_the_floor(monkeypatch):
     problems = _problems()
     with_floor = [_answer(p) for p in problems]
-    monkeypatch.setattr(planner_mixed, "least_floor", lambda *a, **k: -math.inf)
+    monkeypatch.setattr(planner_mixed, "refused", lambda *a, **k: False)
     without = [_answer(p) for p in problems]
     assert with_floor == without
     assert any(mixed for answer in with_floor if isinstance(answer, tuple) for _, _, mixed in answer[0])
 
 
 def test_the_floor_refuses_candidates(monkeypatch):
-    """It is not vacuous: on the idle-devices problem some candidates never reach `_resplit`."""
-    calls = {"resplit": 0, "floor": 0}
-    resplit, floor = planner_mixed._resplit, planner_mixed.least_floor
+    """It is not vacuous: some candidates never reach `_resplit`."""
+    calls = {"resplit": 0, "refused": 0, "considered": 0}
+    resplit, refused = planner_mixed._resplit, planner_mixed.refused
 
     def counted_resplit(*a, **k):  # noqa: ANN002, ANN003, ANN202
         calls["resplit"] += 1
         return resplit(*a, **k)
 
-    def counted_floor(*a, **k):  # noqa: ANN002, ANN003, ANN202
-        calls["floor"] += 1
-        return floor(*a, **k)
+    def counted_refused(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        calls["considered"] += 1
+        out = refused(*a, **k)
+        calls["refused"] += out
+        return out
 
     monkeypatch.setattr(planner_mixed, "_resplit", counted_resplit)
-    monkeypatch.setattr(planner_mixed, "least_floor", counted_floor)
+    monkeypatch.setattr(planner_mixed, "refused", counted_refused)
     for problem in _problems():
         _answer(problem)
-    assert calls["floor"] > calls["resplit"] > 0
+    assert calls["refused"] > 0 and calls["resplit"] > 0
+    assert calls["resplit"] == calls["considered"] - calls["refused"]
 
 
 @pytest.mark.parametrize("bandwidth", [2e10, 1e5])
 def test_a_mixed_stage_is_still_chosen_where_it_wins(bandwidth):
     best = Planner(_idle(bandwidth), top_k=1).solve().best
     assert best.mixed == (bandwidth > 1e9)
+
+
+def test_floors_that_keep_failing_stop_being_taken(monkeypatch):
+    """After `TRIAL` floors of a widening none of which refused, no more are taken (and
+    the answer is the same: a floor not taken only leaves a candidate to its tables)."""
+    taken = []
+    monkeypatch.setattr(mixed_floor, "least_floor", lambda *a, **k: taken.append(1) or -math.inf)
+    memo: dict = {}
+    for _ in range(3 * mixed_floor.TRIAL):
+        assert not mixed_floor.refused(None, None, None, memo, 1.0)
+    assert len(taken) == mixed_floor.TRIAL
+    monkeypatch.setattr(mixed_floor, "least_floor", lambda *a, **k: taken.append(1) or math.inf)
+    memo = {}
+    for _ in range(3 * mixed_floor.TRIAL):
+        assert mixed_floor.refused(None, None, None, memo, 1.0)
+    assert len(taken) == 4 * mixed_floor.TRIAL  # floors that refuse keep being taken

@@ -39,7 +39,7 @@ from solver.cost.ranges import at
 from solver.cost.stage_costs import INF, StageConfig, StageCosts
 from solver.cost.topologies import shares_sum_times
 from solver.memory import OFFLOAD_TIERS, in_flight
-from solver.planner.mixed_floor import least_floor, stage_meshes as _meshes
+from solver.planner.mixed_floor import refused, stage_meshes as _meshes
 from solver.planner.problem import PlanChoice, StageChoice
 from solver.planner.step import ROUNDING, decisions, with_costs
 
@@ -153,7 +153,7 @@ def best_mixed(problem: Problem, choice: PlanChoice, costs: StageCosts, memo: di
 
     def consider(candidate: PlanChoice | None) -> None:
         nonlocal best, best_s
-        if candidate is None or least_floor(problem, candidate, costs, memo) >= best_s:
+        if candidate is None or refused(problem, candidate, costs, memo, best_s):
             return  # no split of it could be priced below the best so far (`mixed_floor`): its tables unbuilt
         split = _resplit(problem, candidate, costs, memo)
         options = [(candidate, 0.0)] if split is None else [(candidate, split[2]), split[:2]]

@@ -33,6 +33,26 @@ def stage_meshes(problem: Problem, s: StageChoice, b: int) -> list[StageConfig]:
     return [own, *others]
 
 
+TRIAL = 8  # candidates every floor is tried on before it must earn its cost
+YIELD = 4  # after them, floors are taken while at least one in this many refuses its candidate
+_STATS = ("floor", "stats")  # the memo's entry: floors taken, candidates they refused
+
+
+def refused(problem: Problem, choice: PlanChoice, costs: StageCosts, memo: dict, best_s: float) -> bool:
+    """Whether `least_floor` proves no split of `choice` reaches below `best_s`. Where
+    the floors of a widening (its `memo`) keep failing to refuse (memory, which they
+    leave aside, is what rules on the largest models), they stop being taken: their
+    cost would only add to the tables', and a False here only leaves the candidate to them."""
+    stats = memo.setdefault(_STATS, [0, 0])
+    if stats[0] >= TRIAL and stats[1] * YIELD < stats[0]:
+        return False
+    stats[0] += 1
+    if least_floor(problem, choice, costs, memo) >= best_s:
+        stats[1] += 1
+        return True
+    return False
+
+
 def least_floor(problem: Problem, choice: PlanChoice, costs: StageCosts, memo: dict | None = None) -> float:
     """No split of `choice`'s layers over its pipeline positions (its stages, a mixed
     stage's parts with their rows) has a busiest position whose `_position` least is
