@@ -20,6 +20,8 @@ microbatch: a part's rows are traced as a microbatch is). Every variant is price
 estimator (`solver.cost.estimate`: the slowest part's rows set the stage's time, the
 parts' gradients are summed as the runtime sums them over their links, each part's
 memory must fit), and kept only where it is faster than the finalist it came from.
+(A variant whose floor over every split, memory aside, already reaches the best so far
+is refused before its tables are built: `mixed_floor`.)
 So the planner chooses a mixed stage exactly when the estimator says it wins.
 """
 
@@ -37,6 +39,7 @@ from solver.cost.ranges import at
 from solver.cost.stage_costs import INF, StageConfig, StageCosts
 from solver.cost.topologies import shares_sum_times
 from solver.memory import OFFLOAD_TIERS, in_flight
+from solver.planner.mixed_floor import refused, stage_meshes as _meshes
 from solver.planner.problem import PlanChoice, StageChoice
 from solver.planner.step import ROUNDING, decisions, with_costs
 
@@ -150,8 +153,8 @@ def best_mixed(problem: Problem, choice: PlanChoice, costs: StageCosts, memo: di
 
     def consider(candidate: PlanChoice | None) -> None:
         nonlocal best, best_s
-        if candidate is None:
-            return
+        if candidate is None or refused(problem, candidate, costs, memo, best_s):
+            return  # no split of it could be priced below the best so far (`mixed_floor`): its tables unbuilt
         split = _resplit(problem, candidate, costs, memo)
         options = [(candidate, 0.0)] if split is None else [(candidate, split[2]), split[:2]]
         for c, floor in options:
@@ -362,17 +365,6 @@ def _position(problem: Problem, costs: StageCosts, stages: tuple[StageChoice, ..
             best["least"] = np.minimum(least, best["least"])
     best["offload"] = [np.zeros(shape, dtype=int) for _ in stages]
     return best
-
-
-def _meshes(problem: Problem, s: StageChoice, b: int) -> list[StageConfig]:
-    """A stage's devices as each mesh the search could give them at microbatches of `b`
-    rows (tensor parallelism within a node, a data-parallel degree dividing the rows),
-    its own first: a variant's coarser microbatches may suit another split better."""
-    k = problem.kind(s.kind)
-    own = StageConfig(s.kind, s.dp, s.tp)
-    others = [StageConfig(s.kind, s.devices // t, t) for t in (1, 2, 4, 8)
-              if t != s.tp and t <= min(problem.max_tp, k.devices_per_node) and s.devices % t == 0 and b % (s.devices // t) == 0]
-    return [own, *others]
 
 
 def _part(costs: StageCosts, cfg: StageConfig, rows: int, m: int, held: int, last: bool,

@@ -46,6 +46,7 @@ from solver import schedules as registry
 from solver.planner.bounds import KindLayout, LowerBounds, kind_layouts
 from solver.planner.layer_split import best_split, score
 from solver.planner.problem import PlanChoice, PlanningError, Problem, SearchResult, StageChoice
+from solver.planner.shares import every_split_loses, most_share
 from solver.cost.stage_costs import INF, StageConfig, StageCosts, in_flight
 from solver.cost.problem import memory_note
 from solver.memory import OFFLOAD_TIERS
@@ -61,6 +62,7 @@ FINALISTS = 15
 # A stream's combinations tightened at once when the first of them reaches the front of
 # the line (most of the next ones soon do; one array pass prices them all).
 _TIGHTEN_AHEAD = 16
+SHARE_FLOORS = 16  # floors `_shares_lose` may price per replica plan before leaving it to `_best_shares`
 _STREAM = None  # a queue entry that stands for a stream's next combination, not yet drawn
 
 
@@ -80,6 +82,7 @@ class Planner:
         self.work_flops = self.total_flops if problem.training else float(self.costs.fwd_flops.sum())
         self._single: dict[tuple[str, int, int], tuple[PlanChoice | None, float]] = {}  # and the bound it was searched under
         self._pipelines: dict[tuple, tuple[PlanChoice | None, float]] = {}  # `pipeline`'s, and the beat it was searched under
+        self._share_floors: dict[tuple[str, int, int], float] = {}  # `_share_floor`'s
 
     # --- one pipeline -------------------------------------------------------------
 
@@ -343,6 +346,30 @@ class Planner:
                         beat = min(beat, plan.step_s) if len(out) >= self.finalists else beat
         return out
 
+    def _shares_lose(self, kinds: tuple[str, ...], m: int, per_mb: int, cross: float, beat: float) -> bool:
+        """Whether no split of each microbatch's `per_mb` examples over `kinds`' pipelines
+        provably beats `beat` (`shares.every_split_loses`), so `_best_shares` would keep
+        none: it keeps no split where some kind's pipeline on its share, plus `cross`,
+        reaches `beat`, and that pipeline is no faster than all the kind's devices at
+        full speed (`_ideal_s`, which grows with the share) nor than `_share_floor`."""
+        if beat == INF:
+            return False
+        most = [most_share(per_mb, lambda b, k=k: self._ideal_s(k, b * m) + cross < beat) for k in kinds]
+        return every_split_loses(per_mb, most, lambda i, b: self._share_floor(kinds[i], m, b) + cross >= beat, SHARE_FLOORS)
+
+    def _share_floor(self, kind: str, m: int, b: int) -> float:
+        """No plan `_single_kind(kind, m, b)` returns is faster: its search draws its
+        plans from these layouts, whose bounds never go below their `product_floor` (the
+        search's own first floor, under its bound schedule; inf where none fits)."""
+        key = (kind, m, b)
+        if key not in self._share_floors:
+            p = self.problem
+            schedules = _schedule_choices(p, interleave=False)
+            schedule = next((name for name, chunks in schedules if chunks == 1), schedules[0][0])  # `_search`'s
+            usable = [lay for lay in kind_layouts(p, kind) if not b % lay.dp and b // lay.dp >= p.min_examples]
+            self._share_floors[key] = self.bounds.product_floor([usable], m, b, schedule)
+        return self._share_floors[key]
+
     def _single_kind(self, kind: str, m: int, b: int, beat: float = INF) -> PlanChoice | None:
         """The best pipeline of one kind on `b` examples per microbatch; None when none
         fits or none beats `beat` (which only falls as the search goes on, so a None
@@ -360,8 +387,15 @@ class Planner:
         """The split of each microbatch's `per_mb` examples over the kinds' pipelines
         with the least slowest pipeline. Small grids are enumerated; larger ones are
         balanced by bisection on the step time, which assumes a pipeline never gets
-        faster with more examples (true up to which data-parallel degrees divide them)."""
+        faster with more examples (true up to which data-parallel degrees divide them).
+        None, before any pipeline is searched, where floors prove no split wins
+        (`_shares_lose`), or where the balancing would find no rate: a kind with no
+        pipeline on the whole microbatch (its search's own first floor there is inf)."""
         grid = list(range(step, per_mb, step))
+        if len(grid) > 16 and any(self._share_floor(k, m, per_mb) == INF for k in kinds):
+            return None  # `_balanced`'s `_single_kind(k, m, per_mb)` would draw no stream: no rate
+        if self._shares_lose(kinds, m, per_mb, cross, beat):
+            return None  # every split leaves some kind's share too slow
         if len(grid) <= 16:
             splits = [(*s, per_mb - sum(s)) for s in itertools.product(grid, repeat=len(kinds) - 1) if per_mb - sum(s) >= 1]
             # Nearest the split by peak speed first: a good plan found early lets the

@@ -1,0 +1,103 @@
+"""A floor on every variant `mixed._resplit` could make of a candidate with a mixed
+stage, before its positions' tables are built.
+
+`best_mixed` prices a candidate only where the least its busiest position is busy a
+step (`mixed._position`'s "least": each member's `m` forwards and backwards plus its
+tail, under the ZeRO stage and recomputation its table picks among those that fit)
+stays below the best variant so far, for the candidate as split and as split again.
+Building those tables (each range's memory under every choice) is most of its cost,
+and most candidates lose there. Memory only takes choices away, so the same least
+over every choice, whether it fits or not, is no more than the tables' for any range,
+and the split of the layers over the positions whose busiest such least is smallest
+bounds both the candidate's split and `_resplit`'s: a candidate whose floor reaches
+the best so far is refused unbuilt, as its tables would refuse it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from solver.cost.problem import Problem
+from solver.cost.stage_costs import INF, StageConfig, StageCosts
+from solver.planner.problem import PlanChoice, StageChoice
+
+
+def stage_meshes(problem: Problem, s: StageChoice, b: int) -> list[StageConfig]:
+    """A stage's devices as each mesh the search could give them at microbatches of `b`
+    rows (tensor parallelism within a node, a data-parallel degree dividing the rows),
+    its own first: a variant's coarser microbatches may suit another split better."""
+    k = problem.kind(s.kind)
+    own = StageConfig(s.kind, s.dp, s.tp)
+    others = [StageConfig(s.kind, s.devices // t, t) for t in (1, 2, 4, 8)
+              if t != s.tp and t <= min(problem.max_tp, k.devices_per_node) and s.devices % t == 0 and b % (s.devices // t) == 0]
+    return [own, *others]
+
+
+TRIAL = 8  # candidates every floor is tried on before it must earn its cost
+YIELD = 4  # after them, floors are taken while at least one in this many refuses its candidate
+_STATS = ("floor", "stats")  # the memo's entry: floors taken, candidates they refused
+
+
+def refused(problem: Problem, choice: PlanChoice, costs: StageCosts, memo: dict, best_s: float) -> bool:
+    """Whether `least_floor` proves no split of `choice` reaches below `best_s`. Where
+    the floors of a widening (its `memo`) keep failing to refuse (memory, which they
+    leave aside, is what rules on the largest models), they stop being taken: their
+    cost would only add to the tables', and a False here only leaves the candidate to them."""
+    stats = memo.setdefault(_STATS, [0, 0])
+    if stats[0] >= TRIAL and stats[1] * YIELD < stats[0]:
+        return False
+    stats[0] += 1
+    if least_floor(problem, choice, costs, memo) >= best_s:
+        stats[1] += 1
+        return True
+    return False
+
+
+def least_floor(problem: Problem, choice: PlanChoice, costs: StageCosts, memo: dict | None = None) -> float:
+    """No split of `choice`'s layers over its pipeline positions (its stages, a mixed
+    stage's parts with their rows) has a busiest position whose `_position` least is
+    below this. `memo`: positions' floors already computed, by what they depend on."""
+    m = choice.num_microbatches
+    b = choice.replica_batch[0] // m
+    leads = [i for i, s in enumerate(choice.stages) if s.part_of < 0]
+    n = costs.n
+    memo = {} if memo is None else memo
+    best = None
+    for p, lead in enumerate(leads):
+        stages = tuple(s for k, s in enumerate(choice.stages) if k == lead or s.part_of == lead)
+        last = p == len(leads) - 1
+        key = ("floor", tuple((s.kind, s.dp, s.tp, s.examples) for s in stages), b, m, last)
+        if key not in memo:
+            memo[key] = _position_floor(problem, costs, stages, b, m, last)
+        least = memo[key]
+        best = least[0].copy() if best is None else np.maximum(best[:, None], least).min(axis=0)
+    return float(best[n]) if best is not None else INF
+
+
+def _position_floor(problem: Problem, costs: StageCosts, stages: tuple[StageChoice, ...], b: int, m: int,
+                    last: bool) -> np.ndarray:
+    """Per layer range [i, j) (inf unless i < j), at most `_position`'s least: a stage
+    of its own, the least over its meshes (`stage_meshes`) and every (ZeRO stage,
+    recomputation) of its table's step cost (`StageCosts._table_times`, the figures
+    its table picks one of where it fits); a mixed stage, over recomputations, its
+    slowest part's least over ZeRO stages of `m` forwards and backwards plus the tail
+    (`mixed._part`'s figures, by the same sums)."""
+    shape = (costs.n + 1, costs.n + 1)
+    least = np.full(shape, INF)
+    if len(stages) == 1:
+        for cfg in stage_meshes(problem, stages[0], b):
+            _, _, time_cost, _ = costs._table_times(cfg, b, m, last)
+            least = np.minimum(least, time_cost.min(axis=0))
+    else:
+        remats = ["full"] if problem.force_remat else [""] + (["full"] if problem.allow_remat else [])
+        for remat in remats:
+            slowest = np.zeros(shape)
+            for s in stages:
+                cfg = StageConfig(s.kind, s.dp, s.tp)
+                part = np.full(shape, INF)
+                for zero in costs.zero_stages(cfg):
+                    forward, backward, tail, _, _ = costs._placed_times(cfg, s.examples or b, zero, remat, last)
+                    part = np.minimum(part, m * np.broadcast_to(forward + backward, shape) + np.broadcast_to(tail, shape))
+                slowest = np.maximum(slowest, part)
+            least = np.minimum(least, slowest)
+    return np.where(np.triu(np.ones(shape, dtype=bool), k=1), least, INF)
