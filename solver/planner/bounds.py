@@ -29,7 +29,8 @@ from solver import schedules as registry
 from solver.planner.problem import Problem
 from solver.cost.ranges import cumsum, span
 from solver.cost.stage_costs import INF, StageConfig, StageCosts, in_flight
-from solver.planner.runs import FITS_TOL, balanced_pace, first_enough, least_runs, least_step, longest, nondecreasing
+from solver.planner.rows import counts_within, least_for_counts, most_within, nondecreasing_rows
+from solver.planner.runs import FITS_TOL, balanced_pace, first_enough, least_runs, least_step, longest
 
 _BLOCK = 16  # candidate step times order_bound prices at once
 _BELOW = 1 - 1e-9  # a floor kept below what it bounds despite rounding (and `FITS_TOL`)
@@ -233,8 +234,7 @@ class LowerBounds:
         key = (layouts, b)
         if key not in self._envelopes:
             counts, least, held, firsts, _, _ = self._kind_base(layouts, b)
-            r = np.arange(1, self.costs.n + 1)
-            need = np.min([row[(r + s - 1) // s - 1] for s, row in zip(counts.astype(int), least)], axis=0)
+            need = least_for_counts(counts, least, self.costs.n)
             self._envelopes[key] = need[np.isfinite(need)], float(firsts.min()), held.max(axis=0)
         return self._envelopes[key]
 
@@ -246,8 +246,8 @@ class LowerBounds:
         if key not in self._kinds:
             grid = self._time_grid(b, kinds)
             counts, least, held, firsts, rates, extra = self._kind_base(layouts, b)
-            rooms = [stages * np.searchsorted(row, grid * FITS_TOL, side="right") for stages, row in zip(counts, least)]
-            self._kinds[key] = _KindArrays(counts, np.array(rooms).reshape(len(layouts), len(grid)), held, firsts, rates, extra)
+            rooms = counts[:, None] * counts_within(least, grid * FITS_TOL)  # `least`'s rows are nondecreasing
+            self._kinds[key] = _KindArrays(counts, rooms, held, firsts, rates, extra)
         return self._kinds[key]
 
     def _kind_base(self, layouts: tuple[KindLayout, ...], b: int) -> tuple[np.ndarray, ...]:
@@ -264,8 +264,9 @@ class LowerBounds:
             runs = [self._stage_runs(lay.config, b) for lay in layouts]
             fitting = np.array([self._layers_fitting(lay, b, 1) for lay in layouts], dtype=float).reshape(-1, 2)
             q = np.arange(1, layers + 1)
-            least = [np.minimum(np.where(q <= fit, nondecreasing(r.time), INF), np.where(q <= fit_remat, nondecreasing(r.remat), INF))
-                     for r, (fit, fit_remat) in zip(runs, fitting)]
+            fit, fit_remat = fitting[:, :1], fitting[:, 1:]
+            least = np.minimum(np.where(q <= fit, nondecreasing_rows(np.array([r.time for r in runs])), INF),
+                               np.where(q <= fit_remat, nondecreasing_rows(np.array([r.remat for r in runs])), INF))
             held = [lay.stages * self._tail_rooms(lay.config) for lay in layouts]
             plain = fitting[:, 0] >= 1  # a stage that cannot hold one layer without recomputing recomputes
             self._bases[key] = (
@@ -456,12 +457,12 @@ class LowerBounds:
         if key not in self._groups:
             runs = {lay: self._stage_runs(lay.config, b) for lay in key[0]}
             steps = np.unique(np.concatenate([np.concatenate([r.time, r.remat]) for r in runs.values()]))
-            rooms = {lay: (longest(r.time, steps), longest(r.remat, steps)) for lay, r in runs.items()}
             each = list(runs.values())
+            times, remats = np.array([r.time for r in each]), np.array([r.remat for r in each])
             self._groups[key] = _Group(
-                steps, self._least_tail(key[0]), np.array([r.time[0] for r in each]), np.array([r.remat[0] for r in each]),
+                steps, self._least_tail(key[0]), times[:, 0], remats[:, 0],
                 np.array([r.step for r in each]), np.array([r.step_remat for r in each]),
-                np.array([rooms[lay][0] for lay in key[0]]), np.array([rooms[lay][1] for lay in key[0]]),
+                most_within(times, steps, FITS_TOL), most_within(remats, steps, FITS_TOL),
                 {lay: i for i, lay in enumerate(key[0])})
         return self._groups[key]
 
