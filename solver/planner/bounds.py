@@ -29,7 +29,7 @@ from solver import schedules as registry
 from solver.planner.problem import Problem
 from solver.cost.ranges import cumsum, span
 from solver.cost.stage_costs import INF, StageConfig, StageCosts, in_flight
-from solver.planner.rows import counts_within, least_for_counts, most_within, nondecreasing_rows
+from solver.planner.rows import counts_within, least_for_counts, least_layer_bytes, most_within, nondecreasing_rows
 from solver.planner.runs import FITS_TOL, balanced_pace, first_enough, least_runs, least_step, longest
 
 _BLOCK = 16  # candidate step times order_bound prices at once
@@ -140,6 +140,7 @@ class LowerBounds:
         self._lasts: dict[tuple, _LastStage] = {}
         self._envelopes: dict[tuple[tuple[KindLayout, ...], int], tuple[np.ndarray, float, np.ndarray]] = {}
         self._paces: dict[tuple[StageConfig, int], tuple[float, float]] = {}
+        self._states: dict[StageConfig, np.ndarray] = {}
 
     def bound(self, layouts: tuple[KindLayout, ...], m: int, b: int, schedule: str) -> float:
         """No split of any order of these stages is faster than this under `schedule`
@@ -262,7 +263,8 @@ class LowerBounds:
             tail_grid, layers = self._tail_grid(), self.costs.n
             counts = np.array([lay.stages for lay in layouts], dtype=float)
             runs = [self._stage_runs(lay.config, b) for lay in layouts]
-            fitting = np.array([self._layers_fitting(lay, b, 1) for lay in layouts], dtype=float).reshape(-1, 2)
+            self._fit_all(layouts, b, 1)
+            fitting = np.array([self._fitting[lay, b, 1] for lay in layouts], dtype=float).reshape(-1, 2)
             q = np.arange(1, layers + 1)
             fit, fit_remat = fitting[:, :1], fitting[:, 1:]
             least = np.minimum(np.where(q <= fit, nondecreasing_rows(np.array([r.time for r in runs])), INF),
@@ -554,14 +556,34 @@ class LowerBounds:
         any one layer needs, under the ZeRO stage that shards the most."""
         key = (layout, b, in_flight_count)
         if key not in self._fitting:
-            layer = self.costs.per_layer(layout.config, b)
-            capacity = self.costs.capacity(layout.kind)
-
-            def most(room: float, per_layer: np.ndarray) -> int:
-                return int(min(max(room, 0.0) // max(float(per_layer.min()), 1.0), self.costs.n))
-
-            p = self.problem
-            self._fitting[key] = (0 if p.force_remat else most(capacity, layer.state + layer.saved * in_flight_count),
-                                  most(capacity - float(layer.inputs.min()) * in_flight_count, layer.state + layer.recomputed)
-                                  if p.allow_remat or p.force_remat else 0)
+            self._fit_all((layout,), b, in_flight_count)
         return self._fitting[key]
+
+    def _fit_all(self, layouts: tuple[KindLayout, ...], b: int, in_flight_count: int) -> None:
+        """`_layers_fitting` of every layout of `layouts` not yet asked, in one array pass
+        (a kind's layouts are all asked at every microbatch size). The state per layer
+        is the stage's whatever its microbatch (`_state_bytes`); the activations scale
+        with its examples per device, as `StageCosts.per_layer` scales them."""
+        todo = [lay for lay in dict.fromkeys(layouts) if (lay, b, in_flight_count) not in self._fitting]
+        if not todo:
+            return
+        c, p, n = self.costs, self.problem, self.costs.n
+        shard = np.array([b / lay.dp / lay.tp for lay in todo])  # per_layer's (b / dp) / tp
+        plain, inputs, remat = least_layer_bytes(np.array([self._state_bytes(lay.config, b) for lay in todo]), c.saved,
+                                                 c.inputs, c.recomputed, shard, in_flight_count)
+
+        def most(room: float, per_layer: float) -> int:
+            return int(min(max(room, 0.0) // max(per_layer, 1.0), n))
+
+        for i, lay in enumerate(todo):
+            capacity = c.capacity(lay.kind)
+            self._fitting[lay, b, in_flight_count] = (
+                0 if p.force_remat else most(capacity, float(plain[i])),
+                most(capacity - float(inputs[i]) * in_flight_count, float(remat[i])) if p.allow_remat or p.force_remat else 0)
+
+    def _state_bytes(self, cfg: StageConfig, b: int) -> np.ndarray:
+        """`StageCosts.per_layer(cfg, ...).state`, the same at every microbatch size:
+        read at the first asked (`b`), kept per stage."""
+        if cfg not in self._states:
+            self._states[cfg] = self.costs.per_layer(cfg, b).state
+        return self._states[cfg]

@@ -40,3 +40,17 @@ def least_for_counts(counts: np.ndarray, least: np.ndarray, layers: int) -> np.n
     s = counts.astype(int)[:, None]
     r = np.arange(1, layers + 1)[None, :]
     return np.take_along_axis(least, (r + s - 1) // s - 1, axis=1).min(axis=0)
+
+
+def least_layer_bytes(state: np.ndarray, saved: np.ndarray, inputs: np.ndarray, recomputed: np.ndarray,
+                      shard: np.ndarray, held: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per stage (a row of `state`, the bytes each layer's state takes on one of its
+    devices; `shard` its examples per device over its model axis), the least bytes
+    any one layer needs with `held` microbatches' activations kept, the least input
+    of any layer (what full recomputation keeps per microbatch), and the least a
+    recomputing layer needs: `PerLayer`'s `state + saved * held`, `inputs` and
+    `state + recomputed`, `saved`, `inputs` and `recomputed` scaled by the shard as
+    `StageCosts.per_layer` scales them."""
+    shard = shard[:, None]
+    return ((state + (saved * shard) * held).min(axis=1), (inputs * shard).min(axis=1),
+            (state + recomputed * shard).min(axis=1))
