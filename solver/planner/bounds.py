@@ -27,9 +27,9 @@ import numpy as np
 
 from solver import schedules as registry
 from solver.planner.problem import Problem
-from solver.cost.ranges import cumsum, span
 from solver.cost.stage_costs import INF, StageConfig, StageCosts, in_flight
-from solver.planner.rows import counts_within, least_for_counts, least_layer_bytes, most_within, nondecreasing_rows
+from solver.planner.rows import (counts_within, least_for_counts, least_layer_bytes, least_runs_rows, least_steps, most_within,
+                                 nondecreasing_rows, run_spans)
 from solver.planner.runs import FITS_TOL, balanced_pace, first_enough, least_runs, least_step, longest
 
 _BLOCK = 16  # candidate step times order_bound prices at once
@@ -262,7 +262,7 @@ class LowerBounds:
                 raise ValueError(f"a layout's data-parallel degree does not divide the microbatch of {b}: no pipeline runs it")
             tail_grid, layers = self._tail_grid(), self.costs.n
             counts = np.array([lay.stages for lay in layouts], dtype=float)
-            runs = [self._stage_runs(lay.config, b) for lay in layouts]
+            runs = self._all_runs(tuple(lay.config for lay in layouts), b)
             self._fit_all(layouts, b, 1)
             fitting = np.array([self._fitting[lay, b, 1] for lay in layouts], dtype=float).reshape(-1, 2)
             q = np.arange(1, layers + 1)
@@ -283,7 +283,7 @@ class LowerBounds:
         """Every least run time of every layout of `kinds` that runs microbatches of
         `b`: the bottleneck of any combination of them is one of these."""
         if (b, kinds) not in self._grids:
-            runs = [self._stage_runs(lay.config, b) for k in kinds for lay in kind_layouts(self.problem, k) if b % lay.dp == 0]
+            runs = self._all_runs(tuple(lay.config for k in kinds for lay in kind_layouts(self.problem, k) if b % lay.dp == 0), b)
             self._grids[b, kinds] = np.unique(np.concatenate([np.concatenate([r.time, r.remat]) for r in runs]))
         return self._grids[b, kinds]
 
@@ -522,16 +522,25 @@ class LowerBounds:
         once per shape whose per-layer times are the same (`StageCosts.times_key`)."""
         key = self.costs.times_key(cfg, b)
         if key not in self._runs:
-            layer = self.costs.per_layer(cfg, b)
-            f = span(cumsum(layer.forward))
-            bw = span(cumsum(layer.backward))
-            both = f + bw if layer.fused is None else np.minimum(f + bw, span(cumsum(layer.fused)))
-            rerun = f + (bw + f)
-            plain, remat = least_runs(both), least_runs(rerun)
-            ends = np.arange(self.costs.n - 1, -1, -1)  # where the last stage starts, holding 1, 2, ... layers
-            self._runs[key] = _Runs(plain, remat, least_step(plain), least_step(remat), both[ends, self.costs.n],
-                                    rerun[ends, self.costs.n])
+            self._all_runs((cfg,), b)
         return self._runs[key]
+
+    def _all_runs(self, configs: tuple[StageConfig, ...], b: int) -> list[_Runs]:
+        """`_stage_runs` of each of `configs`, those not yet priced in one array pass
+        (`rows`: the spans, least runs and steps of every shape at once; a kind's
+        layouts are all asked at each microbatch size)."""
+        keys = [self.costs.times_key(cfg, b) for cfg in configs]
+        todo = {key: cfg for key, cfg in zip(keys, configs) if key not in self._runs}
+        if todo:
+            layers = [self.costs.per_layer(cfg, b) for cfg in todo.values()]
+            both, rerun = run_spans(np.array([layer.forward for layer in layers]), np.array([layer.backward for layer in layers]),
+                                    [layer.fused for layer in layers])
+            plain, remat = least_runs_rows(both), least_runs_rows(rerun)
+            ends = np.arange(self.costs.n - 1, -1, -1)  # where the last stage starts, holding 1, 2, ... layers
+            lasts, lasts_remat = both[:, ends, self.costs.n], rerun[:, ends, self.costs.n]
+            for i, (key, step, step_remat) in enumerate(zip(todo, least_steps(plain), least_steps(remat))):
+                self._runs[key] = _Runs(plain[i], remat[i], step, step_remat, lasts[i], lasts_remat[i])
+        return [self._runs[key] for key in keys]
 
     def _least_send(self, a: StageConfig, c: StageConfig, b: int) -> float:
         """The least time any cut from stage `a` to `c` sends one microbatch's activation."""

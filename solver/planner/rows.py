@@ -54,3 +54,37 @@ def least_layer_bytes(state: np.ndarray, saved: np.ndarray, inputs: np.ndarray, 
     shard = shard[:, None]
     return ((state + (saved * shard) * held).min(axis=1), (inputs * shard).min(axis=1),
             (state + recomputed * shard).min(axis=1))
+
+
+def spans(values: np.ndarray) -> np.ndarray:
+    """`ranges.span(ranges.cumsum(row))` of each row: [row, i, j] the sum of entries i..j-1."""
+    prefix = np.concatenate([np.zeros((len(values), 1)), np.cumsum(values, axis=1)], axis=1)
+    return prefix[:, None, :] - prefix[:, :, None]
+
+
+def run_spans(forward: np.ndarray, backward: np.ndarray, fused: list[np.ndarray | None]) -> tuple[np.ndarray, np.ndarray]:
+    """Per stage (a row of `forward` and `backward`, each layer's seconds), per range
+    of layers: its forward and backward summed, or as one program where that is less
+    (`fused`: the row's one-program seconds, None where it has none), and its forward,
+    backward and the forward rerun, as `LowerBounds._stage_runs` sums them."""
+    f, bw = spans(forward), spans(backward)
+    both = f + bw
+    has = [i for i, row in enumerate(fused) if row is not None]
+    if has:
+        both[has] = np.minimum(both[has], spans(np.array([fused[i] for i in has])))
+    return both, f + (bw + f)
+
+
+def least_runs_rows(values: np.ndarray) -> np.ndarray:
+    """`runs.least_runs` of each span matrix of `values` (rows x (n + 1) x (n + 1))."""
+    n = values.shape[1] - 1
+    first, length = np.arange(n)[None, :], np.arange(1, n + 1)[:, None]
+    last = first + length
+    return np.where(last <= n, values[:, first, np.minimum(last, n)], np.inf).min(axis=2)
+
+
+def least_steps(runs: np.ndarray) -> list[float]:
+    """`runs.least_step` of each row of `runs`."""
+    if runs.shape[1] < 2:
+        return [0.0] * len(runs)
+    return [float(max(d, 0.0)) for d in ((runs[:, 1:] - runs[:, :1]) / np.arange(1, runs.shape[1])).min(axis=1)]
