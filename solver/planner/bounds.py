@@ -28,8 +28,7 @@ import numpy as np
 from solver import schedules as registry
 from solver.planner.problem import Problem
 from solver.cost.stage_costs import INF, StageConfig, StageCosts, in_flight
-from solver.planner.rows import (counts_within, least_for_counts, least_layer_bytes, least_runs_rows, least_steps, most_within,
-                                 nondecreasing_rows, run_spans)
+from solver.planner.rows import counts_within, layers_fitting, least_for_counts, least_runs_rows, most_within, stage_runs
 from solver.planner.runs import FITS_TOL, balanced_pace, first_enough, least_runs, least_step, longest
 
 _BLOCK = 16  # candidate step times order_bound prices at once
@@ -78,6 +77,8 @@ class _Runs(NamedTuple):
     step_remat: float
     last: np.ndarray  # [n - 1]: the last n layers' forward + backward (a pipeline's last stage holds them)
     last_remat: np.ndarray
+    floor: np.ndarray  # `time` made nondecreasing (`runs.nondecreasing`): what the rooms search
+    floor_remat: np.ndarray
 
 
 class _Group(NamedTuple):
@@ -141,6 +142,7 @@ class LowerBounds:
         self._envelopes: dict[tuple[tuple[KindLayout, ...], int], tuple[np.ndarray, float, np.ndarray]] = {}
         self._paces: dict[tuple[StageConfig, int], tuple[float, float]] = {}
         self._states: dict[StageConfig, np.ndarray] = {}
+        self._cuts: dict[tuple[KindLayout, KindLayout, int], float] = {}
 
     def bound(self, layouts: tuple[KindLayout, ...], m: int, b: int, schedule: str) -> float:
         """No split of any order of these stages is faster than this under `schedule`
@@ -263,12 +265,10 @@ class LowerBounds:
             tail_grid, layers = self._tail_grid(), self.costs.n
             counts = np.array([lay.stages for lay in layouts], dtype=float)
             runs = self._all_runs(tuple(lay.config for lay in layouts), b)
-            self._fit_all(layouts, b, 1)
-            fitting = np.array([self._fitting[lay, b, 1] for lay in layouts], dtype=float).reshape(-1, 2)
-            q = np.arange(1, layers + 1)
-            fit, fit_remat = fitting[:, :1], fitting[:, 1:]
-            least = np.minimum(np.where(q <= fit, nondecreasing_rows(np.array([r.time for r in runs])), INF),
-                               np.where(q <= fit_remat, nondecreasing_rows(np.array([r.remat for r in runs])), INF))
+            fitting = np.array(self._fit_all(layouts, b, 1), dtype=float).reshape(-1, 2)
+            q, fit, fit_remat = np.arange(1, layers + 1), fitting[:, :1], fitting[:, 1:]
+            least = np.minimum(np.where(q <= fit, np.array([r.floor for r in runs]), INF),
+                               np.where(q <= fit_remat, np.array([r.floor_remat for r in runs]), INF))
             held = [lay.stages * self._tail_rooms(lay.config) for lay in layouts]
             plain = fitting[:, 0] >= 1  # a stage that cannot hold one layer without recomputing recomputes
             self._bases[key] = (
@@ -288,10 +288,14 @@ class LowerBounds:
         return self._grids[b, kinds]
 
     def _tail_grid(self) -> np.ndarray:
-        """Every least tail of every layout: the tail bound of any combination is one of them."""
+        """Every least tail of every layout: the tail bound of any combination is one of
+        them (each layout's tails, and its rooms on them, priced in one array pass)."""
         if self._tail_values is None:
-            self._tail_values = np.unique(np.concatenate([self._stage_tails(lay.config) for k in self.problem.kinds
-                                                          for lay in kind_layouts(self.problem, k.name)]))
+            cfgs = list(dict.fromkeys(lay.config for k in self.problem.kinds for lay in kind_layouts(self.problem, k.name)))
+            tails = least_runs_rows(np.array([self._tail_spans(cfg) for cfg in cfgs]))
+            self._tails.update(zip(cfgs, tails))
+            self._tail_values = np.unique(tails)
+            self._held_tails.update(zip(cfgs, most_within(tails, self._tail_values, FITS_TOL)))
         return self._tail_values
 
     def order_bound(self, order: tuple[KindLayout, ...], m: int, b: int, schedule: str, beat: float = INF,
@@ -324,8 +328,7 @@ class LowerBounds:
             stages = [lay for lay in order for _ in range(lay.stages)]
             held = self._in_flight(schedule, m, len(stages))
             fitting = np.array([self._layers_fitting(lay, b, k) for lay, k in zip(stages, held)], dtype=float)
-            configs = [lay.config for lay in stages]
-            self._orders[key] = stages, fitting, 2 * sum(self._least_send(a, c, b) for a, c in zip(configs, configs[1:]))
+            self._orders[key] = stages, fitting, 2 * sum(self._cut_send(a, c, b) for a, c in zip(stages, stages[1:]))
         return self._orders[key]
 
     def _bounds(self, rows: list[tuple[KindLayout, ...]], fitting: np.ndarray, m: int, b: int, schedule: str,
@@ -457,14 +460,12 @@ class LowerBounds:
         the same for every order of `layouts`."""
         key = (tuple(sorted(layouts)), b)
         if key not in self._groups:
-            runs = {lay: self._stage_runs(lay.config, b) for lay in key[0]}
-            steps = np.unique(np.concatenate([np.concatenate([r.time, r.remat]) for r in runs.values()]))
-            each = list(runs.values())
-            times, remats = np.array([r.time for r in each]), np.array([r.remat for r in each])
+            each = [self._stage_runs(lay.config, b) for lay in key[0]]
+            steps = np.unique(np.concatenate([r.time for r in each] + [r.remat for r in each]))
+            rooms = counts_within(np.array([r.floor for r in each] + [r.floor_remat for r in each]), steps * FITS_TOL)
             self._groups[key] = _Group(
-                steps, self._least_tail(key[0]), times[:, 0], remats[:, 0],
-                np.array([r.step for r in each]), np.array([r.step_remat for r in each]),
-                most_within(times, steps, FITS_TOL), most_within(remats, steps, FITS_TOL),
+                steps, self._least_tail(key[0]), np.array([r.time[0] for r in each]), np.array([r.remat[0] for r in each]),
+                np.array([r.step for r in each]), np.array([r.step_remat for r in each]), rooms[: len(each)], rooms[len(each) :],
                 {lay: i for i, lay in enumerate(key[0])})
         return self._groups[key]
 
@@ -483,8 +484,9 @@ class LowerBounds:
             steps = self._group(order, b).steps
             r = self._stage_runs(order[-1].config, b)
             above = np.append(steps[1:], INF)
+            rooms = most_within(np.array([r.last, r.last_remat]), above, FITS_TOL)
             self._lasts[key] = _LastStage(float(r.last[0]), float(r.last_remat[0]), least_step(r.last),
-                                          least_step(r.last_remat), longest(r.last, above), longest(r.last_remat, above))
+                                          least_step(r.last_remat), rooms[0], rooms[1])
         return self._lasts[key]
 
     def _least_tail(self, layouts: tuple[KindLayout, ...]) -> float:
@@ -507,12 +509,16 @@ class LowerBounds:
         (gradient sync and optimizer) plus per-microbatch ZeRO collectives, as the
         stage table prices them."""
         if cfg not in self._tails:
-            least = np.full((self.costs.n + 1, self.costs.n + 1), INF)
-            for zero in self.costs.zero_stages(cfg):
-                extra_f, extra_b, _, tail = self.costs.step_costs(cfg, zero)
-                least = np.minimum(least, extra_f + extra_b + tail)
-            self._tails[cfg] = least_runs(least)
+            self._tails[cfg] = least_runs(self._tail_spans(cfg))
         return self._tails[cfg]
+
+    def _tail_spans(self, cfg: StageConfig) -> np.ndarray:
+        """Per range of layers, `_stage_tails`' least over ZeRO stages."""
+        least = np.full((self.costs.n + 1, self.costs.n + 1), INF)
+        for zero in self.costs.zero_stages(cfg):
+            extra_f, extra_b, _, tail = self.costs.step_costs(cfg, zero)
+            least = np.minimum(least, extra_f + extra_b + tail)
+        return least
 
     def _stage_runs(self, cfg: StageConfig, b: int) -> _Runs:
         """The least times of runs of consecutive layers on one of these stages, the
@@ -533,14 +539,17 @@ class LowerBounds:
         todo = {key: cfg for key, cfg in zip(keys, configs) if key not in self._runs}
         if todo:
             layers = [self.costs.per_layer(cfg, b) for cfg in todo.values()]
-            both, rerun = run_spans(np.array([layer.forward for layer in layers]), np.array([layer.backward for layer in layers]),
-                                    [layer.fused for layer in layers])
-            plain, remat = least_runs_rows(both), least_runs_rows(rerun)
-            ends = np.arange(self.costs.n - 1, -1, -1)  # where the last stage starts, holding 1, 2, ... layers
-            lasts, lasts_remat = both[:, ends, self.costs.n], rerun[:, ends, self.costs.n]
-            for i, (key, step, step_remat) in enumerate(zip(todo, least_steps(plain), least_steps(remat))):
-                self._runs[key] = _Runs(plain[i], remat[i], step, step_remat, lasts[i], lasts_remat[i])
+            fields = stage_runs(np.array([layer.forward for layer in layers]), np.array([layer.backward for layer in layers]),
+                                [layer.fused for layer in layers])
+            self._runs.update((key, _Runs(*row)) for key, row in zip(todo, zip(*fields)))
         return [self._runs[key] for key in keys]
+
+    def _cut_send(self, a: KindLayout, c: KindLayout, b: int) -> float:
+        """`_least_send` between two layouts' stages (a layout hashes in C; an order asks per cut)."""
+        key = (a, c, b)
+        if key not in self._cuts:
+            self._cuts[key] = self._least_send(a.config, c.config, b)
+        return self._cuts[key]
 
     def _least_send(self, a: StageConfig, c: StageConfig, b: int) -> float:
         """The least time any cut from stage `a` to `c` sends one microbatch's activation."""
@@ -568,27 +577,19 @@ class LowerBounds:
             self._fit_all((layout,), b, in_flight_count)
         return self._fitting[key]
 
-    def _fit_all(self, layouts: tuple[KindLayout, ...], b: int, in_flight_count: int) -> None:
-        """`_layers_fitting` of every layout of `layouts` not yet asked, in one array pass
+    def _fit_all(self, layouts: tuple[KindLayout, ...], b: int, in_flight_count: int) -> list[tuple[int, int]]:
+        """`_layers_fitting` of each of `layouts`, those not yet asked in one array pass
         (a kind's layouts are all asked at every microbatch size). The state per layer
         is the stage's whatever its microbatch (`_state_bytes`); the activations scale
         with its examples per device, as `StageCosts.per_layer` scales them."""
         todo = [lay for lay in dict.fromkeys(layouts) if (lay, b, in_flight_count) not in self._fitting]
-        if not todo:
-            return
-        c, p, n = self.costs, self.problem, self.costs.n
-        shard = np.array([b / lay.dp / lay.tp for lay in todo])  # per_layer's (b / dp) / tp
-        plain, inputs, remat = least_layer_bytes(np.array([self._state_bytes(lay.config, b) for lay in todo]), c.saved,
-                                                 c.inputs, c.recomputed, shard, in_flight_count)
-
-        def most(room: float, per_layer: float) -> int:
-            return int(min(max(room, 0.0) // max(per_layer, 1.0), n))
-
-        for i, lay in enumerate(todo):
-            capacity = c.capacity(lay.kind)
-            self._fitting[lay, b, in_flight_count] = (
-                0 if p.force_remat else most(capacity, float(plain[i])),
-                most(capacity - float(inputs[i]) * in_flight_count, float(remat[i])) if p.allow_remat or p.force_remat else 0)
+        if todo:
+            c, p = self.costs, self.problem
+            fits = layers_fitting([c.capacity(lay.kind) for lay in todo], np.array([self._state_bytes(lay.config, b) for lay in todo]),
+                                  c.saved, c.inputs, c.recomputed, np.array([b / lay.dp / lay.tp for lay in todo]),  # per_layer's shard
+                                  in_flight_count, not p.force_remat, p.allow_remat or p.force_remat)
+            self._fitting.update(((lay, b, in_flight_count), fit) for lay, fit in zip(todo, fits))
+        return [self._fitting[lay, b, in_flight_count] for lay in layouts]
 
     def _state_bytes(self, cfg: StageConfig, b: int) -> np.ndarray:
         """`StageCosts.per_layer(cfg, ...).state`, the same at every microbatch size:

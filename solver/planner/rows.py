@@ -42,18 +42,26 @@ def least_for_counts(counts: np.ndarray, least: np.ndarray, layers: int) -> np.n
     return np.take_along_axis(least, (r + s - 1) // s - 1, axis=1).min(axis=0)
 
 
-def least_layer_bytes(state: np.ndarray, saved: np.ndarray, inputs: np.ndarray, recomputed: np.ndarray,
-                      shard: np.ndarray, held: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def layers_fitting(capacity: list[int], state: np.ndarray, saved: np.ndarray, inputs: np.ndarray, recomputed: np.ndarray,
+                   shard: np.ndarray, held: int, plain: bool, remat: bool) -> list[tuple[int, int]]:
     """Per stage (a row of `state`, the bytes each layer's state takes on one of its
-    devices; `shard` its examples per device over its model axis), the least bytes
-    any one layer needs with `held` microbatches' activations kept, the least input
-    of any layer (what full recomputation keeps per microbatch), and the least a
-    recomputing layer needs: `PerLayer`'s `state + saved * held`, `inputs` and
-    `state + recomputed`, `saved`, `inputs` and `recomputed` scaled by the shard as
-    `StageCosts.per_layer` scales them."""
+    devices; `capacity` its bytes per device; `shard` its examples per device over
+    its model axis), the most layers it holds with `held` microbatches in flight,
+    keeping every activation (where `plain`) and recomputing (where `remat`):
+    capacity over the least bytes any one layer needs (`state + saved * held`; with
+    recomputation, its input per microbatch held beside `state + recomputed`),
+    `saved`, `inputs` and `recomputed` scaled by the shard as `StageCosts.per_layer`
+    scales them (`LowerBounds._layers_fitting`)."""
     shard = shard[:, None]
-    return ((state + (saved * shard) * held).min(axis=1), (inputs * shard).min(axis=1),
-            (state + recomputed * shard).min(axis=1))
+    kept, least_input = (state + (saved * shard) * held).min(axis=1), (inputs * shard).min(axis=1)
+    rerun = (state + recomputed * shard).min(axis=1)
+    layers = state.shape[1]
+
+    def most(room: float, per_layer: float) -> int:
+        return int(min(max(room, 0.0) // max(per_layer, 1.0), layers))
+
+    return [(most(c, float(k)) if plain else 0, most(c - float(i) * held, float(r)) if remat else 0)
+            for c, k, i, r in zip(capacity, kept, least_input, rerun)]
 
 
 def spans(values: np.ndarray) -> np.ndarray:
@@ -88,3 +96,16 @@ def least_steps(runs: np.ndarray) -> list[float]:
     if runs.shape[1] < 2:
         return [0.0] * len(runs)
     return [float(max(d, 0.0)) for d in ((runs[:, 1:] - runs[:, :1]) / np.arange(1, runs.shape[1])).min(axis=1)]
+
+
+def stage_runs(forward: np.ndarray, backward: np.ndarray, fused: list[np.ndarray | None]) -> tuple:
+    """`LowerBounds._Runs`' fields for each stage (a row of `forward`, `backward`,
+    `fused`: `run_spans`'), each field stacked over the stages: the least runs of n
+    layers (plain, recomputing), their least steps, the last n layers' times (a
+    pipeline's last stage holds them), and the least runs made nondecreasing."""
+    both, rerun = run_spans(forward, backward, fused)
+    plain, remat = least_runs_rows(both), least_runs_rows(rerun)
+    n = both.shape[1] - 1
+    ends = np.arange(n - 1, -1, -1)  # where the last stage starts, holding 1, 2, ... layers
+    return (plain, remat, least_steps(plain), least_steps(remat), both[:, ends, n], rerun[:, ends, n],
+            nondecreasing_rows(plain), nondecreasing_rows(remat))
