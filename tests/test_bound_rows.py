@@ -1,0 +1,79 @@
+"""The bounds' array passes over many layouts (`solver.planner.rows`) give, row by
+row, exactly what their one-row counterparts give: the search compares these figures,
+so a reordered sum or a count off by one would change which plans it prunes."""
+
+import numpy as np
+
+from solver.cost.ranges import cumsum, span
+from solver.planner.rows import (counts_within, layers_fitting, least_for_counts, least_runs_rows, least_steps, most_within,
+                                 nondecreasing_rows, run_spans, stage_runs)
+from solver.planner.runs import FITS_TOL, least_runs, least_step, longest, nondecreasing
+
+INF = float("inf")
+
+
+def _rows(rng, count, n):
+    rows = rng.random((count, n)) * 3
+    rows[0, -3:] = INF  # a row that cannot run the longest runs
+    rows[1, 2] = rows[1, 3]  # ties
+    return rows
+
+
+def test_nondecreasing_counts_and_longest_match_each_row():
+    rng = np.random.default_rng(0)
+    rows = _rows(rng, 6, 12)
+    limits = np.unique(np.concatenate([rows.ravel()[np.isfinite(rows.ravel())], [0.0, INF]]))
+    assert np.array_equal(nondecreasing_rows(rows), np.array([nondecreasing(r) for r in rows]))
+    expected = np.array([longest(r, limits) for r in rows])
+    assert np.array_equal(most_within(rows, limits, FITS_TOL), expected)
+    floors = nondecreasing_rows(rows)
+    assert np.array_equal(counts_within(floors, limits), np.array([np.searchsorted(r, limits, side="right") for r in floors]))
+    assert expected[0, -1] == 12 and expected[0, 0] == 0  # INF only within the INF limit; nothing within 0
+
+
+def test_least_for_counts_is_the_envelope_of_the_layouts():
+    rng = np.random.default_rng(1)
+    least = nondecreasing_rows(_rows(rng, 4, 10))
+    counts = np.array([1.0, 2.0, 3.0, 5.0])
+    r = np.arange(1, 11)
+    expected = np.min([row[(r + s - 1) // s - 1] for s, row in zip(counts.astype(int), least)], axis=0)
+    assert np.array_equal(least_for_counts(counts, least, 10), expected)
+
+
+def test_stage_runs_match_the_one_stage_sums_bit_for_bit():
+    rng = np.random.default_rng(2)
+    n = 9
+    forward, backward = rng.random((3, n)) * 1e-3, rng.random((3, n)) * 2e-3
+    fused = [forward[0] + backward[0] - 1e-4, None, (forward[2] + backward[2]) * 1.5]
+    plain, remat, steps, steps_remat, lasts, lasts_remat, floor, floor_remat = stage_runs(forward, backward, fused)
+    both_rows, rerun_rows = run_spans(forward, backward, fused)
+    for i in range(3):
+        f, bw = span(cumsum(forward[i])), span(cumsum(backward[i]))
+        both = f + bw if fused[i] is None else np.minimum(f + bw, span(cumsum(fused[i])))
+        rerun = f + (bw + f)
+        assert np.array_equal(both_rows[i], both) and np.array_equal(rerun_rows[i], rerun)
+        assert np.array_equal(plain[i], least_runs(both)) and np.array_equal(remat[i], least_runs(rerun))
+        assert steps[i] == least_step(least_runs(both)) and steps_remat[i] == least_step(least_runs(rerun))
+        ends = np.arange(n - 1, -1, -1)
+        assert np.array_equal(lasts[i], both[ends, n]) and np.array_equal(lasts_remat[i], rerun[ends, n])
+        assert np.array_equal(floor[i], nondecreasing(plain[i])) and np.array_equal(floor_remat[i], nondecreasing(remat[i]))
+    assert np.array_equal(least_runs_rows(np.stack([both_rows[1]])), least_runs(both_rows[1])[None])
+    assert least_steps(np.zeros((2, 1))) == [0.0, 0.0]
+
+
+def test_layers_fitting_matches_the_one_stage_count():
+    rng = np.random.default_rng(3)
+    n = 8
+    state = rng.random((3, n)) * 1e9
+    saved, inputs, recomputed = rng.random(n) * 1e8, rng.random(n) * 1e7, rng.random(n) * 5e7
+    shard, capacity, held = np.array([1.0, 4.0, 0.5]), [int(3e9), int(2e9), int(1e9)], 3
+
+    def most(room, per_layer):
+        return int(min(max(room, 0.0) // max(float(per_layer.min()), 1.0), n))
+
+    expected = [(most(c, state[i] + (saved * shard[i]) * held),
+                 most(c - float((inputs * shard[i]).min()) * held, state[i] + recomputed * shard[i]))
+                for i, c in enumerate(capacity)]
+    assert layers_fitting(capacity, state, saved, inputs, recomputed, shard, held, True, True) == expected
+    assert layers_fitting(capacity, state, saved, inputs, recomputed, shard, held, False, False) == [(0, 0)] * 3
+    assert any(0 < a < n for a, _ in expected)  # the capacities bind somewhere: the test can fail
