@@ -45,18 +45,21 @@ def test_stage_runs_match_the_one_stage_sums_bit_for_bit():
     n = 9
     forward, backward = rng.random((3, n)) * 1e-3, rng.random((3, n)) * 2e-3
     fused = [forward[0] + backward[0] - 1e-4, None, (forward[2] + backward[2]) * 1.5]
-    plain, remat, steps, steps_remat, lasts, lasts_remat, floor, floor_remat = stage_runs(forward, backward, fused)
+    runs = stage_runs(forward, backward, fused)
     both_rows, rerun_rows = run_spans(forward, backward, fused)
     for i in range(3):
         f, bw = span(cumsum(forward[i])), span(cumsum(backward[i]))
         both = f + bw if fused[i] is None else np.minimum(f + bw, span(cumsum(fused[i])))
         rerun = f + (bw + f)
         assert np.array_equal(both_rows[i], both) and np.array_equal(rerun_rows[i], rerun)
-        assert np.array_equal(plain[i], least_runs(both)) and np.array_equal(remat[i], least_runs(rerun))
-        assert steps[i] == least_step(least_runs(both)) and steps_remat[i] == least_step(least_runs(rerun))
+        r = runs[i]
+        assert np.array_equal(r.time, least_runs(both)) and np.array_equal(r.remat, least_runs(rerun))
+        assert r.step == least_step(least_runs(both)) and r.step_remat == least_step(least_runs(rerun))
         ends = np.arange(n - 1, -1, -1)
-        assert np.array_equal(lasts[i], both[ends, n]) and np.array_equal(lasts_remat[i], rerun[ends, n])
-        assert np.array_equal(floor[i], nondecreasing(plain[i])) and np.array_equal(floor_remat[i], nondecreasing(remat[i]))
+        assert np.array_equal(r.last, both[ends, n]) and np.array_equal(r.last_remat, rerun[ends, n])
+        assert np.array_equal(r.floor, nondecreasing(r.time)) and np.array_equal(r.floor_remat, nondecreasing(r.remat))
+        assert r.last_step == least_step(r.last) and r.last_step_remat == least_step(r.last_remat)
+        assert np.array_equal(r.last_floor, nondecreasing(r.last)) and np.array_equal(r.last_floor_remat, nondecreasing(r.last_remat))
     assert np.array_equal(least_runs_rows(np.stack([both_rows[1]])), least_runs(both_rows[1])[None])
     assert least_steps(np.zeros((2, 1))) == [0.0, 0.0]
 

@@ -28,8 +28,8 @@ import numpy as np
 from solver import schedules as registry
 from solver.planner.problem import Problem
 from solver.cost.stage_costs import INF, StageConfig, StageCosts, in_flight
-from solver.planner.rows import counts_within, layers_fitting, least_for_counts, least_runs_rows, most_within, stage_runs
-from solver.planner.runs import FITS_TOL, balanced_pace, first_enough, least_runs, least_step, longest
+from solver.planner.rows import StageRuns, counts_within, layers_fitting, least_for_counts, least_runs_rows, most_within, stage_runs
+from solver.planner.runs import FITS_TOL, balanced_pace, first_enough, least_runs, longest
 
 _BLOCK = 16  # candidate step times order_bound prices at once
 _BELOW = 1 - 1e-9  # a floor kept below what it bounds despite rounding (and `FITS_TOL`)
@@ -66,19 +66,6 @@ def kind_layouts(problem: Problem, kind_name: str) -> list[KindLayout]:
             if rest % k == 0:
                 out.append(KindLayout(kind_name, k, rest // k, tp))
     return out
-
-
-class _Runs(NamedTuple):
-    """One stage's least times over runs of consecutive layers, per microbatch."""
-
-    time: np.ndarray  # [n - 1]: the least forward + backward of any n consecutive layers
-    remat: np.ndarray  # the same, the backward rerunning the forward
-    step: float  # the least increment per layer beyond the first, without recomputation
-    step_remat: float
-    last: np.ndarray  # [n - 1]: the last n layers' forward + backward (a pipeline's last stage holds them)
-    last_remat: np.ndarray
-    floor: np.ndarray  # `time` made nondecreasing (`runs.nondecreasing`): what the rooms search
-    floor_remat: np.ndarray
 
 
 class _Group(NamedTuple):
@@ -126,7 +113,7 @@ class LowerBounds:
         self.problem = problem
         self.costs = costs
         self._fitting: dict[tuple[KindLayout, int, int], tuple[int, int]] = {}
-        self._runs: dict[tuple, _Runs] = {}
+        self._runs: dict[tuple, StageRuns] = {}
         self._tails: dict[StageConfig, np.ndarray] = {}
         self._groups: dict[tuple, _Group] = {}
         self._orders: dict[tuple, tuple[list[KindLayout], np.ndarray, float]] = {}
@@ -484,9 +471,9 @@ class LowerBounds:
             steps = self._group(order, b).steps
             r = self._stage_runs(order[-1].config, b)
             above = np.append(steps[1:], INF)
-            rooms = most_within(np.array([r.last, r.last_remat]), above, FITS_TOL)
-            self._lasts[key] = _LastStage(float(r.last[0]), float(r.last_remat[0]), least_step(r.last),
-                                          least_step(r.last_remat), rooms[0], rooms[1])
+            rooms = counts_within(np.array([r.last_floor, r.last_floor_remat]), above * FITS_TOL)
+            self._lasts[key] = _LastStage(float(r.last[0]), float(r.last_remat[0]), r.last_step, r.last_step_remat,
+                                          rooms[0], rooms[1])
         return self._lasts[key]
 
     def _least_tail(self, layouts: tuple[KindLayout, ...]) -> float:
@@ -520,7 +507,7 @@ class LowerBounds:
             least = np.minimum(least, extra_f + extra_b + tail)
         return least
 
-    def _stage_runs(self, cfg: StageConfig, b: int) -> _Runs:
+    def _stage_runs(self, cfg: StageConfig, b: int) -> StageRuns:
         """The least times of runs of consecutive layers on one of these stages, the
         forward and backward summed as the stage table sums them (ZeRO's collectives
         and the choice of ZeRO stage only add to them), or as one program where that
@@ -531,7 +518,7 @@ class LowerBounds:
             self._all_runs((cfg,), b)
         return self._runs[key]
 
-    def _all_runs(self, configs: tuple[StageConfig, ...], b: int) -> list[_Runs]:
+    def _all_runs(self, configs: tuple[StageConfig, ...], b: int) -> list[StageRuns]:
         """`_stage_runs` of each of `configs`, those not yet priced in one array pass
         (`rows`: the spans, least runs and steps of every shape at once; a kind's
         layouts are all asked at each microbatch size)."""
@@ -541,7 +528,7 @@ class LowerBounds:
             layers = [self.costs.per_layer(cfg, b) for cfg in todo.values()]
             fields = stage_runs(np.array([layer.forward for layer in layers]), np.array([layer.backward for layer in layers]),
                                 [layer.fused for layer in layers])
-            self._runs.update((key, _Runs(*row)) for key, row in zip(todo, zip(*fields)))
+            self._runs.update(zip(todo, fields))
         return [self._runs[key] for key in keys]
 
     def _cut_send(self, a: KindLayout, c: KindLayout, b: int) -> float:

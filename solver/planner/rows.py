@@ -7,6 +7,8 @@ for bit (a minimum or a count: no sum is reordered)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 
@@ -98,14 +100,33 @@ def least_steps(runs: np.ndarray) -> list[float]:
     return [float(max(d, 0.0)) for d in ((runs[:, 1:] - runs[:, :1]) / np.arange(1, runs.shape[1])).min(axis=1)]
 
 
-def stage_runs(forward: np.ndarray, backward: np.ndarray, fused: list[np.ndarray | None]) -> tuple:
-    """`LowerBounds._Runs`' fields for each stage (a row of `forward`, `backward`,
-    `fused`: `run_spans`'), each field stacked over the stages: the least runs of n
-    layers (plain, recomputing), their least steps, the last n layers' times (a
-    pipeline's last stage holds them), and the least runs made nondecreasing."""
+class StageRuns(NamedTuple):
+    """One stage's least times over runs of consecutive layers, per microbatch
+    (`LowerBounds._stage_runs`)."""
+
+    time: np.ndarray  # [n - 1]: the least forward + backward of any n consecutive layers
+    remat: np.ndarray  # the same, the backward rerunning the forward
+    step: float  # the least increment per layer beyond the first, without recomputation
+    step_remat: float
+    last: np.ndarray  # [n - 1]: the last n layers' forward + backward (a pipeline's last stage holds them)
+    last_remat: np.ndarray
+    floor: np.ndarray  # `time` made nondecreasing (`runs.nondecreasing`): what the searches for rooms read
+    floor_remat: np.ndarray
+    last_step: float  # `last`'s least increment per layer (`runs.least_step`)
+    last_step_remat: float
+    last_floor: np.ndarray  # `last` made nondecreasing
+    last_floor_remat: np.ndarray
+
+
+def stage_runs(forward: np.ndarray, backward: np.ndarray, fused: list[np.ndarray | None]) -> list[StageRuns]:
+    """`StageRuns` of each stage (a row of `forward`, `backward`, `fused`: `run_spans`'),
+    every field priced for all the stages at once."""
     both, rerun = run_spans(forward, backward, fused)
     plain, remat = least_runs_rows(both), least_runs_rows(rerun)
     n = both.shape[1] - 1
     ends = np.arange(n - 1, -1, -1)  # where the last stage starts, holding 1, 2, ... layers
-    return (plain, remat, least_steps(plain), least_steps(remat), both[:, ends, n], rerun[:, ends, n],
-            nondecreasing_rows(plain), nondecreasing_rows(remat))
+    last, last_remat = both[:, ends, n], rerun[:, ends, n]
+    fields = (plain, remat, least_steps(plain), least_steps(remat), last, last_remat, nondecreasing_rows(plain),
+              nondecreasing_rows(remat), least_steps(last), least_steps(last_remat), nondecreasing_rows(last),
+              nondecreasing_rows(last_remat))
+    return [StageRuns(*row) for row in zip(*fields)]
