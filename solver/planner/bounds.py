@@ -252,7 +252,7 @@ class LowerBounds:
             tail_grid, layers = self._tail_grid(), self.costs.n
             counts = np.array([lay.stages for lay in layouts], dtype=float)
             runs = self._all_runs(tuple(lay.config for lay in layouts), b)
-            fitting = np.array(self._fit_all(layouts, b, 1), dtype=float).reshape(-1, 2)
+            fitting = self._fit_all(layouts, b, range(1, 2))[:, 0].astype(float)
             q, fit, fit_remat = np.arange(1, layers + 1), fitting[:, :1], fitting[:, 1:]
             least = np.minimum(np.where(q <= fit, np.array([r.floor for r in runs]), INF),
                                np.where(q <= fit_remat, np.array([r.floor_remat for r in runs]), INF))
@@ -560,23 +560,23 @@ class LowerBounds:
         per microbatch and one microbatch's activations: capacity over the least bytes
         any one layer needs, under the ZeRO stage that shards the most."""
         key = (layout, b, in_flight_count)
-        if key not in self._fitting:
-            self._fit_all((layout,), b, in_flight_count)
+        if key not in self._fitting:  # an order asks each count up to its stages': all priced at once
+            self._fit_all((layout,), b, range(1, max(in_flight_count, self.costs.n) + 1))
         return self._fitting[key]
 
-    def _fit_all(self, layouts: tuple[KindLayout, ...], b: int, in_flight_count: int) -> list[tuple[int, int]]:
-        """`_layers_fitting` of each of `layouts`, those not yet asked in one array pass
-        (a kind's layouts are all asked at every microbatch size). The state per layer
-        is the stage's whatever its microbatch (`_state_bytes`); the activations scale
-        with its examples per device, as `StageCosts.per_layer` scales them."""
-        todo = [lay for lay in dict.fromkeys(layouts) if (lay, b, in_flight_count) not in self._fitting]
-        if todo:
-            c, p = self.costs, self.problem
-            fits = layers_fitting([c.capacity(lay.kind) for lay in todo], np.array([self._state_bytes(lay.config, b) for lay in todo]),
-                                  c.saved, c.inputs, c.recomputed, np.array([b / lay.dp / lay.tp for lay in todo]),  # per_layer's shard
-                                  in_flight_count, not p.force_remat, p.allow_remat or p.force_remat)
-            self._fitting.update(((lay, b, in_flight_count), fit) for lay, fit in zip(todo, fits))
-        return [self._fitting[lay, b, in_flight_count] for lay in layouts]
+    def _fit_all(self, layouts: tuple[KindLayout, ...], b: int, counts: range) -> np.ndarray:
+        """[layout, count, 2]: `_layers_fitting` of each of `layouts` at each count of
+        microbatches in flight, in one array pass (`rows.layers_fitting`; a kind's
+        layouts are all asked at every microbatch size). The state per layer is the
+        stage's whatever its microbatch (`_state_bytes`); the activations scale with
+        its examples per device, as `StageCosts.per_layer` scales them."""
+        c, p = self.costs, self.problem
+        fits = layers_fitting([c.capacity(lay.kind) for lay in layouts], np.array([self._state_bytes(lay.config, b) for lay in layouts]),
+                              c.saved, c.inputs, c.recomputed, np.array([b / lay.dp / lay.tp for lay in layouts]),  # per_layer's shard
+                              np.array(counts), not p.force_remat, p.allow_remat or p.force_remat)
+        for lay, row in zip(layouts, fits.tolist()):
+            self._fitting.update(((lay, b, k), tuple(fit)) for k, fit in zip(counts, row))
+        return fits
 
     def _state_bytes(self, cfg: StageConfig, b: int) -> np.ndarray:
         """`StageCosts.per_layer(cfg, ...).state`, the same at every microbatch size:

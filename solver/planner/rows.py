@@ -44,26 +44,31 @@ def least_for_counts(counts: np.ndarray, least: np.ndarray, layers: int) -> np.n
     return np.take_along_axis(least, (r + s - 1) // s - 1, axis=1).min(axis=0)
 
 
-def layers_fitting(capacity: list[int], state: np.ndarray, saved: np.ndarray, inputs: np.ndarray, recomputed: np.ndarray,
-                   shard: np.ndarray, held: int, plain: bool, remat: bool) -> list[tuple[int, int]]:
-    """Per stage (a row of `state`, the bytes each layer's state takes on one of its
-    devices; `capacity` its bytes per device; `shard` its examples per device over
-    its model axis), the most layers it holds with `held` microbatches in flight,
-    keeping every activation (where `plain`) and recomputing (where `remat`):
-    capacity over the least bytes any one layer needs (`state + saved * held`; with
-    recomputation, its input per microbatch held beside `state + recomputed`),
-    `saved`, `inputs` and `recomputed` scaled by the shard as `StageCosts.per_layer`
-    scales them (`LowerBounds._layers_fitting`)."""
-    shard = shard[:, None]
-    kept, least_input = (state + (saved * shard) * held).min(axis=1), (inputs * shard).min(axis=1)
-    rerun = (state + recomputed * shard).min(axis=1)
+def layers_fitting(capacity: np.ndarray, state: np.ndarray, saved: np.ndarray, inputs: np.ndarray, recomputed: np.ndarray,
+                   shard: np.ndarray, held: np.ndarray, plain: bool, remat: bool) -> np.ndarray:
+    """[stage, h, 2]: per stage (a row of `state`, the bytes each layer's state takes
+    on one of its devices; `capacity` its bytes per device; `shard` its examples per
+    device over its model axis) and count `held[h]` of microbatches in flight, the
+    most layers it holds keeping every activation (where `plain`, else 0) and
+    recomputing (where `remat`, else 0): capacity over the least bytes any one layer
+    needs (`state + saved * held`; recomputing, its input per microbatch held beside
+    `state + recomputed`), `saved`, `inputs` and `recomputed` scaled by the shard as
+    `StageCosts.per_layer` scales them (`LowerBounds._layers_fitting`; numpy's floor
+    division is Python's, so each count is the scalar one's)."""
+    shard, held, capacity = shard[:, None], np.asarray(held)[None, :], np.asarray(capacity, dtype=float)[:, None]
     layers = state.shape[1]
 
-    def most(room: float, per_layer: float) -> int:
-        return int(min(max(room, 0.0) // max(per_layer, 1.0), layers))
+    def most(room: np.ndarray, per_layer: np.ndarray) -> np.ndarray:
+        return np.minimum(np.maximum(room, 0.0) // np.maximum(per_layer, 1.0), layers).astype(int)
 
-    return [(most(c, float(k)) if plain else 0, most(c - float(i) * held, float(r)) if remat else 0)
-            for c, k, i, r in zip(capacity, kept, least_input, rerun)]
+    kept = (state[:, None, :] + (saved * shard)[:, None, :] * held[:, :, None]).min(axis=2)
+    least_input, rerun = (inputs * shard).min(axis=1)[:, None], (state + recomputed * shard).min(axis=1)[:, None]
+    out = np.zeros((len(state), held.shape[1], 2), dtype=int)
+    if plain:
+        out[..., 0] = most(capacity, kept)
+    if remat:
+        out[..., 1] = most(capacity - least_input * held, rerun)
+    return out
 
 
 def spans(values: np.ndarray) -> np.ndarray:
