@@ -205,6 +205,10 @@ class StageCosts:
             fused=fused,
         )
 
+    def layer_times(self, cfg: StageConfig, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """`per_layer`'s forward, backward, rerun and fused seconds alone (what the bounds' runs sum), cached per `times_key`."""
+        return self._layer_times(self.times_key(cfg, b))
+
     def _layer_times_uncached(self, key: tuple[StageConfig, float]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """`per_layer`'s forward, backward, rerun and fused seconds for a `times_key`."""
         cfg, b = key

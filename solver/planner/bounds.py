@@ -525,9 +525,8 @@ class LowerBounds:
         keys = [self.costs.times_key(cfg, b) for cfg in configs]
         todo = {key: cfg for key, cfg in zip(keys, configs) if key not in self._runs}
         if todo:
-            layers = [self.costs.per_layer(cfg, b) for cfg in todo.values()]
-            fields = stage_runs(np.array([layer.forward for layer in layers]), np.array([layer.backward for layer in layers]),
-                                [layer.fused for layer in layers])
+            layers = [self.costs.layer_times(cfg, b) for cfg in todo.values()]  # (forward, backward, rerun, fused)
+            fields = stage_runs(np.array([t[0] for t in layers]), np.array([t[1] for t in layers]), [t[3] for t in layers])
             self._runs.update(zip(todo, fields))
         return [self._runs[key] for key in keys]
 
