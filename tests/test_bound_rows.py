@@ -7,7 +7,7 @@ import numpy as np
 from solver.cost.ranges import cumsum, span
 from solver.planner.rows import (counts_within, layers_fitting, least_for_counts, least_runs_rows, least_steps, most_within,
                                  nondecreasing_rows, run_spans, stage_runs)
-from solver.planner.runs import FITS_TOL, least_runs, least_step, longest, nondecreasing
+from solver.planner.runs import FITS_TOL, first_enough, least_runs, least_step, longest, nondecreasing
 
 INF = float("inf")
 
@@ -82,3 +82,15 @@ def test_layers_fitting_matches_the_one_stage_count():
     assert not layers_fitting(capacity, state, saved, inputs, recomputed, shard, held, False, False).any()
     counts = {a for row in expected for a, _ in row} | {r for row in expected for _, r in row}
     assert len(counts & set(range(1, n))) > 2  # the capacities bind at several counts: the test can fail
+
+
+def test_first_enough_is_the_first_grid_position_each_combination_holds_every_layer():
+    rng = np.random.default_rng(4)
+    size, layers = 50, 18
+    rooms = [np.sort(rng.integers(0, 9, (4, size)), axis=1), np.sort(rng.integers(0, 12, (3, size)), axis=1)]
+    rooms[0][0] = np.minimum(rooms[0][0], 4)  # with any of the others' rows, never 18
+    index = np.indices([4, 3]).reshape(2, -1)
+    totals = rooms[0][index[0]] + rooms[1][index[1]]
+    expected = np.where((totals >= layers).any(axis=1), (totals >= layers).argmax(axis=1), size)
+    assert np.array_equal(first_enough(rooms, index, size, layers), expected)
+    assert 0 < (expected < size).sum() < len(expected)  # some combinations hold every layer, some never do
