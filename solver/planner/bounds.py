@@ -269,9 +269,12 @@ class LowerBounds:
     def _time_grid(self, b: int, kinds: tuple[str, ...]) -> np.ndarray:
         """Every least run time of every layout of `kinds` that runs microbatches of
         `b`: the bottleneck of any combination of them is one of these."""
-        if (b, kinds) not in self._grids:
-            runs = self._all_runs(tuple(lay.config for k in kinds for lay in kind_layouts(self.problem, k) if b % lay.dp == 0), b)
-            self._grids[b, kinds] = np.unique(np.concatenate([np.concatenate([r.time, r.remat]) for r in runs]))
+        if (b, kinds) not in self._grids:  # each kind's once per size, the sets of kinds it is in merging them
+            for k in kinds:
+                if (b, (k,)) not in self._grids:
+                    runs = self._all_runs(tuple(lay.config for lay in kind_layouts(self.problem, k) if b % lay.dp == 0), b)
+                    self._grids[b, (k,)] = np.unique(np.concatenate([np.zeros(0)] + [r.time for r in runs] + [r.remat for r in runs]))
+            self._grids[b, kinds] = np.unique(np.concatenate([self._grids[b, (k,)] for k in kinds]))
         return self._grids[b, kinds]
 
     def _tail_grid(self) -> np.ndarray:
