@@ -447,7 +447,9 @@ class LowerBounds:
 
     def _group(self, layouts: tuple[KindLayout, ...], b: int) -> _Group:
         """Candidate step times, each layout's rooms at them, and the tail's bound:
-        the same for every order of `layouts`."""
+        the same for every order of `layouts` (each order seen is kept too: sorting is most of a hit's cost)."""
+        if (layouts, b) in self._groups:
+            return self._groups[layouts, b]
         key = (tuple(sorted(layouts)), b)
         if key not in self._groups:
             each = [self._stage_runs(lay.config, b) for lay in key[0]]
@@ -457,6 +459,7 @@ class LowerBounds:
                 steps, self._least_tail(key[0]), np.array([r.time[0] for r in each]), np.array([r.remat[0] for r in each]),
                 np.array([r.step for r in each]), np.array([r.step_remat for r in each]), rooms[: len(each)], rooms[len(each) :],
                 {lay: i for i, lay in enumerate(key[0])})
+        self._groups[layouts, b] = self._groups[key]
         return self._groups[key]
 
     def _last_stage(self, order: tuple[KindLayout, ...], b: int) -> _LastStage:
