@@ -19,14 +19,16 @@ def nondecreasing_rows(rows: np.ndarray) -> np.ndarray:
 
 def counts_within(rows: np.ndarray, limits: np.ndarray) -> np.ndarray:
     """[row, t]: how many entries of the row are at most `limits[t]`, which is
-    `np.searchsorted(row, limits, side="right")` for a nondecreasing row; `limits`
-    ascending, no NaN anywhere. One search of every entry into the limits, then a
-    count per position: an entry no greater than limits[t] is within every later one."""
-    size = len(limits)
-    at = np.searchsorted(limits, rows, side="left")  # the first limit each entry is within
-    flat = (at + (size + 1) * np.arange(len(rows))[:, None]).ravel()
-    per = np.bincount(flat, minlength=len(rows) * (size + 1)).reshape(len(rows), size + 1)
-    return np.cumsum(per[:, :size], axis=1)
+    `np.searchsorted(row, limits, side="right")`; every row nondecreasing, `limits`
+    ascending, no NaN anywhere. One search of every entry into the limits gives, per
+    row, where its count steps up (the first limit each entry is within); the counts
+    are then laid out run by run (a row's k-th run, k entries within, as long as the
+    gap between its k-th and k+1-th steps): one pass however long the grid."""
+    size, (count, n) = len(limits), rows.shape
+    edges = np.empty((count, n + 2), dtype=np.intp)
+    edges[:, 0], edges[:, -1] = 0, size
+    edges[:, 1:-1] = np.searchsorted(limits, rows, side="left")
+    return np.repeat(np.tile(np.arange(n + 1), count), np.diff(edges, axis=1).ravel()).reshape(count, size)
 
 
 def most_within(runs: np.ndarray, limits: np.ndarray, tol: float) -> np.ndarray:
