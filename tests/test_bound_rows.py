@@ -31,6 +31,15 @@ def test_nondecreasing_counts_and_longest_match_each_row():
     assert expected[0, -1] == 12 and expected[0, 0] == 0  # INF only within the INF limit; nothing within 0
 
 
+def test_counts_within_a_long_grid_are_the_searches_of_each_row():
+    rng = np.random.default_rng(5)
+    rows = nondecreasing_rows(_rows(rng, 9, 30))
+    limits = np.sort(np.concatenate([rng.random(3000) * 3, rows[2, :10], [INF]]))  # past `_SHORT`, with ties
+    expected = np.array([np.searchsorted(r, limits, side="right") for r in rows])
+    assert len(limits) > 512 and np.array_equal(counts_within(rows, limits), expected)
+    assert np.array_equal(counts_within(rows, limits[:400]), expected[:, :400])  # the short grid's way
+
+
 def test_least_for_counts_is_the_envelope_of_the_layouts():
     rng = np.random.default_rng(1)
     least = nondecreasing_rows(_rows(rng, 4, 10))

@@ -21,14 +21,22 @@ def counts_within(rows: np.ndarray, limits: np.ndarray) -> np.ndarray:
     """[row, t]: how many entries of the row are at most `limits[t]`, which is
     `np.searchsorted(row, limits, side="right")`; every row nondecreasing, `limits`
     ascending, no NaN anywhere. One search of every entry into the limits gives, per
-    row, where its count steps up (the first limit each entry is within); the counts
-    are then laid out run by run (a row's k-th run, k entries within, as long as the
-    gap between its k-th and k+1-th steps): one pass however long the grid."""
+    row, where its count steps up (the first limit each entry is within). On a short
+    grid the steps are counted per position and summed along it; on a long one (the
+    product tables' thousands of times) the counts are laid out run by run instead
+    (a row's k-th run, k entries within, as long as the gap between its k-th and
+    k+1-th steps), one pass however long the grid."""
     size, (count, n) = len(limits), rows.shape
+    at = np.searchsorted(limits, rows, side="left")
+    if size <= _SHORT:
+        flat = (at + (size + 1) * np.arange(count)[:, None]).ravel()
+        return np.cumsum(np.bincount(flat, minlength=count * (size + 1)).reshape(count, size + 1)[:, :size], axis=1)
     edges = np.empty((count, n + 2), dtype=np.intp)
-    edges[:, 0], edges[:, -1] = 0, size
-    edges[:, 1:-1] = np.searchsorted(limits, rows, side="left")
+    edges[:, 0], edges[:, -1], edges[:, 1:-1] = 0, size, at
     return np.repeat(np.tile(np.arange(n + 1), count), np.diff(edges, axis=1).ravel()).reshape(count, size)
+
+
+_SHORT = 512  # grid positions up to which counting per position is the cheaper (a group's grid; a product's is longer)
 
 
 def most_within(runs: np.ndarray, limits: np.ndarray, tol: float) -> np.ndarray:
