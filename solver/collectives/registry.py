@@ -122,13 +122,26 @@ def affine_costs(kind: str, topo: Topology) -> tuple[Line, ...]:
     return tuple(out)
 
 
+@lru_cache(maxsize=None)
+def _least_lines(kind: str, topo: Topology) -> tuple[Line, ...]:
+    """`affine_costs`' lines less each that another is nowhere below at a positive size
+    (its latency and its time per byte no less; of equal lines, all but the first):
+    at such a size a + s x rounds no lower for the greater a and s, so the least of
+    the rest is the least of all, bit for bit. The hierarchical algorithms' products
+    of picks give tens of lines of which a few stay."""
+    lines = affine_costs(kind, topo)
+    return tuple(line for i, line in enumerate(lines)
+                 if not any(o[0] <= line[0] and o[1] <= line[1] and (o != line or j < i) for j, o in enumerate(lines)))
+
+
 def fastest_times(kind: str, topo: Topology, nbytes: Any) -> Any:
     """`best`'s time for every size in `nbytes` (a number or a numpy array) at once:
-    the least of `affine_costs`' lines, 0 for nothing to move."""
+    the least of `affine_costs`' lines (those some size can make least,
+    `_least_lines`), 0 for nothing to move."""
     nbytes = np.asarray(nbytes, dtype=float)
     _implementing(kind)  # an unknown collective is named, not priced size by size
     try:
-        lines = affine_costs(kind, topo)
+        lines = _least_lines(kind, topo)
     except CurvedError:
         return np.vectorize(lambda m: best(kind, topo, m)[1], otypes=[float])(nbytes)
     if not lines:
@@ -143,4 +156,5 @@ def _forget() -> None:
     """Prices remembered under the old list are stale once it changes."""
     _best.cache_clear()
     affine_costs.cache_clear()
+    _least_lines.cache_clear()
     _implementing_cached.cache_clear()

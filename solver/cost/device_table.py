@@ -31,6 +31,7 @@ class DeviceTables:
         self.shape = costs._choice_memory.shape
         self.ranges = costs._choice_memory.ranges  # [i, j] with i < j, flattened
         self._index = np.arange(len(self.ranges))
+        self._rows, self._cols = np.divmod(self.ranges, self.shape[1])  # each range's [i, j]
         self._blank = np.repeat(_OTHERWISE, self.shape[0] * self.shape[1], axis=1)  # a table where nothing fits
         self._times = lru_cache(maxsize=None)(self._times_uncached)
 
@@ -58,8 +59,20 @@ class DeviceTables:
 
     def _times_uncached(self, cfg: StageConfig, b: int, m: int, last: bool) -> tuple[np.ndarray, np.ndarray]:
         """Each choice's cost of a step of `m` microbatches (choices, ranges) and its four
-        times (4, choices x ranges, flat: a pick's are one gather), at the ranges."""
-        _, _, time_cost, stacked = self.costs._table_times(cfg, b, m, last)
-        choices = len(time_cost)
-        times = stacked.reshape(len(stacked), choices, -1)[:, :, self.ranges]
-        return np.ascontiguousarray(time_cost.reshape(choices, -1)[:, self.ranges]), np.ascontiguousarray(times).reshape(len(times), -1)
+        times (4, choices x ranges, flat: a pick's are one gather), at the ranges: read
+        from each choice's times (`_placed_times`, as `_table_times` stacks them) at the
+        ranges alone, not stacked over every [i, j] first."""
+        costs = self.costs
+        choices = costs.table_choices(cfg)
+        placed = last and bool(costs.measured(cfg, b / cfg.dp))  # `_table_times`' last stage
+        times = np.empty((4, len(choices), len(self.ranges)))
+        for c, (zero, remat) in enumerate(choices):
+            for k, values in enumerate(costs._placed_times(cfg, b, zero, remat, placed)[:4]):
+                times[k, c] = self._at_ranges(values)
+        return m * (times[0] + times[1]) + times[2], times.reshape(len(times), -1)
+
+    def _at_ranges(self, values: np.ndarray | float) -> np.ndarray | float:
+        """A figure per [i, j] (an array, a view broadcast to one, or a number) at the ranges."""
+        if isinstance(values, np.ndarray) and values.shape == self.shape:
+            return np.take(values, self.ranges) if values.flags.c_contiguous else values[self._rows, self._cols]
+        return values if not isinstance(values, np.ndarray) else np.broadcast_to(values, self.shape)[self._rows, self._cols]

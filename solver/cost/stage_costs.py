@@ -205,6 +205,10 @@ class StageCosts:
             fused=fused,
         )
 
+    def layer_times(self, cfg: StageConfig, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """`per_layer`'s forward, backward, rerun and fused seconds alone (what the bounds' runs sum), cached per `times_key`."""
+        return self._layer_times(self.times_key(cfg, b))
+
     def _layer_times_uncached(self, key: tuple[StageConfig, float]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """`per_layer`'s forward, backward, rerun and fused seconds for a `times_key`."""
         cfg, b = key
@@ -311,13 +315,13 @@ class StageCosts:
         per range the fastest that fits."""
         capacity = self.capacity(cfg.kind)
         shape = (self.n + 1, self.n + 1)
-        choices, fields, time_cost, _ = self._table_times(cfg, b, m, last)
         tiers = self.offload_tiers(cfg)
         host, disk = self.host_capacity(cfg.kind), self.nvme_capacity(cfg.kind)
         if tiers[0] == "" and (not host or not disk and all(t == "nvme" for t in tiers[1:])):
             # on the devices only (most problems; no room to offload to skips every other tier
-            # below): the loop below's figures, without its lists
-            return self._device_tables.table(cfg, b, held, last, m, capacity, choices)
+            # below): the loop below's figures, without its lists (nor its stacks of every range)
+            return self._device_tables.table(cfg, b, held, last, m, capacity, self.table_choices(cfg))
+        choices, fields, time_cost, _ = self._table_times(cfg, b, m, last)
         rows: list[tuple[int, str, str]] = []  # (ZeRO stage, recomputation, offload tier) per stacked row
         stacked: dict[str, list[np.ndarray]] = {name: [] for name in (*fields, "memory")}
         costs: list[np.ndarray] = []
@@ -367,6 +371,11 @@ class StageCosts:
                           np.where(ok, out["memory"], 0.0), np.where(ok, out["tail"], 0.0), np.where(ok, out["sync"], 0.0),
                           capacity, np.where(ok, zero, 0), np.where(ok, offload, 0))
 
+    def table_choices(self, cfg: StageConfig) -> list[tuple[int, str]]:
+        """The (ZeRO stage, recomputation) choices a table picks from, in the order its ties keep."""
+        remats = ["full"] if self.problem.force_remat else [""] + (["full"] if self.problem.allow_remat else [])
+        return [(zero, remat) for zero in self.zero_stages(cfg) for remat in remats]  # large runs recompute always
+
     def _table_times(self, cfg: StageConfig, b: int, m: int, last: bool = False) -> tuple[list, dict, np.ndarray, np.ndarray]:
         """Cached; a last stage's as any other's where its one program changes no time (`_fused_backward`)."""
         return self._placed_table_times(cfg, b, m, last and bool(self.measured(cfg, b / cfg.dp)))
@@ -375,9 +384,7 @@ class StageCosts:
                               last: bool = False) -> tuple[list[tuple[int, str]], dict[str, np.ndarray], np.ndarray, np.ndarray]:
         """The (ZeRO stage, recomputation) choices a table picks from, their times stacked, what each
         costs a step of `m` microbatches (memory aside), and the times as one stack (its fields' base)."""
-        p = self.problem
-        remats = ["full"] if p.force_remat else [""] + (["full"] if p.allow_remat else [])  # large runs recompute always
-        choices = [(zero, remat) for zero in self.zero_stages(cfg) for remat in remats]
+        choices = self.table_choices(cfg)
         times = [self._placed_times(cfg, b, zero, remat, last) for zero, remat in choices]
         stacked = np.empty((4, len(choices), self.n + 1, self.n + 1))
         for c, t in enumerate(times):

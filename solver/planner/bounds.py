@@ -27,9 +27,9 @@ import numpy as np
 
 from solver import schedules as registry
 from solver.planner.problem import Problem
-from solver.cost.ranges import cumsum, span
 from solver.cost.stage_costs import INF, StageConfig, StageCosts, in_flight
-from solver.planner.runs import FITS_TOL, balanced_pace, first_enough, least_runs, least_step, longest, nondecreasing
+from solver.planner.rows import StageRuns, counts_within, layers_fitting, least_for_counts, least_runs_rows, most_within, stage_runs
+from solver.planner.runs import FITS_TOL, balanced_pace, first_enough, least_runs, longest
 
 _BLOCK = 16  # candidate step times order_bound prices at once
 _BELOW = 1 - 1e-9  # a floor kept below what it bounds despite rounding (and `FITS_TOL`)
@@ -66,17 +66,6 @@ def kind_layouts(problem: Problem, kind_name: str) -> list[KindLayout]:
             if rest % k == 0:
                 out.append(KindLayout(kind_name, k, rest // k, tp))
     return out
-
-
-class _Runs(NamedTuple):
-    """One stage's least times over runs of consecutive layers, per microbatch."""
-
-    time: np.ndarray  # [n - 1]: the least forward + backward of any n consecutive layers
-    remat: np.ndarray  # the same, the backward rerunning the forward
-    step: float  # the least increment per layer beyond the first, without recomputation
-    step_remat: float
-    last: np.ndarray  # [n - 1]: the last n layers' forward + backward (a pipeline's last stage holds them)
-    last_remat: np.ndarray
 
 
 class _Group(NamedTuple):
@@ -125,7 +114,7 @@ class LowerBounds:
         self.problem = problem
         self.costs = costs
         self._fitting: dict[tuple[KindLayout, int, int], tuple[int, int]] = {}
-        self._runs: dict[tuple, _Runs] = {}
+        self._runs: dict[tuple, StageRuns] = {}
         self._tails: dict[StageConfig, np.ndarray] = {}
         self._groups: dict[tuple, _Group] = {}
         self._bases: dict[tuple[tuple[KindLayout, ...], int], tuple[np.ndarray, ...]] = {}
@@ -140,6 +129,8 @@ class LowerBounds:
         self._least_tails: dict[tuple[KindLayout, ...], float] = {}
         self._paces: dict[tuple[StageConfig, int], tuple[float, float, float]] = {}
         self._interleaved: dict[tuple[tuple[KindLayout, ...], int, int], tuple[float, float]] = {}
+        self._states: dict[StageConfig, np.ndarray] = {}
+        self._cuts: dict[tuple[KindLayout, KindLayout, int], float] = {}
 
     def bound(self, layouts: tuple[KindLayout, ...], m: int, b: int, schedule: str) -> float:
         """No split of any order of these stages is faster than this under `schedule`
@@ -253,8 +244,7 @@ class LowerBounds:
         key = (layouts, b)
         if key not in self._envelopes:
             counts, least, held, firsts, _, _ = self._kind_base(layouts, b)
-            r = np.arange(1, self.costs.n + 1)
-            need = np.min([row[(r + s - 1) // s - 1] for s, row in zip(counts.astype(int), least)], axis=0)
+            need = least_for_counts(counts, least, self.costs.n)
             self._envelopes[key] = need[np.isfinite(need)], float(firsts.min()), held.max(axis=0)
         return self._envelopes[key]
 
@@ -266,8 +256,8 @@ class LowerBounds:
         if key not in self._kinds:
             grid = self._time_grid(b, kinds)
             counts, least, held, firsts, rates, extra = self._kind_base(layouts, b)
-            rooms = [stages * np.searchsorted(row, grid * FITS_TOL, side="right") for stages, row in zip(counts, least)]
-            self._kinds[key] = _KindArrays(counts, np.array(rooms).reshape(len(layouts), len(grid)), held, firsts, rates, extra)
+            rooms = counts[:, None] * counts_within(least, grid * FITS_TOL)  # `least`'s rows are nondecreasing
+            self._kinds[key] = _KindArrays(counts, rooms, held, firsts, rates, extra)
         return self._kinds[key]
 
     def _kind_base(self, layouts: tuple[KindLayout, ...], b: int) -> tuple[np.ndarray, ...]:
@@ -281,11 +271,11 @@ class LowerBounds:
                 raise ValueError(f"a layout's data-parallel degree does not divide the microbatch of {b}: no pipeline runs it")
             tail_grid, layers = self._tail_grid(), self.costs.n
             counts = np.array([lay.stages for lay in layouts], dtype=float)
-            runs = [self._stage_runs(lay.config, b) for lay in layouts]
-            fitting = np.array([self._layers_fitting(lay, b, 1) for lay in layouts], dtype=float).reshape(-1, 2)
-            q = np.arange(1, layers + 1)
-            least = [np.minimum(np.where(q <= fit, nondecreasing(r.time), INF), np.where(q <= fit_remat, nondecreasing(r.remat), INF))
-                     for r, (fit, fit_remat) in zip(runs, fitting)]
+            runs = self._all_runs(tuple(lay.config for lay in layouts), b)
+            fitting = self._fit_all(layouts, b, range(1, 2))[:, 0].astype(float)
+            q, fit, fit_remat = np.arange(1, layers + 1), fitting[:, :1], fitting[:, 1:]
+            least = np.minimum(np.where(q <= fit, np.array([r.floor for r in runs]), INF),
+                               np.where(q <= fit_remat, np.array([r.floor_remat for r in runs]), INF))
             held = [lay.stages * self._tail_rooms(lay.config) for lay in layouts]
             plain = fitting[:, 0] >= 1  # a stage that cannot hold one layer without recomputing recomputes
             self._bases[key] = (
@@ -299,16 +289,23 @@ class LowerBounds:
     def _time_grid(self, b: int, kinds: tuple[str, ...]) -> np.ndarray:
         """Every least run time of every layout of `kinds` that runs microbatches of
         `b`: the bottleneck of any combination of them is one of these."""
-        if (b, kinds) not in self._grids:
-            runs = [self._stage_runs(lay.config, b) for k in kinds for lay in kind_layouts(self.problem, k) if b % lay.dp == 0]
-            self._grids[b, kinds] = np.unique(np.concatenate([np.concatenate([r.time, r.remat]) for r in runs]))
+        if (b, kinds) not in self._grids:  # each kind's once per size, the sets of kinds it is in merging them
+            for k in kinds:
+                if (b, (k,)) not in self._grids:
+                    runs = self._all_runs(tuple(lay.config for lay in kind_layouts(self.problem, k) if b % lay.dp == 0), b)
+                    self._grids[b, (k,)] = np.unique(np.concatenate([np.zeros(0)] + [r.time for r in runs] + [r.remat for r in runs]))
+            self._grids[b, kinds] = np.unique(np.concatenate([self._grids[b, (k,)] for k in kinds]))
         return self._grids[b, kinds]
 
     def _tail_grid(self) -> np.ndarray:
-        """Every least tail of every layout: the tail bound of any combination is one of them."""
+        """Every least tail of every layout: the tail bound of any combination is one of
+        them (each layout's tails, and its rooms on them, priced in one array pass)."""
         if self._tail_values is None:
-            self._tail_values = np.unique(np.concatenate([self._stage_tails(lay.config) for k in self.problem.kinds
-                                                          for lay in kind_layouts(self.problem, k.name)]))
+            cfgs = list(dict.fromkeys(lay.config for k in self.problem.kinds for lay in kind_layouts(self.problem, k.name)))
+            tails = least_runs_rows(np.array([self._tail_spans(cfg) for cfg in cfgs]))
+            self._tails.update(zip(cfgs, tails))
+            self._tail_values = np.unique(tails)
+            self._held_tails.update(zip(cfgs, most_within(tails, self._tail_values, FITS_TOL)))
         return self._tail_values
 
     def order_bound(self, order: tuple[KindLayout, ...], m: int, b: int, schedule: str, beat: float = INF,
@@ -341,10 +338,9 @@ class LowerBounds:
         held = self._in_flight(schedule, m, count)
         layouts = list(orders[0])
         at = {lay: i for i, lay in enumerate(layouts)}
-        pair = {(x, y): self._least_send(x.config, y.config, b) for x in layouts for y in layouts}
         each = np.array([[self._layers_fitting(lay, b, k) for k in held] for lay in layouts], dtype=float)
         rows = [[lay for lay in order for _ in range(lay.stages)] for order in orders]
-        sends = np.array([2 * sum(pair[a, c] for a, c in zip(row, row[1:])) for row in rows])
+        sends = np.array([2 * sum(self._cut_send(a, c, b) for a, c in zip(row, row[1:])) for row in rows])
         return each[np.array([[at[lay] for lay in row] for row in rows]), np.arange(count)], sends
 
     def _bounds(self, rows: list[tuple[KindLayout, ...]], fitting: np.ndarray, m: int, b: int, offsets: np.ndarray,
@@ -494,18 +490,19 @@ class LowerBounds:
 
     def _group(self, layouts: tuple[KindLayout, ...], b: int) -> _Group:
         """Candidate step times, each layout's rooms at them, and the tail's bound:
-        the same for every order of `layouts`."""
+        the same for every order of `layouts` (each order seen is kept too: sorting is most of a hit's cost)."""
+        if (layouts, b) in self._groups:
+            return self._groups[layouts, b]
         key = (tuple(sorted(layouts)), b)
         if key not in self._groups:
-            runs = {lay: self._stage_runs(lay.config, b) for lay in key[0]}
-            steps = np.unique(np.concatenate([np.concatenate([r.time, r.remat]) for r in runs.values()]))
-            rooms = {lay: (longest(r.time, steps), longest(r.remat, steps)) for lay, r in runs.items()}
-            each = list(runs.values())
+            each = [self._stage_runs(lay.config, b) for lay in key[0]]
+            steps = np.unique(np.concatenate([r.time for r in each] + [r.remat for r in each]))
+            rooms = counts_within(np.array([r.floor for r in each] + [r.floor_remat for r in each]), steps * FITS_TOL)
             self._groups[key] = _Group(
                 steps, self._least_tail(key[0]), np.array([r.time[0] for r in each]), np.array([r.remat[0] for r in each]),
-                np.array([r.step for r in each]), np.array([r.step_remat for r in each]),
-                np.array([rooms[lay][0] for lay in key[0]]), np.array([rooms[lay][1] for lay in key[0]]),
+                np.array([r.step for r in each]), np.array([r.step_remat for r in each]), rooms[: len(each)], rooms[len(each) :],
                 {lay: i for i, lay in enumerate(key[0])}, {})
+        self._groups[layouts, b] = self._groups[key]
         return self._groups[key]
 
     def _last_stage(self, last: KindLayout, group: _Group, b: int) -> _LastStage:
@@ -523,8 +520,9 @@ class LowerBounds:
             steps = group.steps
             r = self._stage_runs(last.config, b)
             above = np.append(steps[1:], INF)
-            self._lasts[key] = _LastStage(float(r.last[0]), float(r.last_remat[0]), least_step(r.last),
-                                          least_step(r.last_remat), longest(r.last, above), longest(r.last_remat, above))
+            rooms = counts_within(np.array([r.last_floor, r.last_floor_remat]), above * FITS_TOL)
+            self._lasts[key] = _LastStage(float(r.last[0]), float(r.last_remat[0]), r.last_step, r.last_step_remat,
+                                          rooms[0], rooms[1])
         return self._lasts[key]
 
     def _least_tail(self, layouts: tuple[KindLayout, ...]) -> float:
@@ -549,14 +547,18 @@ class LowerBounds:
         (gradient sync and optimizer) plus per-microbatch ZeRO collectives, as the
         stage table prices them."""
         if cfg not in self._tails:
-            least = np.full((self.costs.n + 1, self.costs.n + 1), INF)
-            for zero in self.costs.zero_stages(cfg):
-                extra_f, extra_b, _, tail = self.costs.step_costs(cfg, zero)
-                least = np.minimum(least, extra_f + extra_b + tail)
-            self._tails[cfg] = least_runs(least)
+            self._tails[cfg] = least_runs(self._tail_spans(cfg))
         return self._tails[cfg]
 
-    def _stage_runs(self, cfg: StageConfig, b: int) -> _Runs:
+    def _tail_spans(self, cfg: StageConfig) -> np.ndarray:
+        """Per range of layers, `_stage_tails`' least over ZeRO stages."""
+        least = np.full((self.costs.n + 1, self.costs.n + 1), INF)
+        for zero in self.costs.zero_stages(cfg):
+            extra_f, extra_b, _, tail = self.costs.step_costs(cfg, zero)
+            least = np.minimum(least, extra_f + extra_b + tail)
+        return least
+
+    def _stage_runs(self, cfg: StageConfig, b: int) -> StageRuns:
         """The least times of runs of consecutive layers on one of these stages, the
         forward and backward summed as the stage table sums them (ZeRO's collectives
         and the choice of ZeRO stage only add to them), or as one program where that
@@ -564,16 +566,27 @@ class LowerBounds:
         once per shape whose per-layer times are the same (`StageCosts.times_key`)."""
         key = self.costs.times_key(cfg, b)
         if key not in self._runs:
-            layer = self.costs.per_layer(cfg, b)
-            f = span(cumsum(layer.forward))
-            bw = span(cumsum(layer.backward))
-            both = f + bw if layer.fused is None else np.minimum(f + bw, span(cumsum(layer.fused)))
-            rerun = f + (bw + f)
-            plain, remat = least_runs(both), least_runs(rerun)
-            ends = np.arange(self.costs.n - 1, -1, -1)  # where the last stage starts, holding 1, 2, ... layers
-            self._runs[key] = _Runs(plain, remat, least_step(plain), least_step(remat), both[ends, self.costs.n],
-                                    rerun[ends, self.costs.n])
+            self._all_runs((cfg,), b)
         return self._runs[key]
+
+    def _all_runs(self, configs: tuple[StageConfig, ...], b: int) -> list[StageRuns]:
+        """`_stage_runs` of each of `configs`, those not yet priced in one array pass
+        (`rows`: the spans, least runs and steps of every shape at once; a kind's
+        layouts are all asked at each microbatch size)."""
+        keys = [self.costs.times_key(cfg, b) for cfg in configs]
+        todo = {key: cfg for key, cfg in zip(keys, configs) if key not in self._runs}
+        if todo:
+            layers = [self.costs.layer_times(cfg, b) for cfg in todo.values()]  # (forward, backward, rerun, fused)
+            fields = stage_runs(np.array([t[0] for t in layers]), np.array([t[1] for t in layers]), [t[3] for t in layers])
+            self._runs.update(zip(todo, fields))
+        return [self._runs[key] for key in keys]
+
+    def _cut_send(self, a: KindLayout, c: KindLayout, b: int) -> float:
+        """`_least_send` between two layouts' stages (a layout hashes in C; an order asks per cut)."""
+        key = (a, c, b)
+        if key not in self._cuts:
+            self._cuts[key] = self._least_send(a.config, c.config, b)
+        return self._cuts[key]
 
     def _least_send(self, a: StageConfig, c: StageConfig, b: int) -> float:
         """The least time any cut from stage `a` to `c` sends one microbatch's activation."""
@@ -597,15 +610,27 @@ class LowerBounds:
         per microbatch and one microbatch's activations: capacity over the least bytes
         any one layer needs, under the ZeRO stage that shards the most."""
         key = (layout, b, in_flight_count)
-        if key not in self._fitting:
-            layer = self.costs.per_layer(layout.config, b)
-            capacity = self.costs.capacity(layout.kind)
-
-            def most(room: float, per_layer: np.ndarray) -> int:
-                return int(min(max(room, 0.0) // max(float(per_layer.min()), 1.0), self.costs.n))
-
-            p = self.problem
-            self._fitting[key] = (0 if p.force_remat else most(capacity, layer.state + layer.saved * in_flight_count),
-                                  most(capacity - float(layer.inputs.min()) * in_flight_count, layer.state + layer.recomputed)
-                                  if p.allow_remat or p.force_remat else 0)
+        if key not in self._fitting:  # an order asks each count up to its stages': all priced at once
+            self._fit_all((layout,), b, range(1, max(in_flight_count, self.costs.n) + 1))
         return self._fitting[key]
+
+    def _fit_all(self, layouts: tuple[KindLayout, ...], b: int, counts: range) -> np.ndarray:
+        """[layout, count, 2]: `_layers_fitting` of each of `layouts` at each count of
+        microbatches in flight, in one array pass (`rows.layers_fitting`; a kind's
+        layouts are all asked at every microbatch size). The state per layer is the
+        stage's whatever its microbatch (`_state_bytes`); the activations scale with
+        its examples per device, as `StageCosts.per_layer` scales them."""
+        c, p = self.costs, self.problem
+        fits = layers_fitting([c.capacity(lay.kind) for lay in layouts], np.array([self._state_bytes(lay.config, b) for lay in layouts]),
+                              c.saved, c.inputs, c.recomputed, np.array([b / lay.dp / lay.tp for lay in layouts]),  # per_layer's shard
+                              np.array(counts), not p.force_remat, p.allow_remat or p.force_remat)
+        for lay, row in zip(layouts, fits.tolist()):
+            self._fitting.update(((lay, b, k), tuple(fit)) for k, fit in zip(counts, row))
+        return fits
+
+    def _state_bytes(self, cfg: StageConfig, b: int) -> np.ndarray:
+        """`StageCosts.per_layer(cfg, ...).state`, the same at every microbatch size:
+        read at the first asked (`b`), kept per stage."""
+        if cfg not in self._states:
+            self._states[cfg] = self.costs.per_layer(cfg, b).state
+        return self._states[cfg]

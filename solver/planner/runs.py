@@ -42,14 +42,22 @@ def least_step(runs: np.ndarray) -> float:
 def first_enough(rooms: list[np.ndarray], index: np.ndarray, size: int, layers: int) -> np.ndarray:
     """Per combination (a column of `index`, one row of each kind's `rooms`, which
     are nondecreasing along the grid): the first grid position where their sum
-    reaches `layers` (`size` where none does), by a binary search run on all at once."""
+    reaches `layers` (`size` where none does), by a binary search run on all at once
+    (each probe a flat gather per kind: a combination's row starts at its index
+    times `size`)."""
+    flats = [np.ascontiguousarray(r).reshape(-1) for r in rooms]
+    starts = [i * size for i in index]
     lo, hi = np.zeros(index.shape[1], dtype=int), np.full(index.shape[1], size)
-    while (lo < hi).any():
-        mid = (lo + hi) // 2
+    live = lo < hi
+    while live.any():
+        mid = (lo + hi) // 2  # below `size` wherever the search goes on
         probe = np.minimum(mid, size - 1)
-        enough = sum(r[i, probe] for r, i in zip(rooms, index)) >= layers
-        enough &= mid < size
-        lo, hi = np.where(enough | (lo >= hi), lo, mid + 1), np.where(enough & (lo < hi), mid, hi)
+        total = flats[0].take(starts[0] + probe)
+        for flat, start in zip(flats[1:], starts[1:]):
+            total = total + flat.take(start + probe)
+        enough = (total >= layers) & live
+        lo, hi = np.where(enough | ~live, lo, mid + 1), np.where(enough, mid, hi)
+        live = lo < hi
     return lo
 
 

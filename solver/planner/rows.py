@@ -1,0 +1,147 @@
+"""The searches of `runs.py` on many rows at once: one array pass over every layout
+of a kind (or of a group) instead of a numpy call per layout. The bounds price each
+layout at a dozen microbatch sizes and meet it in hundreds of groups, so the calls'
+own cost, not their arithmetic, was what a bound paid. Pure functions of arrays;
+each gives, row by row, the figures its one-row counterpart in `runs.py` gives, bit
+for bit (a minimum or a count: no sum is reordered)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+
+def nondecreasing_rows(rows: np.ndarray) -> np.ndarray:
+    """`runs.nondecreasing` of each row of `rows` (layouts x run lengths)."""
+    return np.minimum.accumulate(rows[:, ::-1], axis=1)[:, ::-1]
+
+
+def counts_within(rows: np.ndarray, limits: np.ndarray) -> np.ndarray:
+    """[row, t]: how many entries of the row are at most `limits[t]`, which is
+    `np.searchsorted(row, limits, side="right")`; every row nondecreasing, `limits`
+    ascending, no NaN anywhere. One search of every entry into the limits gives, per
+    row, where its count steps up (the first limit each entry is within). On a short
+    grid the steps are counted per position and summed along it; on a long one (the
+    product tables' thousands of times) the counts are laid out run by run instead
+    (a row's k-th run, k entries within, as long as the gap between its k-th and
+    k+1-th steps), one pass however long the grid."""
+    size, (count, n) = len(limits), rows.shape
+    at = np.searchsorted(limits, rows, side="left")
+    if size <= _SHORT:
+        flat = (at + (size + 1) * np.arange(count)[:, None]).ravel()
+        return np.cumsum(np.bincount(flat, minlength=count * (size + 1)).reshape(count, size + 1)[:, :size], axis=1)
+    edges = np.empty((count, n + 2), dtype=np.intp)
+    edges[:, 0], edges[:, -1], edges[:, 1:-1] = 0, size, at
+    return np.repeat(np.tile(np.arange(n + 1), count), np.diff(edges, axis=1).ravel()).reshape(count, size)
+
+
+_SHORT = 512  # grid positions up to which counting per position is the cheaper (a group's grid; a product's is longer)
+
+
+def most_within(runs: np.ndarray, limits: np.ndarray, tol: float) -> np.ndarray:
+    """`runs.longest` of each row of `runs` on the same limits (ascending)."""
+    return counts_within(nondecreasing_rows(runs), limits * tol)
+
+
+def least_for_counts(counts: np.ndarray, least: np.ndarray, layers: int) -> np.ndarray:
+    """Per count r of layers (1..layers), the least over rows of row[ceil(r / s) - 1],
+    `s` = the row's `counts` (stages): the least time at which some layout's stages
+    have room for r layers, when `least[row, q - 1]` is the least at which one of its
+    stages has room for q."""
+    s = counts.astype(int)[:, None]
+    r = np.arange(1, layers + 1)[None, :]
+    return np.take_along_axis(least, (r + s - 1) // s - 1, axis=1).min(axis=0)
+
+
+def layers_fitting(capacity: np.ndarray, state: np.ndarray, saved: np.ndarray, inputs: np.ndarray, recomputed: np.ndarray,
+                   shard: np.ndarray, held: np.ndarray, plain: bool, remat: bool) -> np.ndarray:
+    """[stage, h, 2]: per stage (a row of `state`, the bytes each layer's state takes
+    on one of its devices; `capacity` its bytes per device; `shard` its examples per
+    device over its model axis) and count `held[h]` of microbatches in flight, the
+    most layers it holds keeping every activation (where `plain`, else 0) and
+    recomputing (where `remat`, else 0): capacity over the least bytes any one layer
+    needs (`state + saved * held`; recomputing, its input per microbatch held beside
+    `state + recomputed`), `saved`, `inputs` and `recomputed` scaled by the shard as
+    `StageCosts.per_layer` scales them (`LowerBounds._layers_fitting`; numpy's floor
+    division is Python's, so each count is the scalar one's)."""
+    shard, held, capacity = shard[:, None], np.asarray(held)[None, :], np.asarray(capacity, dtype=float)[:, None]
+    layers = state.shape[1]
+
+    def most(room: np.ndarray, per_layer: np.ndarray) -> np.ndarray:
+        return np.minimum(np.maximum(room, 0.0) // np.maximum(per_layer, 1.0), layers).astype(int)
+
+    kept = (state[:, None, :] + (saved * shard)[:, None, :] * held[:, :, None]).min(axis=2)
+    least_input, rerun = (inputs * shard).min(axis=1)[:, None], (state + recomputed * shard).min(axis=1)[:, None]
+    out = np.zeros((len(state), held.shape[1], 2), dtype=int)
+    if plain:
+        out[..., 0] = most(capacity, kept)
+    if remat:
+        out[..., 1] = most(capacity - least_input * held, rerun)
+    return out
+
+
+def spans(values: np.ndarray) -> np.ndarray:
+    """`ranges.span(ranges.cumsum(row))` of each row: [row, i, j] the sum of entries i..j-1."""
+    prefix = np.concatenate([np.zeros((len(values), 1)), np.cumsum(values, axis=1)], axis=1)
+    return prefix[:, None, :] - prefix[:, :, None]
+
+
+def run_spans(forward: np.ndarray, backward: np.ndarray, fused: list[np.ndarray | None]) -> tuple[np.ndarray, np.ndarray]:
+    """Per stage (a row of `forward` and `backward`, each layer's seconds), per range
+    of layers: its forward and backward summed, or as one program where that is less
+    (`fused`: the row's one-program seconds, None where it has none), and its forward,
+    backward and the forward rerun, as `LowerBounds._stage_runs` sums them."""
+    f, bw = spans(forward), spans(backward)
+    both = f + bw
+    has = [i for i, row in enumerate(fused) if row is not None]
+    if has:
+        both[has] = np.minimum(both[has], spans(np.array([fused[i] for i in has])))
+    return both, f + (bw + f)
+
+
+def least_runs_rows(values: np.ndarray) -> np.ndarray:
+    """`runs.least_runs` of each span matrix of `values` (rows x (n + 1) x (n + 1))."""
+    n = values.shape[1] - 1
+    first, length = np.arange(n)[None, :], np.arange(1, n + 1)[:, None]
+    last = first + length
+    return np.where(last <= n, values[:, first, np.minimum(last, n)], np.inf).min(axis=2)
+
+
+def least_steps(runs: np.ndarray) -> list[float]:
+    """`runs.least_step` of each row of `runs`."""
+    if runs.shape[1] < 2:
+        return [0.0] * len(runs)
+    return [float(max(d, 0.0)) for d in ((runs[:, 1:] - runs[:, :1]) / np.arange(1, runs.shape[1])).min(axis=1)]
+
+
+class StageRuns(NamedTuple):
+    """One stage's least times over runs of consecutive layers, per microbatch
+    (`LowerBounds._stage_runs`)."""
+
+    time: np.ndarray  # [n - 1]: the least forward + backward of any n consecutive layers
+    remat: np.ndarray  # the same, the backward rerunning the forward
+    step: float  # the least increment per layer beyond the first, without recomputation
+    step_remat: float
+    last: np.ndarray  # [n - 1]: the last n layers' forward + backward (a pipeline's last stage holds them)
+    last_remat: np.ndarray
+    floor: np.ndarray  # `time` made nondecreasing (`runs.nondecreasing`): what the searches for rooms read
+    floor_remat: np.ndarray
+    last_step: float  # `last`'s least increment per layer (`runs.least_step`)
+    last_step_remat: float
+    last_floor: np.ndarray  # `last` made nondecreasing
+    last_floor_remat: np.ndarray
+
+
+def stage_runs(forward: np.ndarray, backward: np.ndarray, fused: list[np.ndarray | None]) -> list[StageRuns]:
+    """`StageRuns` of each stage (a row of `forward`, `backward`, `fused`: `run_spans`'),
+    every field priced for all the stages at once."""
+    both, rerun = run_spans(forward, backward, fused)
+    plain, remat = least_runs_rows(both), least_runs_rows(rerun)
+    n = both.shape[1] - 1
+    ends = np.arange(n - 1, -1, -1)  # where the last stage starts, holding 1, 2, ... layers
+    last, last_remat = both[:, ends, n], rerun[:, ends, n]
+    fields = (plain, remat, least_steps(plain), least_steps(remat), last, last_remat, nondecreasing_rows(plain),
+              nondecreasing_rows(remat), least_steps(last), least_steps(last_remat), nondecreasing_rows(last),
+              nondecreasing_rows(last_remat))
+    return [StageRuns(*row) for row in zip(*fields)]
