@@ -28,10 +28,10 @@ import numpy as np
 from solver import schedules as registry
 from solver.planner.problem import Problem
 from solver.cost.stage_costs import INF, StageConfig, StageCosts, in_flight
+from solver.planner.bottleneck import Group, LastStage, least_steps
 from solver.planner.rows import StageRuns, counts_within, layers_fitting, least_for_counts, least_runs_rows, most_within, stage_runs
 from solver.planner.runs import FITS_TOL, balanced_pace, first_enough, least_runs, longest
 
-_BLOCK = 16  # candidate step times order_bound prices at once
 _BELOW = 1 - 1e-9  # a floor kept below what it bounds despite rounding (and `FITS_TOL`)
 
 
@@ -68,36 +68,6 @@ def kind_layouts(problem: Problem, kind_name: str) -> list[KindLayout]:
     return out
 
 
-class _Group(NamedTuple):
-    """What a set of layouts' bounds share, whatever their order."""
-
-    steps: np.ndarray  # every time a stage of these layouts can take for a run of layers
-    tail: float  # the least slowest tail
-    # Per layout (a row each, in `index`'s order): one stage's least one-layer time and
-    # increment per further layer, plain and recomputing, and its rooms per step (plain, remat).
-    firsts: np.ndarray
-    firsts_remat: np.ndarray
-    rates: np.ndarray
-    rates_remat: np.ndarray
-    plain_rooms: np.ndarray
-    remat_rooms: np.ndarray
-    index: dict[KindLayout, int]
-    rows: dict[tuple[KindLayout, ...], np.ndarray]  # per row of these layouts, each stage's position in the arrays above
-
-
-class _LastStage(NamedTuple):
-    """A pipeline's last stage (`LowerBounds._last_stage`): its least one-layer time and
-    increment per further layer, plain and recomputing, over the model's last runs,
-    and its rooms per candidate step time of its group."""
-
-    first: float
-    first_remat: float
-    step: float
-    step_remat: float
-    rooms: np.ndarray
-    rooms_remat: np.ndarray
-
-
 class _KindArrays(NamedTuple):
     """Per layout of one kind (a row each), what `product_table` sums over a product."""
 
@@ -116,7 +86,7 @@ class LowerBounds:
         self._fitting: dict[tuple[KindLayout, int, int], tuple[int, int]] = {}
         self._runs: dict[tuple, StageRuns] = {}
         self._tails: dict[StageConfig, np.ndarray] = {}
-        self._groups: dict[tuple, _Group] = {}
+        self._groups: dict[tuple, Group] = {}
         self._bases: dict[tuple[tuple[KindLayout, ...], int], tuple[np.ndarray, ...]] = {}
         self._held: dict[tuple[str, int, int], tuple[int, ...]] = {}
         self._sends: dict[tuple[StageConfig, StageConfig, int], float] = {}
@@ -124,7 +94,7 @@ class LowerBounds:
         self._grids: dict[tuple[int, tuple[str, ...]], np.ndarray] = {}
         self._tail_values: np.ndarray | None = None
         self._held_tails: dict[StageConfig, np.ndarray] = {}
-        self._lasts: dict[tuple[KindLayout, int], _LastStage] = {}
+        self._lasts: dict[tuple[KindLayout, int], LastStage] = {}
         self._envelopes: dict[tuple[tuple[KindLayout, ...], int], tuple[np.ndarray, float, np.ndarray]] = {}
         self._least_tails: dict[tuple[KindLayout, ...], float] = {}
         self._paces: dict[tuple[StageConfig, int], tuple[float, float, float]] = {}
@@ -344,7 +314,7 @@ class LowerBounds:
         return each[np.array([[at[lay] for lay in row] for row in rows]), np.arange(count)], sends
 
     def _bounds(self, rows: list[tuple[KindLayout, ...]], fitting: np.ndarray, m: int, b: int, offsets: np.ndarray,
-                beat: float, lasts: list[_LastStage] | None = None, group: _Group | None = None) -> np.ndarray:
+                beat: float, lasts: list[LastStage] | None = None, group: Group | None = None) -> np.ndarray:
         """Per row of layouts (rows of as many stages; the layouts all in `group`, by
         default the first row's set): the least (m - 1) t + summed stage times over
         candidate bottlenecks t (the group's), plus the row's offset (its tail's bound
@@ -366,60 +336,7 @@ class LowerBounds:
             return out
         n, nr, offsets = n[live], nr[live], offsets[live]
         at = np.stack([self._row_layouts(rows[i], group) for i in live])  # each stage's layout in the group's arrays
-        plain = n >= 1  # a stage that cannot hold one layer without recomputing recomputes
-        firsts = np.where(plain, group.firsts[at], group.firsts_remat[at])
-        rates = np.where(plain, group.rates[at], group.rates_remat[at])
-        if lasts is not None:
-            lasts = [lasts[i] for i in live]
-            ends = plain[:, -1]
-            firsts[:, -1] = np.where(ends, [s.first for s in lasts], [s.first_remat for s in lasts])
-            rates[:, -1] = np.where(ends, [s.step for s in lasts], [s.step_remat for s in lasts])
-            last_rooms = np.maximum(np.minimum(np.stack([s.rooms for s in lasts]), n[:, -1:]),
-                                    np.minimum(np.stack([s.rooms_remat for s in lasts]), nr[:, -1:]))
-        base = firsts.sum(axis=1)[:, None]
-        # The stages sorted by their increment per layer, once: the least sums hand the
-        # layers beyond one per stage to the least increments first.
-        by_rate = np.argsort(rates, axis=1, kind="stable")
-        each = np.arange(len(live))[:, None]
-        at, n, nr, sorted_rates = at[each, by_rate], n[each, by_rate], nr[each, by_rate], rates[each, by_rate][:, None, :]
-        # Per row, candidate bottleneck time t and stage: the most layers the stage may hold.
-        # (Contiguous along the stages, as the sums over them add in that layout's order.)
-        rooms = np.ascontiguousarray(np.maximum(np.minimum(group.plain_rooms[at], n[:, :, None]),
-                                                np.minimum(group.remat_rooms[at], nr[:, :, None])).transpose(0, 2, 1))
-        if lasts is not None:
-            end = np.argmax(by_rate == by_rate.shape[1] - 1, axis=1)  # where the last stage sorted to
-            rooms[each[:, 0], :, end] = np.minimum(rooms[each[:, 0], :, end], last_rooms)
-        budget = layers - n.shape[1]  # layers beyond one per stage
-
-        def least_sums(rooms: np.ndarray, rows: np.ndarray | slice = slice(None)) -> np.ndarray:
-            """Per row (of `rows`) and candidate time (`rooms`: the most layers each
-            stage may hold there, stages by rate): the least summed stage time when each
-            stage holds at least one layer, the extra layers going to the least
-            increments (inf where the layers do not fit)."""
-            extra = rooms - 1
-            before = np.cumsum(extra, axis=2) - extra
-            take = np.clip(budget - before, 0, extra)
-            sums = base[rows] + (take * sorted_rates[rows]).sum(axis=2)
-            return np.where((extra.min(axis=2) < 0) | (extra.sum(axis=2) < budget), INF, sums)
-
-        steps = group.steps
-        enough = rooms.sum(axis=2) >= layers
-        some = enough.any(axis=1)
-        floor_sums = least_sums(np.maximum(n, nr)[:, None, :])[:, 0]
-        best = beat - offsets
-        # From the least time at which some row's layers all have room, a block of times
-        # at a time: a time's bound is (m - 1) t plus its least sum (inf before the row's
-        # layers have room), and once (m - 1) t plus a row's least sum of all reaches its
-        # best so far, no later time can win it.
-        going = some.copy()
-        for start in range(int(np.argmax(enough.any(axis=0))) if some.any() else len(steps), len(steps), _BLOCK):
-            ts = steps[start : start + _BLOCK]
-            values = (m - 1) * ts + least_sums(rooms[going, start : start + _BLOCK], going)
-            best[going] = np.minimum(best[going], values.min(axis=1))
-            going[going] = (m - 1) * ts[-1] + floor_sums[going] < best[going]
-            if not going.any():
-                break
-        out[live] = np.where(some, best + offsets, INF)
+        out[live] = least_steps(group, at, n, nr, m, layers, offsets, beat, None if lasts is None else [lasts[i] for i in live])
         return out
 
     def interleaved_floor(self, layouts: tuple[KindLayout, ...], m: int, b: int, chunks: int) -> float:
@@ -480,7 +397,7 @@ class LowerBounds:
         exceed an interleaved step, whose fill is 1/v and whose chunks hold fewer.)"""
         return self._work_s() * examples / sum(self._kind_rate(lay.kind) for lay in layouts)
 
-    def _row_layouts(self, row: tuple[KindLayout, ...], group: _Group) -> np.ndarray:
+    def _row_layouts(self, row: tuple[KindLayout, ...], group: Group) -> np.ndarray:
         """Per stage of a row, its layout's position in its group's per-layout arrays
         (the search bounds each row once as a set and once per order: the group's
         arrays are built once and a row only picks from them)."""
@@ -488,7 +405,7 @@ class LowerBounds:
             group.rows[row] = np.repeat([group.index[lay] for lay in row], [lay.stages for lay in row])
         return group.rows[row]
 
-    def _group(self, layouts: tuple[KindLayout, ...], b: int) -> _Group:
+    def _group(self, layouts: tuple[KindLayout, ...], b: int) -> Group:
         """Candidate step times, each layout's rooms at them, and the tail's bound:
         the same for every order of `layouts` (each order seen is kept too: sorting is most of a hit's cost)."""
         if (layouts, b) in self._groups:
@@ -498,14 +415,14 @@ class LowerBounds:
             each = [self._stage_runs(lay.config, b) for lay in key[0]]
             steps = np.unique(np.concatenate([r.time for r in each] + [r.remat for r in each]))
             rooms = counts_within(np.array([r.floor for r in each] + [r.floor_remat for r in each]), steps * FITS_TOL)
-            self._groups[key] = _Group(
+            self._groups[key] = Group(
                 steps, self._least_tail(key[0]), np.array([r.time[0] for r in each]), np.array([r.remat[0] for r in each]),
                 np.array([r.step for r in each]), np.array([r.step_remat for r in each]), rooms[: len(each)], rooms[len(each) :],
                 {lay: i for i, lay in enumerate(key[0])}, {})
         self._groups[layouts, b] = self._groups[key]
         return self._groups[key]
 
-    def _last_stage(self, last: KindLayout, group: _Group, b: int) -> _LastStage:
+    def _last_stage(self, last: KindLayout, group: Group, b: int) -> LastStage:
         """A pipeline's last stage holds the model's last layers (on a language model,
         the head, heavier than any other layer), so its times are at least those of
         the last runs, not only of the least runs anywhere. Its rooms on the group's
@@ -521,7 +438,7 @@ class LowerBounds:
             r = self._stage_runs(last.config, b)
             above = np.append(steps[1:], INF)
             rooms = counts_within(np.array([r.last_floor, r.last_floor_remat]), above * FITS_TOL)
-            self._lasts[key] = _LastStage(float(r.last[0]), float(r.last_remat[0]), r.last_step, r.last_step_remat,
+            self._lasts[key] = LastStage(float(r.last[0]), float(r.last_remat[0]), r.last_step, r.last_step_remat,
                                           rooms[0], rooms[1])
         return self._lasts[key]
 
