@@ -309,8 +309,9 @@ class LowerBounds:
         layouts = list(orders[0])
         at = {lay: i for i, lay in enumerate(layouts)}
         each = np.array([[self._layers_fitting(lay, b, k) for k in held] for lay in layouts], dtype=float)
+        pair = {(x, y): self._cut_send(x, y, b) for x in layouts for y in layouts}
         rows = [[lay for lay in order for _ in range(lay.stages)] for order in orders]
-        sends = np.array([2 * sum(self._cut_send(a, c, b) for a, c in zip(row, row[1:])) for row in rows])
+        sends = np.array([2 * sum(pair[a, c] for a, c in zip(row, row[1:])) for row in rows])
         return each[np.array([[at[lay] for lay in row] for row in rows]), np.arange(count)], sends
 
     def _bounds(self, rows: list[tuple[KindLayout, ...]], fitting: np.ndarray, m: int, b: int, offsets: np.ndarray,
