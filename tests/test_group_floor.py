@@ -16,8 +16,18 @@ import pytest
 from solver.cost.stage_costs import INF, StageCosts, in_flight
 from solver.cost.stage_tables import StageTable
 from solver.planner.layer_split import _every_bottleneck_loses, _every_group_loses, _Row, best_split, score
-from test_planner import compositions, every_row, random_problem
+from test_planner import compositions, every_row, interleaved_rows, random_problem
 from test_pace_floor import _pace
+
+
+def _random_rows(seeds, base: int):  # noqa: ANN001
+    """`interleaved_rows` of two and three chunks of each seeded random problem, with its stage costs."""
+    for seed in seeds:
+        rng = np.random.default_rng(base + seed)
+        problem = random_problem(rng, kinds=int(rng.integers(1, 4)))
+        costs = StageCosts(problem)
+        for row in interleaved_rows(problem, costs, (2, 3)):
+            yield (costs, *row)
 
 
 def _group_cost(tables, sends, cuts, chunks: int, rate: float, group: int) -> float:  # noqa: ANN001
@@ -35,40 +45,29 @@ def _group_cost(tables, sends, cuts, chunks: int, rate: float, group: int) -> fl
 @pytest.mark.parametrize("seeds", [range(0, 12), range(12, 24)])
 def test_the_group_refusal_never_refuses_a_beat_some_split_beats(seeds):
     checked = refused = 0
-    for seed in seeds:
-        rng = np.random.default_rng(700 + seed)
-        problem = random_problem(rng, kinds=int(rng.integers(1, 4)))
-        costs = StageCosts(problem)
-        for m, b, order, layouts, groups in every_row(problem):
-            for chunks in (2, 3):
-                configs = groups * chunks
-                if len(configs) > costs.n:
-                    continue
-                tables = [costs.table(c, b, in_flight("interleaved", m, p, len(configs), chunks), p == len(configs) - 1, m)
-                          for p, c in enumerate(configs)]
-                sends = [costs.sends(a, c, b) for a, c in zip(configs, configs[1:])]
-                splits = list(compositions(costs.n, len(configs)))
-                steps = np.array([score(tables, sends, m, cuts, "interleaved", chunks) for cuts in splits])
-                if not (steps < INF).any():
-                    continue
-                row = _Row(tables, sends)
-                rate = m - 1 / chunks
-                # each group's path lies below every split whose paces (hence times and sends) stay within its limit
-                paces = np.array([_pace(tables, sends, cuts, chunks) for cuts in splits])
-                for limit in (INF, float(np.median(paces[paces < INF]))):
-                    paths = row.group_paths(chunks, rate, limit)
-                    for g, path in enumerate(paths):
-                        least = min((_group_cost(tables, sends, cuts, chunks, rate, g)
-                                     for cuts, pace in zip(splits, paces) if pace <= limit), default=INF)
-                        assert path <= least * (1 + 1e-12), (order, layouts, m, chunks, limit, g, path, least)
-                # the refusal: never at a beat the best split beats, and at beats it loses to, sometimes
-                best = float(steps.min())
-                sum0, u_floor = row.least_total(), row.least_max(of_tails=True)
-                for beat in (best * 1.000001, best * 1.01, best * 1.3, best * 0.999, best * 0.9):
-                    says = _every_group_loses(row, m, chunks, sum0, u_floor, beat)
-                    assert not (says and best < beat), (order, layouts, m, chunks, beat, best)
-                    refused += says
-                checked += 1
+    for costs, m, b, order, layouts, groups, chunks, configs, tables, sends in _random_rows(seeds, 700):
+        splits = list(compositions(costs.n, len(configs)))
+        steps = np.array([score(tables, sends, m, cuts, "interleaved", chunks) for cuts in splits])
+        if not (steps < INF).any():
+            continue
+        row = _Row(tables, sends)
+        rate = m - 1 / chunks
+        # each group's path lies below every split whose paces (hence times and sends) stay within its limit
+        paces = np.array([_pace(tables, sends, cuts, chunks) for cuts in splits])
+        for limit in (INF, float(np.median(paces[paces < INF]))):
+            paths = row.group_paths(chunks, rate, limit)
+            for g, path in enumerate(paths):
+                least = min((_group_cost(tables, sends, cuts, chunks, rate, g)
+                             for cuts, pace in zip(splits, paces) if pace <= limit), default=INF)
+                assert path <= least * (1 + 1e-12), (order, layouts, m, chunks, limit, g, path, least)
+        # the refusal: never at a beat the best split beats, and at beats it loses to, sometimes
+        best = float(steps.min())
+        sum0, u_floor = row.least_total(), row.least_max(of_tails=True)
+        for beat in (best * 1.000001, best * 1.01, best * 1.3, best * 0.999, best * 0.9):
+            says = _every_group_loses(row, m, chunks, sum0, u_floor, beat)
+            assert not (says and best < beat), (order, layouts, m, chunks, beat, best)
+            refused += says
+        checked += 1
     assert checked >= 10, checked
     assert refused >= 5, refused  # it refuses some of the beats no split wins
 
@@ -156,25 +155,14 @@ def test_a_row_refused_for_memory_has_no_split_that_fits(seeds):
     from solver.planner.search import _chunks_fit, _chunks_may_fit
 
     checked = refused = 0
-    for seed in seeds:
-        rng = np.random.default_rng(500 + seed)
-        problem = random_problem(rng, kinds=int(rng.integers(1, 4)))
-        costs = StageCosts(problem)
-        for m, b, order, layouts, groups in every_row(problem):
-            for chunks in (2, 3):
-                configs = groups * chunks
-                if len(configs) > costs.n:
-                    continue
-                tables = [costs.table(c, b, in_flight("interleaved", m, p, len(configs), chunks), p == len(configs) - 1, m)
-                          for p, c in enumerate(configs)]
-                sends = [costs.sends(a, c, b) for a, c in zip(configs, configs[1:])]
-                fitting = [cuts for cuts in compositions(costs.n, len(configs))
-                           if score(tables, sends, m, cuts, "interleaved", chunks) < INF
-                           and _chunks_fit(tables, cuts, len(groups))]
-                may = _chunks_may_fit(tables, len(groups))
-                assert may or not fitting, (order, layouts, m, chunks, fitting[:3])
-                checked += 1
-                refused += not may
+    for costs, m, b, order, layouts, groups, chunks, configs, tables, sends in _random_rows(seeds, 500):
+        fitting = [cuts for cuts in compositions(costs.n, len(configs))
+                   if score(tables, sends, m, cuts, "interleaved", chunks) < INF
+                   and _chunks_fit(tables, cuts, len(groups))]
+        may = _chunks_may_fit(tables, len(groups))
+        assert may or not fitting, (order, layouts, m, chunks, fitting[:3])
+        checked += 1
+        refused += not may
     assert checked >= 20 and refused >= 1, (checked, refused)
 
 
@@ -187,41 +175,30 @@ def test_the_fitting_refusal_never_refuses_a_beat_a_fitting_split_beats(seeds):
     from solver.planner.search import _chunks_fit
 
     checked = refused = 0
-    for seed in seeds:
-        rng = np.random.default_rng(500 + seed)
-        problem = random_problem(rng, kinds=int(rng.integers(1, 4)))
-        costs = StageCosts(problem)
-        for m, b, order, layouts, groups in every_row(problem):
-            for chunks in (2, 3):
-                configs = groups * chunks
-                if len(configs) > costs.n:
-                    continue
-                tables = [costs.table(c, b, in_flight("interleaved", m, p, len(configs), chunks), p == len(configs) - 1, m)
-                          for p, c in enumerate(configs)]
-                sends = [costs.sends(a, c, b) for a, c in zip(configs, configs[1:])]
-                splits = [cuts for cuts in compositions(costs.n, len(configs))
-                          if score(tables, sends, m, cuts, "interleaved", chunks) < INF]
-                if not splits:
-                    continue
-                row = _Row(tables, sends)
-                memories = [t.memory for t in tables]
-                paces = [_pace(tables, sends, cuts, chunks) for cuts in splits]
-                for limit in (INF, float(np.median(paces))):
-                    least = row.group_memory(memories, chunks, limit)
-                    for g in range(len(groups)):
-                        held = [sum(float(t.memory[i, j]) for p, (t, (i, j)) in enumerate(zip(tables, zip([0, *cuts], [*cuts, costs.n])))
-                                    if p % len(groups) == g) for cuts, pace in zip(splits, paces) if pace <= limit]
-                        assert least[g] <= min(held, default=INF), (order, layouts, m, chunks, limit, g)
-                fitting = [score(tables, sends, m, cuts, "interleaved", chunks) for cuts in splits
-                           if _chunks_fit(tables, cuts, len(groups))]
-                best = min(fitting, default=INF)
-                every = min(score(tables, sends, m, cuts, "interleaved", chunks) for cuts in splits)
-                sum0, u_floor = row.least_total(), row.least_max(of_tails=True)
-                for beat in (best * 1.000001, best * 1.01, best * 0.99, every * 1.01, every * 1.3):
-                    if beat == INF:
-                        continue
-                    may = _fitting_may_win(row, tables, m, chunks, sum0, u_floor, beat)
-                    assert may or not best < beat, (order, layouts, m, chunks, beat, best)
-                    refused += not may
-                checked += 1
+    for costs, m, b, order, layouts, groups, chunks, configs, tables, sends in _random_rows(seeds, 500):
+        splits = [cuts for cuts in compositions(costs.n, len(configs))
+                  if score(tables, sends, m, cuts, "interleaved", chunks) < INF]
+        if not splits:
+            continue
+        row = _Row(tables, sends)
+        memories = [t.memory for t in tables]
+        paces = [_pace(tables, sends, cuts, chunks) for cuts in splits]
+        for limit in (INF, float(np.median(paces))):
+            least = row.group_memory(memories, chunks, limit)
+            for g in range(len(groups)):
+                held = [sum(float(t.memory[i, j]) for p, (t, (i, j)) in enumerate(zip(tables, zip([0, *cuts], [*cuts, costs.n])))
+                            if p % len(groups) == g) for cuts, pace in zip(splits, paces) if pace <= limit]
+                assert least[g] <= min(held, default=INF), (order, layouts, m, chunks, limit, g)
+        fitting = [score(tables, sends, m, cuts, "interleaved", chunks) for cuts in splits
+                   if _chunks_fit(tables, cuts, len(groups))]
+        best = min(fitting, default=INF)
+        every = min(score(tables, sends, m, cuts, "interleaved", chunks) for cuts in splits)
+        sum0, u_floor = row.least_total(), row.least_max(of_tails=True)
+        for beat in (best * 1.000001, best * 1.01, best * 0.99, every * 1.01, every * 1.3):
+            if beat == INF:
+                continue
+            may = _fitting_may_win(row, tables, m, chunks, sum0, u_floor, beat)
+            assert may or not best < beat, (order, layouts, m, chunks, beat, best)
+            refused += not may
+        checked += 1
     assert checked >= 20 and refused >= 1, (checked, refused)

@@ -9,10 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from solver.cost.stage_costs import INF, StageCosts, in_flight
+from solver.cost.stage_costs import INF, StageCosts
 from solver.planner.layer_split import _Row, score
 from solver.planner.search import Planner
-from test_planner import compositions, every_row, random_problem
+from test_planner import compositions, interleaved_rows, random_problem
 
 
 def _pace(tables, sends, cuts, chunks: int) -> float:  # noqa: ANN001
@@ -40,19 +40,12 @@ def _check(seed: int) -> int:
     problem = random_problem(rng, kinds=int(rng.integers(2, 4)))
     costs = StageCosts(problem)
     checked = 0
-    for m, b, order, layouts, groups in every_row(problem):
-        for chunks in (1, 2, 3):
-            configs = groups * chunks
-            if len(configs) > costs.n:
-                continue
-            tables = [costs.table(c, b, in_flight("interleaved", m, p, len(configs), chunks), p == len(configs) - 1, m)
-                      for p, c in enumerate(configs)]
-            sends = [costs.sends(a, c, b) for a, c in zip(configs, configs[1:])]
-            floor = _Row(tables, sends).pace_floor(chunks)
-            paces = [_pace(tables, sends, cuts, chunks) for cuts in compositions(costs.n, len(configs))]
-            least = min((p for p in paces if p < INF), default=INF)
-            assert floor <= least * (1 + 1e-12), (order, layouts, m, chunks, floor, least)
-            checked += least < INF
+    for m, b, order, layouts, groups, chunks, configs, tables, sends in interleaved_rows(problem, costs, (1, 2, 3)):
+        floor = _Row(tables, sends).pace_floor(chunks)
+        paces = [_pace(tables, sends, cuts, chunks) for cuts in compositions(costs.n, len(configs))]
+        least = min((p for p in paces if p < INF), default=INF)
+        assert floor <= least * (1 + 1e-12), (order, layouts, m, chunks, floor, least)
+        checked += least < INF
     return checked
 
 
@@ -92,17 +85,10 @@ def test_the_interleaved_floor_is_below_every_interleaved_split(seeds):
         problem = random_problem(rng, kinds=int(rng.integers(1, 4)))
         planner = Planner(problem)
         costs, bounds = planner.costs, planner.bounds
-        for m, b, order, layouts, groups in every_row(problem):
-            for chunks in (2, 3):
-                configs = groups * chunks
-                if len(configs) > costs.n:
-                    continue
-                floor = bounds.interleaved_floor(layouts, m, b, chunks)
-                tables = [costs.table(c, b, in_flight("interleaved", m, p, len(configs), chunks),
-                                      p == len(configs) - 1, m) for p, c in enumerate(configs)]
-                sends = [costs.sends(a, c, b) for a, c in zip(configs, configs[1:])]
-                best = min(score(tables, sends, m, cuts, "interleaved", chunks)
-                           for cuts in compositions(costs.n, len(configs)))
-                assert floor <= best * (1 + 1e-12), (order, layouts, m, chunks, floor, best)
-                checked += best < INF
+        for m, b, order, layouts, groups, chunks, configs, tables, sends in interleaved_rows(problem, costs, (2, 3)):
+            floor = bounds.interleaved_floor(layouts, m, b, chunks)
+            best = min(score(tables, sends, m, cuts, "interleaved", chunks)
+                       for cuts in compositions(costs.n, len(configs)))
+            assert floor <= best * (1 + 1e-12), (order, layouts, m, chunks, floor, best)
+            checked += best < INF
     assert checked >= 10, checked

@@ -66,6 +66,21 @@ def every_row(problem: Problem):
                     yield m, b, order, layouts, groups
 
 
+def interleaved_rows(problem: Problem, costs: StageCosts, chunk_counts: tuple[int, ...]):
+    """`every_row`'s rows repeated `chunks` times, for each of `chunk_counts`, where they
+    hold no more stages than layers: (m, b, order, layouts, groups, chunks, configs,
+    the positions' interleaved stage tables, the cuts' sends)."""
+    for m, b, order, layouts, groups in every_row(problem):
+        for chunks in chunk_counts:
+            configs = groups * chunks
+            if len(configs) > costs.n:
+                continue
+            tables = [costs.table(c, b, in_flight("interleaved", m, p, len(configs), chunks), p == len(configs) - 1, m)
+                      for p, c in enumerate(configs)]
+            sends = [costs.sends(a, c, b) for a, c in zip(configs, configs[1:])]
+            yield m, b, order, layouts, groups, chunks, configs, tables, sends
+
+
 def brute_pipeline(problem: Problem, costs: StageCosts, kinds: tuple[str, ...], batch: int, schedules=("1f1b", "gpipe")) -> float:
     """Every ordered subset of kinds, layout, microbatch count, schedule and split."""
     best_value = INF
