@@ -7,9 +7,28 @@ import numpy as np
 from solver.cost.ranges import cumsum, span
 from solver.planner.rows import (counts_within, layers_fitting, least_for_counts, least_runs_rows, least_steps, most_within,
                                  nondecreasing_rows, run_spans, stage_runs)
-from solver.planner.runs import FITS_TOL, first_enough, least_runs, least_step, longest, nondecreasing
+from solver.planner.runs import FITS_TOL, first_enough, least_runs, longest
 
 INF = float("inf")
+
+
+# The figures by their definitions, one row at a time: what each array pass must give.
+def nondecreasing(runs):
+    return np.array([runs[i:].min() for i in range(len(runs))])
+
+
+def least_runs_of(values):
+    n = values.shape[0] - 1
+    return np.array([min(values[i, i + k] for i in range(n + 1 - k)) for k in range(1, n + 1)])
+
+
+def least_step(runs):
+    return 0.0 if len(runs) < 2 else float(max(((runs[1:] - runs[0]) / np.arange(1, len(runs))).min(), 0.0))
+
+
+def longest_of(runs, limits):
+    floor = nondecreasing(runs)
+    return np.array([int((floor <= t * FITS_TOL).sum()) for t in limits])
 
 
 def _rows(rng, count, n):
@@ -24,7 +43,8 @@ def test_nondecreasing_counts_and_longest_match_each_row():
     rows = _rows(rng, 6, 12)
     limits = np.unique(np.concatenate([rows.ravel()[np.isfinite(rows.ravel())], [0.0, INF]]))
     assert np.array_equal(nondecreasing_rows(rows), np.array([nondecreasing(r) for r in rows]))
-    expected = np.array([longest(r, limits) for r in rows])
+    expected = np.array([longest_of(r, limits) for r in rows])
+    assert np.array_equal(expected, [longest(r, limits) for r in rows])  # runs.py's one-row form
     assert np.array_equal(most_within(rows, limits, FITS_TOL), expected)
     floors = nondecreasing_rows(rows)
     assert np.array_equal(counts_within(floors, limits), np.array([np.searchsorted(r, limits, side="right") for r in floors]))
@@ -62,14 +82,15 @@ def test_stage_runs_match_the_one_stage_sums_bit_for_bit():
         rerun = f + (bw + f)
         assert np.array_equal(both_rows[i], both) and np.array_equal(rerun_rows[i], rerun)
         r = runs[i]
-        assert np.array_equal(r.time, least_runs(both)) and np.array_equal(r.remat, least_runs(rerun))
-        assert r.step == least_step(least_runs(both)) and r.step_remat == least_step(least_runs(rerun))
+        assert np.array_equal(r.time, least_runs_of(both)) and np.array_equal(r.remat, least_runs_of(rerun))
+        assert r.step == least_step(least_runs_of(both)) and r.step_remat == least_step(least_runs_of(rerun))
         ends = np.arange(n - 1, -1, -1)
         assert np.array_equal(r.last, both[ends, n]) and np.array_equal(r.last_remat, rerun[ends, n])
         assert np.array_equal(r.floor, nondecreasing(r.time)) and np.array_equal(r.floor_remat, nondecreasing(r.remat))
         assert r.last_step == least_step(r.last) and r.last_step_remat == least_step(r.last_remat)
         assert np.array_equal(r.last_floor, nondecreasing(r.last)) and np.array_equal(r.last_floor_remat, nondecreasing(r.last_remat))
-    assert np.array_equal(least_runs_rows(np.stack([both_rows[1]])), least_runs(both_rows[1])[None])
+    assert np.array_equal(least_runs_rows(np.stack([both_rows[1]])), least_runs_of(both_rows[1])[None])
+    assert np.array_equal(least_runs(both_rows[1]), least_runs_of(both_rows[1]))  # runs.py's one-row form
     assert least_steps(np.zeros((2, 1))) == [0.0, 0.0]
 
 

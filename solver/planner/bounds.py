@@ -100,7 +100,6 @@ class LowerBounds:
         self._paces: dict[tuple[StageConfig, int], tuple[float, float, float]] = {}
         self._interleaved: dict[tuple[tuple[KindLayout, ...], int, int], tuple[float, float]] = {}
         self._states: dict[StageConfig, np.ndarray] = {}
-        self._cuts: dict[tuple[KindLayout, KindLayout, int], float] = {}
 
     def bound(self, layouts: tuple[KindLayout, ...], m: int, b: int, schedule: str) -> float:
         """No split of any order of these stages is faster than this under `schedule`
@@ -309,7 +308,7 @@ class LowerBounds:
         layouts = list(orders[0])
         at = {lay: i for i, lay in enumerate(layouts)}
         each = np.array([[self._layers_fitting(lay, b, k) for k in held] for lay in layouts], dtype=float)
-        pair = {(x, y): self._cut_send(x, y, b) for x in layouts for y in layouts}
+        pair = {(x, y): self._least_send(x.config, y.config, b) for x in layouts for y in layouts}
         rows = [[lay for lay in order for _ in range(lay.stages)] for order in orders]
         sends = np.array([2 * sum(pair[a, c] for a, c in zip(row, row[1:])) for row in rows])
         return each[np.array([[at[lay] for lay in row] for row in rows]), np.arange(count)], sends
@@ -498,13 +497,6 @@ class LowerBounds:
             fields = stage_runs(np.array([t[0] for t in layers]), np.array([t[1] for t in layers]), [t[3] for t in layers])
             self._runs.update(zip(todo, fields))
         return [self._runs[key] for key in keys]
-
-    def _cut_send(self, a: KindLayout, c: KindLayout, b: int) -> float:
-        """`_least_send` between two layouts' stages (a layout hashes in C; an order asks per cut)."""
-        key = (a, c, b)
-        if key not in self._cuts:
-            self._cuts[key] = self._least_send(a.config, c.config, b)
-        return self._cuts[key]
 
     def _least_send(self, a: StageConfig, c: StageConfig, b: int) -> float:
         """The least time any cut from stage `a` to `c` sends one microbatch's activation."""

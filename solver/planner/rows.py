@@ -1,9 +1,10 @@
-"""The searches of `runs.py` on many rows at once: one array pass over every layout
-of a kind (or of a group) instead of a numpy call per layout. The bounds price each
-layout at a dozen microbatch sizes and meet it in hundreds of groups, so the calls'
-own cost, not their arithmetic, was what a bound paid. Pure functions of arrays;
-each gives, row by row, the figures its one-row counterpart in `runs.py` gives, bit
-for bit (a minimum or a count: no sum is reordered)."""
+"""The least runs of consecutive layers and the searches over them, on many rows at
+once: one array pass over every layout of a kind (or of a group) instead of a numpy
+call per layout. The bounds price each layout at a dozen microbatch sizes and meet it
+in hundreds of groups, so the calls' own cost, not their arithmetic, was what a bound
+paid. Pure functions of arrays; `runs.py`'s one-row forms are these on one row, and
+each row's figures are the same whatever the other rows (a minimum or a count: no
+sum is reordered)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import numpy as np
 
 
 def nondecreasing_rows(rows: np.ndarray) -> np.ndarray:
-    """`runs.nondecreasing` of each row of `rows` (layouts x run lengths)."""
+    """Each row of `rows` (layouts x run lengths) made nondecreasing from above: entry
+    n - 1 is the least run of n or more layers."""
     return np.minimum.accumulate(rows[:, ::-1], axis=1)[:, ::-1]
 
 
@@ -40,7 +42,8 @@ _SHORT = 512  # grid positions up to which counting per position is the cheaper 
 
 
 def most_within(runs: np.ndarray, limits: np.ndarray, tol: float) -> np.ndarray:
-    """`runs.longest` of each row of `runs` on the same limits (ascending)."""
+    """[row, t]: the most layers n whose least run `runs[row, n - 1]` stays within
+    `limits[t]` (ascending) times `tol`."""
     return counts_within(nondecreasing_rows(runs), limits * tol)
 
 
@@ -101,7 +104,9 @@ def run_spans(forward: np.ndarray, backward: np.ndarray, fused: list[np.ndarray 
 
 
 def least_runs_rows(values: np.ndarray) -> np.ndarray:
-    """`runs.least_runs` of each span matrix of `values` (rows x (n + 1) x (n + 1))."""
+    """[row, n - 1]: the least sum of any n consecutive entries, of each span matrix of
+    `values` (rows x (n + 1) x (n + 1)): the least of its n-th diagonal above the main
+    one, all diagonals at once."""
     n = values.shape[1] - 1
     first, length = np.arange(n)[None, :], np.arange(1, n + 1)[:, None]
     last = first + length
@@ -109,7 +114,7 @@ def least_runs_rows(values: np.ndarray) -> np.ndarray:
 
 
 def least_steps(runs: np.ndarray) -> list[float]:
-    """`runs.least_step` of each row of `runs`."""
+    """Per row of `runs`: the most d >= 0 with runs[n - 1] >= runs[0] + (n - 1) d for every n."""
     if runs.shape[1] < 2:
         return [0.0] * len(runs)
     return [float(max(d, 0.0)) for d in ((runs[:, 1:] - runs[:, :1]) / np.arange(1, runs.shape[1])).min(axis=1)]
@@ -125,9 +130,9 @@ class StageRuns(NamedTuple):
     step_remat: float
     last: np.ndarray  # [n - 1]: the last n layers' forward + backward (a pipeline's last stage holds them)
     last_remat: np.ndarray
-    floor: np.ndarray  # `time` made nondecreasing (`runs.nondecreasing`): what the searches for rooms read
+    floor: np.ndarray  # `time` made nondecreasing (`nondecreasing_rows`): what the searches for rooms read
     floor_remat: np.ndarray
-    last_step: float  # `last`'s least increment per layer (`runs.least_step`)
+    last_step: float  # `last`'s least increment per layer (`least_steps`)
     last_step_remat: float
     last_floor: np.ndarray  # `last` made nondecreasing
     last_floor_remat: np.ndarray

@@ -2,41 +2,26 @@
 bounds make: which run lengths fit within a candidate time, and where a sum of
 rooms first holds every layer, and the balanced pace of device groups. Pure functions
 of arrays, shared by the bounds of `bounds.py` and the split's own refusals
-(`layer_split`), kept apart so those modules hold only what a bound means."""
+(`layer_split`), kept apart so those modules hold only what a bound means; the
+one-row forms are `rows.py`'s passes on one row."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from solver.cost.stage_costs import INF
+from solver.planner.rows import least_runs_rows, most_within
 
 FITS_TOL = 1 + 1e-12  # a run whose time equals a candidate step time fits it despite rounding
 
 
-def nondecreasing(runs: np.ndarray) -> np.ndarray:
-    """`runs` made nondecreasing from above: entry n - 1 is the least run of n or more layers."""
-    return np.minimum.accumulate(runs[::-1])[::-1]
-
-
 def least_runs(values: np.ndarray) -> np.ndarray:
-    """[n - 1]: the least sum of any n consecutive entries of `values` (a span matrix):
-    the least of its n-th diagonal above the main one, all diagonals at once."""
-    n = values.shape[0] - 1
-    first, length = np.arange(n)[None, :], np.arange(1, n + 1)[:, None]
-    last = first + length
-    return np.where(last <= n, values[first, np.minimum(last, n)], INF).min(axis=1)
+    """[n - 1]: the least sum of any n consecutive entries of `values` (a span matrix)."""
+    return least_runs_rows(values[None])[0]
 
 
 def longest(runs: np.ndarray, limits: np.ndarray) -> np.ndarray:
-    """Per limit, the most layers n whose least run `runs[n - 1]` stays within it."""
-    return np.searchsorted(nondecreasing(runs), limits * FITS_TOL, side="right")  # nondecreasing; the same answer as `runs`
-
-
-def least_step(runs: np.ndarray) -> float:
-    """The most d with runs[n - 1] >= runs[0] + (n - 1) d for every n."""
-    if len(runs) < 2:
-        return 0.0
-    return float(max(((runs[1:] - runs[0]) / np.arange(1, len(runs))).min(), 0.0))
+    """Per limit (ascending), the most layers n whose least run `runs[n - 1]` stays within it."""
+    return most_within(runs[None], limits, FITS_TOL)[0]
 
 
 def first_enough(rooms: list[np.ndarray], index: np.ndarray, size: int, layers: int) -> np.ndarray:

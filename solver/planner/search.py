@@ -226,7 +226,7 @@ class Planner:
         batch = batch or p.batch_size
         per_kind = {name: kind_layouts(p, name) for name in kinds}
         schedules = _schedule_choices(p, interleave)
-        bound_schedule = next((name for name, chunks in schedules if chunks == 1), schedules[0][0])
+        bound_schedule = _bound_schedule(schedules)
         # Branch and bound with lazily tightened bounds. Each (microbatch count, set of
         # kinds) is a stream of layout combinations sorted by their first bound (a
         # product's, computed for all at once); a combination leaves its stream only
@@ -364,8 +364,7 @@ class Planner:
         key = (kind, m, b)
         if key not in self._share_floors:
             p = self.problem
-            schedules = _schedule_choices(p, interleave=False)
-            schedule = next((name for name, chunks in schedules if chunks == 1), schedules[0][0])  # `_search`'s
+            schedule = _bound_schedule(_schedule_choices(p, interleave=False))  # `_search`'s
             usable = [lay for lay in kind_layouts(p, kind) if not b % lay.dp and b // lay.dp >= p.min_examples]
             self._share_floors[key] = self.bounds.product_floor([usable], m, b, schedule)
         return self._share_floors[key]
@@ -546,6 +545,11 @@ def _schedule_choices(problem: Problem, interleave: bool = True) -> list[tuple[s
         else:
             out.append((name, 1))
     return out or [(problem.schedules[0], 1)]
+
+
+def _bound_schedule(schedules: list[tuple[str, int]]) -> str:
+    """The schedule a search's bounds are taken under: its first plain one, else its first."""
+    return next((name for name, chunks in schedules if chunks == 1), schedules[0][0])
 
 
 def _chunks_fit(tables, cuts: tuple[int, ...], groups: int) -> bool:  # noqa: ANN001
