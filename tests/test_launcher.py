@@ -163,3 +163,18 @@ def test_collective_timeouts_leave_the_users_own_alone():
     assert collective_timeout_flags(theirs, None).count("terminate_timeout_seconds") == 1
     assert theirs in collective_timeout_flags(theirs, None)
     assert collective_timeout_flags("", "0") == ""
+
+
+def test_a_process_killed_from_outside_is_blamed_before_the_errors_it_caused(tmp_path):
+    """Process 0's closed-socket error can be timed before process 1's SIGKILL (its
+    waiter thread runs late on a busy machine): the killed one is still the cause.
+    Without a kill, the earliest failure is."""
+    import json
+    from types import SimpleNamespace
+
+    (tmp_path / "process-0.json").write_text(json.dumps({"error": "JaxRuntimeError: Connection closed"}))
+    killed_late = [SimpleNamespace(end_time=lambda: 0.0), SimpleNamespace(end_time=lambda: time.monotonic() + 5.0)]
+    assert launcher._first_failure(killed_late, [None, -signal.SIGKILL], str(tmp_path)) == 1
+    assert launcher._first_failure(killed_late, [None, 1], str(tmp_path)) == 0  # an exit of its own is timed
+    aborted = [SimpleNamespace(end_time=lambda: 0.0), SimpleNamespace(end_time=lambda: time.monotonic() + 5.0)]
+    assert launcher._first_failure(aborted, [None, -signal.SIGABRT], str(tmp_path)) == 0

@@ -186,6 +186,12 @@ def _watch(children: list[Child], layout: list[ProcessSpec], status_dir: str,
             return
         failed = _first_failure(children, codes, status_dir)
         if failed is not None:
+            # An error may be the consequence of a peer's death the kernel has not
+            # finished yet (a large process takes a while to exit): look again once
+            # it has had time to, before blaming anyone.
+            time.sleep(SETTLE_S)
+            codes = [c.poll() for c in children]
+            failed = _first_failure(children, codes, status_dir)
             last = children[failed].last_lines()
             stop_all(children, grace_s)
             status = dist.read_status(status_dir, failed)
@@ -211,17 +217,26 @@ def was_lost(code: int | None, status: dict) -> bool:
 
 
 COARSE_S = 0.05
+SETTLE_S = 0.5
 
 
 def _first_failure(children: list[Child], codes: list[int | None], status_dir: str) -> int | None:
     """The process that failed first: by when it exited (timed by its waiter thread)
     or wrote its error (the status file's time), whichever came first. The others
-    usually fail because of it, often before the launcher looks again."""
+    usually fail because of it, often before the launcher looks again.
+
+    A process killed from outside (`was_lost`) is the cause whatever the clocks say:
+    no failure of a peer sends it a signal, while its peers' errors (a closed socket
+    in a transfer) follow its death within milliseconds, and on a busy machine its
+    waiter thread may time the death after them."""
     when: dict[int, float] = {}
+    lost: list[int] = []
     now_wall, now = time.time(), time.monotonic()
     for i, (child, code) in enumerate(zip(children, codes)):
         if code not in (None, 0):
             when[i] = child.end_time()
+            if was_lost(code, dist.read_status(status_dir, i)):
+                lost.append(i)
         path = os.path.join(status_dir, f"process-{i}.json")
         if dist.read_status(status_dir, i).get("error"):
             try:  # file times come from a coarse kernel clock: an error written within
@@ -230,7 +245,8 @@ def _first_failure(children: list[Child], codes: list[int | None], status_dir: s
             except OSError:
                 wrote = now
             when[i] = min(when.get(i, wrote), wrote)
-    return min(when, key=lambda i: (when[i], i)) if when else None
+    candidates = lost or list(when)
+    return min(candidates, key=lambda i: (when[i], i)) if candidates else None
 
 
 def _quoted(lines: list[str]) -> str:
