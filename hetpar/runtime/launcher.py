@@ -5,8 +5,10 @@ this machine with its own virtual CPU devices (`devices_per_node` of them, label
 by the group's device type through the cluster file), all joined by
 `jax.distributed` over loopback. The launcher is also the job's watchdog: when a
 process dies, exits with an error, or records one in its status file, the others
-are stopped at once (SIGTERM, then SIGKILL) and the launch fails with a HetparError
-that names the process, its stages and the cause. On a real cluster the same
+are stopped within half a second (SIGTERM, then SIGKILL; the pause lets a dying
+peer be reaped, so the process blamed is the first to fail, not one its death
+brought down) and the launch fails with a HetparError that names the process, its
+stages and the cause. On a real cluster the same
 processes are placed one per machine by Ray (hetpar/runtime/ray_launcher.py), by
 SLURM (`srun`, with `jax.distributed`'s auto-detection), or started by hand with
 the same environment (README, "Many processes, many machines").
