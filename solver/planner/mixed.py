@@ -237,8 +237,7 @@ def _merged(problem: Problem, choice: PlanChoice, p: int, costs: StageCosts,
     parts = []
     for s, cfg in zip((a, c), meshes):
         zero = s.zero if cfg.dp > 1 else 0
-        v = costs.variant(cfg, b, 1, False, zero, "full" if joined.remat else "")
-        seconds = _pass_s(v, joined.layer_start, joined.layer_end)
+        seconds = _pass_s(costs, cfg, b, zero, "full" if joined.remat else "", joined.layer_start, joined.layer_end)
         parts.append((cfg, zero, b / seconds if seconds > 0 else 1.0))
     try:
         rows = proportional_examples(b, [speed for _, _, speed in parts], least=problem.min_microbatch,
@@ -417,17 +416,18 @@ def _layouts(problem: Problem, costs: StageCosts, kind: str, devices: int, stage
             v = costs.variant(cfg, share, 1, False, zero, remat)
             if at(v.memory.total, v.forward.shape, i, j) > costs.capacity(kind):
                 continue
-            seconds = _pass_s(v, i, j)
+            seconds = _pass_s(costs, cfg, share, zero, remat, i, j)
             if seconds > 0:
                 out.append((cfg, zero, share / seconds))
             break
     return sorted(out, key=lambda layout: -layout[2])
 
 
-def _pass_s(v, i: int, j: int) -> float:  # noqa: ANN001
-    """A variant's forward and backward of one microbatch over layers [i, j): what a
-    part's speed (rows over it) is reckoned from."""
-    return at(v.forward, v.forward.shape, i, j) + at(v.backward, v.forward.shape, i, j)
+def _pass_s(costs: StageCosts, cfg: StageConfig, b: int, zero: int, remat: str, i: int, j: int) -> float:
+    """A forward and backward of one microbatch of `b` rows over layers [i, j) (`variant`'s
+    times, its memory left unbuilt): what a part's speed (rows over it) is reckoned from."""
+    forward, backward, _, _, _ = costs._placed_times(cfg, b, zero, remat, False)
+    return at(forward, forward.shape, i, j) + at(backward, forward.shape, i, j)
 
 
 def _mixed(choice: PlanChoice, p: int, parts: list[tuple[StageConfig, int, float]], b: int,
@@ -443,8 +443,7 @@ def _mixed_split(choice: PlanChoice, p: int, parts: list[tuple[StageConfig, int,
     proportion to speed (its time over the ideal, less one; inf where none splits)."""
     lead = choice.stages[p]
     cfg = StageConfig(lead.kind, lead.dp, lead.tp)
-    v = costs.variant(cfg, b, 1, False, lead.zero, "full" if lead.remat else "")
-    seconds = _pass_s(v, lead.layer_start, lead.layer_end)
+    seconds = _pass_s(costs, cfg, b, lead.zero, "full" if lead.remat else "", lead.layer_start, lead.layer_end)
     speeds = [b / seconds if seconds > 0 else 1.0, *(speed for _, _, speed in parts)]
     try:
         rows = proportional_examples(b, speeds, least=costs.problem.min_microbatch,  # a part's rows trace as a microbatch
