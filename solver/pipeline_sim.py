@@ -90,73 +90,39 @@ def _run(stages: Sequence[StageTimes], num_microbatches: int, schedule: str, chu
     """The simulation itself: the step and each group's busy time, and (where
     `events` is a list) every event appended to it. Without events it is what the
     planner's finalists are ranked by, thousands of times a search: the work runs
-    over plain lists indexed by stage and microbatch."""
+    in the order `_program` worked out for the shape, over plain lists."""
     n, m = len(stages), num_microbatches
     if n == 0 or m < 1 or chunks < 1 or n % chunks:
         raise ValueError(f"a pipeline needs at least one stage and one microbatch, and a whole number of stages per chunk "
                          f"(got {n} stages, {m} microbatches, {chunks} chunks)")
     d = n // chunks
-    orders = _orders(schedule, d, m, chunks)
-    forward = [s.forward_s for s in stages]
-    backward = [s.backward_s for s in stages]
+    lengths = [s.forward_s for s in stages] + [s.backward_s for s in stages]  # work (forward?, s): [s] or [n + s]
     sends = [s.send_s for s in stages]
-    f_done: list[list[float | None]] = [[None] * m for _ in range(n)]  # finish of stage s's forward of microbatch j
-    f_in: list[list[float | None]] = [[None] * m for _ in range(n)]  # its activation's arrival at stage s
-    b_in: list[list[float | None]] = [[None] * m for _ in range(n)]  # the gradient's arrival at stage s
-    for j in range(m):
-        f_in[0][j] = 0.0
+    ready = [0.0] * (2 * n * m)  # a forward's input (s * m + j), a backward's (n * m + s * m + j)
     free = [0.0] * d
-    link_free: dict[tuple[int, int], float] = {}
-    cursor = [0] * d
     busy = [0.0] * d
-    lengths = [len(o) for o in orders]
-    progressed = True
-    while progressed:
-        progressed = False
-        for g in range(d):
-            order, c, length_g = orders[g], cursor[g], lengths[g]
-            t_free, t_busy = free[g], busy[g]  # this group's clock and busy time, kept local in its hot loop
-            while c < length_g:
-                is_forward, s, j, chunk = order[c]
-                if is_forward:
-                    at = f_in[s][j]
-                    if at is None:
-                        break
-                    length = forward[s]
-                else:
-                    at = f_done[s][j]
-                    if at is None:
-                        break
-                    if s != n - 1:
-                        at = b_in[s][j]
-                        if at is None:
-                            break
-                    length = backward[s]
-                start = at if at > t_free else t_free
-                end = t_free = start + length
-                t_busy += length
-                if is_forward:
-                    f_done[s][j] = end
-                if events is not None:
-                    events.append(Event("forward" if is_forward else "backward", j, start, end, g, s, chunk))
-                to = s + 1 if is_forward else s - 1
-                if 0 <= to < n:
-                    dst = to % d
-                    if dst == g:
-                        arrival = end
-                    else:  # the link between the groups carries one transfer at a time each way
-                        send_s = sends[s if s < to else to]
-                        busy_until = link_free.get((g, dst), 0.0)
-                        t0 = end if end >= busy_until else busy_until
-                        arrival = link_free[(g, dst)] = t0 + send_s
-                        if events is not None and send_s > 0:
-                            events.append(Event("transfer", j, t0, arrival, g, s, chunk, dst, "F" if is_forward else "B"))
-                    (f_in if is_forward else b_in)[to][j] = arrival
-                c += 1
-                progressed = True
-            cursor[g], free[g], busy[g] = c, t_free, t_busy
-    if any(c < len(o) for c, o in zip(cursor, orders)):
-        raise RuntimeError(f"the {schedule} schedule deadlocked: a device group waits on work that never runs")
+    runs, links = _program(schedule, n, m, chunks)
+    link_free = [0.0] * len(links)
+    for g, steps in runs:
+        t_free, t_busy = free[g], busy[g]  # this group's clock and busy time, kept local in its hot loop
+        for read, work, write, link, send_s, label in steps:
+            at = ready[read]
+            length = lengths[work]
+            start = at if at > t_free else t_free
+            end = t_free = start + length
+            t_busy += length
+            if events is not None:
+                events.append(Event("forward" if label[0] else "backward", label[2], start, end, g, label[1], label[3]))
+            if link >= 0:  # the link between the groups carries one transfer at a time each way
+                busy_until = link_free[link]
+                t0 = end if end >= busy_until else busy_until
+                arrival = ready[write] = link_free[link] = t0 + sends[send_s]
+                if events is not None and sends[send_s] > 0:
+                    events.append(Event("transfer", label[2], t0, arrival, g, label[1], label[3], links[link][1],
+                                        "F" if label[0] else "B"))
+            elif write >= 0:  # to a chunk on the same group, or the last stage's forward to its backward
+                ready[write] = end
+        free[g], busy[g] = t_free, t_busy
 
     step = 0.0
     for g in range(d):
@@ -172,6 +138,60 @@ def _run(stages: Sequence[StageTimes], num_microbatches: int, schedule: str, chu
                 t += length
         step = max(step, t)
     return step, tuple(busy)
+
+
+Step = tuple[int, int, int, int, int, tuple[bool, int, int, int]]
+
+
+@lru_cache(maxsize=256)
+def _program(schedule: str, n: int, m: int, chunks: int) -> tuple[tuple[tuple[int, Step], ...], tuple[tuple[int, int], ...]]:
+    """The order `_run` runs a shape's work in, and what each piece reads and writes.
+    Which work can run next depends only on which has run, never on the times, so the
+    sweep over the groups (each runs its schedule's order until it waits on work not
+    yet run, again while any ran) is the same for every pipeline of this shape and is
+    worked out once. Returns the runs (group, its steps, in the order they run) and the
+    links (sending group, receiving group). A step is (the `ready` slot it waits on,
+    its `lengths` index, the slot it sets or -1, its link or -1, its send's stage,
+    its label: forward?, virtual stage, microbatch, chunk). A backward waits on the
+    next stage's gradient, the last stage's on its own forward (which sets that slot)."""
+    d = n // chunks
+    orders = _orders(schedule, d, m, chunks)
+    done = [False] * (2 * n * m)
+    for j in range(m):
+        done[j] = True  # the first stage's inputs are there at the start
+    links: dict[tuple[int, int], int] = {}
+    cursor = [0] * d
+    runs = []
+    progressed = True
+    while progressed:
+        progressed = False
+        for g in range(d):
+            order, c, steps = orders[g], cursor[g], []
+            while c < len(order):
+                is_forward, s, j, chunk = order[c]
+                read = (0 if is_forward else n * m) + s * m + j
+                if not done[read]:
+                    break
+                to = s + 1 if is_forward else s - 1
+                write, link, send_s = -1, -1, 0
+                if is_forward and to == n:
+                    write = n * m + s * m + j  # the last stage's backward waits on its forward
+                elif 0 <= to < n:
+                    write = (0 if is_forward else n * m) + to * m + j
+                    if to % d != g:
+                        link = links.setdefault((g, to % d), len(links))
+                        send_s = s if s < to else to
+                if write >= 0:
+                    done[write] = True
+                steps.append((read, s if is_forward else n + s, write, link, send_s, order[c]))
+                c += 1
+                progressed = True
+            cursor[g] = c
+            if steps:
+                runs.append((g, tuple(steps)))
+    if any(c < len(o) for c, o in zip(cursor, orders)):
+        raise RuntimeError(f"the {schedule} schedule deadlocked: a device group waits on work that never runs")
+    return tuple(runs), tuple(links)
 
 
 @lru_cache(maxsize=256)

@@ -120,3 +120,44 @@ def test_floors_that_keep_failing_stop_being_taken(monkeypatch):
     for _ in range(3 * mixed_floor.TRIAL):
         assert mixed_floor.refused(None, None, None, memo, 1.0)
     assert len(taken) == 4 * mixed_floor.TRIAL  # floors that refuse keep being taken
+
+
+def _scanned_part(costs, cfg, rows, m, held, last, remat):  # noqa: ANN001, ANN202
+    """`mixed._part` as it was: a scan over the ZeRO stages keeping strict improvements."""
+    shape = (costs.n + 1, costs.n + 1)
+    cost, fb, tail, zeros = np.full(shape, math.inf), np.full(shape, math.inf), np.zeros(shape), np.zeros(shape, dtype=int)
+    choices = [(zero, remat) for zero in costs.zero_stages(cfg)]
+    memory = costs._choice_memory.totals(cfg, rows, held, last, choices)
+    for (zero, _), total in zip(choices, memory):
+        forward, backward, t, _, _ = costs._placed_times(cfg, rows, zero, remat, last)
+        f_b, t = np.broadcast_to(forward + backward, shape), np.broadcast_to(t, shape)
+        c = np.where(total <= costs.capacity(cfg.kind), m * f_b + t, math.inf)
+        take = c < cost
+        cost, fb, tail, zeros = np.where(take, c, cost), np.where(take, f_b, fb), np.where(take, t, tail), np.where(take, zero, zeros)
+    return cost, fb, tail, zeros
+
+
+def _configs(problem: Problem) -> list:  # noqa: ANN202
+    from solver.cost.stage_costs import StageConfig
+    return [StageConfig(k.name, k.count // tp, tp) for k in problem.kinds for tp in (1, 2) if k.count % tp == 0]
+
+
+def test_the_floors_figures_are_the_old_sums_bit_for_bit():
+    """A lone stage's least step (`_least_step`) is the least of `_table_times`' step
+    costs, and a part's stacked figures (`part_steps`) give `_part` the old scan's
+    picks, floats equal, whether they fit or not."""
+    from solver.cost.stage_costs import StageCosts
+    checked = 0
+    for problem in _problems()[:8]:
+        costs = StageCosts(problem)
+        for cfg in _configs(problem):
+            for b, m, last in ((cfg.dp, 4, False), (2 * cfg.dp, 2, True), (4 * cfg.dp, 8, True)):
+                old = costs._table_times(cfg, b, m, last)[2].min(axis=0)
+                assert np.array_equal(mixed_floor._least_step(costs, cfg, b, m, last), old)
+                for remat in ("", "full"):
+                    for held in (1, 3):
+                        new = planner_mixed._part(costs, cfg, b, m, held, last, remat, {})
+                        want = _scanned_part(costs, cfg, b, m, held, last, remat)
+                        assert all(np.array_equal(x, y) and x.dtype == y.dtype for x, y in zip(new, want))
+                        checked += 1
+    assert checked > 100

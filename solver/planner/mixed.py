@@ -39,7 +39,7 @@ from solver.cost.ranges import at
 from solver.cost.stage_costs import INF, StageConfig, StageCosts
 from solver.cost.topologies import shares_sum_times
 from solver.memory import OFFLOAD_TIERS, in_flight
-from solver.planner.mixed_floor import refused, stage_meshes as _meshes
+from solver.planner.mixed_floor import part_steps, refused, stage_meshes as _meshes
 from solver.planner.problem import PlanChoice, StageChoice
 from solver.planner.step import ROUNDING, decisions, with_costs
 
@@ -237,8 +237,7 @@ def _merged(problem: Problem, choice: PlanChoice, p: int, costs: StageCosts,
     parts = []
     for s, cfg in zip((a, c), meshes):
         zero = s.zero if cfg.dp > 1 else 0
-        v = costs.variant(cfg, b, 1, False, zero, "full" if joined.remat else "")
-        seconds = _pass_s(v, joined.layer_start, joined.layer_end)
+        seconds = _pass_s(costs, cfg, b, zero, "full" if joined.remat else "", joined.layer_start, joined.layer_end)
         parts.append((cfg, zero, b / seconds if seconds > 0 else 1.0))
     try:
         rows = proportional_examples(b, [speed for _, _, speed in parts], least=problem.min_microbatch,
@@ -348,7 +347,7 @@ def _position(problem: Problem, costs: StageCosts, stages: tuple[StageChoice, ..
         for k, s in enumerate(stages):
             key = ("part", s.kind, s.dp, s.tp, s.examples or b, m, held, last, remat)
             if key not in memo:
-                memo[key] = _part(costs, StageConfig(s.kind, s.dp, s.tp), s.examples or b, m, held, last, remat)
+                memo[key] = _part(costs, StageConfig(s.kind, s.dp, s.tp), s.examples or b, m, held, last, remat, memo)
             part_cost, part_fb, part_tail, part_zero = memo[key]
             fb_all, tail_all = np.maximum(fb_all, part_fb), np.maximum(tail_all, part_tail)
             least = np.maximum(least, part_cost)
@@ -368,26 +367,22 @@ def _position(problem: Problem, costs: StageCosts, stages: tuple[StageChoice, ..
 
 
 def _part(costs: StageCosts, cfg: StageConfig, rows: int, m: int, held: int, last: bool,
-          remat: str) -> tuple[np.ndarray, ...]:
+          remat: str, memo: dict | None = None) -> tuple[np.ndarray, ...]:
     """A mixed stage's part on `rows` of every microbatch, for every layer range: the
     least of `m` forwards and backwards plus the tail over its ZeRO stages that fit
-    (inf where none does), that choice's forward and backward, its tail, its ZeRO stage.
-    Every part holds its optimizer state and runs its own update, as the estimator
-    prices it (`solver.cost.mixed`)."""
-    shape = (costs.n + 1, costs.n + 1)
-    cost, fb, tail, zeros = np.full(shape, INF), np.full(shape, INF), np.zeros(shape), np.zeros(shape, dtype=int)
-    choices = [(zero, remat) for zero in costs.zero_stages(cfg)]
-    memory = costs._choice_memory.totals(cfg, rows, held, last, choices)  # each `variant(...).memory.total`, at once
-    capacity = costs.capacity(cfg.kind)
-    for (zero, _), total in zip(choices, memory):
-        forward, backward, t, _, _ = costs._placed_times(cfg, rows, zero, remat, last)  # `variant`'s times
-        fits = total <= capacity
-        f_b = np.broadcast_to(forward + backward, shape)
-        t = np.broadcast_to(t, shape)
-        c = np.where(fits, m * f_b + t, INF)
-        take = c < cost
-        cost, fb, tail, zeros = np.where(take, c, cost), np.where(take, f_b, fb), np.where(take, t, tail), np.where(take, zero, zeros)
-    return cost, fb, tail, zeros
+    (inf where none does; the first such stage of the least), that choice's forward
+    and backward, its tail, its ZeRO stage. Every part holds its optimizer state and
+    runs its own update, as the estimator prices it (`solver.cost.mixed`). `memo`:
+    parts' times already stacked (`part_steps`)."""
+    zeros = costs.zero_stages(cfg)
+    steps, fbs, tails = part_steps(costs, cfg, rows, m, last, remat, memo)
+    memory = costs._choice_memory.totals(cfg, rows, held, last, [(zero, remat) for zero in zeros])  # each `variant`'s, at once
+    cost = np.where(memory <= costs.capacity(cfg.kind), steps, INF)
+    least = cost.min(axis=0)
+    pick = (cost == least).argmax(axis=0)[None]  # the first of the least, as a scan keeping strict improvements
+    fits = least < INF
+    return (least, np.where(fits, np.take_along_axis(fbs, pick, axis=0)[0], INF),
+            np.where(fits, np.take_along_axis(tails, pick, axis=0)[0], 0.0), np.where(fits, np.array(zeros)[pick[0]], 0))
 
 
 def _coarser(problem: Problem, choice: PlanChoice) -> list[int]:
@@ -421,17 +416,18 @@ def _layouts(problem: Problem, costs: StageCosts, kind: str, devices: int, stage
             v = costs.variant(cfg, share, 1, False, zero, remat)
             if at(v.memory.total, v.forward.shape, i, j) > costs.capacity(kind):
                 continue
-            seconds = _pass_s(v, i, j)
+            seconds = _pass_s(costs, cfg, share, zero, remat, i, j)
             if seconds > 0:
                 out.append((cfg, zero, share / seconds))
             break
     return sorted(out, key=lambda layout: -layout[2])
 
 
-def _pass_s(v, i: int, j: int) -> float:  # noqa: ANN001
-    """A variant's forward and backward of one microbatch over layers [i, j): what a
-    part's speed (rows over it) is reckoned from."""
-    return at(v.forward, v.forward.shape, i, j) + at(v.backward, v.forward.shape, i, j)
+def _pass_s(costs: StageCosts, cfg: StageConfig, b: int, zero: int, remat: str, i: int, j: int) -> float:
+    """A forward and backward of one microbatch of `b` rows over layers [i, j) (`variant`'s
+    times, its memory left unbuilt): what a part's speed (rows over it) is reckoned from."""
+    forward, backward, _, _, _ = costs._placed_times(cfg, b, zero, remat, False)
+    return at(forward, forward.shape, i, j) + at(backward, forward.shape, i, j)
 
 
 def _mixed(choice: PlanChoice, p: int, parts: list[tuple[StageConfig, int, float]], b: int,
@@ -447,8 +443,7 @@ def _mixed_split(choice: PlanChoice, p: int, parts: list[tuple[StageConfig, int,
     proportion to speed (its time over the ideal, less one; inf where none splits)."""
     lead = choice.stages[p]
     cfg = StageConfig(lead.kind, lead.dp, lead.tp)
-    v = costs.variant(cfg, b, 1, False, lead.zero, "full" if lead.remat else "")
-    seconds = _pass_s(v, lead.layer_start, lead.layer_end)
+    seconds = _pass_s(costs, cfg, b, lead.zero, "full" if lead.remat else "", lead.layer_start, lead.layer_end)
     speeds = [b / seconds if seconds > 0 else 1.0, *(speed for _, _, speed in parts)]
     try:
         rows = proportional_examples(b, speeds, least=costs.problem.min_microbatch,  # a part's rows trace as a microbatch

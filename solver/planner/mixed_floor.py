@@ -68,36 +68,71 @@ def least_floor(problem: Problem, choice: PlanChoice, costs: StageCosts, memo: d
         last = p == len(leads) - 1
         key = ("floor", tuple((s.kind, s.dp, s.tp, s.examples) for s in stages), b, m, last)
         if key not in memo:
-            memo[key] = _position_floor(problem, costs, stages, b, m, last)
+            memo[key] = _position_floor(problem, costs, stages, b, m, last, memo)
         least = memo[key]
         best = least[0].copy() if best is None else np.maximum(best[:, None], least).min(axis=0)
     return float(best[n]) if best is not None else INF
 
 
 def _position_floor(problem: Problem, costs: StageCosts, stages: tuple[StageChoice, ...], b: int, m: int,
-                    last: bool) -> np.ndarray:
+                    last: bool, memo: dict | None = None) -> np.ndarray:
     """Per layer range [i, j) (inf unless i < j), at most `_position`'s least: a stage
     of its own, the least over its meshes (`stage_meshes`) and every (ZeRO stage,
-    recomputation) of its table's step cost (`StageCosts._table_times`, the figures
-    its table picks one of where it fits); a mixed stage, over recomputations, its
-    slowest part's least over ZeRO stages of `m` forwards and backwards plus the tail
-    (`mixed._part`'s figures, by the same sums)."""
+    recomputation) of its table's step cost (`_least_step`); a mixed stage, over
+    recomputations, its slowest part's least over ZeRO stages of `m` forwards and
+    backwards plus the tail (`part_steps`, `mixed._part`'s figures).
+    `memo`: parts' least already computed (candidates share many parts)."""
+    memo = {} if memo is None else memo
     shape = (costs.n + 1, costs.n + 1)
-    least = np.full(shape, INF)
     if len(stages) == 1:
+        least = np.full(shape, INF)
         for cfg in stage_meshes(problem, stages[0], b):
-            _, _, time_cost, _ = costs._table_times(cfg, b, m, last)
-            least = np.minimum(least, time_cost.min(axis=0))
-    else:
-        remats = ["full"] if problem.force_remat else [""] + (["full"] if problem.allow_remat else [])
-        for remat in remats:
-            slowest = np.zeros(shape)
-            for s in stages:
-                cfg = StageConfig(s.kind, s.dp, s.tp)
-                part = np.full(shape, INF)
-                for zero in costs.zero_stages(cfg):
-                    forward, backward, tail, _, _ = costs._placed_times(cfg, s.examples or b, zero, remat, last)
-                    part = np.minimum(part, m * np.broadcast_to(forward + backward, shape) + np.broadcast_to(tail, shape))
-                slowest = np.maximum(slowest, part)
-            least = np.minimum(least, slowest)
-    return np.where(np.triu(np.ones(shape, dtype=bool), k=1), least, INF)
+            least = np.minimum(least, _least_step(costs, cfg, b, m, last))
+        return np.where(costs._upper, least, INF)
+    remats = ["full"] if problem.force_remat else [""] + (["full"] if problem.allow_remat else [])
+    least = np.full(shape, INF)
+    for remat in remats:
+        slowest = np.zeros(shape)
+        for s in stages:
+            key = ("part floor", s.kind, s.dp, s.tp, s.examples or b, m, last, remat)
+            if key not in memo:
+                steps, _, _ = part_steps(costs, StageConfig(s.kind, s.dp, s.tp), s.examples or b, m, last, remat, memo)
+                memo[key] = steps.min(axis=0)
+            slowest = np.maximum(slowest, memo[key])
+        least = np.minimum(least, slowest)
+    return np.where(costs._upper, least, INF)
+
+
+def _least_step(costs: StageCosts, cfg: StageConfig, b: int, m: int, last: bool) -> np.ndarray:
+    """Per [i, j], the least over a stage table's (ZeRO stage, recomputation) choices of
+    its step cost, memory aside: `m` forwards and backwards plus the tail, each choice's
+    as `StageCosts._table_times` sums it, from the times its table then reads (the
+    `_placed_times` cache, not a stack of every choice's figures)."""
+    placed = last and bool(costs.measured(cfg, b / cfg.dp))  # as `_table_times` and `DeviceTables` place it
+    least = None
+    for zero, remat in costs.table_choices(cfg):
+        forward, backward, tail, _, _ = costs._placed_times(cfg, b, zero, remat, placed)
+        step = m * (forward + backward) + tail
+        least = step if least is None else np.minimum(least, step)
+    return np.broadcast_to(least, (costs.n + 1, costs.n + 1))
+
+
+def part_steps(costs: StageCosts, cfg: StageConfig, rows: int, m: int, last: bool, remat: str,
+               memo: dict | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A mixed stage's part on `rows` of every microbatch, per ZeRO stage it may take
+    (`costs.zero_stages` order), for every layer range, stacked: `m` forwards and
+    backwards plus the tail (memory aside), a forward and backward, the tail (each
+    `variant`'s times). `memo`: parts already priced (the floors and `mixed._part` share them)."""
+    key = ("part steps", cfg, rows, m, last, remat)
+    if memo is not None and key in memo:
+        return memo[key]
+    shape = (costs.n + 1, costs.n + 1)
+    zeros = costs.zero_stages(cfg)
+    steps, fbs, tails = np.empty((len(zeros), *shape)), np.empty((len(zeros), *shape)), np.empty((len(zeros), *shape))
+    for z, zero in enumerate(zeros):
+        forward, backward, tail, _, _ = costs._placed_times(cfg, rows, zero, remat, last)
+        fbs[z], tails[z] = forward + backward, tail
+        steps[z] = m * fbs[z] + tails[z]
+    if memo is not None:
+        memo[key] = steps, fbs, tails
+    return steps, fbs, tails
