@@ -14,6 +14,7 @@ import pytest
 
 from solver.cost.choice_memory import choice_arrays
 from solver.cost.device_table import first_least
+from solver.cost.measured import LayerPoint, MeasuredLayer
 from solver.cost.stage_costs import StageCosts
 from solver.cost.stage_tables import StageTable
 from test_planner import random_problem
@@ -57,12 +58,21 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
 
 
-@pytest.mark.parametrize("checkpoints", [False, True])
-def test_device_tables_are_the_direct_ones_bit_for_bit(checkpoints):
-    compared = unfit = 0
+def _measured(problem) -> tuple[MeasuredLayer, ...]:  # noqa: ANN001
+    """Layer 0 measured on the first kind at every model axis, its forward and backward
+    one program cheaper on a last stage: that stage's times then differ from the others'."""
+    points = (LayerPoint(1, 0.010, 0.030, 0.045, 0.002, fused_s=0.035), LayerPoint(8, 0.04, 0.12, 0.18, 0.002, fused_s=0.15))
+    return tuple(MeasuredLayer(problem.kinds[0].name, 0, tp, 1, points) for tp in (1, 2, 4, 8))
+
+
+@pytest.mark.parametrize("checkpoints, measured", [(False, False), (True, False), (False, True)])
+def test_device_tables_are_the_direct_ones_bit_for_bit(checkpoints, measured):
+    compared = unfit = placed = 0
     for seed in range(8):
         problem = replace(random_problem(np.random.default_rng(seed)), allow_remat=True, offload_tiers=("",),
                           layer_checkpoints=checkpoints)
+        if measured:
+            problem = replace(problem, measured_layers=_measured(problem))
         costs = StageCosts(problem)
         for cfg, b in list(_stages(problem))[:8]:
             m = max(1, problem.batch_size // b)
@@ -75,7 +85,9 @@ def test_device_tables_are_the_direct_ones_bit_for_bit(checkpoints):
                     assert got.capacity == want.capacity
                     compared += 1
                     unfit += int(np.isinf(want.forward[np.triu_indices(costs.n + 1, 1)]).sum())
+                    placed += last and bool(costs.measured(cfg, b / cfg.dp))
     assert compared > 200 and unfit > 0  # some ranges fit nowhere: the blank row was read
+    assert placed > 10 if measured else not placed  # a last stage's own times compared
 
 
 def test_first_least_is_the_first_equal_to_the_minimum():

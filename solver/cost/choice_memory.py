@@ -121,6 +121,10 @@ class ChoiceMemory:
         self.ranges = np.flatnonzero(np.triu(np.ones(self.shape, dtype=bool), k=1))  # [i, j] with i < j, flattened
         self._states: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._parts = lru_cache(maxsize=self.KEEP)(self._parts_uncached)
+        # What `range_totals` adds for a stage, microbatch and place, at the ranges; None where
+        # the choices are no grid (`totals` then prices them one by one). Cached: a stage's
+        # tables at each held count add the same.
+        self.range_parts = lru_cache(maxsize=self.KEEP)(self._range_parts)
 
     def totals(self, cfg: StageConfig, b: int, held: int, last: bool, choices: list[tuple[int, str]],
                ranges: bool = False) -> np.ndarray:
@@ -145,9 +149,8 @@ class ChoiceMemory:
         out += workspace  # (state + activations) + workspace, as `DeviceMemory.total` adds them
         return out.reshape(len(choices), *shape)
 
-    def range_parts(self, cfg: StageConfig, b: int, last: bool, choices: tuple[tuple[int, str], ...]) -> RangeParts | None:
-        """What `range_totals` adds for this stage, microbatch and place, at the ranges;
-        None where the choices are no grid (`totals` then prices them one by one)."""
+    def _range_parts(self, cfg: StageConfig, b: int, last: bool, choices: tuple[tuple[int, str], ...]) -> RangeParts | None:
+        """`range_parts`, uncached."""
         zeros, remats, grid = _grid(choices)
         if not grid:
             return None

@@ -33,16 +33,16 @@ _OTHERWISE = np.array([INF, INF, 0.0, 0.0])[:, None]  # forward, backward, tail,
 
 
 class _Picks(NamedTuple):
-    """What every table of one stage, microbatch, microbatch count and place picks from:
-    C choices over R ranges as (C + 1) x R rows, the first row's "nothing fits", then
-    the choices in order."""
+    """What every table of one stage, microbatch and microbatch count picks from, where
+    its times are the same (every place but a last stage's that measured layers price
+    apart, `_placed_times`): C choices over R ranges as (C + 1) x R rows, the first
+    row's "nothing fits", then the choices in order."""
 
     cost: np.ndarray  # (C + 1, R): a step of m microbatches per choice (INF first)
     times: np.ndarray  # (4, (C + 1) x R): forward, backward, tail, sync, flat
     zero: np.ndarray  # (C + 1,) int: each row's ZeRO stage
     remat: np.ndarray  # (C + 1,) bool: whether it recomputes
     nan: bool  # whether a step cost is NaN (`argmin` would pick it; `min` and `==` say nothing fits)
-    memory: RangeParts | None  # the choices' memory parts (None: no grid, `ChoiceMemory.totals` prices them)
 
 
 def first_least(cost: np.ndarray, nan: bool = True) -> np.ndarray:
@@ -72,14 +72,16 @@ class DeviceTables:
     def table(self, cfg: StageConfig, b: int, held: int, last: bool, m: int, capacity: int,
               choices: list[tuple[int, str]]) -> StageTable:
         """Per range the first of the fastest choices that fit (`StageCosts._table`'s pick)."""
-        picks = self._picks(cfg, b, m, last, tuple(choices))
+        costs, key = self.costs, tuple(choices)
+        picks = self._picks(cfg, b, m, last and bool(costs.measured(cfg, b / cfg.dp)), key)  # `_table_times`' last stage
+        parts = costs._choice_memory.range_parts(cfg, b, last, key)
         ranges = len(self.ranges)
         totals = np.empty(picks.cost.shape)  # each choice's bytes after none for "nothing fits"
         totals[0] = 0.0
-        if picks.memory is None:
-            totals[1:] = self.costs._choice_memory.totals(cfg, b, held, last, choices, ranges=True)
+        if parts is None:
+            totals[1:] = costs._choice_memory.totals(cfg, b, held, last, choices, ranges=True)
         else:
-            range_totals(picks.memory, (held,), totals[1:])
+            range_totals(parts, (held,), totals[1:])
         pick = first_least(np.where(totals <= capacity, picks.cost, INF), picks.nan)
         flat = pick * ranges + self._index  # each range's entry in its picked row, flattened
         four = self._blank.copy()
@@ -93,33 +95,28 @@ class DeviceTables:
         return StageTable(forward, backward, remat.reshape(self.shape), memory.reshape(self.shape), tail, sync, capacity,
                           zero.reshape(self.shape), np.zeros(self.shape, dtype=int))
 
-    def _picks_uncached(self, cfg: StageConfig, b: int, m: int, last: bool, choices: tuple[tuple[int, str], ...]) -> _Picks:
-        """The choices' step costs and times at the ranges after the nothing-fits row."""
-        cost, times = self._times(cfg, b, m, last, choices)
-        rows = np.empty((len(choices) + 1, len(self.ranges)))
-        rows[0], rows[1:] = INF, cost
-        flat = np.empty((4, *rows.shape))
-        flat[:, 0], flat[:, 1:] = _OTHERWISE, times
-        zeros, remats = choice_arrays(choices)
-        return _Picks(rows, flat.reshape(4, -1), np.append(0, zeros), np.append(False, remats), bool(np.isnan(cost).any()),
-                      self.costs._choice_memory.range_parts(cfg, b, last, choices))
-
-    def _times(self, cfg: StageConfig, b: int, m: int, last: bool,
-               choices: tuple[tuple[int, str], ...]) -> tuple[np.ndarray, np.ndarray]:
-        """Each choice's cost of a step of `m` microbatches (choices, ranges) and its four
-        times (4, choices, ranges), at the ranges: read from each choice's times
-        (`_placed_times`, as `_table_times` stacks them) at the ranges alone, not
-        stacked over every [i, j] first."""
+    def _picks_uncached(self, cfg: StageConfig, b: int, m: int, placed: bool, choices: tuple[tuple[int, str], ...]) -> _Picks:
+        """The choices' step costs and times at the ranges after the nothing-fits row:
+        read from each choice's times (`_placed_times`, as `_table_times` stacks them)
+        at the ranges alone, not stacked over every [i, j] first, into their rows.
+        `placed`: a last stage's times, where they differ from the others'."""
         costs = self.costs
-        placed = last and bool(costs.measured(cfg, b / cfg.dp))  # `_table_times`' last stage
-        times = np.empty((4, len(choices), len(self.ranges)))
-        for c, (zero, remat) in enumerate(choices):
+        times = np.empty((4, len(choices) + 1, len(self.ranges)))
+        times[:, 0] = _OTHERWISE
+        for c, (zero, remat) in enumerate(choices, 1):
             for k, values in enumerate(costs._placed_times(cfg, b, zero, remat, placed)[:4]):
-                times[k, c] = self._at_ranges(values)  # `take` the method: `np.take` dispatches thrice as long
-        return m * (times[0] + times[1]) + times[2], times
+                times[k, c] = self._at_ranges(values)
+        cost = np.empty(times.shape[1:])
+        cost[0] = INF
+        np.add(times[0, 1:], times[1, 1:], out=cost[1:])  # m * (forward + backward) + tail, as `_table_times`
+        np.multiply(m, cost[1:], out=cost[1:])
+        cost[1:] += times[2, 1:]
+        zeros, remats = choice_arrays(choices)
+        return _Picks(cost, times.reshape(4, -1), np.append(0, zeros), np.append(False, remats), bool(np.isnan(cost).any()))
 
     def _at_ranges(self, values: np.ndarray | float) -> np.ndarray | float:
-        """A figure per [i, j] (an array, a view broadcast to one, or a number) at the ranges."""
+        """A figure per [i, j] (an array, a view broadcast to one, or a number) at the ranges
+        (`take` the method: `np.take` dispatches for thrice as long)."""
         if isinstance(values, np.ndarray) and values.shape == self.shape:
             return values.take(self.ranges) if values.flags.c_contiguous else values[self._rows, self._cols]
         return values if not isinstance(values, np.ndarray) else np.broadcast_to(values, self.shape)[self._rows, self._cols]
