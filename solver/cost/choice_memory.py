@@ -85,22 +85,21 @@ class RangeParts(NamedTuple):
     fused: tuple[bool, ...]  # per recomputation: forward and backward one program (one microbatch held)
 
 
-def range_totals(parts: RangeParts, helds: tuple[int, ...], out: np.ndarray) -> None:
-    """`ChoiceMemory.totals(..., ranges=True)` for each of `helds` at once, written into
-    `out` (helds x choices x ranges, contiguous): the same sums in the same order, from
-    parts stacked once per stage and place, so a table adds five arrays, not a few per
-    choice."""
+def range_totals(parts: RangeParts, held: int, out: np.ndarray) -> None:
+    """`ChoiceMemory.totals(..., ranges=True)` with `held` microbatches in flight, written
+    into `out` (choices x ranges, contiguous): the same sums in the same order, from parts
+    stacked once per stage and place, so a table adds five arrays, not a few per choice."""
     zeros, remats, ranges = len(parts.state), len(parts.fused), parts.state.shape[-1]
-    if len(helds) == 1 and len(set(parts.fused)) == 1:  # one count for every recomputation
-        counts: np.ndarray | float = 1.0 if parts.fused[0] else float(helds[0])
+    if len(set(parts.fused)) == 1:  # one count for every recomputation
+        counts: np.ndarray | float = 1.0 if parts.fused[0] else float(held)
     else:  # held' = 1 where forward and backward are one program, as `totals`
-        counts = np.array([[[1.0] if fused else [float(held)] for fused in parts.fused] for held in helds])
-    held = parts.per_held * counts  # per_held * held' + once + working
-    held += parts.once
-    held += parts.working
+        counts = np.array([[1.0] if fused else [float(held)] for fused in parts.fused])
+    activations = parts.per_held * counts  # per_held * held' + once + working
+    activations += parts.once
+    activations += parts.working
     body = out.view()
-    body.shape = (len(helds), zeros, remats, ranges)  # a view: never a copy written to instead
-    np.add(parts.state, held.reshape(len(helds), 1, remats, ranges), out=body)
+    body.shape = (zeros, remats, ranges)  # a view: never a copy written to instead
+    np.add(parts.state, activations, out=body)
     body += parts.workspace  # (state + activations) + workspace, as `DeviceMemory.total` adds them
 
 

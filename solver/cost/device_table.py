@@ -8,13 +8,16 @@ microbatches in flight, which choices fit, the first of the fastest) runs on the
 into full tables at the end. Each figure is the one `StageCosts.variant` gives the
 picked choice (`ChoiceMemory.totals` at the ranges, the stacked times read there).
 
-What a table picks among depends on how many microbatches it holds only through its
-memory. So per stage, microbatch, microbatch count and place (`_Picks`) the choices'
-step costs and figures are laid out once, flat, after a first row that stands for
+What a table picks among (each choice's step cost and figures) does not depend on how
+many microbatches it holds, nor on its place unless a last stage's measured layers
+change its times: only its memory does. So per stage, microbatch, microbatch count and
+those times (`_Picks`) the choices' costs and figures are laid out once, flat, after a
+first row that stands for
 "nothing fits" (a step that never ends, `INF` times, no memory, ZeRO 0, no
 recomputation): a table's `argmin` down the costs of the choices that fit then lands on
 that row where none does, and every figure of every range is one gather from the flat
-rows, blank ones included, instead of a gather, a mask and a `where` each.
+rows, blank ones included, instead of a gather, a mask and a `where` each. Its memory
+adds parts stacked once per stage, microbatch and place (`ChoiceMemory.range_parts`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from solver.cost.choice_memory import RangeParts, StageCosts, choice_arrays, range_totals
+from solver.cost.choice_memory import StageCosts, choice_arrays, range_totals
 from solver.cost.stage_config import StageConfig
 from solver.cost.stage_tables import StageTable
 
@@ -81,7 +84,7 @@ class DeviceTables:
         if parts is None:
             totals[1:] = costs._choice_memory.totals(cfg, b, held, last, choices, ranges=True)
         else:
-            range_totals(parts, (held,), totals[1:])
+            range_totals(parts, held, totals[1:])
         pick = first_least(np.where(totals <= capacity, picks.cost, INF), picks.nan)
         flat = pick * ranges + self._index  # each range's entry in its picked row, flattened
         four = self._blank.copy()
