@@ -20,7 +20,7 @@ for bit (`tests/test_stage_cost_sharing.py`).
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -64,6 +64,45 @@ def choice_arrays(choices: tuple[tuple[int, str], ...]) -> tuple[np.ndarray, np.
     return np.array([z for z, _ in choices]), np.array([bool(r) for _, r in choices])
 
 
+@lru_cache(maxsize=None)
+def _grid(choices: tuple[tuple[int, str], ...]) -> tuple[tuple[int, ...], tuple[str, ...], bool]:
+    """The choices' ZeRO stages and recomputations, each once in order, and whether the
+    choices are every pair of them, ZeRO stage major (a table's always are)."""
+    zeros = tuple(dict.fromkeys(z for z, _ in choices))
+    remats = tuple(dict.fromkeys(r for _, r in choices))
+    return zeros, remats, list(choices) == [(z, r) for z in zeros for r in remats]
+
+
+class RangeParts(NamedTuple):
+    """One stage's memory at the layer ranges that exist alone (R of them), per part,
+    for its grid of (ZeRO stage, recomputation) choices: `totals`' parts, stacked."""
+
+    state: np.ndarray  # (zeros, 1, R): each ZeRO stage's state
+    workspace: np.ndarray  # (zeros, 1, R)
+    per_held: np.ndarray  # (remats, R): each recomputation's bytes per microbatch in flight
+    once: np.ndarray  # (remats, R)
+    working: np.ndarray  # (remats, R)
+    fused: tuple[bool, ...]  # per recomputation: forward and backward one program (one microbatch held)
+
+
+def range_totals(parts: RangeParts, held: int, out: np.ndarray) -> None:
+    """`ChoiceMemory.totals(..., ranges=True)` with `held` microbatches in flight, written
+    into `out` (choices x ranges, contiguous): the same sums in the same order, from parts
+    stacked once per stage and place, so a table adds five arrays, not a few per choice."""
+    zeros, remats, ranges = len(parts.state), len(parts.fused), parts.state.shape[-1]
+    if len(set(parts.fused)) == 1:  # one count for every recomputation
+        counts: np.ndarray | float = 1.0 if parts.fused[0] else float(held)
+    else:  # held' = 1 where forward and backward are one program, as `totals`
+        counts = np.array([[1.0] if fused else [float(held)] for fused in parts.fused])
+    activations = parts.per_held * counts  # per_held * held' + once + working
+    activations += parts.once
+    activations += parts.working
+    body = out.view()
+    body.shape = (zeros, remats, ranges)  # a view: never a copy written to instead
+    np.add(parts.state, activations, out=body)
+    body += parts.workspace  # (state + activations) + workspace, as `DeviceMemory.total` adds them
+
+
 class ChoiceMemory:
     """Bytes per device of every on-device choice of one stage, per held count: over every
     [i, j] (`totals`), or over the layer ranges that exist alone (i < j, `ranges`; about
@@ -81,6 +120,10 @@ class ChoiceMemory:
         self.ranges = np.flatnonzero(np.triu(np.ones(self.shape, dtype=bool), k=1))  # [i, j] with i < j, flattened
         self._states: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._parts = lru_cache(maxsize=self.KEEP)(self._parts_uncached)
+        # What `range_totals` adds for a stage, microbatch and place, at the ranges; None where
+        # the choices are no grid (`totals` then prices them one by one). Cached: a stage's
+        # tables at each held count add the same.
+        self.range_parts = lru_cache(maxsize=self.KEEP)(self._range_parts)
 
     def totals(self, cfg: StageConfig, b: int, held: int, last: bool, choices: list[tuple[int, str]],
                ranges: bool = False) -> np.ndarray:
@@ -105,11 +148,24 @@ class ChoiceMemory:
         out += workspace  # (state + activations) + workspace, as `DeviceMemory.total` adds them
         return out.reshape(len(choices), *shape)
 
+    def _range_parts(self, cfg: StageConfig, b: int, last: bool, choices: tuple[tuple[int, str], ...]) -> RangeParts | None:
+        """`range_parts`, uncached."""
+        zeros, remats, grid = _grid(choices)
+        if not grid:
+            return None
+        key = (cfg.tp, cfg.zero_shards, zeros, True)
+        if key not in self._states:
+            self._states[key] = self._stacked_states(cfg, zeros, True)
+        parts = [self._parts(cfg, b, last, remat, True) for remat in remats]
+        shape = (len(self.ranges),)
+        per_held, once, working = (np.stack([full(p[k], shape) for p in parts]) for k in range(3))
+        return RangeParts(*self._states[key], per_held, once, working, tuple(p[3] for p in parts))
+
     def _at_ranges(self, values: np.ndarray | float, ranges: bool) -> np.ndarray | float:
         """`values` per [i, j] (an array or a number), or at the existing ranges alone."""
         if not ranges or not isinstance(values, np.ndarray):
             return values
-        return full(values, self.shape).reshape(-1)[self.ranges]
+        return full(values, self.shape).take(self.ranges)  # `take` flattens as `reshape(-1)` does
 
     def _stacked_states(self, cfg: StageConfig, zeros: tuple[int, ...], ranges: bool) -> tuple[np.ndarray, np.ndarray]:
         """(zeros, 1, ...) each ZeRO stage's state and workspace: they depend on the
