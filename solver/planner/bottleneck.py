@@ -20,6 +20,19 @@ from solver.cost.stage_costs import INF
 _BLOCK = 16  # candidate step times priced at once
 
 
+class LastStage(NamedTuple):
+    """A pipeline's last stage (`LowerBounds._last_stage`): its least one-layer time and
+    increment per further layer, plain and recomputing, over the model's last runs,
+    and its rooms per candidate step time of its group."""
+
+    first: float
+    first_remat: float
+    step: float
+    step_remat: float
+    rooms: np.ndarray
+    rooms_remat: np.ndarray
+
+
 class Group(NamedTuple):
     """What a set of layouts' bounds share, whatever their order."""
 
@@ -35,19 +48,7 @@ class Group(NamedTuple):
     remat_rooms: np.ndarray
     index: dict[tuple, int]  # a layout (`bounds.KindLayout`) -> its row
     rows: dict[tuple, np.ndarray]  # per row of these layouts, each stage's position in the arrays above
-
-
-class LastStage(NamedTuple):
-    """A pipeline's last stage (`LowerBounds._last_stage`): its least one-layer time and
-    increment per further layer, plain and recomputing, over the model's last runs,
-    and its rooms per candidate step time of its group."""
-
-    first: float
-    first_remat: float
-    step: float
-    step_remat: float
-    rooms: np.ndarray
-    rooms_remat: np.ndarray
+    lasts: dict[tuple, LastStage]  # per layout, its figures as a pipeline's last stage (`LowerBounds._last_stage`)
 
 
 def least_steps(group: Group, at: np.ndarray, n: np.ndarray, nr: np.ndarray, m: int, layers: int, offsets: np.ndarray,

@@ -85,6 +85,8 @@ class LowerBounds:
         self.costs = costs
         self._fitting: dict[tuple[KindLayout, int, int], tuple[int, int]] = {}
         self._runs: dict[tuple, StageRuns] = {}
+        self._layout_runs: dict[tuple[KindLayout, int], StageRuns] = {}
+        self._tail_held: dict[KindLayout, np.ndarray] = {}
         self._tails: dict[StageConfig, np.ndarray] = {}
         self._groups: dict[tuple, Group] = {}
         self._bases: dict[tuple[tuple[KindLayout, ...], int], tuple[np.ndarray, ...]] = {}
@@ -94,12 +96,11 @@ class LowerBounds:
         self._grids: dict[tuple[int, tuple[str, ...]], np.ndarray] = {}
         self._tail_values: np.ndarray | None = None
         self._held_tails: dict[StageConfig, np.ndarray] = {}
-        self._lasts: dict[tuple[KindLayout, int], LastStage] = {}
         self._envelopes: dict[tuple[tuple[KindLayout, ...], int], tuple[np.ndarray, float, np.ndarray]] = {}
         self._least_tails: dict[tuple[KindLayout, ...], float] = {}
         self._paces: dict[tuple[StageConfig, int], tuple[float, float, float]] = {}
         self._interleaved: dict[tuple[tuple[KindLayout, ...], int, int], tuple[float, float]] = {}
-        self._states: dict[StageConfig, np.ndarray] = {}
+        self._states: dict[KindLayout, np.ndarray] = {}
 
     def bound(self, layouts: tuple[KindLayout, ...], m: int, b: int, schedule: str) -> float:
         """No split of any order of these stages is faster than this under `schedule`
@@ -240,12 +241,12 @@ class LowerBounds:
                 raise ValueError(f"a layout's data-parallel degree does not divide the microbatch of {b}: no pipeline runs it")
             tail_grid, layers = self._tail_grid(), self.costs.n
             counts = np.array([lay.stages for lay in layouts], dtype=float)
-            runs = self._all_runs(tuple(lay.config for lay in layouts), b)
+            runs = self._runs_of(layouts, b)
             fitting = self._fit_all(layouts, b, range(1, 2))[:, 0].astype(float)
             q, fit, fit_remat = np.arange(1, layers + 1), fitting[:, :1], fitting[:, 1:]
             least = np.minimum(np.where(q <= fit, np.array([r.floor for r in runs]), INF),
                                np.where(q <= fit_remat, np.array([r.floor_remat for r in runs]), INF))
-            held = [lay.stages * self._tail_rooms(lay.config) for lay in layouts]
+            held = [self._layout_tails(lay) for lay in layouts]
             plain = fitting[:, 0] >= 1  # a stage that cannot hold one layer without recomputing recomputes
             self._bases[key] = (
                 counts, least, np.array(held).reshape(len(layouts), len(tail_grid)),
@@ -412,13 +413,13 @@ class LowerBounds:
             return self._groups[layouts, b]
         key = (tuple(sorted(layouts)), b)
         if key not in self._groups:
-            each = [self._stage_runs(lay.config, b) for lay in key[0]]
+            each = self._runs_of(key[0], b)
             steps = np.unique(np.concatenate([r.time for r in each] + [r.remat for r in each]))
             rooms = counts_within(np.array([r.floor for r in each] + [r.floor_remat for r in each]), steps * FITS_TOL)
             self._groups[key] = Group(
                 steps, self._least_tail(key[0]), np.array([r.time[0] for r in each]), np.array([r.remat[0] for r in each]),
                 np.array([r.step for r in each]), np.array([r.step_remat for r in each]), rooms[: len(each)], rooms[len(each) :],
-                {lay: i for i, lay in enumerate(key[0])}, {})
+                {lay: i for i, lay in enumerate(key[0])}, {}, {})
         self._groups[layouts, b] = self._groups[key]
         return self._groups[key]
 
@@ -432,15 +433,14 @@ class LowerBounds:
         largest candidate t <= M, where its last stage's run (<= M, below the next
         candidate) has room (as its least run, a candidate <= M, has at t: the rooms
         are the lesser of the two)."""
-        key = (last, id(group))  # (a group is kept as long as the bounds: its id stays its own)
-        if key not in self._lasts:
-            steps = group.steps
-            r = self._stage_runs(last.config, b)
-            above = np.append(steps[1:], INF)
-            rooms = counts_within(np.array([r.last_floor, r.last_floor_remat]), above * FITS_TOL)
-            self._lasts[key] = LastStage(float(r.last[0]), float(r.last_remat[0]), r.last_step, r.last_step_remat,
-                                          rooms[0], rooms[1])
-        return self._lasts[key]
+        if last not in group.lasts:  # every layout of the group at once: an order's last stage is any of them
+            layouts = tuple(group.index)
+            runs = self._runs_of(layouts, b)
+            above = np.append(group.steps[1:], INF)
+            rooms = counts_within(np.array([r.last_floor for r in runs] + [r.last_floor_remat for r in runs]), above * FITS_TOL)
+            group.lasts.update((lay, LastStage(float(r.last[0]), float(r.last_remat[0]), r.last_step, r.last_step_remat,
+                                               rooms[i], rooms[len(runs) + i])) for i, (lay, r) in enumerate(zip(layouts, runs)))
+        return group.lasts[last]
 
     def _least_tail(self, layouts: tuple[KindLayout, ...]) -> float:
         """The least u such that stages whose every run costs at most u in tail (and
@@ -448,10 +448,17 @@ class LowerBounds:
         all the layers: the slowest tail is at least that."""
         if layouts not in self._least_tails:
             candidates = self._tail_grid()
-            held = sum(lay.stages * self._tail_rooms(lay.config) for lay in layouts)
+            held = sum(self._layout_tails(lay) for lay in layouts)
             enough = np.nonzero(held >= self.costs.n)[0]
             self._least_tails[layouts] = float(candidates[enough[0]]) if enough.size else 0.0
         return self._least_tails[layouts]
+
+    def _layout_tails(self, lay: KindLayout) -> np.ndarray:
+        """Per candidate tail, the most layers all of a layout's stages hold within it
+        (kept per layout: every group and kind asks it, and a layout's key hashes in C)."""
+        if lay not in self._tail_held:
+            self._tail_held[lay] = lay.stages * self._tail_rooms(lay.config)
+        return self._tail_held[lay]
 
     def _tail_rooms(self, cfg: StageConfig) -> np.ndarray:
         """Per candidate tail (`_tail_grid`), the most layers one such stage holds within it."""
@@ -485,6 +492,18 @@ class LowerBounds:
         if key not in self._runs:
             self._all_runs((cfg,), b)
         return self._runs[key]
+
+    def _runs_of(self, layouts: tuple[KindLayout, ...], b: int) -> list[StageRuns]:
+        """`_stage_runs` of each layout, kept per (layout, b) too: `times_key` builds and
+        hashes a StageConfig (a dataclass, hashed in Python) per ask, and the groups and
+        kinds ask each layout hundreds of times."""
+        known = self._layout_runs
+        try:
+            return [known[lay, b] for lay in layouts]
+        except KeyError:
+            runs = self._all_runs(tuple(lay.config for lay in layouts), b)
+            known.update(((lay, b), r) for lay, r in zip(layouts, runs))
+            return runs
 
     def _all_runs(self, configs: tuple[StageConfig, ...], b: int) -> list[StageRuns]:
         """`_stage_runs` of each of `configs`, those not yet priced in one array pass
@@ -531,16 +550,16 @@ class LowerBounds:
         stage's whatever its microbatch (`_state_bytes`); the activations scale with
         its examples per device, as `StageCosts.per_layer` scales them."""
         c, p = self.costs, self.problem
-        fits = layers_fitting([c.capacity(lay.kind) for lay in layouts], np.array([self._state_bytes(lay.config, b) for lay in layouts]),
+        fits = layers_fitting([c.capacity(lay.kind) for lay in layouts], np.array([self._state_bytes(lay, b) for lay in layouts]),
                               c.saved, c.inputs, c.recomputed, np.array([b / lay.dp / lay.tp for lay in layouts]),  # per_layer's shard
                               np.array(counts), not p.force_remat, p.allow_remat or p.force_remat)
         for lay, row in zip(layouts, fits.tolist()):
             self._fitting.update(((lay, b, k), tuple(fit)) for k, fit in zip(counts, row))
         return fits
 
-    def _state_bytes(self, cfg: StageConfig, b: int) -> np.ndarray:
-        """`StageCosts.per_layer(cfg, ...).state`, the same at every microbatch size:
-        read at the first asked (`b`), kept per stage."""
-        if cfg not in self._states:
-            self._states[cfg] = self.costs.per_layer(cfg, b).state
-        return self._states[cfg]
+    def _state_bytes(self, lay: KindLayout, b: int) -> np.ndarray:
+        """`StageCosts.per_layer(lay.config, ...).state`, the same at every microbatch
+        size: read at the first asked (`b`), kept per layout."""
+        if lay not in self._states:
+            self._states[lay] = self.costs.per_layer(lay.config, b).state
+        return self._states[lay]
