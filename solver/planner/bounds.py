@@ -92,6 +92,8 @@ class LowerBounds:
         self._bases: dict[tuple[tuple[KindLayout, ...], int], tuple[np.ndarray, ...]] = {}
         self._held: dict[tuple[str, int, int], tuple[int, ...]] = {}
         self._sends: dict[tuple[StageConfig, StageConfig, int], float] = {}
+        self._pair_sends: dict[tuple[KindLayout, KindLayout, int], float] = {}
+        self._fit_rows: dict[tuple[KindLayout, int, tuple[int, ...]], np.ndarray] = {}
         self._kinds: dict[tuple[tuple[KindLayout, ...], int, tuple[str, ...]], _KindArrays] = {}
         self._grids: dict[tuple[int, tuple[str, ...]], np.ndarray] = {}
         self._tail_values: np.ndarray | None = None
@@ -306,13 +308,33 @@ class LowerBounds:
         per order), and its cuts' least sends both ways."""
         count = sum(lay.stages for lay in orders[0])
         held = self._in_flight(schedule, m, count)
-        layouts = list(orders[0])
+        layouts = orders[0]
         at = {lay: i for i, lay in enumerate(layouts)}
-        each = np.array([[self._layers_fitting(lay, b, k) for k in held] for lay in layouts], dtype=float)
-        pair = {(x, y): self._least_send(x.config, y.config, b) for x in layouts for y in layouts}
-        rows = [[lay for lay in order for _ in range(lay.stages)] for order in orders]
-        sends = np.array([2 * sum(pair[a, c] for a, c in zip(row, row[1:])) for row in rows])
-        return each[np.array([[at[lay] for lay in row] for row in rows]), np.arange(count)], sends
+        each = np.stack([self._fit_row(lay, b, held) for lay in layouts])
+        pair = np.array([[self._pair_send(x, y, b) for y in layouts] for x in layouts])
+        slots = np.array([[at[lay] for lay in order] for order in orders])
+        # each order's stages, a layout's slot repeated over its stages
+        rows = np.repeat(slots.ravel(), np.array([lay.stages for lay in layouts])[slots].ravel()).reshape(len(orders), count)
+        # the cuts' sends summed left to right, as a running sum adds them
+        sends = 2 * np.cumsum(pair[rows[:, :-1], rows[:, 1:]], axis=1)[:, -1] if count > 1 else np.zeros(len(orders))
+        return each[rows, np.arange(count)], sends
+
+    def _fit_row(self, lay: KindLayout, b: int, held: tuple[int, ...]) -> np.ndarray:
+        """[position, 2]: `_layers_fitting` of a layout at each position's count of
+        microbatches in flight (an order's positions; each layout of a set meets the
+        same counts in each of its orders, at every m)."""
+        key = (lay, b, held)
+        if key not in self._fit_rows:
+            self._fit_rows[key] = np.array([self._layers_fitting(lay, b, k) for k in held], dtype=float)
+        return self._fit_rows[key]
+
+    def _pair_send(self, x: KindLayout, y: KindLayout, b: int) -> float:
+        """`_least_send` between two layouts' stages, kept per pair of layouts (whose
+        keys hash in C; a StageConfig, a dataclass, hashes in Python)."""
+        key = (x, y, b)
+        if key not in self._pair_sends:
+            self._pair_sends[key] = self._least_send(x.config, y.config, b)
+        return self._pair_sends[key]
 
     def _bounds(self, rows: list[tuple[KindLayout, ...]], fitting: np.ndarray, m: int, b: int, offsets: np.ndarray,
                 beat: float, lasts: list[LastStage] | None = None, group: Group | None = None) -> np.ndarray:
