@@ -29,7 +29,8 @@ from solver import schedules as registry
 from solver.planner.problem import Problem
 from solver.cost.stage_costs import INF, StageConfig, StageCosts, in_flight
 from solver.planner.bottleneck import Group, LastStage, least_steps
-from solver.planner.rows import StageRuns, counts_within, layers_fitting, least_for_counts, least_runs_rows, most_within, stage_runs
+from solver.planner.rows import (StageRuns, counts_within, layers_fitting, least_for_counts, least_runs_rows, most_within, sorted_unique,
+                                 stage_runs)
 from solver.planner.runs import FITS_TOL, balanced_pace, first_enough, least_runs, longest
 
 _BELOW = 1 - 1e-9  # a floor kept below what it bounds despite rounding (and `FITS_TOL`)
@@ -436,12 +437,11 @@ class LowerBounds:
         key = (tuple(sorted(layouts)), b)
         if key not in self._groups:
             each = self._runs_of(key[0], b)
-            steps = np.unique(np.concatenate([r.time for r in each] + [r.remat for r in each]))
+            steps = sorted_unique(np.concatenate([r.time for r in each] + [r.remat for r in each]))
             rooms = counts_within(np.array([r.floor for r in each] + [r.floor_remat for r in each]), steps * FITS_TOL)
-            self._groups[key] = Group(
-                steps, self._least_tail(key[0]), np.array([r.time[0] for r in each]), np.array([r.remat[0] for r in each]),
-                np.array([r.step for r in each]), np.array([r.step_remat for r in each]), rooms[: len(each)], rooms[len(each) :],
-                {lay: i for i, lay in enumerate(key[0])}, {}, {})
+            firsts, firsts_remat, rates, rates_remat = np.array([(r.time[0], r.remat[0], r.step, r.step_remat) for r in each]).T.copy()
+            self._groups[key] = Group(steps, self._least_tail(key[0]), firsts, firsts_remat, rates, rates_remat, rooms[: len(each)],
+                                      rooms[len(each) :], {lay: i for i, lay in enumerate(key[0])}, {}, {})
         self._groups[layouts, b] = self._groups[key]
         return self._groups[key]
 
@@ -470,9 +470,9 @@ class LowerBounds:
         all the layers: the slowest tail is at least that."""
         if layouts not in self._least_tails:
             candidates = self._tail_grid()
-            held = sum(self._layout_tails(lay) for lay in layouts)
-            enough = np.nonzero(held >= self.costs.n)[0]
-            self._least_tails[layouts] = float(candidates[enough[0]]) if enough.size else 0.0
+            held = sum(self._layout_tails(lay) for lay in layouts)  # nondecreasing along the candidates
+            enough = int(held.searchsorted(self.costs.n))
+            self._least_tails[layouts] = float(candidates[enough]) if enough < len(candidates) else 0.0
         return self._least_tails[layouts]
 
     def _layout_tails(self, lay: KindLayout) -> np.ndarray:

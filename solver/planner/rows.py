@@ -41,6 +41,20 @@ def counts_within(rows: np.ndarray, limits: np.ndarray) -> np.ndarray:
 _SHORT = 512  # grid positions up to which counting per position is the cheaper (a group's grid; a product's is longer)
 
 
+def sorted_unique(values: np.ndarray) -> np.ndarray:
+    """`np.unique` of a 1-D float array, sorted in place (`values` is the caller's
+    scratch) and without `np.unique`'s own layers of calls, which cost a group of
+    layouts more than its sort: the same sort and the same first of each run of equal
+    entries, so the same array bit for bit (NaN, which `np.unique` merges, goes to it)."""
+    values.sort()
+    if not values.size or np.isnan(values[-1]):
+        return np.unique(values)
+    keep = np.empty(len(values), dtype=bool)
+    keep[0] = True
+    np.not_equal(values[1:], values[:-1], out=keep[1:])
+    return values[keep]
+
+
 def most_within(runs: np.ndarray, limits: np.ndarray, tol: float) -> np.ndarray:
     """[row, t]: the most layers n whose least run `runs[row, n - 1]` stays within
     `limits[t]` (ascending) times `tol`."""
