@@ -103,7 +103,7 @@ class LowerBounds:
         self._least_tails: dict[tuple[KindLayout, ...], float] = {}
         self._paces: dict[tuple[StageConfig, int], tuple[float, float, float]] = {}
         self._interleaved: dict[tuple[tuple[KindLayout, ...], int, int], tuple[float, float]] = {}
-        self._states: dict[KindLayout, np.ndarray] = {}
+        self._states: dict[KindLayout, tuple[int, np.ndarray]] = {}
 
     def bound(self, layouts: tuple[KindLayout, ...], m: int, b: int, schedule: str) -> float:
         """No split of any order of these stages is faster than this under `schedule`
@@ -251,10 +251,11 @@ class LowerBounds:
                                np.where(q <= fit_remat, np.array([r.floor_remat for r in runs]), INF))
             held = [self._layout_tails(lay) for lay in layouts]
             plain = fitting[:, 0] >= 1  # a stage that cannot hold one layer without recomputing recomputes
+            heads = np.array([(r.time[0], r.remat[0], r.step, r.step_remat) for r in runs]).reshape(len(layouts), 4)
             self._bases[key] = (
                 counts, least, np.array(held).reshape(len(layouts), len(tail_grid)),
-                counts * np.where(plain, [r.time[0] for r in runs], [r.remat[0] for r in runs]),
-                np.where(plain, [r.step for r in runs], [r.step_remat for r in runs]),
+                counts * np.where(plain, heads[:, 0], heads[:, 1]),
+                np.where(plain, heads[:, 2], heads[:, 3]),
                 counts * (fitting.max(axis=1) - 1),
             )
         return self._bases[key]
@@ -569,19 +570,20 @@ class LowerBounds:
         """[layout, count, 2]: `_layers_fitting` of each of `layouts` at each count of
         microbatches in flight, in one array pass (`rows.layers_fitting`; a kind's
         layouts are all asked at every microbatch size). The state per layer is the
-        stage's whatever its microbatch (`_state_bytes`); the activations scale with
+        stage's whatever its microbatch (`_memory`); the activations scale with
         its examples per device, as `StageCosts.per_layer` scales them."""
         c, p = self.costs, self.problem
-        fits = layers_fitting([c.capacity(lay.kind) for lay in layouts], np.array([self._state_bytes(lay, b) for lay in layouts]),
+        memory = [self._memory(lay, b) for lay in layouts]
+        fits = layers_fitting([cap for cap, _ in memory], np.array([state for _, state in memory]),
                               c.saved, c.inputs, c.recomputed, np.array([b / lay.dp / lay.tp for lay in layouts]),  # per_layer's shard
                               np.array(counts), not p.force_remat, p.allow_remat or p.force_remat)
-        for lay, row in zip(layouts, fits.tolist()):
-            self._fitting.update(((lay, b, k), tuple(fit)) for k, fit in zip(counts, row))
+        self._fitting.update(zip([(lay, b, k) for lay in layouts for k in counts], map(tuple, fits.reshape(-1, 2).tolist())))
         return fits
 
-    def _state_bytes(self, lay: KindLayout, b: int) -> np.ndarray:
-        """`StageCosts.per_layer(lay.config, ...).state`, the same at every microbatch
-        size: read at the first asked (`b`), kept per layout."""
+    def _memory(self, lay: KindLayout, b: int) -> tuple[int, np.ndarray]:
+        """A layout's bytes per device (`StageCosts.capacity`) and
+        `StageCosts.per_layer(lay.config, ...).state`, the same at every microbatch size:
+        read at the first asked (`b`), kept per layout (a kind's layouts meet every size)."""
         if lay not in self._states:
-            self._states[lay] = self.costs.per_layer(lay.config, b).state
+            self._states[lay] = self.costs.capacity(lay.kind), self.costs.per_layer(lay.config, b).state
         return self._states[lay]
