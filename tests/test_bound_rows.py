@@ -58,6 +58,10 @@ def test_counts_within_a_long_grid_are_the_searches_of_each_row():
     expected = np.array([np.searchsorted(r, limits, side="right") for r in rows])
     assert len(limits) > 512 and np.array_equal(counts_within(rows, limits), expected)
     assert np.array_equal(counts_within(rows, limits[:400]), expected[:, :400])  # the short grid's way
+    scale = rng.integers(1, 40, len(rows)).astype(float)  # a kind's stages per layout (`LowerBounds._kind_arrays`)
+    for grid in (limits, limits[:400]):
+        scaled = counts_within(rows, grid, scale)
+        assert scaled.dtype == float and np.array_equal(scaled, scale[:, None] * counts_within(rows, grid))
 
 
 def test_least_for_counts_is_the_envelope_of_the_layouts():

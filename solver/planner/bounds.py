@@ -229,7 +229,7 @@ class LowerBounds:
         if key not in self._kinds:
             grid = self._time_grid(b, kinds)
             counts, least, held, firsts, rates, extra = self._kind_base(layouts, b)
-            rooms = counts[:, None] * counts_within(least, grid * FITS_TOL)  # `least`'s rows are nondecreasing
+            rooms = counts_within(least, grid * FITS_TOL, counts)  # `least`'s rows are nondecreasing
             self._kinds[key] = _KindArrays(counts, rooms, held, firsts, rates, extra)
         return self._kinds[key]
 

@@ -19,7 +19,7 @@ def nondecreasing_rows(rows: np.ndarray) -> np.ndarray:
     return np.minimum.accumulate(rows[:, ::-1], axis=1)[:, ::-1]
 
 
-def counts_within(rows: np.ndarray, limits: np.ndarray) -> np.ndarray:
+def counts_within(rows: np.ndarray, limits: np.ndarray, scale: np.ndarray | None = None) -> np.ndarray:
     """[row, t]: how many entries of the row are at most `limits[t]`, which is
     `np.searchsorted(row, limits, side="right")`; every row nondecreasing, `limits`
     ascending, no NaN anywhere. One search of every entry into the limits gives, per
@@ -27,15 +27,20 @@ def counts_within(rows: np.ndarray, limits: np.ndarray) -> np.ndarray:
     grid the steps are counted per position and summed along it; on a long one (the
     product tables' thousands of times) the counts are laid out run by run instead
     (a row's k-th run, k entries within, as long as the gap between its k-th and
-    k+1-th steps), one pass however long the grid."""
+    k+1-th steps), one pass however long the grid. With `scale` (one factor per row),
+    each row's counts times its factor, as floats: on a long grid the scaled counts
+    are what is laid out, not a second array of the grid's size multiplied after (the
+    same products: small whole numbers times whole-valued factors are exact)."""
     size, (count, n) = len(limits), rows.shape
     at = np.searchsorted(limits, rows, side="left")
     if size <= _SHORT:
         flat = (at + (size + 1) * np.arange(count)[:, None]).ravel()
-        return np.cumsum(np.bincount(flat, minlength=count * (size + 1)).reshape(count, size + 1)[:, :size], axis=1)
+        counts = np.cumsum(np.bincount(flat, minlength=count * (size + 1)).reshape(count, size + 1)[:, :size], axis=1)
+        return counts if scale is None else scale[:, None] * counts
     edges = np.empty((count, n + 2), dtype=np.intp)
     edges[:, 0], edges[:, -1], edges[:, 1:-1] = 0, size, at
-    return np.repeat(np.tile(np.arange(n + 1), count), np.diff(edges, axis=1).ravel()).reshape(count, size)
+    values = np.tile(np.arange(n + 1), count) if scale is None else (scale[:, None] * np.arange(n + 1)).ravel()
+    return np.repeat(values, np.diff(edges, axis=1).ravel()).reshape(count, size)
 
 
 _SHORT = 512  # grid positions up to which counting per position is the cheaper (a group's grid; a product's is longer)
