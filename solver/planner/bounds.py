@@ -97,6 +97,7 @@ class LowerBounds:
         self._fit_rows: dict[tuple[KindLayout, int, tuple[int, ...]], np.ndarray] = {}
         self._kinds: dict[tuple[tuple[KindLayout, ...], int, tuple[str, ...]], _KindArrays] = {}
         self._grids: dict[tuple[int, tuple[str, ...]], np.ndarray] = {}
+        self._kind_layouts: dict[str, list[KindLayout]] = {}
         self._tail_values: np.ndarray | None = None
         self._held_tails: dict[StageConfig, np.ndarray] = {}
         self._envelopes: dict[tuple[tuple[KindLayout, ...], int], tuple[np.ndarray, float, np.ndarray]] = {}
@@ -266,10 +267,16 @@ class LowerBounds:
         if (b, kinds) not in self._grids:  # each kind's once per size, the sets of kinds it is in merging them
             for k in kinds:
                 if (b, (k,)) not in self._grids:
-                    runs = self._all_runs(tuple(lay.config for lay in kind_layouts(self.problem, k) if b % lay.dp == 0), b)
-                    self._grids[b, (k,)] = np.unique(np.concatenate([np.zeros(0)] + [r.time for r in runs] + [r.remat for r in runs]))
-            self._grids[b, kinds] = np.unique(np.concatenate([self._grids[b, (k,)] for k in kinds]))
+                    runs = self._runs_of(tuple(lay for lay in self._layouts_of(k) if b % lay.dp == 0), b)
+                    self._grids[b, (k,)] = sorted_unique(np.concatenate([np.zeros(0)] + [r.time for r in runs] + [r.remat for r in runs]))
+            self._grids[b, kinds] = sorted_unique(np.concatenate([self._grids[b, (k,)] for k in kinds]))
         return self._grids[b, kinds]
+
+    def _layouts_of(self, kind: str) -> list[KindLayout]:
+        """`kind_layouts` of a kind, kept (each kind's grid is made at every microbatch size)."""
+        if kind not in self._kind_layouts:
+            self._kind_layouts[kind] = kind_layouts(self.problem, kind)
+        return self._kind_layouts[kind]
 
     def _tail_grid(self) -> np.ndarray:
         """Every least tail of every layout: the tail bound of any combination is one of
