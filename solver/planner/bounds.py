@@ -130,10 +130,10 @@ class LowerBounds:
         for chosen in by_count.values():
             rows = [sets[i] for i in chosen]
             group = self._group(rows[0] if len(rows) == 1 else tuple({lay for row in rows for lay in row}), b)
-            fitting = np.stack([np.repeat(np.array([self._layers_fitting(lay, b, 1) for lay in row], dtype=float),
-                                          [lay.stages for lay in row], axis=0) for row in rows])
+            at = np.stack([self._row_layouts(row, group) for row in rows])  # each stage's layout in the group's arrays
+            fitting = np.array([self._layers_fitting(lay, b, 1) for lay in group.index], dtype=float)[at]
             tails = np.array([self._least_tail(tuple(sorted(row))) for row in rows])
-            out[chosen] = self._bounds(rows, fitting, m, b, tails, INF, group=group)
+            out[chosen] = self._bounds(rows, fitting, m, b, tails, INF, group=group, at=at)
         return out
 
     def product_bounds(self, per_kind: list[list[KindLayout]], m: int, b: int, schedule: str) -> list[tuple[float, tuple[KindLayout, ...]]]:
@@ -307,14 +307,17 @@ class LowerBounds:
         if registry.get(schedule).interleaved:
             return np.array([self.bound(order, m, b, schedule) for order in orders])
         group = self._group(orders[0], b)
-        fitting, sends = self._order_parts(orders, m, b, schedule)
+        fitting, sends, slots = self._order_parts(orders, m, b, schedule)
+        at = np.array([group.index[lay] for lay in orders[0]])[slots]  # each stage's layout in the group's arrays
         return self._bounds(orders, fitting, m, b, sends + group.tail, beat,
-                            [self._last_stage(order[-1], group, b) for order in orders] if last else None, group)
+                            [self._last_stage(order[-1], group, b) for order in orders] if last else None, group, at)
 
-    def _order_parts(self, orders: list[tuple[KindLayout, ...]], m: int, b: int, schedule: str) -> tuple[np.ndarray, np.ndarray]:
+    def _order_parts(self, orders: list[tuple[KindLayout, ...]], m: int, b: int,
+                     schedule: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per order of one set: the most layers each stage holds (plain, recomputing) with
         its position's microbatches in flight (each layout's at every position, picked
-        per order), and its cuts' least sends both ways."""
+        per order), its cuts' least sends both ways, and each stage's layout (its place
+        in the first order)."""
         count = sum(lay.stages for lay in orders[0])
         held = self._in_flight(schedule, m, count)
         layouts = orders[0]
@@ -326,7 +329,7 @@ class LowerBounds:
         rows = np.repeat(slots.ravel(), np.array([lay.stages for lay in layouts])[slots].ravel()).reshape(len(orders), count)
         # the cuts' sends summed left to right, as a running sum adds them
         sends = 2 * np.cumsum(pair[rows[:, :-1], rows[:, 1:]], axis=1)[:, -1] if count > 1 else np.zeros(len(orders))
-        return each[rows, np.arange(count)], sends
+        return each[rows, np.arange(count)], sends, rows
 
     def _fit_row(self, lay: KindLayout, b: int, held: tuple[int, ...]) -> np.ndarray:
         """[position, 2]: `_layers_fitting` of a layout at each position's count of
@@ -346,14 +349,16 @@ class LowerBounds:
         return self._pair_sends[key]
 
     def _bounds(self, rows: list[tuple[KindLayout, ...]], fitting: np.ndarray, m: int, b: int, offsets: np.ndarray,
-                beat: float, lasts: list[LastStage] | None = None, group: Group | None = None) -> np.ndarray:
+                beat: float, lasts: list[LastStage] | None = None, group: Group | None = None,
+                at: np.ndarray | None = None) -> np.ndarray:
         """Per row of layouts (rows of as many stages; the layouts all in `group`, by
         default the first row's set): the least (m - 1) t + summed stage times over
         candidate bottlenecks t (the group's), plus the row's offset (its tail's bound
         and sends); `fitting` (rows x stages x 2): the most layers each stage holds
         without and with recomputation; `lasts`: each row's last stage's own figures
-        (`_last_stage`, on the group of the row's own set), where the order is known.
-        (Plain schedules only: an interleaved schedule's tail is its device groups'
+        (`_last_stage`, on the group of the row's own set), where the order is known;
+        `at`: each row's stages' layouts in the group's arrays, where the caller has
+        them (`_row_layouts` otherwise). (Plain schedules only: an interleaved schedule's tail is its device groups'
         chunks' tails summed, and its fill is 1/v, so these bounds do not hold for it.)"""
         layers = self.costs.n
         out = np.full(len(rows), INF)
@@ -367,7 +372,7 @@ class LowerBounds:
         if not live.size:
             return out
         n, nr, offsets = n[live], nr[live], offsets[live]
-        at = np.stack([self._row_layouts(rows[i], group) for i in live])  # each stage's layout in the group's arrays
+        at = np.stack([self._row_layouts(rows[i], group) for i in live]) if at is None else at[live]
         out[live] = least_steps(group, at, n, nr, m, layers, offsets, beat, None if lasts is None else [lasts[i] for i in live])
         return out
 
