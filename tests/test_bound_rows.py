@@ -128,3 +128,16 @@ def test_first_enough_is_the_first_grid_position_each_combination_holds_every_la
     expected = np.where((totals >= layers).any(axis=1), (totals >= layers).argmax(axis=1), size)
     assert np.array_equal(first_enough(rooms, index, size, layers), expected)
     assert 0 < (expected < size).sum() < len(expected)  # some combinations hold every layer, some never do
+
+
+def test_first_enough_matches_a_scan_at_every_grid_size():
+    rng = np.random.default_rng(6)
+    for size in (1, 2, 3, 7, 8, 9, 63, 64, 65, 300):
+        rooms = [np.sort(rng.integers(0, 7, (5, size)), axis=1) for _ in range(3)]
+        index = np.indices([5, 5, 5]).reshape(3, -1)
+        totals = sum(r[i] for r, i in zip(rooms, index))
+        layers = int(np.median(totals[:, -1]))
+        expected = np.where((totals >= layers).any(axis=1), (totals >= layers).argmax(axis=1), size)
+        assert np.array_equal(first_enough(rooms, index, size, layers), expected)
+        assert np.array_equal(first_enough(rooms, index, size, 0), np.zeros(index.shape[1]))  # the first position holds 0
+    assert first_enough([np.zeros((2, 0))], np.array([[0, 1]]), 0, 3).tolist() == [0, 0]  # an empty grid
