@@ -98,6 +98,16 @@ def test_stage_runs_match_the_one_stage_sums_bit_for_bit():
     assert least_steps(np.zeros((2, 1))) == [0.0, 0.0]
 
 
+def test_least_runs_rows_read_in_place_are_each_rows_diagonals():
+    rng = np.random.default_rng(7)
+    for n in (1, 2, 5, 17):
+        values = rng.random((4, n + 1, n + 1))
+        expected = np.array([least_runs_of(v) for v in values])
+        assert np.array_equal(least_runs_rows(values), expected)
+        assert np.array_equal(least_runs_rows(values[::2]), expected[::2])  # a strided view, made contiguous first
+        assert np.array_equal(least_runs_rows(np.swapaxes(values, 1, 2).copy().swapaxes(1, 2)), expected)
+
+
 def test_layers_fitting_matches_the_one_stage_count():
     rng = np.random.default_rng(3)
     n = 8

@@ -125,11 +125,17 @@ def run_spans(forward: np.ndarray, backward: np.ndarray, fused: list[np.ndarray 
 def least_runs_rows(values: np.ndarray) -> np.ndarray:
     """[row, n - 1]: the least sum of any n consecutive entries, of each span matrix of
     `values` (rows x (n + 1) x (n + 1)): the least of its n-th diagonal above the main
-    one, all diagonals at once."""
-    n = values.shape[1] - 1
-    first, length = np.arange(n)[None, :], np.arange(1, n + 1)[:, None]
-    last = first + length
-    return np.where(last <= n, values[:, first, np.minimum(last, n)], np.inf).min(axis=2)
+    one, all diagonals at once: read in place (a strided view: entry [n - 1, i] is
+    [i, i + n], one row and one column further per i), not gathered into a copy; the
+    view's entries past a diagonal's end (i + n > n: the next rows' entries, still
+    inside the contiguous block) are masked out."""
+    values = np.ascontiguousarray(values)
+    rows, n = values.shape[0], values.shape[1] - 1
+    along, down, across = values.strides
+    diagonals = np.lib.stride_tricks.as_strided(values[:, 0, 1:], shape=(rows, n, n), strides=(along, across, down + across),
+                                                writeable=False)
+    within = np.arange(n)[None, :] + np.arange(1, n + 1)[:, None] <= n
+    return np.where(within, diagonals, np.inf).min(axis=2)
 
 
 def least_steps(runs: np.ndarray) -> list[float]:
