@@ -95,6 +95,7 @@ class LowerBounds:
         self._sends: dict[tuple[StageConfig, StageConfig, int], float] = {}
         self._pair_sends: dict[tuple[KindLayout, KindLayout, int], float] = {}
         self._fit_rows: dict[tuple[KindLayout, int, tuple[int, ...]], np.ndarray] = {}
+        self._fit_tables: dict[tuple[KindLayout, int], np.ndarray] = {}
         self._kinds: dict[tuple[tuple[KindLayout, ...], int, tuple[str, ...]], _KindArrays] = {}
         self._grids: dict[tuple[int, tuple[str, ...]], np.ndarray] = {}
         self._kind_layouts: dict[str, list[KindLayout]] = {}
@@ -246,7 +247,9 @@ class LowerBounds:
             tail_grid, layers = self._tail_grid(), self.costs.n
             counts = np.array([lay.stages for lay in layouts], dtype=float)
             runs = self._runs_of(layouts, b)
-            fitting = self._fit_all(layouts, b, range(1, 2))[:, 0].astype(float)
+            fits = self._fit_all(layouts, b, range(1, 2))[:, 0]
+            self._fitting.update(zip([(lay, b, 1) for lay in layouts], map(tuple, fits.tolist())))  # what a set's bound reads
+            fitting = fits.astype(float)
             q, fit, fit_remat = np.arange(1, layers + 1), fitting[:, :1], fitting[:, 1:]
             least = np.minimum(np.where(q <= fit, np.array([r.floor for r in runs]), INF),
                                np.where(q <= fit_remat, np.array([r.floor_remat for r in runs]), INF))
@@ -337,7 +340,7 @@ class LowerBounds:
         same counts in each of its orders, at every m)."""
         key = (lay, b, held)
         if key not in self._fit_rows:
-            self._fit_rows[key] = np.array([self._layers_fitting(lay, b, k) for k in held], dtype=float)
+            self._fit_rows[key] = self._fit_table(lay, b, max(held))[np.array(held) - 1].astype(float)
         return self._fit_rows[key]
 
     def _pair_send(self, x: KindLayout, y: KindLayout, b: int) -> float:
@@ -574,9 +577,19 @@ class LowerBounds:
         per microbatch and one microbatch's activations: capacity over the least bytes
         any one layer needs, under the ZeRO stage that shards the most."""
         key = (layout, b, in_flight_count)
-        if key not in self._fitting:  # an order asks each count up to its stages': all priced at once
-            self._fit_all((layout,), b, range(1, max(in_flight_count, self.costs.n) + 1))
+        if key not in self._fitting:
+            self._fitting[key] = tuple(self._fit_table(layout, b, in_flight_count)[in_flight_count - 1].tolist())
         return self._fitting[key]
+
+    def _fit_table(self, layout: KindLayout, b: int, most: int) -> np.ndarray:
+        """[count - 1, 2]: `_layers_fitting` of a layout at each count of microbatches
+        in flight, up to `most` at least (an order asks each count up to its stages':
+        every count up to the layers priced at once, kept as one array per layout and
+        size, not an entry per count)."""
+        table = self._fit_tables.get((layout, b))
+        if table is None or len(table) < most:
+            table = self._fit_tables[layout, b] = self._fit_all((layout,), b, range(1, max(most, self.costs.n) + 1))[0]
+        return table
 
     def _fit_all(self, layouts: tuple[KindLayout, ...], b: int, counts: range) -> np.ndarray:
         """[layout, count, 2]: `_layers_fitting` of each of `layouts` at each count of
@@ -586,11 +599,9 @@ class LowerBounds:
         its examples per device, as `StageCosts.per_layer` scales them."""
         c, p = self.costs, self.problem
         memory = [self._memory(lay, b) for lay in layouts]
-        fits = layers_fitting([cap for cap, _ in memory], np.array([state for _, state in memory]),
+        return layers_fitting([cap for cap, _ in memory], np.array([state for _, state in memory]),
                               c.saved, c.inputs, c.recomputed, np.array([b / lay.dp / lay.tp for lay in layouts]),  # per_layer's shard
                               np.array(counts), not p.force_remat, p.allow_remat or p.force_remat)
-        self._fitting.update(zip([(lay, b, k) for lay in layouts for k in counts], map(tuple, fits.reshape(-1, 2).tolist())))
-        return fits
 
     def _memory(self, lay: KindLayout, b: int) -> tuple[int, np.ndarray]:
         """A layout's bytes per device (`StageCosts.capacity`) and
