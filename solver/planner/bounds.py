@@ -104,6 +104,7 @@ class LowerBounds:
         self._envelopes: dict[tuple[tuple[KindLayout, ...], int], tuple[np.ndarray, float, np.ndarray]] = {}
         self._least_tails: dict[tuple[KindLayout, ...], float] = {}
         self._paces: dict[tuple[StageConfig, int], tuple[float, float, float]] = {}
+        self._layout_paces: dict[tuple[KindLayout, int], tuple[float, float, float]] = {}
         self._interleaved: dict[tuple[tuple[KindLayout, ...], int, int], tuple[float, float]] = {}
         self._states: dict[KindLayout, tuple[int, np.ndarray]] = {}
 
@@ -395,13 +396,13 @@ class LowerBounds:
         before they are built, from the least runs that bound every table entry.)"""
         key = (layouts, b, chunks)
         if key not in self._interleaved:  # what does not depend on m: the search asks each order at every m
-            configs, counts = [lay.config for lay in layouts], [lay.stages for lay in layouts]
+            counts = [lay.stages for lay in layouts]
             # the row's cuts: within each layout and between neighbours, v times over, and from the last group
             # back to the first, v - 1 times
-            once = sum(self._least_send(a, a, b) * (s - 1) for a, s in zip(configs, counts) if s > 1) + \
-                sum(self._least_send(a, c, b) for a, c in zip(configs, configs[1:]))
-            sends = 2 * (chunks * once + (chunks - 1) * self._least_send(configs[-1], configs[0], b))
-            paces = [self._least_pace(c, b) for c in configs]
+            once = sum(self._pair_send(a, a, b) * (s - 1) for a, s in zip(layouts, counts) if s > 1) + \
+                sum(self._pair_send(a, c, b) for a, c in zip(layouts, layouts[1:]))
+            sends = 2 * (chunks * once + (chunks - 1) * self._pair_send(layouts[-1], layouts[0], b))
+            paces = [self._layout_pace(lay, b) for lay in layouts]
             least = np.array([p[0] for p in paces])
             last = paces[-1][2]
             pace = max(chunks * float(least.max()), balanced_pace(self.costs.n, np.repeat([p[1] for p in paces], counts)),
@@ -409,6 +410,13 @@ class LowerBounds:
             self._interleaved[key] = (float((least * counts).sum()) + (last - float(least[-1])) / chunks + sends, pace)
         first, pace = self._interleaved[key]
         return (first + (m - 1 / chunks) * pace) * _BELOW
+
+    def _layout_pace(self, lay: KindLayout, b: int) -> tuple[float, float, float]:
+        """`_least_pace` of a layout's stages, kept per layout (whose key hashes in C)."""
+        key = (lay, b)
+        if key not in self._layout_paces:
+            self._layout_paces[key] = self._least_pace(lay.config, b)
+        return self._layout_paces[key]
 
     def _least_pace(self, cfg: StageConfig, b: int) -> tuple[float, float, float]:
         """One stage's least one-layer time, least time per layer over runs of any
