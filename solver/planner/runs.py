@@ -37,7 +37,7 @@ def first_enough(rooms: list[np.ndarray], index: np.ndarray, size: int, layers: 
     flats = [np.ascontiguousarray(r).reshape(-1) for r in rooms]
     starts = [i * size - 1 for i in index]  # a count c probes position c - 1
     count = np.zeros(index.shape[1], dtype=np.intp)
-    step = 1 << (size.bit_length() - 1) if size else 0
+    step = 1 << (int(size).bit_length() - 1) if size else 0
     while step:
         probe = np.minimum(count + step, size)  # past the grid: its last position (all fall short: `size`)
         total = flats[0].take(starts[0] + probe)
