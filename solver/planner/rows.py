@@ -167,11 +167,13 @@ def stage_runs(forward: np.ndarray, backward: np.ndarray, fused: list[np.ndarray
     """`StageRuns` of each stage (a row of `forward`, `backward`, `fused`: `run_spans`'),
     every field priced for all the stages at once."""
     both, rerun = run_spans(forward, backward, fused)
-    plain, remat = least_runs_rows(both), least_runs_rows(rerun)
-    n = both.shape[1] - 1
+    count, n = len(both), both.shape[1] - 1
+    plain, remat = np.split(least_runs_rows(np.concatenate([both, rerun])), 2)
     ends = np.arange(n - 1, -1, -1)  # where the last stage starts, holding 1, 2, ... layers
     last, last_remat = both[:, ends, n], rerun[:, ends, n]
-    fields = (plain, remat, least_steps(plain), least_steps(remat), last, last_remat, nondecreasing_rows(plain),
-              nondecreasing_rows(remat), least_steps(last), least_steps(last_remat), nondecreasing_rows(last),
-              nondecreasing_rows(last_remat))
+    # the four kinds of runs as rows of one array: each row's figures are its own (a least or a running least)
+    runs = np.concatenate([plain, remat, last, last_remat])
+    steps, floors = least_steps(runs), nondecreasing_rows(runs)
+    step, floor = [steps[i * count : (i + 1) * count] for i in range(4)], [floors[i * count : (i + 1) * count] for i in range(4)]
+    fields = (plain, remat, step[0], step[1], last, last_remat, floor[0], floor[1], step[2], step[3], floor[2], floor[3])
     return [StageRuns(*row) for row in zip(*fields)]
