@@ -29,8 +29,8 @@ from solver import schedules as registry
 from solver.planner.problem import Problem
 from solver.cost.stage_costs import INF, StageConfig, StageCosts, in_flight
 from solver.planner.bottleneck import Group, LastStage, least_steps
-from solver.planner.rows import (StageRuns, counts_within, layers_fitting, least_for_counts, least_runs_rows, most_within, sorted_unique,
-                                 stage_runs)
+from solver.planner.fitting import LayoutFits
+from solver.planner.rows import StageRuns, counts_within, least_for_counts, least_runs_rows, most_within, sorted_unique, stage_runs
 from solver.planner.runs import FITS_TOL, balanced_pace, first_enough, least_runs, longest
 
 _BELOW = 1 - 1e-9  # a floor kept below what it bounds despite rounding (and `FITS_TOL`)
@@ -84,7 +84,7 @@ class LowerBounds:
     def __init__(self, problem: Problem, costs: StageCosts):
         self.problem = problem
         self.costs = costs
-        self._fitting: dict[tuple[KindLayout, int, int], tuple[int, int]] = {}
+        self.fits = LayoutFits(problem, costs)
         self._runs: dict[tuple, StageRuns] = {}
         self._layout_runs: dict[tuple[KindLayout, int], StageRuns] = {}
         self._tail_held: dict[KindLayout, np.ndarray] = {}
@@ -94,8 +94,6 @@ class LowerBounds:
         self._held: dict[tuple[str, int, int], tuple[int, ...]] = {}
         self._sends: dict[tuple[StageConfig, StageConfig, int], float] = {}
         self._pair_sends: dict[tuple[KindLayout, KindLayout, int], float] = {}
-        self._fit_rows: dict[tuple[KindLayout, int, tuple[int, ...]], np.ndarray] = {}
-        self._fit_tables: dict[tuple[KindLayout, int], np.ndarray] = {}
         self._kinds: dict[tuple[tuple[KindLayout, ...], int, tuple[str, ...]], _KindArrays] = {}
         self._grids: dict[tuple[int, tuple[str, ...]], np.ndarray] = {}
         self._kind_layouts: dict[str, list[KindLayout]] = {}
@@ -106,7 +104,6 @@ class LowerBounds:
         self._paces: dict[tuple[StageConfig, int], tuple[float, float, float]] = {}
         self._layout_paces: dict[tuple[KindLayout, int], tuple[float, float, float]] = {}
         self._interleaved: dict[tuple[tuple[KindLayout, ...], int, int], tuple[float, float]] = {}
-        self._states: dict[KindLayout, tuple[int, np.ndarray]] = {}
 
     def bound(self, layouts: tuple[KindLayout, ...], m: int, b: int, schedule: str) -> float:
         """No split of any order of these stages is faster than this under `schedule`
@@ -123,7 +120,7 @@ class LowerBounds:
         out = np.full(len(sets), INF)
         if registry.get(schedule).interleaved:
             for i, layouts in enumerate(sets):
-                fits = sum(lay.stages * max(self._layers_fitting(lay, b, 1)) for lay in layouts) >= self.costs.n
+                fits = sum(lay.stages * max(self.fits.one(lay, b, 1)) for lay in layouts) >= self.costs.n
                 out[i] = self._work_floor(layouts, m * b) if fits else INF
             return out
         by_count: dict[int, list[int]] = {}
@@ -133,7 +130,7 @@ class LowerBounds:
             rows = [sets[i] for i in chosen]
             group = self._group(rows[0] if len(rows) == 1 else tuple({lay for row in rows for lay in row}), b)
             at = np.stack([self._row_layouts(row, group) for row in rows])  # each stage's layout in the group's arrays
-            fitting = np.array([self._layers_fitting(lay, b, 1) for lay in group.index], dtype=float)[at]
+            fitting = np.array([self.fits.one(lay, b, 1) for lay in group.index], dtype=float)[at]
             tails = np.array([self._least_tail(tuple(sorted(row))) for row in rows])
             out[chosen] = self._bounds(rows, fitting, m, b, tails, INF, group=group, at=at)
         return out
@@ -248,9 +245,7 @@ class LowerBounds:
             tail_grid, layers = self._tail_grid(), self.costs.n
             counts = np.array([lay.stages for lay in layouts], dtype=float)
             runs = self._runs_of(layouts, b)
-            fits = self._fit_all(layouts, b, range(1, 2))[:, 0]
-            self._fitting.update(zip([(lay, b, 1) for lay in layouts], map(tuple, fits.tolist())))  # what a set's bound reads
-            fitting = fits.astype(float)
+            fitting = self.fits.kind(layouts, b).astype(float)
             q, fit, fit_remat = np.arange(1, layers + 1), fitting[:, :1], fitting[:, 1:]
             least = np.minimum(np.where(q <= fit, np.array([r.floor for r in runs]), INF),
                                np.where(q <= fit_remat, np.array([r.floor_remat for r in runs]), INF))
@@ -326,7 +321,7 @@ class LowerBounds:
         held = self._in_flight(schedule, m, count)
         layouts = orders[0]
         at = {lay: i for i, lay in enumerate(layouts)}
-        each = np.stack([self._fit_row(lay, b, held) for lay in layouts])
+        each = np.stack([self.fits.row(lay, b, held) for lay in layouts])
         pair = np.array([[self._pair_send(x, y, b) for y in layouts] for x in layouts])
         slots = np.array([[at[lay] for lay in order] for order in orders])
         # each order's stages, a layout's slot repeated over its stages
@@ -334,15 +329,6 @@ class LowerBounds:
         # the cuts' sends summed left to right, as a running sum adds them
         sends = 2 * np.cumsum(pair[rows[:, :-1], rows[:, 1:]], axis=1)[:, -1] if count > 1 else np.zeros(len(orders))
         return each[rows, np.arange(count)], sends, rows
-
-    def _fit_row(self, lay: KindLayout, b: int, held: tuple[int, ...]) -> np.ndarray:
-        """[position, 2]: `_layers_fitting` of a layout at each position's count of
-        microbatches in flight (an order's positions; each layout of a set meets the
-        same counts in each of its orders, at every m)."""
-        key = (lay, b, held)
-        if key not in self._fit_rows:
-            self._fit_rows[key] = self._fit_table(lay, b, max(held))[np.array(held) - 1].astype(float)
-        return self._fit_rows[key]
 
     def _pair_send(self, x: KindLayout, y: KindLayout, b: int) -> float:
         """`_least_send` between two layouts' stages, kept per pair of layouts (whose
@@ -578,43 +564,3 @@ class LowerBounds:
         if key not in self._held:
             self._held[key] = tuple(in_flight(schedule, m, p, num_stages) for p in range(num_stages - 1)) + (1,)
         return self._held[key]
-
-    def _layers_fitting(self, layout: KindLayout, b: int, in_flight_count: int) -> tuple[int, int]:
-        """The most layers a stage holds with this many microbatches in flight,
-        keeping every activation or (full recomputation, solver.memory) only its input
-        per microbatch and one microbatch's activations: capacity over the least bytes
-        any one layer needs, under the ZeRO stage that shards the most."""
-        key = (layout, b, in_flight_count)
-        if key not in self._fitting:
-            self._fitting[key] = tuple(self._fit_table(layout, b, in_flight_count)[in_flight_count - 1].tolist())
-        return self._fitting[key]
-
-    def _fit_table(self, layout: KindLayout, b: int, most: int) -> np.ndarray:
-        """[count - 1, 2]: `_layers_fitting` of a layout at each count of microbatches
-        in flight, up to `most` at least (an order asks each count up to its stages':
-        every count up to the layers priced at once, kept as one array per layout and
-        size, not an entry per count)."""
-        table = self._fit_tables.get((layout, b))
-        if table is None or len(table) < most:
-            table = self._fit_tables[layout, b] = self._fit_all((layout,), b, range(1, max(most, self.costs.n) + 1))[0]
-        return table
-
-    def _fit_all(self, layouts: tuple[KindLayout, ...], b: int, counts: range) -> np.ndarray:
-        """[layout, count, 2]: `_layers_fitting` of each of `layouts` at each count of
-        microbatches in flight, in one array pass (`rows.layers_fitting`; a kind's
-        layouts are all asked at every microbatch size). The state per layer is the
-        stage's whatever its microbatch (`_memory`); the activations scale with
-        its examples per device, as `StageCosts.per_layer` scales them."""
-        c, p = self.costs, self.problem
-        memory = [self._memory(lay, b) for lay in layouts]
-        return layers_fitting([cap for cap, _ in memory], np.array([state for _, state in memory]),
-                              c.saved, c.inputs, c.recomputed, np.array([b / lay.dp / lay.tp for lay in layouts]),  # per_layer's shard
-                              np.array(counts), not p.force_remat, p.allow_remat or p.force_remat)
-
-    def _memory(self, lay: KindLayout, b: int) -> tuple[int, np.ndarray]:
-        """A layout's bytes per device (`StageCosts.capacity`) and
-        `StageCosts.per_layer(lay.config, ...).state`, the same at every microbatch size:
-        read at the first asked (`b`), kept per layout (a kind's layouts meet every size)."""
-        if lay not in self._states:
-            self._states[lay] = self.costs.capacity(lay.kind), self.costs.per_layer(lay.config, b).state
-        return self._states[lay]

@@ -85,7 +85,7 @@ def layers_fitting(capacity: np.ndarray, state: np.ndarray, saved: np.ndarray, i
     recomputing (where `remat`, else 0): capacity over the least bytes any one layer
     needs (`state + saved * held`; recomputing, its input per microbatch held beside
     `state + recomputed`), `saved`, `inputs` and `recomputed` scaled by the shard as
-    `StageCosts.per_layer` scales them (`LowerBounds._layers_fitting`; numpy's floor
+    `StageCosts.per_layer` scales them (`fitting.LayoutFits.one`; numpy's floor
     division is Python's, so each count is the scalar one's)."""
     shard, held, capacity = shard[:, None], np.asarray(held)[None, :], np.asarray(capacity, dtype=float)[:, None]
     layers = state.shape[1]
