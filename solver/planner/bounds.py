@@ -348,8 +348,9 @@ class LowerBounds:
         without and with recomputation; `lasts`: each row's last stage's own figures
         (`_last_stage`, on the group of the row's own set), where the order is known;
         `at`: each row's stages' layouts in the group's arrays, where the caller has
-        them (`_row_layouts` otherwise). (Plain schedules only: an interleaved schedule's tail is its device groups'
-        chunks' tails summed, and its fill is 1/v, so these bounds do not hold for it.)"""
+        them (`_row_layouts` otherwise). (Plain schedules only: an interleaved
+        schedule's tail is its device groups' chunks' tails summed, and its fill is
+        1/v, so these bounds do not hold for it.)"""
         layers = self.costs.n
         out = np.full(len(rows), INF)
         n, nr = fitting[..., 0], fitting[..., 1]
