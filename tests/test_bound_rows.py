@@ -58,6 +58,10 @@ def test_counts_within_a_long_grid_are_the_searches_of_each_row():
     expected = np.array([np.searchsorted(r, limits, side="right") for r in rows])
     assert len(limits) > 512 and np.array_equal(counts_within(rows, limits), expected)
     assert np.array_equal(counts_within(rows, limits[:400]), expected[:, :400])  # the short grid's way
+    scale = rng.integers(1, 40, len(rows)).astype(float)  # a kind's stages per layout (`LowerBounds._kind_arrays`)
+    for grid in (limits, limits[:400]):
+        scaled = counts_within(rows, grid, scale)
+        assert scaled.dtype == float and np.array_equal(scaled, scale[:, None] * counts_within(rows, grid))
 
 
 def test_least_for_counts_is_the_envelope_of_the_layouts():
@@ -94,6 +98,16 @@ def test_stage_runs_match_the_one_stage_sums_bit_for_bit():
     assert least_steps(np.zeros((2, 1))) == [0.0, 0.0]
 
 
+def test_least_runs_rows_read_in_place_are_each_rows_diagonals():
+    rng = np.random.default_rng(7)
+    for n in (1, 2, 5, 17):
+        values = rng.random((4, n + 1, n + 1))
+        expected = np.array([least_runs_of(v) for v in values])
+        assert np.array_equal(least_runs_rows(values), expected)
+        assert np.array_equal(least_runs_rows(values[::2]), expected[::2])  # a strided view, made contiguous first
+        assert np.array_equal(least_runs_rows(np.swapaxes(values, 1, 2).copy().swapaxes(1, 2)), expected)
+
+
 def test_layers_fitting_matches_the_one_stage_count():
     rng = np.random.default_rng(3)
     n = 8
@@ -124,3 +138,16 @@ def test_first_enough_is_the_first_grid_position_each_combination_holds_every_la
     expected = np.where((totals >= layers).any(axis=1), (totals >= layers).argmax(axis=1), size)
     assert np.array_equal(first_enough(rooms, index, size, layers), expected)
     assert 0 < (expected < size).sum() < len(expected)  # some combinations hold every layer, some never do
+
+
+def test_first_enough_matches_a_scan_at_every_grid_size():
+    rng = np.random.default_rng(6)
+    for size in (1, 2, 3, 7, 8, 9, 63, 64, 65, 300):
+        rooms = [np.sort(rng.integers(0, 7, (5, size)), axis=1) for _ in range(3)]
+        index = np.indices([5, 5, 5]).reshape(3, -1)
+        totals = sum(r[i] for r, i in zip(rooms, index))
+        layers = int(np.median(totals[:, -1]))
+        expected = np.where((totals >= layers).any(axis=1), (totals >= layers).argmax(axis=1), size)
+        assert np.array_equal(first_enough(rooms, index, size, layers), expected)
+        assert np.array_equal(first_enough(rooms, index, size, 0), np.zeros(index.shape[1]))  # the first position holds 0
+    assert first_enough([np.zeros((2, 0))], np.array([[0, 1]]), 0, 3).tolist() == [0, 0]  # an empty grid

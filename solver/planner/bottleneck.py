@@ -20,6 +20,19 @@ from solver.cost.stage_costs import INF
 _BLOCK = 16  # candidate step times priced at once
 
 
+class LastStage(NamedTuple):
+    """A pipeline's last stage (`LowerBounds._last_stage`): its least one-layer time and
+    increment per further layer, plain and recomputing, over the model's last runs,
+    and its rooms per candidate step time of its group."""
+
+    first: float
+    first_remat: float
+    step: float
+    step_remat: float
+    rooms: np.ndarray
+    rooms_remat: np.ndarray
+
+
 class Group(NamedTuple):
     """What a set of layouts' bounds share, whatever their order."""
 
@@ -35,19 +48,7 @@ class Group(NamedTuple):
     remat_rooms: np.ndarray
     index: dict[tuple, int]  # a layout (`bounds.KindLayout`) -> its row
     rows: dict[tuple, np.ndarray]  # per row of these layouts, each stage's position in the arrays above
-
-
-class LastStage(NamedTuple):
-    """A pipeline's last stage (`LowerBounds._last_stage`): its least one-layer time and
-    increment per further layer, plain and recomputing, over the model's last runs,
-    and its rooms per candidate step time of its group."""
-
-    first: float
-    first_remat: float
-    step: float
-    step_remat: float
-    rooms: np.ndarray
-    rooms_remat: np.ndarray
+    lasts: dict[tuple, LastStage]  # per layout, its figures as a pipeline's last stage (`LowerBounds._last_stage`)
 
 
 def least_steps(group: Group, at: np.ndarray, n: np.ndarray, nr: np.ndarray, m: int, layers: int, offsets: np.ndarray,
@@ -72,13 +73,11 @@ def least_steps(group: Group, at: np.ndarray, n: np.ndarray, nr: np.ndarray, m: 
     by_rate = np.argsort(rates, axis=1, kind="stable")
     each = np.arange(len(at))[:, None]
     at, n, nr, sorted_rates = at[each, by_rate], n[each, by_rate], nr[each, by_rate], rates[each, by_rate][:, None, :]
-    # Per row, candidate bottleneck time t and stage: the most layers the stage may hold.
-    # (Contiguous along the stages, as the sums over them add in that layout's order.)
-    rooms = np.ascontiguousarray(np.maximum(np.minimum(group.plain_rooms[at], n[:, :, None]),
-                                            np.minimum(group.remat_rooms[at], nr[:, :, None])).transpose(0, 2, 1))
+    # Per row, stage and candidate bottleneck time t: the most layers the stage may hold.
+    rooms = np.maximum(np.minimum(group.plain_rooms[at], n[:, :, None]), np.minimum(group.remat_rooms[at], nr[:, :, None]))
     if lasts is not None:
         end = np.argmax(by_rate == by_rate.shape[1] - 1, axis=1)  # where the last stage sorted to
-        rooms[each[:, 0], :, end] = np.minimum(rooms[each[:, 0], :, end], last_rooms)
+        rooms[each[:, 0], end] = np.minimum(rooms[each[:, 0], end], last_rooms)
     budget = layers - n.shape[1]  # layers beyond one per stage
 
     def least_sums(rooms: np.ndarray, rows: np.ndarray | slice = slice(None)) -> np.ndarray:
@@ -93,7 +92,7 @@ def least_steps(group: Group, at: np.ndarray, n: np.ndarray, nr: np.ndarray, m: 
         return np.where((extra.min(axis=2) < 0) | (extra.sum(axis=2) < budget), INF, sums)
 
     steps = group.steps
-    enough = rooms.sum(axis=2) >= layers
+    enough = rooms.sum(axis=1) >= layers
     some = enough.any(axis=1)
     floor_sums = least_sums(np.maximum(n, nr)[:, None, :])[:, 0]
     best = beat - offsets
@@ -104,7 +103,9 @@ def least_steps(group: Group, at: np.ndarray, n: np.ndarray, nr: np.ndarray, m: 
     going = some.copy()
     for start in range(int(np.argmax(enough.any(axis=0))) if some.any() else len(steps), len(steps), _BLOCK):
         ts = steps[start : start + _BLOCK]
-        values = (m - 1) * ts + least_sums(rooms[going, start : start + _BLOCK], going)
+        # (a block's rooms contiguous along the stages, as the sums over them add in that layout's order)
+        block = np.ascontiguousarray(rooms[going, :, start : start + _BLOCK].transpose(0, 2, 1))
+        values = (m - 1) * ts + least_sums(block, going)
         best[going] = np.minimum(best[going], values.min(axis=1))
         going[going] = (m - 1) * ts[-1] + floor_sums[going] < best[going]
         if not going.any():

@@ -29,7 +29,8 @@ from solver import schedules as registry
 from solver.planner.problem import Problem
 from solver.cost.stage_costs import INF, StageConfig, StageCosts, in_flight
 from solver.planner.bottleneck import Group, LastStage, least_steps
-from solver.planner.rows import StageRuns, counts_within, layers_fitting, least_for_counts, least_runs_rows, most_within, stage_runs
+from solver.planner.fitting import LayoutFits
+from solver.planner.rows import StageRuns, counts_within, least_for_counts, least_runs_rows, most_within, sorted_unique, stage_runs
 from solver.planner.runs import FITS_TOL, balanced_pace, first_enough, least_runs, longest
 
 _BELOW = 1 - 1e-9  # a floor kept below what it bounds despite rounding (and `FITS_TOL`)
@@ -83,23 +84,26 @@ class LowerBounds:
     def __init__(self, problem: Problem, costs: StageCosts):
         self.problem = problem
         self.costs = costs
-        self._fitting: dict[tuple[KindLayout, int, int], tuple[int, int]] = {}
+        self.fits = LayoutFits(problem, costs)
         self._runs: dict[tuple, StageRuns] = {}
+        self._layout_runs: dict[tuple[KindLayout, int], StageRuns] = {}
+        self._tail_held: dict[KindLayout, np.ndarray] = {}
         self._tails: dict[StageConfig, np.ndarray] = {}
         self._groups: dict[tuple, Group] = {}
         self._bases: dict[tuple[tuple[KindLayout, ...], int], tuple[np.ndarray, ...]] = {}
         self._held: dict[tuple[str, int, int], tuple[int, ...]] = {}
         self._sends: dict[tuple[StageConfig, StageConfig, int], float] = {}
+        self._pair_sends: dict[tuple[KindLayout, KindLayout, int], float] = {}
         self._kinds: dict[tuple[tuple[KindLayout, ...], int, tuple[str, ...]], _KindArrays] = {}
         self._grids: dict[tuple[int, tuple[str, ...]], np.ndarray] = {}
+        self._kind_layouts: dict[str, list[KindLayout]] = {}
         self._tail_values: np.ndarray | None = None
         self._held_tails: dict[StageConfig, np.ndarray] = {}
-        self._lasts: dict[tuple[KindLayout, int], LastStage] = {}
         self._envelopes: dict[tuple[tuple[KindLayout, ...], int], tuple[np.ndarray, float, np.ndarray]] = {}
         self._least_tails: dict[tuple[KindLayout, ...], float] = {}
         self._paces: dict[tuple[StageConfig, int], tuple[float, float, float]] = {}
+        self._layout_paces: dict[tuple[KindLayout, int], tuple[float, float, float]] = {}
         self._interleaved: dict[tuple[tuple[KindLayout, ...], int, int], tuple[float, float]] = {}
-        self._states: dict[StageConfig, np.ndarray] = {}
 
     def bound(self, layouts: tuple[KindLayout, ...], m: int, b: int, schedule: str) -> float:
         """No split of any order of these stages is faster than this under `schedule`
@@ -116,7 +120,7 @@ class LowerBounds:
         out = np.full(len(sets), INF)
         if registry.get(schedule).interleaved:
             for i, layouts in enumerate(sets):
-                fits = sum(lay.stages * max(self._layers_fitting(lay, b, 1)) for lay in layouts) >= self.costs.n
+                fits = sum(lay.stages * max(self.fits.one(lay, b, 1)) for lay in layouts) >= self.costs.n
                 out[i] = self._work_floor(layouts, m * b) if fits else INF
             return out
         by_count: dict[int, list[int]] = {}
@@ -125,10 +129,10 @@ class LowerBounds:
         for chosen in by_count.values():
             rows = [sets[i] for i in chosen]
             group = self._group(rows[0] if len(rows) == 1 else tuple({lay for row in rows for lay in row}), b)
-            fitting = np.stack([np.repeat(np.array([self._layers_fitting(lay, b, 1) for lay in row], dtype=float),
-                                          [lay.stages for lay in row], axis=0) for row in rows])
+            at = np.stack([self._row_layouts(row, group) for row in rows])  # each stage's layout in the group's arrays
+            fitting = np.array([self.fits.one(lay, b, 1) for lay in group.index], dtype=float)[at]
             tails = np.array([self._least_tail(tuple(sorted(row))) for row in rows])
-            out[chosen] = self._bounds(rows, fitting, m, b, tails, INF, group=group)
+            out[chosen] = self._bounds(rows, fitting, m, b, tails, INF, group=group, at=at)
         return out
 
     def product_bounds(self, per_kind: list[list[KindLayout]], m: int, b: int, schedule: str) -> list[tuple[float, tuple[KindLayout, ...]]]:
@@ -225,7 +229,7 @@ class LowerBounds:
         if key not in self._kinds:
             grid = self._time_grid(b, kinds)
             counts, least, held, firsts, rates, extra = self._kind_base(layouts, b)
-            rooms = counts[:, None] * counts_within(least, grid * FITS_TOL)  # `least`'s rows are nondecreasing
+            rooms = counts_within(least, grid * FITS_TOL, counts)  # `least`'s rows are nondecreasing
             self._kinds[key] = _KindArrays(counts, rooms, held, firsts, rates, extra)
         return self._kinds[key]
 
@@ -240,17 +244,18 @@ class LowerBounds:
                 raise ValueError(f"a layout's data-parallel degree does not divide the microbatch of {b}: no pipeline runs it")
             tail_grid, layers = self._tail_grid(), self.costs.n
             counts = np.array([lay.stages for lay in layouts], dtype=float)
-            runs = self._all_runs(tuple(lay.config for lay in layouts), b)
-            fitting = self._fit_all(layouts, b, range(1, 2))[:, 0].astype(float)
+            runs = self._runs_of(layouts, b)
+            fitting = self.fits.kind(layouts, b).astype(float)
             q, fit, fit_remat = np.arange(1, layers + 1), fitting[:, :1], fitting[:, 1:]
             least = np.minimum(np.where(q <= fit, np.array([r.floor for r in runs]), INF),
                                np.where(q <= fit_remat, np.array([r.floor_remat for r in runs]), INF))
-            held = [lay.stages * self._tail_rooms(lay.config) for lay in layouts]
+            held = [self._layout_tails(lay) for lay in layouts]
             plain = fitting[:, 0] >= 1  # a stage that cannot hold one layer without recomputing recomputes
+            heads = np.array([(r.time[0], r.remat[0], r.step, r.step_remat) for r in runs]).reshape(len(layouts), 4)
             self._bases[key] = (
                 counts, least, np.array(held).reshape(len(layouts), len(tail_grid)),
-                counts * np.where(plain, [r.time[0] for r in runs], [r.remat[0] for r in runs]),
-                np.where(plain, [r.step for r in runs], [r.step_remat for r in runs]),
+                counts * np.where(plain, heads[:, 0], heads[:, 1]),
+                np.where(plain, heads[:, 2], heads[:, 3]),
                 counts * (fitting.max(axis=1) - 1),
             )
         return self._bases[key]
@@ -261,10 +266,16 @@ class LowerBounds:
         if (b, kinds) not in self._grids:  # each kind's once per size, the sets of kinds it is in merging them
             for k in kinds:
                 if (b, (k,)) not in self._grids:
-                    runs = self._all_runs(tuple(lay.config for lay in kind_layouts(self.problem, k) if b % lay.dp == 0), b)
-                    self._grids[b, (k,)] = np.unique(np.concatenate([np.zeros(0)] + [r.time for r in runs] + [r.remat for r in runs]))
-            self._grids[b, kinds] = np.unique(np.concatenate([self._grids[b, (k,)] for k in kinds]))
+                    runs = self._runs_of(tuple(lay for lay in self._layouts_of(k) if b % lay.dp == 0), b)
+                    self._grids[b, (k,)] = sorted_unique(np.concatenate([np.zeros(0)] + [r.time for r in runs] + [r.remat for r in runs]))
+            self._grids[b, kinds] = sorted_unique(np.concatenate([self._grids[b, (k,)] for k in kinds]))
         return self._grids[b, kinds]
+
+    def _layouts_of(self, kind: str) -> list[KindLayout]:
+        """`kind_layouts` of a kind, kept (each kind's grid is made at every microbatch size)."""
+        if kind not in self._kind_layouts:
+            self._kind_layouts[kind] = kind_layouts(self.problem, kind)
+        return self._kind_layouts[kind]
 
     def _tail_grid(self) -> np.ndarray:
         """Every least tail of every layout: the tail bound of any combination is one of
@@ -295,34 +306,51 @@ class LowerBounds:
         if registry.get(schedule).interleaved:
             return np.array([self.bound(order, m, b, schedule) for order in orders])
         group = self._group(orders[0], b)
-        fitting, sends = self._order_parts(orders, m, b, schedule)
+        fitting, sends, slots = self._order_parts(orders, m, b, schedule)
+        at = np.array([group.index[lay] for lay in orders[0]])[slots]  # each stage's layout in the group's arrays
         return self._bounds(orders, fitting, m, b, sends + group.tail, beat,
-                            [self._last_stage(order[-1], group, b) for order in orders] if last else None, group)
+                            [self._last_stage(order[-1], group, b) for order in orders] if last else None, group, at)
 
-    def _order_parts(self, orders: list[tuple[KindLayout, ...]], m: int, b: int, schedule: str) -> tuple[np.ndarray, np.ndarray]:
+    def _order_parts(self, orders: list[tuple[KindLayout, ...]], m: int, b: int,
+                     schedule: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per order of one set: the most layers each stage holds (plain, recomputing) with
         its position's microbatches in flight (each layout's at every position, picked
-        per order), and its cuts' least sends both ways."""
+        per order), its cuts' least sends both ways, and each stage's layout (its place
+        in the first order)."""
         count = sum(lay.stages for lay in orders[0])
         held = self._in_flight(schedule, m, count)
-        layouts = list(orders[0])
+        layouts = orders[0]
         at = {lay: i for i, lay in enumerate(layouts)}
-        each = np.array([[self._layers_fitting(lay, b, k) for k in held] for lay in layouts], dtype=float)
-        pair = {(x, y): self._least_send(x.config, y.config, b) for x in layouts for y in layouts}
-        rows = [[lay for lay in order for _ in range(lay.stages)] for order in orders]
-        sends = np.array([2 * sum(pair[a, c] for a, c in zip(row, row[1:])) for row in rows])
-        return each[np.array([[at[lay] for lay in row] for row in rows]), np.arange(count)], sends
+        each = np.stack([self.fits.row(lay, b, held) for lay in layouts])
+        pair = np.array([[self._pair_send(x, y, b) for y in layouts] for x in layouts])
+        slots = np.array([[at[lay] for lay in order] for order in orders])
+        # each order's stages, a layout's slot repeated over its stages
+        rows = np.repeat(slots.ravel(), np.array([lay.stages for lay in layouts])[slots].ravel()).reshape(len(orders), count)
+        # the cuts' sends summed left to right, as a running sum adds them
+        sends = 2 * np.cumsum(pair[rows[:, :-1], rows[:, 1:]], axis=1)[:, -1] if count > 1 else np.zeros(len(orders))
+        return each[rows, np.arange(count)], sends, rows
+
+    def _pair_send(self, x: KindLayout, y: KindLayout, b: int) -> float:
+        """`_least_send` between two layouts' stages, kept per pair of layouts (whose
+        keys hash in C; a StageConfig, a dataclass, hashes in Python)."""
+        key = (x, y, b)
+        if key not in self._pair_sends:
+            self._pair_sends[key] = self._least_send(x.config, y.config, b)
+        return self._pair_sends[key]
 
     def _bounds(self, rows: list[tuple[KindLayout, ...]], fitting: np.ndarray, m: int, b: int, offsets: np.ndarray,
-                beat: float, lasts: list[LastStage] | None = None, group: Group | None = None) -> np.ndarray:
+                beat: float, lasts: list[LastStage] | None = None, group: Group | None = None,
+                at: np.ndarray | None = None) -> np.ndarray:
         """Per row of layouts (rows of as many stages; the layouts all in `group`, by
         default the first row's set): the least (m - 1) t + summed stage times over
         candidate bottlenecks t (the group's), plus the row's offset (its tail's bound
         and sends); `fitting` (rows x stages x 2): the most layers each stage holds
         without and with recomputation; `lasts`: each row's last stage's own figures
-        (`_last_stage`, on the group of the row's own set), where the order is known.
-        (Plain schedules only: an interleaved schedule's tail is its device groups'
-        chunks' tails summed, and its fill is 1/v, so these bounds do not hold for it.)"""
+        (`_last_stage`, on the group of the row's own set), where the order is known;
+        `at`: each row's stages' layouts in the group's arrays, where the caller has
+        them (`_row_layouts` otherwise). (Plain schedules only: an interleaved
+        schedule's tail is its device groups' chunks' tails summed, and its fill is
+        1/v, so these bounds do not hold for it.)"""
         layers = self.costs.n
         out = np.full(len(rows), INF)
         n, nr = fitting[..., 0], fitting[..., 1]
@@ -335,7 +363,7 @@ class LowerBounds:
         if not live.size:
             return out
         n, nr, offsets = n[live], nr[live], offsets[live]
-        at = np.stack([self._row_layouts(rows[i], group) for i in live])  # each stage's layout in the group's arrays
+        at = np.stack([self._row_layouts(rows[i], group) for i in live]) if at is None else at[live]
         out[live] = least_steps(group, at, n, nr, m, layers, offsets, beat, None if lasts is None else [lasts[i] for i in live])
         return out
 
@@ -355,13 +383,13 @@ class LowerBounds:
         before they are built, from the least runs that bound every table entry.)"""
         key = (layouts, b, chunks)
         if key not in self._interleaved:  # what does not depend on m: the search asks each order at every m
-            configs, counts = [lay.config for lay in layouts], [lay.stages for lay in layouts]
+            counts = [lay.stages for lay in layouts]
             # the row's cuts: within each layout and between neighbours, v times over, and from the last group
             # back to the first, v - 1 times
-            once = sum(self._least_send(a, a, b) * (s - 1) for a, s in zip(configs, counts) if s > 1) + \
-                sum(self._least_send(a, c, b) for a, c in zip(configs, configs[1:]))
-            sends = 2 * (chunks * once + (chunks - 1) * self._least_send(configs[-1], configs[0], b))
-            paces = [self._least_pace(c, b) for c in configs]
+            once = sum(self._pair_send(a, a, b) * (s - 1) for a, s in zip(layouts, counts) if s > 1) + \
+                sum(self._pair_send(a, c, b) for a, c in zip(layouts, layouts[1:]))
+            sends = 2 * (chunks * once + (chunks - 1) * self._pair_send(layouts[-1], layouts[0], b))
+            paces = [self._layout_pace(lay, b) for lay in layouts]
             least = np.array([p[0] for p in paces])
             last = paces[-1][2]
             pace = max(chunks * float(least.max()), balanced_pace(self.costs.n, np.repeat([p[1] for p in paces], counts)),
@@ -369,6 +397,13 @@ class LowerBounds:
             self._interleaved[key] = (float((least * counts).sum()) + (last - float(least[-1])) / chunks + sends, pace)
         first, pace = self._interleaved[key]
         return (first + (m - 1 / chunks) * pace) * _BELOW
+
+    def _layout_pace(self, lay: KindLayout, b: int) -> tuple[float, float, float]:
+        """`_least_pace` of a layout's stages, kept per layout (whose key hashes in C)."""
+        key = (lay, b)
+        if key not in self._layout_paces:
+            self._layout_paces[key] = self._least_pace(lay.config, b)
+        return self._layout_paces[key]
 
     def _least_pace(self, cfg: StageConfig, b: int) -> tuple[float, float, float]:
         """One stage's least one-layer time, least time per layer over runs of any
@@ -412,13 +447,12 @@ class LowerBounds:
             return self._groups[layouts, b]
         key = (tuple(sorted(layouts)), b)
         if key not in self._groups:
-            each = [self._stage_runs(lay.config, b) for lay in key[0]]
-            steps = np.unique(np.concatenate([r.time for r in each] + [r.remat for r in each]))
+            each = self._runs_of(key[0], b)
+            steps = sorted_unique(np.concatenate([r.time for r in each] + [r.remat for r in each]))
             rooms = counts_within(np.array([r.floor for r in each] + [r.floor_remat for r in each]), steps * FITS_TOL)
-            self._groups[key] = Group(
-                steps, self._least_tail(key[0]), np.array([r.time[0] for r in each]), np.array([r.remat[0] for r in each]),
-                np.array([r.step for r in each]), np.array([r.step_remat for r in each]), rooms[: len(each)], rooms[len(each) :],
-                {lay: i for i, lay in enumerate(key[0])}, {})
+            firsts, firsts_remat, rates, rates_remat = np.array([(r.time[0], r.remat[0], r.step, r.step_remat) for r in each]).T.copy()
+            self._groups[key] = Group(steps, self._least_tail(key[0]), firsts, firsts_remat, rates, rates_remat, rooms[: len(each)],
+                                      rooms[len(each) :], {lay: i for i, lay in enumerate(key[0])}, {}, {})
         self._groups[layouts, b] = self._groups[key]
         return self._groups[key]
 
@@ -432,15 +466,14 @@ class LowerBounds:
         largest candidate t <= M, where its last stage's run (<= M, below the next
         candidate) has room (as its least run, a candidate <= M, has at t: the rooms
         are the lesser of the two)."""
-        key = (last, id(group))  # (a group is kept as long as the bounds: its id stays its own)
-        if key not in self._lasts:
-            steps = group.steps
-            r = self._stage_runs(last.config, b)
-            above = np.append(steps[1:], INF)
-            rooms = counts_within(np.array([r.last_floor, r.last_floor_remat]), above * FITS_TOL)
-            self._lasts[key] = LastStage(float(r.last[0]), float(r.last_remat[0]), r.last_step, r.last_step_remat,
-                                          rooms[0], rooms[1])
-        return self._lasts[key]
+        if last not in group.lasts:  # every layout of the group at once: an order's last stage is any of them
+            layouts = tuple(group.index)
+            runs = self._runs_of(layouts, b)
+            above = np.append(group.steps[1:], INF)
+            rooms = counts_within(np.array([r.last_floor for r in runs] + [r.last_floor_remat for r in runs]), above * FITS_TOL)
+            group.lasts.update((lay, LastStage(float(r.last[0]), float(r.last_remat[0]), r.last_step, r.last_step_remat,
+                                               rooms[i], rooms[len(runs) + i])) for i, (lay, r) in enumerate(zip(layouts, runs)))
+        return group.lasts[last]
 
     def _least_tail(self, layouts: tuple[KindLayout, ...]) -> float:
         """The least u such that stages whose every run costs at most u in tail (and
@@ -448,10 +481,17 @@ class LowerBounds:
         all the layers: the slowest tail is at least that."""
         if layouts not in self._least_tails:
             candidates = self._tail_grid()
-            held = sum(lay.stages * self._tail_rooms(lay.config) for lay in layouts)
-            enough = np.nonzero(held >= self.costs.n)[0]
-            self._least_tails[layouts] = float(candidates[enough[0]]) if enough.size else 0.0
+            held = sum(self._layout_tails(lay) for lay in layouts)  # nondecreasing along the candidates
+            enough = int(held.searchsorted(self.costs.n))
+            self._least_tails[layouts] = float(candidates[enough]) if enough < len(candidates) else 0.0
         return self._least_tails[layouts]
+
+    def _layout_tails(self, lay: KindLayout) -> np.ndarray:
+        """Per candidate tail, the most layers all of a layout's stages hold within it
+        (kept per layout: every group and kind asks it, and a layout's key hashes in C)."""
+        if lay not in self._tail_held:
+            self._tail_held[lay] = lay.stages * self._tail_rooms(lay.config)
+        return self._tail_held[lay]
 
     def _tail_rooms(self, cfg: StageConfig) -> np.ndarray:
         """Per candidate tail (`_tail_grid`), the most layers one such stage holds within it."""
@@ -486,6 +526,18 @@ class LowerBounds:
             self._all_runs((cfg,), b)
         return self._runs[key]
 
+    def _runs_of(self, layouts: tuple[KindLayout, ...], b: int) -> list[StageRuns]:
+        """`_stage_runs` of each layout, kept per (layout, b) too: `times_key` builds and
+        hashes a StageConfig (a dataclass, hashed in Python) per ask, and the groups and
+        kinds ask each layout hundreds of times."""
+        known = self._layout_runs
+        try:
+            return [known[lay, b] for lay in layouts]
+        except KeyError:
+            runs = self._all_runs(tuple(lay.config for lay in layouts), b)
+            known.update(((lay, b), r) for lay, r in zip(layouts, runs))
+            return runs
+
     def _all_runs(self, configs: tuple[StageConfig, ...], b: int) -> list[StageRuns]:
         """`_stage_runs` of each of `configs`, those not yet priced in one array pass
         (`rows`: the spans, least runs and steps of every shape at once; a kind's
@@ -513,34 +565,3 @@ class LowerBounds:
         if key not in self._held:
             self._held[key] = tuple(in_flight(schedule, m, p, num_stages) for p in range(num_stages - 1)) + (1,)
         return self._held[key]
-
-    def _layers_fitting(self, layout: KindLayout, b: int, in_flight_count: int) -> tuple[int, int]:
-        """The most layers a stage holds with this many microbatches in flight,
-        keeping every activation or (full recomputation, solver.memory) only its input
-        per microbatch and one microbatch's activations: capacity over the least bytes
-        any one layer needs, under the ZeRO stage that shards the most."""
-        key = (layout, b, in_flight_count)
-        if key not in self._fitting:  # an order asks each count up to its stages': all priced at once
-            self._fit_all((layout,), b, range(1, max(in_flight_count, self.costs.n) + 1))
-        return self._fitting[key]
-
-    def _fit_all(self, layouts: tuple[KindLayout, ...], b: int, counts: range) -> np.ndarray:
-        """[layout, count, 2]: `_layers_fitting` of each of `layouts` at each count of
-        microbatches in flight, in one array pass (`rows.layers_fitting`; a kind's
-        layouts are all asked at every microbatch size). The state per layer is the
-        stage's whatever its microbatch (`_state_bytes`); the activations scale with
-        its examples per device, as `StageCosts.per_layer` scales them."""
-        c, p = self.costs, self.problem
-        fits = layers_fitting([c.capacity(lay.kind) for lay in layouts], np.array([self._state_bytes(lay.config, b) for lay in layouts]),
-                              c.saved, c.inputs, c.recomputed, np.array([b / lay.dp / lay.tp for lay in layouts]),  # per_layer's shard
-                              np.array(counts), not p.force_remat, p.allow_remat or p.force_remat)
-        for lay, row in zip(layouts, fits.tolist()):
-            self._fitting.update(((lay, b, k), tuple(fit)) for k, fit in zip(counts, row))
-        return fits
-
-    def _state_bytes(self, cfg: StageConfig, b: int) -> np.ndarray:
-        """`StageCosts.per_layer(cfg, ...).state`, the same at every microbatch size:
-        read at the first asked (`b`), kept per stage."""
-        if cfg not in self._states:
-            self._states[cfg] = self.costs.per_layer(cfg, b).state
-        return self._states[cfg]

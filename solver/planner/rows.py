@@ -19,7 +19,7 @@ def nondecreasing_rows(rows: np.ndarray) -> np.ndarray:
     return np.minimum.accumulate(rows[:, ::-1], axis=1)[:, ::-1]
 
 
-def counts_within(rows: np.ndarray, limits: np.ndarray) -> np.ndarray:
+def counts_within(rows: np.ndarray, limits: np.ndarray, scale: np.ndarray | None = None) -> np.ndarray:
     """[row, t]: how many entries of the row are at most `limits[t]`, which is
     `np.searchsorted(row, limits, side="right")`; every row nondecreasing, `limits`
     ascending, no NaN anywhere. One search of every entry into the limits gives, per
@@ -27,18 +27,37 @@ def counts_within(rows: np.ndarray, limits: np.ndarray) -> np.ndarray:
     grid the steps are counted per position and summed along it; on a long one (the
     product tables' thousands of times) the counts are laid out run by run instead
     (a row's k-th run, k entries within, as long as the gap between its k-th and
-    k+1-th steps), one pass however long the grid."""
+    k+1-th steps), one pass however long the grid. With `scale` (one factor per row),
+    each row's counts times its factor, as floats: on a long grid the scaled counts
+    are what is laid out, not a second array of the grid's size multiplied after (the
+    same products: small whole numbers times whole-valued factors are exact)."""
     size, (count, n) = len(limits), rows.shape
     at = np.searchsorted(limits, rows, side="left")
     if size <= _SHORT:
         flat = (at + (size + 1) * np.arange(count)[:, None]).ravel()
-        return np.cumsum(np.bincount(flat, minlength=count * (size + 1)).reshape(count, size + 1)[:, :size], axis=1)
+        counts = np.cumsum(np.bincount(flat, minlength=count * (size + 1)).reshape(count, size + 1)[:, :size], axis=1)
+        return counts if scale is None else scale[:, None] * counts
     edges = np.empty((count, n + 2), dtype=np.intp)
     edges[:, 0], edges[:, -1], edges[:, 1:-1] = 0, size, at
-    return np.repeat(np.tile(np.arange(n + 1), count), np.diff(edges, axis=1).ravel()).reshape(count, size)
+    values = np.tile(np.arange(n + 1), count) if scale is None else (scale[:, None] * np.arange(n + 1)).ravel()
+    return np.repeat(values, np.diff(edges, axis=1).ravel()).reshape(count, size)
 
 
 _SHORT = 512  # grid positions up to which counting per position is the cheaper (a group's grid; a product's is longer)
+
+
+def sorted_unique(values: np.ndarray) -> np.ndarray:
+    """`np.unique` of a 1-D float array, sorted in place (`values` is the caller's
+    scratch) and without `np.unique`'s own layers of calls, which cost a group of
+    layouts more than its sort: the same sort and the same first of each run of equal
+    entries, so the same array bit for bit (NaN, which `np.unique` merges, goes to it)."""
+    values.sort()
+    if not values.size or np.isnan(values[-1]):
+        return np.unique(values)
+    keep = np.empty(len(values), dtype=bool)
+    keep[0] = True
+    np.not_equal(values[1:], values[:-1], out=keep[1:])
+    return values[keep]
 
 
 def most_within(runs: np.ndarray, limits: np.ndarray, tol: float) -> np.ndarray:
@@ -66,7 +85,7 @@ def layers_fitting(capacity: np.ndarray, state: np.ndarray, saved: np.ndarray, i
     recomputing (where `remat`, else 0): capacity over the least bytes any one layer
     needs (`state + saved * held`; recomputing, its input per microbatch held beside
     `state + recomputed`), `saved`, `inputs` and `recomputed` scaled by the shard as
-    `StageCosts.per_layer` scales them (`LowerBounds._layers_fitting`; numpy's floor
+    `StageCosts.per_layer` scales them (`fitting.LayoutFits.one`; numpy's floor
     division is Python's, so each count is the scalar one's)."""
     shard, held, capacity = shard[:, None], np.asarray(held)[None, :], np.asarray(capacity, dtype=float)[:, None]
     layers = state.shape[1]
@@ -106,11 +125,17 @@ def run_spans(forward: np.ndarray, backward: np.ndarray, fused: list[np.ndarray 
 def least_runs_rows(values: np.ndarray) -> np.ndarray:
     """[row, n - 1]: the least sum of any n consecutive entries, of each span matrix of
     `values` (rows x (n + 1) x (n + 1)): the least of its n-th diagonal above the main
-    one, all diagonals at once."""
-    n = values.shape[1] - 1
-    first, length = np.arange(n)[None, :], np.arange(1, n + 1)[:, None]
-    last = first + length
-    return np.where(last <= n, values[:, first, np.minimum(last, n)], np.inf).min(axis=2)
+    one, all diagonals at once: read in place (a strided view: entry [n - 1, i] is
+    [i, i + n], one row and one column further per i), not gathered into a copy; the
+    view's entries past a diagonal's end (i + n > n: the next rows' entries, still
+    inside the contiguous block) are masked out."""
+    values = np.ascontiguousarray(values)
+    rows, n = values.shape[0], values.shape[1] - 1
+    along, down, across = values.strides
+    diagonals = np.lib.stride_tricks.as_strided(values[:, 0, 1:], shape=(rows, n, n), strides=(along, across, down + across),
+                                                writeable=False)
+    within = np.arange(n)[None, :] + np.arange(1, n + 1)[:, None] <= n
+    return np.where(within, diagonals, np.inf).min(axis=2)
 
 
 def least_steps(runs: np.ndarray) -> list[float]:
@@ -142,11 +167,13 @@ def stage_runs(forward: np.ndarray, backward: np.ndarray, fused: list[np.ndarray
     """`StageRuns` of each stage (a row of `forward`, `backward`, `fused`: `run_spans`'),
     every field priced for all the stages at once."""
     both, rerun = run_spans(forward, backward, fused)
-    plain, remat = least_runs_rows(both), least_runs_rows(rerun)
-    n = both.shape[1] - 1
+    count, n = len(both), both.shape[1] - 1
+    plain, remat = np.split(least_runs_rows(np.concatenate([both, rerun])), 2)
     ends = np.arange(n - 1, -1, -1)  # where the last stage starts, holding 1, 2, ... layers
     last, last_remat = both[:, ends, n], rerun[:, ends, n]
-    fields = (plain, remat, least_steps(plain), least_steps(remat), last, last_remat, nondecreasing_rows(plain),
-              nondecreasing_rows(remat), least_steps(last), least_steps(last_remat), nondecreasing_rows(last),
-              nondecreasing_rows(last_remat))
+    # the four kinds of runs as rows of one array: each row's figures are its own (a least or a running least)
+    runs = np.concatenate([plain, remat, last, last_remat])
+    steps, floors = least_steps(runs), nondecreasing_rows(runs)
+    step, floor = [steps[i * count : (i + 1) * count] for i in range(4)], [floors[i * count : (i + 1) * count] for i in range(4)]
+    fields = (plain, remat, step[0], step[1], last, last_remat, floor[0], floor[1], step[2], step[3], floor[2], floor[3])
     return [StageRuns(*row) for row in zip(*fields)]

@@ -27,23 +27,25 @@ def longest(runs: np.ndarray, limits: np.ndarray) -> np.ndarray:
 def first_enough(rooms: list[np.ndarray], index: np.ndarray, size: int, layers: int) -> np.ndarray:
     """Per combination (a column of `index`, one row of each kind's `rooms`, which
     are nondecreasing along the grid): the first grid position where their sum
-    reaches `layers` (`size` where none does), by a binary search run on all at once
-    (each probe a flat gather per kind: a combination's row starts at its index
-    times `size`)."""
+    reaches `layers` (`size` where none does), by a binary search run on all at once:
+    the count of positions known to fall short grows by each power of two in turn
+    where the position it would reach still falls short (each probe a flat gather
+    per kind: a combination's row starts at its index times `size`). No combination
+    needs its own bounds or a test of whether it is done, so a pass is a few calls
+    (a product's table has a thousand combinations: the calls, not their arithmetic,
+    were its cost)."""
     flats = [np.ascontiguousarray(r).reshape(-1) for r in rooms]
-    starts = [i * size for i in index]
-    lo, hi = np.zeros(index.shape[1], dtype=int), np.full(index.shape[1], size)
-    live = lo < hi
-    while live.any():
-        mid = (lo + hi) // 2  # below `size` wherever the search goes on
-        probe = np.minimum(mid, size - 1)
+    starts = [i * size - 1 for i in index]  # a count c probes position c - 1
+    count = np.zeros(index.shape[1], dtype=np.intp)
+    step = 1 << (int(size).bit_length() - 1) if size else 0
+    while step:
+        probe = np.minimum(count + step, size)  # past the grid: its last position (all fall short: `size`)
         total = flats[0].take(starts[0] + probe)
         for flat, start in zip(flats[1:], starts[1:]):
             total = total + flat.take(start + probe)
-        enough = (total >= layers) & live
-        lo, hi = np.where(enough | ~live, lo, mid + 1), np.where(enough, mid, hi)
-        live = lo < hi
-    return lo
+        count = np.where(total < layers, probe, count)
+        step >>= 1
+    return count
 
 
 def balanced_pace(layers: int, rates: np.ndarray) -> float:
