@@ -97,8 +97,7 @@ def range_totals(parts: RangeParts, held: int, out: np.ndarray) -> None:
     activations = parts.per_held * counts  # per_held * held' + once + working
     activations += parts.once
     activations += parts.working
-    body = out.view()
-    body.shape = (zeros, remats, ranges)  # a view: never a copy written to instead
+    body = np.reshape(out, (zeros, remats, ranges), copy=False)  # a view (an error, never a copy written to instead)
     np.add(parts.state, activations, out=body)
     body += parts.workspace  # (state + activations) + workspace, as `DeviceMemory.total` adds them
 
