@@ -62,3 +62,15 @@ class StageTable:
     @cached_property
     def time(self) -> np.ndarray:
         return self.forward + self.backward
+
+    @cached_property
+    def run_times(self) -> np.ndarray:
+        """The distinct times of the ranges that run (finite), ascending: the bottlenecks
+        a split over this stage can have (`layer_split.best_split`), sorted once per table
+        rather than per pipeline that reads it."""
+        return np.unique(self.time[np.isfinite(self.time)])
+
+    @cached_property
+    def run_tails(self) -> np.ndarray:
+        """The distinct tails of the ranges that run, ascending (`run_times`' tails)."""
+        return np.unique(self.tail[np.isfinite(self.time)])

@@ -26,6 +26,7 @@ from solver import schedules
 from solver.schedules import StageTimes
 from solver.cost.stage_costs import INF
 from solver.cost.stage_tables import StageTable
+from solver.planner.rows import sorted_unique
 from solver.planner.runs import balanced_pace
 
 
@@ -163,24 +164,33 @@ class _Row:
     def least_sums(self, t_maxes: np.ndarray) -> np.ndarray:
         """`least_sum(t_max)`'s value for each of `t_maxes` at once (the same sums in
         the same order, so the same figures), without the cuts."""
-        limits = t_maxes[:, None]
-        best = np.where(self.times[0][0][None, :] <= limits, self.times[0][0][None, :], INF)
-        for p in range(1, len(self.times)):
-            send = self.sends[p - 1][None, :]
-            start = best + 2 * np.where(send <= limits, send, INF)
-            cost = np.where(self.times[p][None] <= limits[:, :, None], self.times[p][None], INF)
-            best = (start[:, :, None] + cost).min(axis=1)
-        return best[:, self.n]
+        return self.sums_and_tails(t_maxes, tails=False)[0]
 
     def least_tails(self, t_maxes: np.ndarray) -> np.ndarray:
         """`least_max(t_max, of_tails=True)` for each of `t_maxes` at once (the same figures)."""
+        return self.sums_and_tails(t_maxes, sums=False)[1]
+
+    def sums_and_tails(self, t_maxes: np.ndarray, sums: bool = True,
+                       tails: bool = True) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """`least_sums` and `least_tails` of `t_maxes` (each where asked, else None), in
+        one pass: both mask the same stage times and sends by each bound, so the sweep,
+        which wants both for most bottlenecks, masks once. Each figure is the same
+        whatever else is computed (a row per bound, each its own path)."""
         limits = t_maxes[:, None]
-        best = np.where(self.times[0][0][None, :] <= limits, self.tails[0][0][None, :], INF)
+        first = self.times[0][0][None, :] <= limits
+        best_sum = np.where(first, self.times[0][0][None, :], INF) if sums else None
+        best_tail = np.where(first, self.tails[0][0][None, :], INF) if tails else None
         for p in range(1, len(self.times)):
-            start = np.where(self.sends[p - 1][None, :] <= limits, best, INF)
-            cost = np.where(self.times[p][None] <= limits[:, :, None], self.tails[p][None], INF)
-            best = np.maximum(start[:, :, None], cost).min(axis=1)
-        return best[:, self.n]
+            send = self.sends[p - 1][None, :]
+            sent = send <= limits
+            runs = self.times[p][None] <= limits[:, :, None]
+            if sums:
+                start = best_sum + 2 * np.where(sent, send, INF)
+                best_sum = (start[:, :, None] + np.where(runs, self.times[p][None], INF)).min(axis=1)
+            if tails:
+                start = np.where(sent, best_tail, INF)
+                best_tail = np.maximum(start[:, :, None], np.where(runs, self.tails[p][None], INF)).min(axis=1)
+        return (best_sum[:, self.n] if sums else None), (best_tail[:, self.n] if tails else None)
 
     def least_max(self, t_max: float = INF, of_tails: bool = False) -> float:
         """The least possible largest stage time (or tail, among splits whose stage and
@@ -243,8 +253,10 @@ def best_split(
     if m - 1 / v > 0 and beat < INF and _every_bottleneck_loses(row, m, v, pace_lo, sum0, u_floor, beat):
         return None  # before the sweep's grids: most pipelines the search prices lose here
     sum0, cuts0 = row.least_sum()
-    t_values = np.unique(np.concatenate([t[np.isfinite(t)] for t in row.times] + [s[1:n] for s in row.sends]))
-    u_values = np.unique(np.concatenate([u[np.isfinite(t)] for u, t in zip(row.tails, row.times)]))
+    # Every bottleneck and tail a split can have: each table's own, sorted once per table
+    # (a table serves many pipelines), merged (a stable sort runs through sorted runs).
+    t_values = sorted_unique(np.concatenate([t.run_times for t in tables] + [s[1:n] for s in row.sends]), kind="stable")
+    u_values = sorted_unique(np.concatenate([t.run_tails for t in tables]), kind="stable")
     best = Split(cuts0, score(tables, sends, m, cuts0, schedule, chunks))
     # What the sweep prunes against: the best objective (one chunk), or the best 1F1B
     # form seen (interleaved: its objective is not the form the sweep bounds).
@@ -364,12 +376,11 @@ def _swept(row: _Row, t_values: np.ndarray, going: Callable[[float], bool], usef
         if not ahead:
             return
         ts = ts[:ahead]
-        sums = row.least_sums(ts)
-        # The least tails only matter where the sum leaves the bottleneck in the running.
-        tails = np.full(len(ts), INF)
+        sums, tails = row.sums_and_tails(ts)
+        # The least tails only matter where the sum leaves the bottleneck in the running
+        # (priced with the sums all the same: nearly always most are, and one pass masks once).
         live = np.array([useful(float(t), float(s)) for t, s in zip(ts, sums)], dtype=bool)
-        if live.any():
-            tails[live] = row.least_tails(ts[live])
+        tails = np.where(live, tails, INF)
         for t_max, sum_t, u_lo in zip(ts, sums, tails):
             if not going(float(t_max)):
                 return

@@ -46,12 +46,13 @@ def counts_within(rows: np.ndarray, limits: np.ndarray, scale: np.ndarray | None
 _SHORT = 512  # grid positions up to which counting per position is the cheaper (a group's grid; a product's is longer)
 
 
-def sorted_unique(values: np.ndarray) -> np.ndarray:
+def sorted_unique(values: np.ndarray, kind: str = "quicksort") -> np.ndarray:
     """`np.unique` of a 1-D float array, sorted in place (`values` is the caller's
     scratch) and without `np.unique`'s own layers of calls, which cost a group of
     layouts more than its sort: the same sort and the same first of each run of equal
-    entries, so the same array bit for bit (NaN, which `np.unique` merges, goes to it)."""
-    values.sort()
+    entries, so the same array bit for bit (NaN, which `np.unique` merges, goes to it).
+    `kind` "stable" where `values` are sorted runs laid end to end (it merges them)."""
+    values.sort(kind=kind)
     if not values.size or np.isnan(values[-1]):
         return np.unique(values)
     keep = np.empty(len(values), dtype=bool)
