@@ -54,61 +54,81 @@ class Group(NamedTuple):
 def least_steps(group: Group, at: np.ndarray, n: np.ndarray, nr: np.ndarray, m: int, layers: int, offsets: np.ndarray,
                 beat: float, lasts: list[LastStage] | None = None) -> np.ndarray:
     """Per row (`at`: each stage's layout in the group's arrays; `n`, `nr`: the most
-    layers each stage holds without and with recomputation): the least (m - 1) t +
-    summed stage times over the group's candidate times t, plus the row's offset,
-    stopped at `beat` (a figure that reaches it is as good as exact for pruning);
-    `lasts`: each row's last stage's own figures, where the order is known."""
+    layers each stage holds without and with recomputation, whole numbers): the least
+    (m - 1) t + summed stage times over the group's candidate times t, plus the row's
+    offset, stopped at `beat` (a figure that reaches it is as good as exact for
+    pruning); `lasts`: each row's last stage's own figures, where the order is known.
+    The rooms are counted in integers (the group's are; mixing in float counts cast
+    every array pass), exact, so every figure is the one counted in floats."""
+    n, nr = n.astype(np.int64), nr.astype(np.int64)
     plain = n >= 1  # a stage that cannot hold one layer without recomputing recomputes
     firsts = np.where(plain, group.firsts[at], group.firsts_remat[at])
     rates = np.where(plain, group.rates[at], group.rates_remat[at])
     if lasts is not None:
         ends = plain[:, -1]
-        firsts[:, -1] = np.where(ends, [s.first for s in lasts], [s.first_remat for s in lasts])
-        rates[:, -1] = np.where(ends, [s.step for s in lasts], [s.step_remat for s in lasts])
+        heads = np.array([(s.first, s.first_remat, s.step, s.step_remat) for s in lasts])
+        firsts[:, -1] = np.where(ends, heads[:, 0], heads[:, 1])
+        rates[:, -1] = np.where(ends, heads[:, 2], heads[:, 3])
         last_rooms = np.maximum(np.minimum(np.stack([s.rooms for s in lasts]), n[:, -1:]),
                                 np.minimum(np.stack([s.rooms_remat for s in lasts]), nr[:, -1:]))
-    base = firsts.sum(axis=1)[:, None]
+    base = firsts.sum(axis=1)
     # The stages sorted by their increment per layer, once: the least sums hand the
     # layers beyond one per stage to the least increments first.
     by_rate = np.argsort(rates, axis=1, kind="stable")
     each = np.arange(len(at))[:, None]
-    at, n, nr, sorted_rates = at[each, by_rate], n[each, by_rate], nr[each, by_rate], rates[each, by_rate][:, None, :]
-    # Per row, stage and candidate bottleneck time t: the most layers the stage may hold.
-    rooms = np.maximum(np.minimum(group.plain_rooms[at], n[:, :, None]), np.minimum(group.remat_rooms[at], nr[:, :, None]))
+    at, n, nr, sorted_rates = at[each, by_rate], n[each, by_rate], nr[each, by_rate], rates[each, by_rate]
+    # Per row, stage and candidate bottleneck time t: the most layers the stage may
+    # hold, nondecreasing along t (as the group's rooms are); in place, in the gathers' copies.
+    rooms, remat = group.plain_rooms[at], group.remat_rooms[at]
+    np.minimum(rooms, n[:, :, None], out=rooms)
+    np.maximum(rooms, np.minimum(remat, nr[:, :, None], out=remat), out=rooms)
     if lasts is not None:
         end = np.argmax(by_rate == by_rate.shape[1] - 1, axis=1)  # where the last stage sorted to
         rooms[each[:, 0], end] = np.minimum(rooms[each[:, 0], end], last_rooms)
-    budget = layers - n.shape[1]  # layers beyond one per stage
-
-    def least_sums(rooms: np.ndarray, rows: np.ndarray | slice = slice(None)) -> np.ndarray:
-        """Per row (of `rows`) and candidate time (`rooms`: the most layers each
-        stage may hold there, stages by rate): the least summed stage time when each
-        stage holds at least one layer, the extra layers going to the least
-        increments (inf where the layers do not fit)."""
-        extra = rooms - 1
-        before = np.cumsum(extra, axis=2) - extra
-        take = np.clip(budget - before, 0, extra)
-        sums = base[rows] + (take * sorted_rates[rows]).sum(axis=2)
-        return np.where((extra.min(axis=2) < 0) | (extra.sum(axis=2) < budget), INF, sums)
-
-    steps = group.steps
+    # Where a row's layers fit: every stage has room for one and all for every layer
+    # (nondecreasing along t, as the rooms are).
     enough = rooms.sum(axis=1) >= layers
-    some = enough.any(axis=1)
-    floor_sums = least_sums(np.maximum(n, nr)[:, None, :])[:, 0]
+    fit = enough & (rooms.min(axis=1) >= 1)
+    some = enough[:, -1]
+    budget = layers - n.shape[1]  # layers beyond one per stage
+    steps = group.steps
     best = beat - offsets
     # From the least time at which some row's layers all have room, a block of times
-    # at a time: a time's bound is (m - 1) t plus its least sum (inf before the row's
-    # layers have room), and once (m - 1) t plus a row's least sum of all reaches its
-    # best so far, no later time can win it.
+    # at a time: a time's bound is (m - 1) t plus its least sum (inf where the row's
+    # layers do not fit), and once (m - 1) t plus a row's least sum of all (`floor`:
+    # each stage at its most layers, priced beside the first block) reaches its best so
+    # far, no later time can win it.
     going = some.copy()
-    for start in range(int(np.argmax(enough.any(axis=0))) if some.any() else len(steps), len(steps), _BLOCK):
+    first = int(np.argmax(enough.any(axis=0))) if some.any() else len(steps)
+    floor = None
+    for start in range(first, len(steps), _BLOCK):
         ts = steps[start : start + _BLOCK]
-        # (a block's rooms contiguous along the stages, as the sums over them add in that layout's order)
-        block = np.ascontiguousarray(rooms[going, :, start : start + _BLOCK].transpose(0, 2, 1))
-        values = (m - 1) * ts + least_sums(block, going)
-        best[going] = np.minimum(best[going], values.min(axis=1))
-        going[going] = (m - 1) * ts[-1] + floor_sums[going] < best[going]
+        rows = slice(None) if going.all() else going  # (all, as a slice: no row gathered)
+        block = rooms[rows, :, start : start + _BLOCK].transpose(0, 2, 1)
+        if floor is None:  # the first block prices the most layers of each stage as one more time
+            block = np.concatenate([block, np.maximum(n[rows], nr[rows])[:, None, :]], axis=1)
+        sums = least_sums(block, budget, base[rows], sorted_rates[rows])
+        if floor is None:
+            floor = np.full(len(at), INF)
+            floor[rows], sums = sums[:, -1], sums[:, :-1]
+        values = (m - 1) * ts + np.where(fit[rows, start : start + _BLOCK], sums, INF)
+        best[rows] = np.minimum(best[rows], values.min(axis=1))
+        going[rows] = (m - 1) * ts[-1] + floor[rows] < best[rows]
         if not going.any():
             break
     return np.where(some, best + offsets, INF)
 
+
+def least_sums(rooms: np.ndarray, budget: int, base: np.ndarray, rates: np.ndarray) -> np.ndarray:
+    """Per row and candidate time (`rooms`: rows x times x stages, the most layers
+    each stage may hold there, whole numbers, stages by `rates`): the least summed
+    stage time when each stage holds one layer (`base`) and the `budget` layers beyond
+    go to the least increments first (where they fit: the caller masks the rest). The
+    counts are exact in integers; only the products are summed in floats, along the
+    stages (contiguous), in their order."""
+    # In C order, and so every array after it (`rooms` may be a transposed view): past 8
+    # stages numpy adds a sum pairwise only along a contiguous axis, else in turn.
+    extra = np.subtract(rooms, 1, order="C")
+    before = np.cumsum(extra, axis=2) - extra
+    take = np.minimum(np.maximum(budget - before, 0), extra)
+    return base[:, None] + (take * rates[:, None, :]).sum(axis=2)
