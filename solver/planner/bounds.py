@@ -157,7 +157,7 @@ class LowerBounds:
         arrays = [self._kind_arrays(tuple(lays), b, kinds) for lays in per_kind]
         index = np.indices([len(lays) for lays in per_kind]).reshape(len(per_kind), -1)
         stages = sum(a.counts[i] for a, i in zip(arrays, index))
-        index = index[:, stages <= layers]
+        index, stages = index[:, stages <= layers], stages[stages <= layers]
         if not index.shape[1]:
             return np.zeros(0), index
         grid = self._time_grid(b, kinds)
@@ -166,7 +166,7 @@ class LowerBounds:
         # The summed stage times with memory alone limiting each stage.
         rates = np.stack([a.rates[i] for a, i in zip(arrays, index)], axis=1)
         extra = np.stack([a.extra[i] for a, i in zip(arrays, index)], axis=1)
-        budget = layers - sum(a.counts[i] for a, i in zip(arrays, index))
+        budget = layers - stages
         order = np.argsort(rates, axis=1, kind="stable")
         extra, rates = np.take_along_axis(extra, order, 1), np.take_along_axis(rates, order, 1)
         before = np.cumsum(extra, axis=1) - extra
