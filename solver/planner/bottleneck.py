@@ -21,14 +21,16 @@ _BLOCK = 16  # candidate step times priced at once
 
 
 class LastStage(NamedTuple):
-    """A pipeline's last stage (`LowerBounds._last_stage`): its least one-layer time and
-    increment per further layer, plain and recomputing, over the model's last runs,
-    and its rooms per candidate step time of its group."""
+    """A group's layouts as a pipeline's last stage (`LowerBounds._last_stages`), a row
+    each in the group's `index` order: the least one-layer time and increment per
+    further layer, plain and recomputing, over the model's last runs, and the rooms per
+    candidate step time of the group (an order's last stage is any of its layouts: a
+    row of orders picks its last stages' rows, not a list of them stacked per call)."""
 
-    first: float
-    first_remat: float
-    step: float
-    step_remat: float
+    first: np.ndarray
+    first_remat: np.ndarray
+    step: np.ndarray
+    step_remat: np.ndarray
     rooms: np.ndarray
     rooms_remat: np.ndarray
 
@@ -48,16 +50,17 @@ class Group(NamedTuple):
     remat_rooms: np.ndarray
     index: dict[tuple, int]  # a layout (`bounds.KindLayout`) -> its row
     rows: dict[tuple, np.ndarray]  # per row of these layouts, each stage's position in the arrays above
-    lasts: dict[tuple, LastStage]  # per layout, its figures as a pipeline's last stage (`LowerBounds._last_stage`)
+    lasts: list[LastStage]  # its layouts' figures as a pipeline's last stage, once asked (`LowerBounds._last_stages`)
 
 
 def least_steps(group: Group, at: np.ndarray, n: np.ndarray, nr: np.ndarray, m: int, layers: int, offsets: np.ndarray,
-                beat: float, lasts: list[LastStage] | None = None) -> np.ndarray:
+                beat: float, lasts: LastStage | None = None) -> np.ndarray:
     """Per row (`at`: each stage's layout in the group's arrays; `n`, `nr`: the most
     layers each stage holds without and with recomputation, whole numbers): the least
     (m - 1) t + summed stage times over the group's candidate times t, plus the row's
     offset, stopped at `beat` (a figure that reaches it is as good as exact for
-    pruning); `lasts`: each row's last stage's own figures, where the order is known.
+    pruning); `lasts`: the group's layouts' figures as a last stage, where the order is
+    known (each row's last stage's own, picked by its layout).
     The rooms are counted in integers (the group's are; mixing in float counts cast
     every array pass), exact, so every figure is the one counted in floats."""
     n, nr = n.astype(np.int64), nr.astype(np.int64)
@@ -65,12 +68,10 @@ def least_steps(group: Group, at: np.ndarray, n: np.ndarray, nr: np.ndarray, m: 
     firsts = np.where(plain, group.firsts[at], group.firsts_remat[at])
     rates = np.where(plain, group.rates[at], group.rates_remat[at])
     if lasts is not None:
-        ends = plain[:, -1]
-        heads = np.array([(s.first, s.first_remat, s.step, s.step_remat) for s in lasts])
-        firsts[:, -1] = np.where(ends, heads[:, 0], heads[:, 1])
-        rates[:, -1] = np.where(ends, heads[:, 2], heads[:, 3])
-        last_rooms = np.maximum(np.minimum(np.stack([s.rooms for s in lasts]), n[:, -1:]),
-                                np.minimum(np.stack([s.rooms_remat for s in lasts]), nr[:, -1:]))
+        ends, last = plain[:, -1], at[:, -1]
+        firsts[:, -1] = np.where(ends, lasts.first[last], lasts.first_remat[last])
+        rates[:, -1] = np.where(ends, lasts.step[last], lasts.step_remat[last])
+        last_rooms = np.maximum(np.minimum(lasts.rooms[last], n[:, -1:]), np.minimum(lasts.rooms_remat[last], nr[:, -1:]))
     base = firsts.sum(axis=1)
     # The stages sorted by their increment per layer, once: the least sums hand the
     # layers beyond one per stage to the least increments first.

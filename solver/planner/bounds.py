@@ -299,7 +299,7 @@ class LowerBounds:
         holds only as many layers as fit beside the activations its position keeps in
         flight, a stage that cannot hold one layer without recomputing pays the
         recompute, and every cut pays its least send both ways; with `last`, the last
-        stage is priced by the model's last layers, which it holds (`_last_stage`).
+        stage is priced by the model's last layers, which it holds (`_last_stages`).
         Stops at `beat`: a bound that reaches it is as good as exact for pruning. All
         orders at once (one array pass, not a pass per order: the search ranks every
         order of a set when the set reaches the front of its line)."""
@@ -308,8 +308,7 @@ class LowerBounds:
         group = self._group(orders[0], b)
         fitting, sends, slots = self._order_parts(orders, m, b, schedule)
         at = np.array([group.index[lay] for lay in orders[0]])[slots]  # each stage's layout in the group's arrays
-        return self._bounds(orders, fitting, m, b, sends + group.tail, beat,
-                            [self._last_stage(order[-1], group, b) for order in orders] if last else None, group, at)
+        return self._bounds(orders, fitting, m, b, sends + group.tail, beat, self._last_stages(group, b) if last else None, group, at)
 
     def _order_parts(self, orders: list[tuple[KindLayout, ...]], m: int, b: int,
                      schedule: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -339,14 +338,14 @@ class LowerBounds:
         return self._pair_sends[key]
 
     def _bounds(self, rows: list[tuple[KindLayout, ...]], fitting: np.ndarray, m: int, b: int, offsets: np.ndarray,
-                beat: float, lasts: list[LastStage] | None = None, group: Group | None = None,
+                beat: float, lasts: LastStage | None = None, group: Group | None = None,
                 at: np.ndarray | None = None) -> np.ndarray:
         """Per row of layouts (rows of as many stages; the layouts all in `group`, by
         default the first row's set): the least (m - 1) t + summed stage times over
         candidate bottlenecks t (the group's), plus the row's offset (its tail's bound
         and sends); `fitting` (rows x stages x 2): the most layers each stage holds
         without and with recomputation; `lasts`: each row's last stage's own figures
-        (`_last_stage`, on the group of the row's own set), where the order is known;
+        (`_last_stages`, of `group`: the group of the rows' own set), where the order is known;
         `at`: each row's stages' layouts in the group's arrays, where the caller has
         them (`_row_layouts` otherwise). (Plain schedules only: an interleaved
         schedule's tail is its device groups' chunks' tails summed, and its fill is
@@ -364,7 +363,7 @@ class LowerBounds:
             return out
         n, nr, offsets = n[live], nr[live], offsets[live]
         at = np.stack([self._row_layouts(rows[i], group) for i in live]) if at is None else at[live]
-        out[live] = least_steps(group, at, n, nr, m, layers, offsets, beat, None if lasts is None else [lasts[i] for i in live])
+        out[live] = least_steps(group, at, n, nr, m, layers, offsets, beat, lasts)
         return out
 
     def interleaved_floor(self, layouts: tuple[KindLayout, ...], m: int, b: int, chunks: int) -> float:
@@ -452,11 +451,11 @@ class LowerBounds:
             rooms = counts_within(np.array([r.floor for r in each] + [r.floor_remat for r in each]), steps * FITS_TOL)
             firsts, firsts_remat, rates, rates_remat = np.array([(r.time[0], r.remat[0], r.step, r.step_remat) for r in each]).T.copy()
             self._groups[key] = Group(steps, self._least_tail(key[0]), firsts, firsts_remat, rates, rates_remat, rooms[: len(each)],
-                                      rooms[len(each) :], {lay: i for i, lay in enumerate(key[0])}, {}, {})
+                                      rooms[len(each) :], {lay: i for i, lay in enumerate(key[0])}, {}, [])
         self._groups[layouts, b] = self._groups[key]
         return self._groups[key]
 
-    def _last_stage(self, last: KindLayout, group: Group, b: int) -> LastStage:
+    def _last_stages(self, group: Group, b: int) -> LastStage:
         """A pipeline's last stage holds the model's last layers (on a language model,
         the head, heavier than any other layer), so its times are at least those of
         the last runs, not only of the least runs anywhere. Its rooms on the group's
@@ -466,14 +465,13 @@ class LowerBounds:
         largest candidate t <= M, where its last stage's run (<= M, below the next
         candidate) has room (as its least run, a candidate <= M, has at t: the rooms
         are the lesser of the two)."""
-        if last not in group.lasts:  # every layout of the group at once: an order's last stage is any of them
-            layouts = tuple(group.index)
-            runs = self._runs_of(layouts, b)
+        if not group.lasts:  # every layout of the group at once: an order's last stage is any of them
+            runs = self._runs_of(tuple(group.index), b)
             above = np.append(group.steps[1:], INF)
             rooms = counts_within(np.array([r.last_floor for r in runs] + [r.last_floor_remat for r in runs]), above * FITS_TOL)
-            group.lasts.update((lay, LastStage(float(r.last[0]), float(r.last_remat[0]), r.last_step, r.last_step_remat,
-                                               rooms[i], rooms[len(runs) + i])) for i, (lay, r) in enumerate(zip(layouts, runs)))
-        return group.lasts[last]
+            heads = np.array([(r.last[0], r.last_remat[0], r.last_step, r.last_step_remat) for r in runs], dtype=float).T.copy()
+            group.lasts.append(LastStage(*heads, rooms[: len(runs)], rooms[len(runs) :]))
+        return group.lasts[0]
 
     def _least_tail(self, layouts: tuple[KindLayout, ...]) -> float:
         """The least u such that stages whose every run costs at most u in tail (and
