@@ -344,8 +344,8 @@ class LowerBounds:
         default the first row's set): the least (m - 1) t + summed stage times over
         candidate bottlenecks t (the group's), plus the row's offset (its tail's bound
         and sends); `fitting` (rows x stages x 2): the most layers each stage holds
-        without and with recomputation; `lasts`: each row's last stage's own figures
-        (`_last_stages`, of `group`: the group of the rows' own set), where the order is known;
+        without and with recomputation; `lasts`: the figures of `group`'s layouts as a last
+        stage (`_last_stages`; each row picks its last stage's by its layout), where the order is known;
         `at`: each row's stages' layouts in the group's arrays, where the caller has
         them (`_row_layouts` otherwise). (Plain schedules only: an interleaved
         schedule's tail is its device groups' chunks' tails summed, and its fill is
