@@ -50,51 +50,77 @@ def score(tables: Sequence[StageTable], sends: Sequence[np.ndarray], m: int, cut
 
 
 class _Row:
-    """One row of stages, with the masked shortest path over cut positions."""
+    """One row of stages, with the masked shortest path over cut positions.
+
+    Every stage holds a layer at least (a table's range [i, j) runs only where i < j,
+    inf elsewhere), so stage p of k can only start at a cut in [p, p + w) and end at one
+    in [p + 1, p + 1 + w), w = n - k + 1 (the last stage ends at n): the paths run on
+    those windows of each table (`_window`), not the whole (n+1, n+1) tables. Every
+    entry left out is inf in the sums (its range does not run, or no path reaches its
+    start), so each least figure is the same; the tables' minima lose only infs."""
 
     def __init__(self, tables: Sequence[StageTable], sends: Sequence[np.ndarray]):
         self.times = [t.time for t in tables]
         self.tails = [t.tail for t in tables]
         self.sends = [np.asarray(s) for s in sends]
         self.n = self.times[0].shape[0] - 1
+        self.width = self.n - len(self.times) + 1
+        self.times_w = [self._window(t, p) for p, t in enumerate(self.times)]
+        self.tails_w = [self._window(u, p) for p, u in enumerate(self.tails)]
+        self.sends_w = [s[p + 1 : p + 1 + self.width] for p, s in enumerate(self.sends)]
+
+    def _window(self, table: np.ndarray, p: int) -> np.ndarray:
+        """Stage p's ranges that some split can give it: rows (start cuts) [p, p + w),
+        columns (end cuts) [p + 1, p + 1 + w), only n for the last stage, only 0 as the
+        start of the first (a 1-D row)."""
+        w, n = self.width, self.n
+        if p == 0:
+            return table[0, 1 : 1 + w] if len(self.times) > 1 else table[0, n : n + 1]
+        if p == len(self.times) - 1:
+            return table[p : p + w, n : n + 1]
+        return table[p : p + w, p + 1 : p + 1 + w]
+
+    def _end(self, p: int, j: int) -> int:
+        """The column of end cut j in stage p's window (p >= 1)."""
+        return 0 if p == len(self.times) - 1 else j - p - 1
 
     def least_sum(self, t_max: float = INF, u_max: float = INF) -> tuple[float, tuple[int, ...]]:
         if t_max == INF and u_max == INF:
-            costs = self.times
+            costs = self.times_w
         else:
-            costs = [np.where((t <= t_max) & (u <= u_max), t, INF) for t, u in zip(self.times, self.tails)]
-        best = costs[0][0].copy()
+            costs = [np.where((t <= t_max) & (u <= u_max), t, INF) for t, u in zip(self.times_w, self.tails_w)]
+        best = costs[0].copy()
         back = []
         for p in range(1, len(costs)):
-            start = best + 2 * np.where(self.sends[p - 1] <= t_max, self.sends[p - 1], INF)
+            start = best + 2 * np.where(self.sends_w[p - 1] <= t_max, self.sends_w[p - 1], INF)
             total = start[:, None] + costs[p]
             arg = total.argmin(axis=0)
             best = total[arg, np.arange(total.shape[1])]
             back.append(arg)
-        value = float(best[self.n])
+        value = float(best[-1])
         if value == INF:
             return INF, ()
         cuts, j = [], self.n
-        for arg in reversed(back):
-            j = int(arg[j])
+        for p in range(len(costs) - 1, 0, -1):
+            j = p + int(back[p - 1][self._end(p, j)])
             cuts.append(j)
         return value, tuple(reversed(cuts))
 
     def least_total(self) -> float:
         """`least_sum()`'s value without its cuts (the same sums, so the same figure):
         most pipelines are refused on it before their cuts matter."""
-        best = self.times[0][0]
-        for p in range(1, len(self.times)):
-            best = ((best + 2 * self.sends[p - 1])[:, None] + self.times[p]).min(axis=0)
-        return float(best[self.n])
+        best = self.times_w[0]
+        for p in range(1, len(self.times_w)):
+            best = ((best + 2 * self.sends_w[p - 1])[:, None] + self.times_w[p]).min(axis=0)
+        return float(best[-1])
 
     def least_work(self) -> float:
         """The least summed stage time of any split, sends left out: every split's
         device groups share at least this much compute between them."""
-        best = self.times[0][0].copy()
-        for t in self.times[1:]:
+        best = self.times_w[0]
+        for t in self.times_w[1:]:
             best = (best[:, None] + t).min(axis=0)
-        return float(best[self.n])
+        return float(best[-1])
 
     def pace_floor(self, v: int) -> float:
         """A floor under the pace of the busiest device group of the row (stage p on
@@ -177,38 +203,45 @@ class _Row:
         which wants both for most bottlenecks, masks once. Each figure is the same
         whatever else is computed (a row per bound, each its own path)."""
         limits = t_maxes[:, None]
-        first = self.times[0][0][None, :] <= limits
-        best_sum = np.where(first, self.times[0][0][None, :], INF) if sums else None
-        best_tail = np.where(first, self.tails[0][0][None, :], INF) if tails else None
-        for p in range(1, len(self.times)):
-            send = self.sends[p - 1][None, :]
+        first = self.times_w[0][None, :] <= limits
+        best_sum = np.where(first, self.times_w[0][None, :], INF) if sums else None
+        best_tail = np.where(first, self.tails_w[0][None, :], INF) if tails else None
+        for p in range(1, len(self.times_w)):
+            send = self.sends_w[p - 1][None, :]
             sent = send <= limits
-            runs = self.times[p][None] <= limits[:, :, None]
+            times = self.times_w[p][None]
+            runs = times <= limits[:, :, None]
             if sums:
                 start = best_sum + 2 * np.where(sent, send, INF)
-                best_sum = (start[:, :, None] + np.where(runs, self.times[p][None], INF)).min(axis=1)
+                best_sum = (start[:, :, None] + np.where(runs, times, INF)).min(axis=1)
             if tails:
                 start = np.where(sent, best_tail, INF)
-                best_tail = np.maximum(start[:, :, None], np.where(runs, self.tails[p][None], INF)).min(axis=1)
-        return (best_sum[:, self.n] if sums else None), (best_tail[:, self.n] if tails else None)
+                best_tail = np.maximum(start[:, :, None], np.where(runs, self.tails_w[p][None], INF)).min(axis=1)
+        return (best_sum[:, -1] if sums else None), (best_tail[:, -1] if tails else None)
 
     def least_max(self, t_max: float = INF, of_tails: bool = False) -> float:
         """The least possible largest stage time (or tail, among splits whose stage and
-        send times stay within `t_max`): a bottleneck path, min over cuts of the max."""
-        def masked(p: int) -> np.ndarray:
-            t = self.times[p]
-            if t_max == INF:  # nothing to mask (every entry is at most inf): the same figures, without the copy
-                return self.tails[p] if of_tails else t
-            return np.where(t <= t_max, self.tails[p] if of_tails else t, INF)
+        send times stay within `t_max`): a bottleneck path, min over cuts of the max.
+        The least tail with no bound runs on the whole tables: a range that does not
+        run has tail 0 there (not inf), so the windows' figure could differ."""
+        whole = of_tails and t_max == INF
+        times, tails = (self.times, self.tails) if whole else (self.times_w, self.tails_w)
+        sends = self.sends if whole else self.sends_w
 
-        best = masked(0)[0].copy()
-        for p in range(1, len(self.times)):
-            send = self.sends[p - 1]
+        def masked(p: int) -> np.ndarray:
+            t = times[p]
+            if t_max == INF:  # nothing to mask (every entry is at most inf): the same figures, without the copy
+                return tails[p] if of_tails else t
+            return np.where(t <= t_max, tails[p] if of_tails else t, INF)
+
+        best = masked(0)[0] if whole else masked(0)
+        for p in range(1, len(times)):
+            send = sends[p - 1]
             start = best if of_tails else np.maximum(best, send)
             if t_max < INF:
                 start = np.where(send <= t_max, start, INF)
             best = np.maximum(start[:, None], masked(p)).min(axis=0)
-        return float(best[self.n])
+        return float(best[self.n] if whole else best[-1])
 
 
 def best_split(
