@@ -17,7 +17,6 @@ bubble term dominates and moves little between neighbouring bounds.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -60,6 +59,7 @@ class _Row:
     start), so each least figure is the same; the tables' minima lose only infs."""
 
     def __init__(self, tables: Sequence[StageTable], sends: Sequence[np.ndarray]):
+        self.tables = tables
         self.times = [t.time for t in tables]
         self.tails = [t.tail for t in tables]
         self.sends = [np.asarray(s) for s in sends]
@@ -133,9 +133,8 @@ class _Row:
           rate r_g on each of its q_g layers; with sum q_g = n, the busiest group takes
           at least n / sum(1 / r_g) (the balance were layers divisible)."""
         groups = len(self.times) // v
-        length = _lengths(self.n)
-        least = np.array([t.min() for t in self.times]).reshape(v, groups)
-        per_layer = np.array([np.where(length > 0, t / np.maximum(length, 1), INF).min() for t in self.times])
+        least = np.array([t.least_time for t in self.tables]).reshape(v, groups)
+        per_layer = np.array([t.least_rate for t in self.tables])
         rates = per_layer.reshape(v, groups).min(axis=0)
         return max(float(least.sum(axis=0).max()), balanced_pace(self.n, rates))
 
@@ -148,44 +147,42 @@ class _Row:
         t_p a stage's time, u_p its tail. Additive over stages, so one shortest path per
         group, all groups at once: the paths share every stage's cost but group g's own
         (`_every_group_loses` says why each is a floor under an interleaved step)."""
-        groups, n = len(self.times) // v, self.n
-        best = np.zeros((groups, n + 1))
-        for p, (t, u) in enumerate(zip(self.times, self.tails)):
+        groups = len(self.times) // v
+        for p, (t, u) in enumerate(zip(self.times_w, self.tails_w)):
             masked = np.where(t <= limit, t, INF)
             light = masked / v
             heavy = light + rate * masked + u  # (tails are 0 where a range does not run, its time inf)
             g = p % groups
             if p == 0:
-                best[:] = light[0]
-                best[g] = heavy[0]
+                best = np.tile(light, (groups, 1))
+                best[g] = heavy
                 continue
-            send = self.sends[p - 1]
+            send = self.sends_w[p - 1]
             start = best + 2 * np.where(send <= limit, send, INF)
             own = (start[g][:, None] + heavy).min(axis=0)
             best = (start[:, :, None] + light[None]).min(axis=1)
             best[g] = own
-        return best[:, n]
+        return best[:, -1]
 
     def group_memory(self, memories: Sequence[np.ndarray], v: int, limit: float) -> np.ndarray:
         """Per device group g: the least bytes its stages hold together (`memories`: each
         stage's per range) over splits whose stage and send times all stay within
         `limit`, summed in the order `search._chunks_fit` sums them (stage order), so a
         split's own figure is exactly its path's."""
-        groups, n = len(self.times) // v, self.n
-        best = np.zeros((groups, n + 1))
-        for p, (t, held) in enumerate(zip(self.times, memories)):
+        groups = len(self.times) // v
+        for p, (t, held) in enumerate(zip(self.times_w, memories)):
             runs = t <= limit
-            free, own = np.where(runs, 0.0, INF), np.where(runs, held, INF)
+            free, own = np.where(runs, 0.0, INF), np.where(runs, self._window(held, p), INF)
             g = p % groups
             if p == 0:
-                best[:] = free[0]
-                best[g] = own[0]
+                best = np.tile(free, (groups, 1))
+                best[g] = own
                 continue
-            start = best + np.where(self.sends[p - 1] <= limit, 0.0, INF)
+            start = best + np.where(self.sends_w[p - 1] <= limit, 0.0, INF)
             mine = (start[g][:, None] + own).min(axis=0)
             best = (start[:, :, None] + free[None]).min(axis=1)
             best[g] = mine
-        return best[:, n]
+        return best[:, -1]
 
     def least_sums(self, t_maxes: np.ndarray) -> np.ndarray:
         """`least_sum(t_max)`'s value for each of `t_maxes` at once (the same sums in
@@ -221,27 +218,35 @@ class _Row:
 
     def least_max(self, t_max: float = INF, of_tails: bool = False) -> float:
         """The least possible largest stage time (or tail, among splits whose stage and
-        send times stay within `t_max`): a bottleneck path, min over cuts of the max.
-        The least tail with no bound runs on the whole tables: a range that does not
-        run has tail 0 there (not inf), so the windows' figure could differ."""
-        whole = of_tails and t_max == INF
-        times, tails = (self.times, self.tails) if whole else (self.times_w, self.tails_w)
-        sends = self.sends if whole else self.sends_w
+        send times stay within `t_max`): a bottleneck path, min over cuts of the max."""
+        if of_tails and t_max == INF:
+            return self._least_tail()
 
         def masked(p: int) -> np.ndarray:
-            t = times[p]
+            t = self.times_w[p]
             if t_max == INF:  # nothing to mask (every entry is at most inf): the same figures, without the copy
-                return tails[p] if of_tails else t
-            return np.where(t <= t_max, tails[p] if of_tails else t, INF)
+                return self.tails_w[p] if of_tails else t
+            return np.where(t <= t_max, self.tails_w[p] if of_tails else t, INF)
 
-        best = masked(0)[0] if whole else masked(0)
-        for p in range(1, len(times)):
-            send = sends[p - 1]
+        best = masked(0)
+        for p in range(1, len(self.times_w)):
+            send = self.sends_w[p - 1]
             start = best if of_tails else np.maximum(best, send)
             if t_max < INF:
                 start = np.where(send <= t_max, start, INF)
             best = np.maximum(start[:, None], masked(p)).min(axis=0)
-        return float(best[self.n] if whole else best[-1])
+        return float(best[-1])
+
+    def _least_tail(self) -> float:
+        """`least_max(of_tails=True)` with no bound, on the whole tables, not the
+        windows: a range that does not run has tail 0 there (not inf), so a path may
+        pass through ranges no split holds, and the windows' figure could differ. Only
+        the last stage's column n is priced (the figure reads only it)."""
+        k, n = len(self.tails), self.n
+        best = self.tails[0][0]
+        for p in range(1, k):
+            best = np.maximum(best[:, None], self.tails[p] if p < k - 1 else self.tails[p][:, n:]).min(axis=0)
+        return float(best[-1])
 
 
 def best_split(
@@ -316,12 +321,6 @@ def best_split(
 
 
 _BELOW = 1 - 1e-9  # a pace bound kept below what it bounds despite rounding (the splits' figures sum in their own order)
-
-
-@lru_cache(maxsize=None)
-def _lengths(n: int) -> np.ndarray:
-    """(n+1, n+1): layers in range [i, j) (j - i; no range where not positive)."""
-    return np.arange(n + 1)[None, :] - np.arange(n + 1)[:, None]
 
 
 _REFUSE_TOL = 1 + 1e-9  # a bound refuses only what loses by more than rounding (score sums in its own order)
