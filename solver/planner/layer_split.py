@@ -184,37 +184,28 @@ class _Row:
             best[g] = mine
         return best[:, -1]
 
-    def least_sums(self, t_maxes: np.ndarray) -> np.ndarray:
-        """`least_sum(t_max)`'s value for each of `t_maxes` at once (the same sums in
-        the same order, so the same figures), without the cuts."""
-        return self.sums_and_tails(t_maxes, tails=False)[0]
-
-    def least_tails(self, t_maxes: np.ndarray) -> np.ndarray:
-        """`least_max(t_max, of_tails=True)` for each of `t_maxes` at once (the same figures)."""
-        return self.sums_and_tails(t_maxes, sums=False)[1]
-
-    def sums_and_tails(self, t_maxes: np.ndarray, sums: bool = True,
-                       tails: bool = True) -> tuple[np.ndarray | None, np.ndarray | None]:
-        """`least_sums` and `least_tails` of `t_maxes` (each where asked, else None), in
-        one pass: both mask the same stage times and sends by each bound, so the sweep,
-        which wants both for most bottlenecks, masks once. Each figure is the same
-        whatever else is computed (a row per bound, each its own path)."""
+    def sums_and_tails(self, t_maxes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`least_sum(t_max)`'s value and `least_max(t_max, of_tails=True)` for each of
+        `t_maxes` (the same figures: the same sums in the same order), in one pass: both
+        mask the same stage times and sends by each bound, and nearly every caller that
+        asks one asks the other. A range over its bound is priced inf after the sum or
+        maximum (copied over it in place) rather than before: start + inf and max(start,
+        inf) are inf either way, so the figures stay, with one array fewer per stage."""
         limits = t_maxes[:, None]
         first = self.times_w[0][None, :] <= limits
-        best_sum = np.where(first, self.times_w[0][None, :], INF) if sums else None
-        best_tail = np.where(first, self.tails_w[0][None, :], INF) if tails else None
+        best_sum = np.where(first, self.times_w[0][None, :], INF)
+        best_tail = np.where(first, self.tails_w[0][None, :], INF)
         for p in range(1, len(self.times_w)):
             send = self.sends_w[p - 1][None, :]
             sent = send <= limits
-            times = self.times_w[p][None]
-            runs = times <= limits[:, :, None]
-            if sums:
-                start = best_sum + 2 * np.where(sent, send, INF)
-                best_sum = (start[:, :, None] + np.where(runs, times, INF)).min(axis=1)
-            if tails:
-                start = np.where(sent, best_tail, INF)
-                best_tail = np.maximum(start[:, :, None], np.where(runs, self.tails_w[p][None], INF)).min(axis=1)
-        return (best_sum[:, -1] if sums else None), (best_tail[:, -1] if tails else None)
+            over = self.times_w[p][None] > limits[:, :, None]
+            total = (best_sum + 2 * np.where(sent, send, INF))[:, :, None] + self.times_w[p]
+            np.copyto(total, INF, where=over)
+            best_sum = total.min(axis=1)
+            top = np.maximum(np.where(sent, best_tail, INF)[:, :, None], self.tails_w[p])
+            np.copyto(top, INF, where=over)
+            best_tail = top.min(axis=1)
+        return best_sum[:, -1], best_tail[:, -1]
 
     def least_max(self, t_max: float = INF, of_tails: bool = False) -> float:
         """The least possible largest stage time (or tail, among splits whose stage and
@@ -341,10 +332,10 @@ def _every_bottleneck_loses(row: _Row, m: int, v: int, pace_lo: float, sum0: flo
     if not hi[0] > pace_lo:
         return False  # (the caller's refusals leave none such; the sweep keeps the say)
     rest = rate * pace_lo
-    sum_hi = float(row.least_sums(hi)[0]) / v
+    sums, tails = row.sums_and_tails(hi)  # (the sum alone seldom refuses: both in one pass)
+    sum_hi = float(sums[0]) / v
     if sum_hi + rest + u_floor < beat * _REFUSE_TOL:
-        tail_hi = float(row.least_tails(hi)[0])
-        return sum_hi + rest + max(tail_hi, u_floor) >= beat * _REFUSE_TOL
+        return sum_hi + rest + max(float(tails[0]), u_floor) >= beat * _REFUSE_TOL
     return True
 
 
