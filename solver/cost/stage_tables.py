@@ -74,3 +74,17 @@ class StageTable:
     def run_tails(self) -> np.ndarray:
         """The distinct tails of the ranges that run, ascending (`run_times`' tails)."""
         return np.unique(self.tail[np.isfinite(self.time)])
+
+    @cached_property
+    def least_time(self) -> float:
+        """The least time of any range (inf where none runs): a floor on the stage's
+        time in any split (`layer_split._Row.pace_floor`), taken once per table."""
+        return self.time.min()
+
+    @cached_property
+    def least_rate(self) -> float:
+        """The least time per layer of any range (inf where none runs): no range this
+        stage holds runs faster per layer (`layer_split._Row.pace_floor`)."""
+        positions = np.arange(self.time.shape[0])
+        length = positions[None, :] - positions[:, None]
+        return np.where(length > 0, self.time / np.maximum(length, 1), np.inf).min()

@@ -17,7 +17,6 @@ bubble term dominates and moves little between neighbouring bounds.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -50,51 +49,78 @@ def score(tables: Sequence[StageTable], sends: Sequence[np.ndarray], m: int, cut
 
 
 class _Row:
-    """One row of stages, with the masked shortest path over cut positions."""
+    """One row of stages, with the masked shortest path over cut positions.
+
+    Every stage holds a layer at least (a table's range [i, j) runs only where i < j,
+    inf elsewhere), so stage p of k can only start at a cut in [p, p + w) and end at one
+    in [p + 1, p + 1 + w), w = n - k + 1 (the last stage ends at n): the paths run on
+    those windows of each table (`_window`), not the whole (n+1, n+1) tables. Every
+    entry left out is inf in the sums (its range does not run, or no path reaches its
+    start), so each least figure is the same; the tables' minima lose only infs."""
 
     def __init__(self, tables: Sequence[StageTable], sends: Sequence[np.ndarray]):
+        self.tables = tables
         self.times = [t.time for t in tables]
         self.tails = [t.tail for t in tables]
         self.sends = [np.asarray(s) for s in sends]
         self.n = self.times[0].shape[0] - 1
+        self.width = self.n - len(self.times) + 1
+        self.times_w = [self._window(t, p) for p, t in enumerate(self.times)]
+        self.tails_w = [self._window(u, p) for p, u in enumerate(self.tails)]
+        self.sends_w = [s[p + 1 : p + 1 + self.width] for p, s in enumerate(self.sends)]
+
+    def _window(self, table: np.ndarray, p: int) -> np.ndarray:
+        """Stage p's ranges that some split can give it: rows (start cuts) [p, p + w),
+        columns (end cuts) [p + 1, p + 1 + w), only n for the last stage, only 0 as the
+        start of the first (a 1-D row)."""
+        w, n = self.width, self.n
+        if p == 0:
+            return table[0, 1 : 1 + w] if len(self.times) > 1 else table[0, n : n + 1]
+        if p == len(self.times) - 1:
+            return table[p : p + w, n : n + 1]
+        return table[p : p + w, p + 1 : p + 1 + w]
+
+    def _end(self, p: int, j: int) -> int:
+        """The column of end cut j in stage p's window (p >= 1)."""
+        return 0 if p == len(self.times) - 1 else j - p - 1
 
     def least_sum(self, t_max: float = INF, u_max: float = INF) -> tuple[float, tuple[int, ...]]:
         if t_max == INF and u_max == INF:
-            costs = self.times
+            costs = self.times_w
         else:
-            costs = [np.where((t <= t_max) & (u <= u_max), t, INF) for t, u in zip(self.times, self.tails)]
-        best = costs[0][0].copy()
+            costs = [np.where((t <= t_max) & (u <= u_max), t, INF) for t, u in zip(self.times_w, self.tails_w)]
+        best = costs[0].copy()
         back = []
         for p in range(1, len(costs)):
-            start = best + 2 * np.where(self.sends[p - 1] <= t_max, self.sends[p - 1], INF)
+            start = best + 2 * np.where(self.sends_w[p - 1] <= t_max, self.sends_w[p - 1], INF)
             total = start[:, None] + costs[p]
             arg = total.argmin(axis=0)
             best = total[arg, np.arange(total.shape[1])]
             back.append(arg)
-        value = float(best[self.n])
+        value = float(best[-1])
         if value == INF:
             return INF, ()
         cuts, j = [], self.n
-        for arg in reversed(back):
-            j = int(arg[j])
+        for p in range(len(costs) - 1, 0, -1):
+            j = p + int(back[p - 1][self._end(p, j)])
             cuts.append(j)
         return value, tuple(reversed(cuts))
 
     def least_total(self) -> float:
         """`least_sum()`'s value without its cuts (the same sums, so the same figure):
         most pipelines are refused on it before their cuts matter."""
-        best = self.times[0][0]
-        for p in range(1, len(self.times)):
-            best = ((best + 2 * self.sends[p - 1])[:, None] + self.times[p]).min(axis=0)
-        return float(best[self.n])
+        best = self.times_w[0]
+        for p in range(1, len(self.times_w)):
+            best = ((best + 2 * self.sends_w[p - 1])[:, None] + self.times_w[p]).min(axis=0)
+        return float(best[-1])
 
     def least_work(self) -> float:
         """The least summed stage time of any split, sends left out: every split's
         device groups share at least this much compute between them."""
-        best = self.times[0][0].copy()
-        for t in self.times[1:]:
+        best = self.times_w[0]
+        for t in self.times_w[1:]:
             best = (best[:, None] + t).min(axis=0)
-        return float(best[self.n])
+        return float(best[-1])
 
     def pace_floor(self, v: int) -> float:
         """A floor under the pace of the busiest device group of the row (stage p on
@@ -107,9 +133,8 @@ class _Row:
           rate r_g on each of its q_g layers; with sum q_g = n, the busiest group takes
           at least n / sum(1 / r_g) (the balance were layers divisible)."""
         groups = len(self.times) // v
-        length = _lengths(self.n)
-        least = np.array([t.min() for t in self.times]).reshape(v, groups)
-        per_layer = np.array([np.where(length > 0, t / np.maximum(length, 1), INF).min() for t in self.times])
+        least = np.array([t.least_time for t in self.tables]).reshape(v, groups)
+        per_layer = np.array([t.least_rate for t in self.tables])
         rates = per_layer.reshape(v, groups).min(axis=0)
         return max(float(least.sum(axis=0).max()), balanced_pace(self.n, rates))
 
@@ -122,93 +147,97 @@ class _Row:
         t_p a stage's time, u_p its tail. Additive over stages, so one shortest path per
         group, all groups at once: the paths share every stage's cost but group g's own
         (`_every_group_loses` says why each is a floor under an interleaved step)."""
-        groups, n = len(self.times) // v, self.n
-        best = np.zeros((groups, n + 1))
-        for p, (t, u) in enumerate(zip(self.times, self.tails)):
+        groups = len(self.times) // v
+        for p, (t, u) in enumerate(zip(self.times_w, self.tails_w)):
             masked = np.where(t <= limit, t, INF)
             light = masked / v
             heavy = light + rate * masked + u  # (tails are 0 where a range does not run, its time inf)
             g = p % groups
             if p == 0:
-                best[:] = light[0]
-                best[g] = heavy[0]
+                best = np.tile(light, (groups, 1))
+                best[g] = heavy
                 continue
-            send = self.sends[p - 1]
+            send = self.sends_w[p - 1]
             start = best + 2 * np.where(send <= limit, send, INF)
             own = (start[g][:, None] + heavy).min(axis=0)
             best = (start[:, :, None] + light[None]).min(axis=1)
             best[g] = own
-        return best[:, n]
+        return best[:, -1]
 
     def group_memory(self, memories: Sequence[np.ndarray], v: int, limit: float) -> np.ndarray:
         """Per device group g: the least bytes its stages hold together (`memories`: each
         stage's per range) over splits whose stage and send times all stay within
         `limit`, summed in the order `search._chunks_fit` sums them (stage order), so a
         split's own figure is exactly its path's."""
-        groups, n = len(self.times) // v, self.n
-        best = np.zeros((groups, n + 1))
-        for p, (t, held) in enumerate(zip(self.times, memories)):
+        groups = len(self.times) // v
+        for p, (t, held) in enumerate(zip(self.times_w, memories)):
             runs = t <= limit
-            free, own = np.where(runs, 0.0, INF), np.where(runs, held, INF)
+            free, own = np.where(runs, 0.0, INF), np.where(runs, self._window(held, p), INF)
             g = p % groups
             if p == 0:
-                best[:] = free[0]
-                best[g] = own[0]
+                best = np.tile(free, (groups, 1))
+                best[g] = own
                 continue
-            start = best + np.where(self.sends[p - 1] <= limit, 0.0, INF)
+            start = best + np.where(self.sends_w[p - 1] <= limit, 0.0, INF)
             mine = (start[g][:, None] + own).min(axis=0)
             best = (start[:, :, None] + free[None]).min(axis=1)
             best[g] = mine
-        return best[:, n]
+        return best[:, -1]
 
-    def least_sums(self, t_maxes: np.ndarray) -> np.ndarray:
-        """`least_sum(t_max)`'s value for each of `t_maxes` at once (the same sums in
-        the same order, so the same figures), without the cuts."""
-        return self.sums_and_tails(t_maxes, tails=False)[0]
-
-    def least_tails(self, t_maxes: np.ndarray) -> np.ndarray:
-        """`least_max(t_max, of_tails=True)` for each of `t_maxes` at once (the same figures)."""
-        return self.sums_and_tails(t_maxes, sums=False)[1]
-
-    def sums_and_tails(self, t_maxes: np.ndarray, sums: bool = True,
-                       tails: bool = True) -> tuple[np.ndarray | None, np.ndarray | None]:
-        """`least_sums` and `least_tails` of `t_maxes` (each where asked, else None), in
-        one pass: both mask the same stage times and sends by each bound, so the sweep,
-        which wants both for most bottlenecks, masks once. Each figure is the same
-        whatever else is computed (a row per bound, each its own path)."""
+    def sums_and_tails(self, t_maxes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`least_sum(t_max)`'s value and `least_max(t_max, of_tails=True)` for each of
+        `t_maxes` (the same figures: the same sums in the same order), in one pass: both
+        mask the same stage times and sends by each bound, and nearly every caller that
+        asks one asks the other. A range over its bound is priced inf after the sum or
+        maximum (copied over it in place) rather than before: start + inf and max(start,
+        inf) are inf either way, so the figures stay, with one array fewer per stage."""
         limits = t_maxes[:, None]
-        first = self.times[0][0][None, :] <= limits
-        best_sum = np.where(first, self.times[0][0][None, :], INF) if sums else None
-        best_tail = np.where(first, self.tails[0][0][None, :], INF) if tails else None
-        for p in range(1, len(self.times)):
-            send = self.sends[p - 1][None, :]
+        first = self.times_w[0][None, :] <= limits
+        best_sum = np.where(first, self.times_w[0][None, :], INF)
+        best_tail = np.where(first, self.tails_w[0][None, :], INF)
+        for p in range(1, len(self.times_w)):
+            send = self.sends_w[p - 1][None, :]
             sent = send <= limits
-            runs = self.times[p][None] <= limits[:, :, None]
-            if sums:
-                start = best_sum + 2 * np.where(sent, send, INF)
-                best_sum = (start[:, :, None] + np.where(runs, self.times[p][None], INF)).min(axis=1)
-            if tails:
-                start = np.where(sent, best_tail, INF)
-                best_tail = np.maximum(start[:, :, None], np.where(runs, self.tails[p][None], INF)).min(axis=1)
-        return (best_sum[:, self.n] if sums else None), (best_tail[:, self.n] if tails else None)
+            over = self.times_w[p][None] > limits[:, :, None]
+            total = (best_sum + 2 * np.where(sent, send, INF))[:, :, None] + self.times_w[p]
+            np.copyto(total, INF, where=over)
+            best_sum = total.min(axis=1)
+            top = np.maximum(np.where(sent, best_tail, INF)[:, :, None], self.tails_w[p])
+            np.copyto(top, INF, where=over)
+            best_tail = top.min(axis=1)
+        return best_sum[:, -1], best_tail[:, -1]
 
     def least_max(self, t_max: float = INF, of_tails: bool = False) -> float:
         """The least possible largest stage time (or tail, among splits whose stage and
         send times stay within `t_max`): a bottleneck path, min over cuts of the max."""
-        def masked(p: int) -> np.ndarray:
-            t = self.times[p]
-            if t_max == INF:  # nothing to mask (every entry is at most inf): the same figures, without the copy
-                return self.tails[p] if of_tails else t
-            return np.where(t <= t_max, self.tails[p] if of_tails else t, INF)
+        if of_tails and t_max == INF:
+            return self._least_tail()
 
-        best = masked(0)[0].copy()
-        for p in range(1, len(self.times)):
-            send = self.sends[p - 1]
+        def masked(p: int) -> np.ndarray:
+            t = self.times_w[p]
+            if t_max == INF:  # nothing to mask (every entry is at most inf): the same figures, without the copy
+                return self.tails_w[p] if of_tails else t
+            return np.where(t <= t_max, self.tails_w[p] if of_tails else t, INF)
+
+        best = masked(0)
+        for p in range(1, len(self.times_w)):
+            send = self.sends_w[p - 1]
             start = best if of_tails else np.maximum(best, send)
             if t_max < INF:
                 start = np.where(send <= t_max, start, INF)
             best = np.maximum(start[:, None], masked(p)).min(axis=0)
-        return float(best[self.n])
+        return float(best[-1])
+
+    def _least_tail(self) -> float:
+        """`least_max(of_tails=True)` with no bound, on the whole tables, not the
+        windows: a range that does not run has tail 0 there (not inf), so a path may
+        pass through ranges no split holds, and the windows' figure could differ. Only
+        the last stage's column n is priced (the figure reads only it)."""
+        k, n = len(self.tails), self.n
+        best = self.tails[0][0]
+        for p in range(1, k):
+            best = np.maximum(best[:, None], self.tails[p] if p < k - 1 else self.tails[p][:, n:]).min(axis=0)
+        return float(best[-1])
 
 
 def best_split(
@@ -285,12 +314,6 @@ def best_split(
 _BELOW = 1 - 1e-9  # a pace bound kept below what it bounds despite rounding (the splits' figures sum in their own order)
 
 
-@lru_cache(maxsize=None)
-def _lengths(n: int) -> np.ndarray:
-    """(n+1, n+1): layers in range [i, j) (j - i; no range where not positive)."""
-    return np.arange(n + 1)[None, :] - np.arange(n + 1)[:, None]
-
-
 _REFUSE_TOL = 1 + 1e-9  # a bound refuses only what loses by more than rounding (score sums in its own order)
 
 
@@ -309,10 +332,10 @@ def _every_bottleneck_loses(row: _Row, m: int, v: int, pace_lo: float, sum0: flo
     if not hi[0] > pace_lo:
         return False  # (the caller's refusals leave none such; the sweep keeps the say)
     rest = rate * pace_lo
-    sum_hi = float(row.least_sums(hi)[0]) / v
+    sums, tails = row.sums_and_tails(hi)  # (the sum alone seldom refuses: both in one pass)
+    sum_hi = float(sums[0]) / v
     if sum_hi + rest + u_floor < beat * _REFUSE_TOL:
-        tail_hi = float(row.least_tails(hi)[0])
-        return sum_hi + rest + max(tail_hi, u_floor) >= beat * _REFUSE_TOL
+        return sum_hi + rest + max(float(tails[0]), u_floor) >= beat * _REFUSE_TOL
     return True
 
 
