@@ -123,7 +123,14 @@ def _run(stages: Sequence[StageTimes], num_microbatches: int, schedule: str, chu
             elif write >= 0:  # to a chunk on the same group, or the last stage's forward to its backward
                 ready[write] = end
         free[g], busy[g] = t_free, t_busy
+    return finish(stages, free, events), tuple(busy)
 
+
+def finish(stages: Sequence[StageTimes], free: list[float], events: list[Event] | None) -> float:
+    """The step's end: each device group, free after its last backward at `free[g]`,
+    then syncs its chunks' gradients and runs their optimizer (the reduction overlapped
+    with the backward drawn on its own track, ending with it)."""
+    n, d = len(stages), len(free)
     step = 0.0
     for g in range(d):
         t = free[g]
@@ -137,7 +144,7 @@ def _run(stages: Sequence[StageTimes], num_microbatches: int, schedule: str, chu
                     events.append(Event(kind, None, t, t + length, g))
                 t += length
         step = max(step, t)
-    return step, tuple(busy)
+    return step
 
 
 Step = tuple[int, int, int, int, int, tuple[bool, int, int, int]]

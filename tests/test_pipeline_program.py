@@ -82,20 +82,7 @@ def _reference_run(stages: Sequence[StageTimes], num_microbatches: int, schedule
     if any(c < len(o) for c, o in zip(cursor, orders)):
         raise RuntimeError(f"the {schedule} schedule deadlocked: a device group waits on work that never runs")
 
-    step = 0.0
-    for g in range(d):
-        t = free[g]
-        mine = [stages[s] for s in range(g, n, d)]
-        hidden = sum(x.overlapped_s for x in mine)
-        if hidden > 0 and events is not None:  # on its own track, ending as the last backward does (it ran under it)
-            events.append(Event("overlap", None, t - hidden, t, g))
-        for kind, length in (("sync", sum(x.sync_s for x in mine)), ("optimizer", sum(x.optimizer_s for x in mine))):
-            if length > 0:
-                if events is not None:
-                    events.append(Event(kind, None, t, t + length, g))
-                t += length
-        step = max(step, t)
-    return step, tuple(busy)
+    return pipeline_sim.finish(stages, free, events), tuple(busy)
 
 
 
