@@ -12,7 +12,7 @@ import pytest
 from solver.collectives import LinkCost, Topology, affine_costs, best
 from solver.planner import DeviceKind, LayerCost, PlanningError, Problem, plan
 from solver.planner.layer_split import score
-from solver.planner.bounds import kind_layouts
+from solver.planner.layouts import kind_layouts
 from solver.planner.search import FINALISTS, Planner, _schedule_choices
 from solver.cost.stage_costs import INF, StageCosts, in_flight
 from solver.planner.step import closed_form_step_s, simulated_step_s

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from solver.cost.stage_costs import StageCosts
-from solver.planner.bounds import kind_layouts
+from solver.planner.layouts import kind_layouts
 from test_planner import random_problem
 
 

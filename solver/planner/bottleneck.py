@@ -48,7 +48,7 @@ class Group(NamedTuple):
     rates_remat: np.ndarray
     plain_rooms: np.ndarray
     remat_rooms: np.ndarray
-    index: dict[tuple, int]  # a layout (`bounds.KindLayout`) -> its row
+    index: dict[tuple, int]  # a layout (`layouts.KindLayout`) -> its row
     rows: dict[tuple, np.ndarray]  # per row of these layouts, each stage's position in the arrays above
     lasts: list[LastStage]  # its layouts' figures as a pipeline's last stage, once asked (`LowerBounds._last_stages`)
 

@@ -20,7 +20,6 @@ summed stage times and sends, plus m - 1 times the slowest, plus the slowest tai
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import NamedTuple
 
 import numpy as np
@@ -28,45 +27,13 @@ import numpy as np
 from solver import schedules as registry
 from solver.planner.problem import Problem
 from solver.cost.stage_costs import INF, StageConfig, StageCosts, in_flight
+from solver.planner.layouts import KindLayout, kind_layouts
 from solver.planner.bottleneck import Group, LastStage, least_steps
 from solver.planner.fitting import LayoutFits
 from solver.planner.rows import StageRuns, counts_within, least_for_counts, least_runs_rows, most_within, sorted_unique, stage_runs
 from solver.planner.runs import FITS_TOL, balanced_pace, first_enough, least_runs, longest
 
 _BELOW = 1 - 1e-9  # a floor kept below what it bounds despite rounding (and `FITS_TOL`)
-
-
-class KindLayout(NamedTuple):
-    """How one kind's devices form stages. (A tuple: the search hashes millions of
-    them as cache keys, and a tuple hashes in C.)"""
-
-    kind: str
-    stages: int
-    dp: int
-    tp: int
-
-    @property
-    def config(self) -> StageConfig:
-        return _config(self.kind, self.dp, self.tp)
-
-
-@lru_cache(maxsize=None)
-def _config(kind: str, dp: int, tp: int) -> StageConfig:
-    """One StageConfig per shape (a value, so sharing it is safe): the search asks tens of thousands of times."""
-    return StageConfig(kind, dp, tp)
-
-
-def kind_layouts(problem: Problem, kind_name: str) -> list[KindLayout]:
-    kind = problem.kind(kind_name)
-    out = []
-    for tp in kind.tp_degrees(problem.max_tp):
-        if kind.count % tp:
-            continue
-        rest = kind.count // tp
-        for k in range(1, min(rest, len(problem.layers)) + 1):
-            if rest % k == 0:
-                out.append(KindLayout(kind_name, k, rest // k, tp))
-    return out
 
 
 class _KindArrays(NamedTuple):

@@ -6,16 +6,12 @@ as one array per (layout, size), not as an entry per count."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from solver.cost.stage_costs import StageCosts
+from solver.planner.layouts import KindLayout
 from solver.planner.problem import Problem
 from solver.planner.rows import layers_fitting
-
-if TYPE_CHECKING:
-    from solver.planner.bounds import KindLayout
 
 
 class LayoutFits:

@@ -43,7 +43,8 @@ import time
 import numpy as np
 
 from solver import schedules as registry
-from solver.planner.bounds import KindLayout, LowerBounds, kind_layouts
+from solver.planner.bounds import LowerBounds
+from solver.planner.layouts import KindLayout, kind_layouts
 from solver.planner.layer_split import best_split, score
 from solver.planner.problem import PlanChoice, PlanningError, Problem, SearchResult, StageChoice
 from solver.planner.shares import every_split_loses, most_share
