@@ -74,8 +74,9 @@ def _grid(choices: tuple[tuple[int, str], ...]) -> tuple[tuple[int, ...], tuple[
 
 
 class RangeParts(NamedTuple):
-    """One stage's memory at the layer ranges that exist alone (R of them), per part,
-    for its grid of (ZeRO stage, recomputation) choices: `totals`' parts, stacked."""
+    """One stage's memory at R entries (the layer ranges that exist alone, or every
+    [i, j] flattened), per part, for its grid of (ZeRO stage, recomputation) choices:
+    what `range_totals` adds."""
 
     state: np.ndarray  # (zeros, 1, R): each ZeRO stage's state
     workspace: np.ndarray  # (zeros, 1, R)
@@ -86,9 +87,9 @@ class RangeParts(NamedTuple):
 
 
 def range_totals(parts: RangeParts, held: int, out: np.ndarray) -> None:
-    """`ChoiceMemory.totals(..., ranges=True)` with `held` microbatches in flight, written
-    into `out` (choices x ranges, contiguous): the same sums in the same order, from parts
-    stacked once per stage and place, so a table adds five arrays, not a few per choice."""
+    """Each choice's bytes with `held` microbatches in flight, written into `out`
+    (choices x R, contiguous), from parts stacked once per stage and place (a table adds
+    five arrays, not a few per choice): `ChoiceMemory.totals`' one sum."""
     zeros, remats, ranges = len(parts.state), len(parts.fused), parts.state.shape[-1]
     if len(set(parts.fused)) == 1:  # one count for every recomputation
         counts: np.ndarray | float = 1.0 if parts.fused[0] else float(held)
@@ -119,46 +120,42 @@ class ChoiceMemory:
         self.ranges = np.flatnonzero(np.triu(np.ones(self.shape, dtype=bool), k=1))  # [i, j] with i < j, flattened
         self._states: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._parts = lru_cache(maxsize=self.KEEP)(self._parts_uncached)
-        # What `range_totals` adds for a stage, microbatch and place, at the ranges; None where
-        # the choices are no grid (`totals` then prices them one by one). Cached: a stage's
-        # tables at each held count add the same.
-        self.range_parts = lru_cache(maxsize=self.KEEP)(self._range_parts)
+        # What `range_totals` adds for a stage, microbatch and place; None where the choices
+        # are no grid (`totals` then prices them one by one). Cached: a stage's tables at
+        # each held count add the same.
+        self._stacks = lru_cache(maxsize=self.KEEP)(self._stacked_parts)
 
     def totals(self, cfg: StageConfig, b: int, held: int, last: bool, choices: list[tuple[int, str]],
                ranges: bool = False) -> np.ndarray:
         """(choices, L+1, L+1): each choice's bytes per device with `held` microbatches in
         flight and its optimizer state on the device, as `variant(...).memory.total`;
         `ranges`: (choices, len(self.ranges)), at the ranges that exist alone."""
-        zeros = tuple(dict.fromkeys(z for z, _ in choices))
-        remats = tuple(dict.fromkeys(r for _, r in choices))
-        shape = (len(self.ranges),) if ranges else self.shape
-        if list(choices) != [(z, r) for z in zeros for r in remats]:  # not a grid (the tables' always are): one by one
+        parts = self._stacks(cfg, b, last, tuple(choices), ranges)
+        if parts is None:  # not a grid (the tables' always are): one by one
             return np.stack([self.totals(cfg, b, held, last, [choice], ranges)[0] for choice in choices])
-        key = (cfg.tp, cfg.zero_shards, zeros, ranges)
-        if key not in self._states:
-            self._states[key] = self._stacked_states(cfg, zeros, ranges)
-        state, workspace = self._states[key]
-        count = float(held)
-        out = np.empty((len(zeros), len(remats), *shape))
-        for r, remat in enumerate(remats):
-            per_held, once, working, fused = self._parts(cfg, b, last, remat, ranges)
-            # per_held * held' + once + working, held' = 1 where forward and backward are one program
-            np.add(state[:, 0], full(per_held * (1.0 if fused else count) + once + working, shape), out=out[:, r])
-        out += workspace  # (state + activations) + workspace, as `DeviceMemory.total` adds them
-        return out.reshape(len(choices), *shape)
+        out = np.empty((len(choices), parts.state.shape[-1]))
+        range_totals(parts, held, out)
+        return out if ranges else out.reshape(len(choices), *self.shape)
 
-    def _range_parts(self, cfg: StageConfig, b: int, last: bool, choices: tuple[tuple[int, str], ...]) -> RangeParts | None:
-        """`range_parts`, uncached."""
+    def range_parts(self, cfg: StageConfig, b: int, last: bool, choices: tuple[tuple[int, str], ...]) -> RangeParts | None:
+        """What `totals(..., ranges=True)` adds, for a caller that adds it into its own array."""
+        return self._stacks(cfg, b, last, choices, True)
+
+    def _stacked_parts(self, cfg: StageConfig, b: int, last: bool, choices: tuple[tuple[int, str], ...],
+                       ranges: bool) -> RangeParts | None:
+        """`totals`' parts at the ranges or at every [i, j] (flattened), stacked; None where
+        the choices are no grid."""
         zeros, remats, grid = _grid(choices)
         if not grid:
             return None
-        key = (cfg.tp, cfg.zero_shards, zeros, True)
+        key = (cfg.tp, cfg.zero_shards, zeros, ranges)
         if key not in self._states:
-            self._states[key] = self._stacked_states(cfg, zeros, True)
-        parts = [self._parts(cfg, b, last, remat, True) for remat in remats]
-        shape = (len(self.ranges),)
-        per_held, once, working = (np.stack([full(p[k], shape) for p in parts]) for k in range(3))
-        return RangeParts(*self._states[key], per_held, once, working, tuple(p[3] for p in parts))
+            self._states[key] = self._stacked_states(cfg, zeros, ranges)
+        parts = [self._parts(cfg, b, last, remat, ranges) for remat in remats]
+        shape = (len(self.ranges),) if ranges else self.shape
+        per_held, once, working = (np.stack([full(p[k], shape).reshape(-1) for p in parts]) for k in range(3))
+        state, workspace = (x.reshape(len(zeros), 1, -1) for x in self._states[key])
+        return RangeParts(state, workspace, per_held, once, working, tuple(p[3] for p in parts))
 
     def _at_ranges(self, values: np.ndarray | float, ranges: bool) -> np.ndarray | float:
         """`values` per [i, j] (an array or a number), or at the existing ranges alone."""
