@@ -120,3 +120,31 @@ def test_windowed_group_paths_equal_the_whole_tables() -> None:
                 assert got.tolist() == _whole_groups(times, tails, sends, n, v, 7.5, limit).tolist()
                 got = row.group_memory(memories, v, limit)
                 assert got.tolist() == _whole_memory(times, memories, sends, n, v, limit).tolist()
+
+
+def _growing_table(rng: np.random.Generator, n: int) -> StageTable:
+    """A stage whose ranges take longer the more layers they hold (a fixed cost and a
+    per-layer one, as real stages), so a bound admits only short ranges: the narrow
+    bands `_Row.sums_and_tails` runs its middle stages on."""
+    positions = np.arange(n + 1)
+    length = positions[None, :] - positions[:, None]
+    times = np.where(length > 0, rng.random() * 0.2 + (0.5 + rng.random() * 0.5) * length + rng.random((n + 1, n + 1)) * 0.1, INF)
+    tails = np.where(np.isfinite(times), rng.random((n + 1, n + 1)), 0.0)
+    zeros = np.zeros((n + 1, n + 1))
+    return StageTable(times, zeros, zeros.astype(bool), zeros, tails, zeros, 1)
+
+
+def test_banded_sums_and_tails_equal_the_whole_tables() -> None:
+    rng, narrow = np.random.default_rng(13), 0
+    for n, k in [(9, 3), (12, 4), (20, 6), (34, 8), (16, 16)]:
+        for _ in range(5):
+            tables = [_growing_table(rng, n) for _ in range(k)]
+            sends = [rng.random(n + 1) * 0.3 for _ in range(k - 1)]
+            row = _Row(tables, sends)
+            times, tails = [t.time for t in tables], [t.tail for t in tables]
+            limits = np.sort(row.least_max() * rng.uniform(0.8, 1.6, 6))  # (around the least bottleneck, as the sweep's)
+            sums, lows = row.sums_and_tails(limits)
+            assert sums.tolist() == [_whole_sum(times, tails, sends, n, t, INF)[0] for t in limits]
+            assert lows.tolist() == [_whole_max(times, tails, sends, n, t, True) for t in limits]
+            narrow += row._reach(float(limits[-1])) < row.width
+    assert narrow > 10  # (most rows here run on bands narrower than their windows)

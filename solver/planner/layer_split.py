@@ -68,6 +68,7 @@ class _Row:
         self.times_w = [self._window(t, p) for p, t in enumerate(self.times)]
         self.tails_w = [self._window(u, p) for p, u in enumerate(self.tails)]
         self.sends_w = [s[p + 1 : p + 1 + self.width] for p, s in enumerate(self.sends)]
+        self.doubled_w = [2 * s for s in self.sends_w]  # (2 x a send is exact: the same figure however often taken)
 
     def _window(self, table: np.ndarray, p: int) -> np.ndarray:
         """Stage p's ranges that some split can give it: rows (start cuts) [p, p + w),
@@ -190,22 +191,69 @@ class _Row:
         mask the same stage times and sends by each bound, and nearly every caller that
         asks one asks the other. A range over its bound is priced inf after the sum or
         maximum (copied over it in place) rather than before: start + inf and max(start,
-        inf) are inf either way, so the figures stay, with one array fewer per stage."""
+        inf) are inf either way, so the figures stay, with one array fewer per stage.
+        With several bounds (the sweep's), the middle stages run on their bands, the
+        ranges short enough to fit the largest bound (`_reach`, `_band`): a few of a
+        window's columns, read along its diagonals, whose least is the window's (every
+        range left out is over every bound)."""
         limits = t_maxes[:, None]
-        first = self.times_w[0][None, :] <= limits
-        best_sum = np.where(first, self.times_w[0][None, :], INF)
-        best_tail = np.where(first, self.tails_w[0][None, :], INF)
-        for p in range(1, len(self.times_w)):
-            send = self.sends_w[p - 1][None, :]
+        bounds = limits[:, :, None]
+        first = self.times_w[0] <= limits
+        best_sum = np.where(first, self.times_w[0], INF)
+        best_tail = np.where(first, self.tails_w[0], INF)
+        k, w = len(self.times), self.width
+        if len(t_maxes) > 1 and k > 2 and float(t_maxes.max()) < INF:
+            q = self._reach(float(t_maxes.max()))
+            sums_buf, sums_least = _skewed_buffer(len(t_maxes), q, w)
+            tails_buf, tails_least = _skewed_buffer(len(t_maxes), q, w)
+            for p in range(1, k - 1):
+                sent = self.sends_w[p - 1] <= limits
+                band, tail_band = self._band(self.times[p], p, q), self._band(self.tails[p], p, q)
+                over = band > bounds
+                np.add((best_sum + np.where(sent, self.doubled_w[p - 1], INF))[:, None, :], band, out=sums_buf)
+                np.copyto(sums_buf, INF, where=over)
+                best_sum = np.minimum.reduce(sums_least, axis=1)
+                np.maximum(np.where(sent, best_tail, INF)[:, None, :], tail_band, out=tails_buf)
+                np.copyto(tails_buf, INF, where=over)
+                best_tail = np.minimum.reduce(tails_least, axis=1)
+            stages = range(k - 1, k)
+        else:
+            stages = range(1, k)
+        for p in stages:
+            time, tail, send, doubled = self.times_w[p], self.tails_w[p], self.sends_w[p - 1], self.doubled_w[p - 1]
             sent = send <= limits
-            over = self.times_w[p][None] > limits[:, :, None]
-            total = (best_sum + 2 * np.where(sent, send, INF))[:, :, None] + self.times_w[p]
+            over = time > bounds
+            total = (best_sum + np.where(sent, doubled, INF))[:, :, None] + time
             np.copyto(total, INF, where=over)
-            best_sum = total.min(axis=1)
-            top = np.maximum(np.where(sent, best_tail, INF)[:, :, None], self.tails_w[p])
+            best_sum = np.minimum.reduce(total, axis=1)
+            top = np.maximum(np.where(sent, best_tail, INF)[:, :, None], tail)
             np.copyto(top, INF, where=over)
-            best_tail = top.min(axis=1)
+            best_tail = np.minimum.reduce(top, axis=1)
         return best_sum[:, -1], best_tail[:, -1]
+
+    def _reach(self, limit: float) -> int:
+        """A bound on the layers any middle stage's range within `limit` holds: no range
+        runs faster per layer than its table's least rate (`StageTable.least_rate`), so
+        one of q layers takes at least q times it (widened for the rounding of the
+        rates' quotients, and at most the window's width: a bound, not the least)."""
+        most = 1
+        for table in self.tables[1:-1]:
+            rate = table.least_rate
+            if not rate > 0:
+                return self.width
+            most = max(most, int(min(limit / rate * _ABOVE, self.width)) + 1)
+        return min(most, self.width)
+
+    def _band(self, table: np.ndarray, p: int, q: int) -> np.ndarray:
+        """Stage p's window (p a middle stage) read along its diagonals, [d, i] its range
+        from window row i holding d + 1 layers (`table`[p + i, p + 1 + i + d]): the
+        ranges of at most q layers, a view of the table in place. Entries past the
+        window's last column (i + d >= w) run on into the table's next row (never
+        read: `_skewed_buffer` takes a stage's end cuts only where its window has them);
+        numpy refuses a view past the table's end (none is: p + w - 1 <= n - 2)."""
+        table = np.ascontiguousarray(table)
+        down, across = table.strides
+        return np.ndarray((q, self.width), buffer=table, offset=p * down + (p + 1) * across, strides=(across, down + across))
 
     def least_max(self, t_max: float = INF, of_tails: bool = False) -> float:
         """The least possible largest stage time (or tail, among splits whose stage and
@@ -314,6 +362,9 @@ def best_split(
 _BELOW = 1 - 1e-9  # a pace bound kept below what it bounds despite rounding (the splits' figures sum in their own order)
 
 
+_ABOVE = 1 + 1e-9  # a count of layers bounded above despite the rounding of the per-layer rates it divides by
+
+
 _REFUSE_TOL = 1 + 1e-9  # a bound refuses only what loses by more than rounding (score sums in its own order)
 
 
@@ -418,3 +469,16 @@ def _flow_shop(tables: Sequence[StageTable], sends: Sequence[np.ndarray], m: int
     sent = [float(s[c]) for s, c in zip(sends, cuts)]
     tail = max(float(t.tail[i, j]) for t, (i, j) in zip(tables, bounds))
     return sum(per_mb) + 2 * sum(sent) + (m - 1) * max(per_mb + sent) + tail
+
+
+def _skewed_buffer(count: int, q: int, w: int) -> tuple[np.ndarray, np.ndarray]:
+    """A stage's path costs over its band: `buffer` [t, d, i] for bound t, the range
+    from window row i holding d + 1 layers, and `least`, the same memory read as [t,
+    d, j]: the range of d + 1 layers ending at window column j (row j - d; rows before
+    the window are the inf padding), so the least over d is the least over start cuts
+    (the same entries as the whole window's column j but those over every bound)."""
+    padded = np.empty((count, q, q - 1 + w))
+    padded[:, :, : q - 1] = INF
+    along, down, across = padded.strides
+    least = np.ndarray((count, q, w), buffer=padded, offset=(q - 1) * across, strides=(along, down - across, across))
+    return padded[:, :, q - 1 :], least
