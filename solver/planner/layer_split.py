@@ -16,6 +16,7 @@ bubble term dominates and moves little between neighbouring bounds.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
@@ -39,12 +40,12 @@ def score(tables: Sequence[StageTable], sends: Sequence[np.ndarray], m: int, cut
           chunks: int = 1) -> float:
     """The schedule's closed-form step time of one split (inf if a stage does not fit)."""
     bounds = list(zip([0, *cuts], [*cuts, tables[0].forward.shape[0] - 1]))
-    fwd = [float(t.forward[i, j]) for t, (i, j) in zip(tables, bounds)]
-    bwd = [float(t.backward[i, j]) for t, (i, j) in zip(tables, bounds)]
+    fwd = [t.forward.item(i, j) for t, (i, j) in zip(tables, bounds)]  # (Python floats: the figures below add as floats)
+    bwd = [t.backward.item(i, j) for t, (i, j) in zip(tables, bounds)]
     sent = [float(s[c]) for s, c in zip(sends, cuts)] + [0.0]
-    if not np.isfinite(fwd + bwd + sent).all():
+    if not all(map(math.isfinite, fwd + bwd + sent)):
         return INF
-    times = [StageTimes(f, b, e, float(t.tail[i, j])) for f, b, e, t, (i, j) in zip(fwd, bwd, sent, tables, bounds)]
+    times = [StageTimes(f, b, e, t.tail.item(i, j)) for f, b, e, t, (i, j) in zip(fwd, bwd, sent, tables, bounds)]
     return schedules.get(schedule).step_time(times, m, chunks)
 
 
@@ -90,14 +91,13 @@ class _Row:
             costs = self.times_w
         else:
             costs = [np.where((t <= t_max) & (u <= u_max), t, INF) for t, u in zip(self.times_w, self.tails_w)]
-        best = costs[0].copy()
-        back = []
+        best, back = costs[0], []
         for p in range(1, len(costs)):
-            start = best + 2 * np.where(self.sends_w[p - 1] <= t_max, self.sends_w[p - 1], INF)
+            doubled = self.doubled_w[p - 1]
+            start = best + (doubled if t_max == INF else np.where(self.sends_w[p - 1] <= t_max, doubled, INF))
             total = start[:, None] + costs[p]
-            arg = total.argmin(axis=0)
-            best = total[arg, np.arange(total.shape[1])]
-            back.append(arg)
+            back.append(total.argmin(axis=0))
+            best = np.minimum.reduce(total, axis=0)  # (each column's entry at its argmin)
         value = float(best[-1])
         if value == INF:
             return INF, ()
@@ -112,7 +112,7 @@ class _Row:
         most pipelines are refused on it before their cuts matter."""
         best = self.times_w[0]
         for p in range(1, len(self.times_w)):
-            best = ((best + 2 * self.sends_w[p - 1])[:, None] + self.times_w[p]).min(axis=0)
+            best = np.minimum.reduce((best + self.doubled_w[p - 1])[:, None] + self.times_w[p], axis=0)
         return float(best[-1])
 
     def least_work(self) -> float:
@@ -120,7 +120,7 @@ class _Row:
         device groups share at least this much compute between them."""
         best = self.times_w[0]
         for t in self.times_w[1:]:
-            best = (best[:, None] + t).min(axis=0)
+            best = np.minimum.reduce(best[:, None] + t, axis=0)
         return float(best[-1])
 
     def pace_floor(self, v: int) -> float:
@@ -158,11 +158,10 @@ class _Row:
                 best = np.tile(light, (groups, 1))
                 best[g] = heavy
                 continue
-            send = self.sends_w[p - 1]
-            start = best + 2 * np.where(send <= limit, send, INF)
-            own = (start[g][:, None] + heavy).min(axis=0)
-            best = (start[:, :, None] + light[None]).min(axis=1)
-            best[g] = own
+            start = best + np.where(self.sends_w[p - 1] <= limit, self.doubled_w[p - 1], INF)
+            total = start[:, :, None] + light  # [group, start, end]: g's own stage priced heavy, the others light
+            np.add(start[g][:, None], heavy, out=total[g])
+            best = np.minimum.reduce(total, axis=1)
         return best[:, -1]
 
     def group_memory(self, memories: Sequence[np.ndarray], v: int, limit: float) -> np.ndarray:
@@ -180,9 +179,9 @@ class _Row:
                 best[g] = own
                 continue
             start = best + np.where(self.sends_w[p - 1] <= limit, 0.0, INF)
-            mine = (start[g][:, None] + own).min(axis=0)
-            best = (start[:, :, None] + free[None]).min(axis=1)
-            best[g] = mine
+            total = start[:, :, None] + free  # [group, start, end]: g holds its stage's bytes, the others none
+            np.add(start[g][:, None], own, out=total[g])
+            best = np.minimum.reduce(total, axis=1)
         return best[:, -1]
 
     def sums_and_tails(self, t_maxes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -273,7 +272,7 @@ class _Row:
             start = best if of_tails else np.maximum(best, send)
             if t_max < INF:
                 start = np.where(send <= t_max, start, INF)
-            best = np.maximum(start[:, None], masked(p)).min(axis=0)
+            best = np.minimum.reduce(np.maximum(start[:, None], masked(p)), axis=0)
         return float(best[-1])
 
     def _least_tail(self) -> float:
@@ -284,7 +283,7 @@ class _Row:
         k, n = len(self.tails), self.n
         best = self.tails[0][0]
         for p in range(1, k):
-            best = np.maximum(best[:, None], self.tails[p] if p < k - 1 else self.tails[p][:, n:]).min(axis=0)
+            best = np.minimum.reduce(np.maximum(best[:, None], self.tails[p] if p < k - 1 else self.tails[p][:, n:]), axis=0)
         return float(best[-1])
 
 
@@ -465,9 +464,9 @@ def _swept(row: _Row, t_values: np.ndarray, going: Callable[[float], bool], usef
 def _flow_shop(tables: Sequence[StageTable], sends: Sequence[np.ndarray], m: int, cuts: Sequence[int]) -> float:
     """The 1F1B form of a split (see the module docstring): what the sweep bounds."""
     bounds = list(zip([0, *cuts], [*cuts, tables[0].forward.shape[0] - 1]))
-    per_mb = [float(t.time[i, j]) for t, (i, j) in zip(tables, bounds)]
+    per_mb = [t.time.item(i, j) for t, (i, j) in zip(tables, bounds)]
     sent = [float(s[c]) for s, c in zip(sends, cuts)]
-    tail = max(float(t.tail[i, j]) for t, (i, j) in zip(tables, bounds))
+    tail = max(t.tail.item(i, j) for t, (i, j) in zip(tables, bounds))
     return sum(per_mb) + 2 * sum(sent) + (m - 1) * max(per_mb + sent) + tail
 
 
