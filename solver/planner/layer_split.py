@@ -70,6 +70,7 @@ class _Row:
         self.tails_w = [self._window(u, p) for p, u in enumerate(self.tails)]
         self.sends_w = [s[p + 1 : p + 1 + self.width] for p, s in enumerate(self.sends)]
         self.doubled_w = [2 * s for s in self.sends_w]  # (2 x a send is exact: the same figure however often taken)
+        self._free: tuple[float, list[np.ndarray]] | None = None  # `least_total`'s paths
 
     def _window(self, table: np.ndarray, p: int) -> np.ndarray:
         """Stage p's ranges that some split can give it: rows (start cuts) [p, p + w),
@@ -88,32 +89,37 @@ class _Row:
 
     def least_sum(self, t_max: float = INF, u_max: float = INF) -> tuple[float, tuple[int, ...]]:
         if t_max == INF and u_max == INF:
-            costs = self.times_w
+            self.least_total()
+            value, totals = self._free
         else:
             costs = [np.where((t <= t_max) & (u <= u_max), t, INF) for t, u in zip(self.times_w, self.tails_w)]
-        best, back = costs[0], []
-        for p in range(1, len(costs)):
-            doubled = self.doubled_w[p - 1]
-            start = best + (doubled if t_max == INF else np.where(self.sends_w[p - 1] <= t_max, doubled, INF))
-            total = start[:, None] + costs[p]
-            back.append(total.argmin(axis=0))
-            best = np.minimum.reduce(total, axis=0)  # (each column's entry at its argmin)
-        value = float(best[-1])
+            value, totals = self._sum_paths(costs, t_max)
         if value == INF:
             return INF, ()
         cuts, j = [], self.n
-        for p in range(len(costs) - 1, 0, -1):
-            j = p + int(back[p - 1][self._end(p, j)])
+        for p in range(len(totals), 0, -1):  # back from the end: each stage's start is its end column's least entry
+            j = p + int(totals[p - 1][:, self._end(p, j)].argmin())
             cuts.append(j)
         return value, tuple(reversed(cuts))
 
+    def _sum_paths(self, costs: Sequence[np.ndarray], t_max: float) -> tuple[float, list[np.ndarray]]:
+        """The least sum over `costs` (a stage's window each, sends within `t_max` twice)
+        and each stage's costs [start, end] of the paths, which give the cuts back."""
+        best, totals = costs[0], []
+        for p in range(1, len(costs)):
+            doubled = self.doubled_w[p - 1]
+            start = best + (doubled if t_max == INF else np.where(self.sends_w[p - 1] <= t_max, doubled, INF))
+            totals.append(start[:, None] + costs[p])
+            best = np.minimum.reduce(totals[-1], axis=0)
+        return float(best[-1]), totals
+
     def least_total(self) -> float:
         """`least_sum()`'s value without its cuts (the same sums, so the same figure):
-        most pipelines are refused on it before their cuts matter."""
-        best = self.times_w[0]
-        for p in range(1, len(self.times_w)):
-            best = np.minimum.reduce((best + self.doubled_w[p - 1])[:, None] + self.times_w[p], axis=0)
-        return float(best[-1])
+        most pipelines are refused on it before their cuts matter, and those that are
+        not take their cuts from its paths (kept)."""
+        if self._free is None:
+            self._free = self._sum_paths(self.times_w, INF)
+        return self._free[0]
 
     def least_work(self) -> float:
         """The least summed stage time of any split, sends left out: every split's
