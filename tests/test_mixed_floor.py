@@ -37,9 +37,9 @@ def _problems() -> list[Problem]:
     return out
 
 
-def _answer(problem: Problem):  # noqa: ANN202
+def _answer(problem: Problem, top_k: int = 5):  # noqa: ANN202
     try:
-        result = Planner(problem, top_k=5).solve()
+        result = Planner(problem, top_k=top_k).solve()
     except PlanningError as e:
         return str(e)
     plans = (result.best, *result.alternatives)
@@ -98,6 +98,26 @@ def test_the_floor_refuses_candidates(monkeypatch):
         _answer(problem)
     assert calls["refused"] > 0 and calls["resplit"] > 0
     assert calls["resplit"] == calls["considered"] - calls["refused"]
+
+
+def test_the_plans_read_are_the_same_where_variants_are_looked_for_below_them_alone(monkeypatch):
+    """`with_mixed_stages` looks for a finalist's variant only below the last plan its
+    caller reads (`read`): the plans read are those of a widening that reads them all."""
+    from solver.planner import search as planner_search
+
+    widen, best_mixed = planner_mixed.with_mixed_stages, planner_mixed.best_mixed
+    below = []
+
+    def counted(problem, choice, costs, memo=None, beat=math.inf):  # noqa: ANN001, ANN202
+        below.append(beat < choice.step_s)
+        return best_mixed(problem, choice, costs, memo, beat)
+
+    monkeypatch.setattr(planner_mixed, "best_mixed", counted)
+    problems = _problems()
+    read = [_answer(p, k) for p in problems for k in (1, 2)]
+    assert any(below)
+    monkeypatch.setattr(planner_search, "with_mixed_stages", lambda problem, found, costs, read=None: widen(problem, found, costs))
+    assert read == [_answer(p, k) for p in problems for k in (1, 2)]
 
 
 @pytest.mark.parametrize("bandwidth", [2e10, 1e5])

@@ -79,16 +79,34 @@ def proportional_examples(size: int, speeds: Sequence[float], least: Sequence[in
     return tuple(counts)
 
 
-def with_mixed_stages(problem: Problem, found: list[PlanChoice], costs: StageCosts) -> list[PlanChoice]:
+def with_mixed_stages(problem: Problem, found: list[PlanChoice], costs: StageCosts,
+                      read: int | None = None) -> list[PlanChoice]:
     """`found` (ranked by the estimator) with the best mixed variant of each of its
     first `MIXED_FINALISTS` single-chunk pipelines of different shapes (`_shapes`) added
-    where it is faster, ranked again."""
+    where it is faster, ranked again. `read`: how many plans of the ranking the caller
+    reads, its first (None: every one); a variant is only looked for below the last of
+    those so far (`_read_to`), as one no faster could not be among them."""
     if len(problem.kinds) < 2 or not problem.allow_mixed:
         return found
     plain = _shapes([c for c in found if _widened(c)])[:MIXED_FINALISTS]
     memo: dict = {}  # positions and parts priced for one finalist's variants serve the next's
-    extra = [v for c in plain if (v := best_mixed(problem, c, costs, memo)) is not None]
+    extra: list[PlanChoice] = []
+    for c in plain:
+        v = best_mixed(problem, c, costs, memo, _read_to(found, extra, read))
+        if v is not None:
+            extra.append(v)
     return sorted([*found, *extra], key=lambda c: c.step_s) if extra else found
+
+
+def _read_to(found: list[PlanChoice], extra: list[PlanChoice], read: int | None) -> float:
+    """The step of the `read`-th plan of `found` and `extra` ranked (inf where fewer, or
+    where every plan is read). A variant added later ranks after every plan of its step
+    already there (the ranking is stable, variants come last), and more variants only
+    push it further down: one not below this step is never read, and leaving it out
+    leaves the plans read as they were."""
+    if read is None or len(found) + len(extra) < read:
+        return INF
+    return sorted(c.step_s for c in (*found, *extra))[read - 1]
 
 
 def ranked_to(problem: Problem, ranked: list[PlanChoice], finalists: list[PlanChoice]) -> float:
@@ -139,15 +157,18 @@ def idle_devices(problem: Problem, choice: PlanChoice) -> dict[str, int]:
     return {k.name: k.count - used.get(k.name, 0) for k in problem.kinds if k.count > used.get(k.name, 0)}
 
 
-def best_mixed(problem: Problem, choice: PlanChoice, costs: StageCosts, memo: dict | None = None) -> PlanChoice | None:
+def best_mixed(problem: Problem, choice: PlanChoice, costs: StageCosts, memo: dict | None = None,
+               beat: float = INF) -> PlanChoice | None:
     """The fastest variant of `choice` with one mixed stage (idle devices joined to a
     stage, or two adjacent stages of different kinds made one), as split and with the
-    layers split again around it, if one beats it under the estimator; None otherwise.
+    layers split again around it, if one beats it and `beat` under the estimator; None
+    otherwise (the first of the fastest in the order tried: every cut below is sound, so
+    a lower `beat` only leaves out variants no faster than it).
     Single pipelines without interleaving only (the runtime's mixed stages have one chunk)."""
     if choice.chunks > 1 or len(choice.replica_batch) > 1 or choice.mixed:
         return None
     idle = idle_devices(problem, choice)
-    best, best_s = None, choice.step_s
+    best, best_s = None, min(choice.step_s, beat)
 
     memo = {} if memo is None else memo  # pipeline positions' tables and parts, shared by the variants
 
