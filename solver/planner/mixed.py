@@ -39,7 +39,7 @@ from solver.cost.ranges import at
 from solver.cost.stage_costs import INF, StageConfig, StageCosts
 from solver.cost.topologies import shares_sum_times
 from solver.memory import OFFLOAD_TIERS, in_flight
-from solver.planner.mixed_floor import part_steps, refused, stage_meshes as _meshes
+from solver.planner.mixed_floor import earning, part_steps, position_floors, refused, split_floor, stage_meshes as _meshes
 from solver.planner.problem import PlanChoice, StageChoice
 from solver.planner.step import ROUNDING, decisions, with_costs
 
@@ -50,6 +50,7 @@ MERGED_MESHES = 1  # meshes per kind tried for a merged stage's parts: the wides
 LEAD_MESHES = 2  # meshes a stage joined by idle kinds is tried on: its own, then narrower data axes while the rows split coarsely
 COARSE = 0.05  # a split whose slowest part is this much behind a split by speed tries the lead on a narrower data axis
 COARSER = 2  # microbatch counts halved this many times beside the finalist's
+_PART_STATS = ("part floor", "stats")  # the memo's entry for `_refused_by_parts`: floors taken, candidates refused
 
 
 def proportional_examples(size: int, speeds: Sequence[float], least: Sequence[int] | int = 1,
@@ -176,6 +177,8 @@ def best_mixed(problem: Problem, choice: PlanChoice, costs: StageCosts, memo: di
         nonlocal best, best_s
         if candidate is None or refused(problem, candidate, costs, memo, best_s):
             return  # no split of it could be priced below the best so far (`mixed_floor`): its tables unbuilt
+        if earning(memo, _PART_STATS, lambda: _refused_by_parts(problem, candidate, costs, memo, best_s)):
+            return  # nor once its mixed stage's parts hold their memory: the other positions' tables unbuilt
         split = _resplit(problem, candidate, costs, memo)
         options = [(candidate, 0.0)] if split is None else [(candidate, split[2]), split[:2]]
         for c, floor in options:
@@ -271,6 +274,46 @@ def _merged(problem: Problem, choice: PlanChoice, p: int, costs: StageCosts,
     return replace(choice, stages=tuple(stages))
 
 
+def _refused_by_parts(problem: Problem, choice: PlanChoice, costs: StageCosts, memo: dict, best_s: float) -> bool:
+    """Whether `parts_floor` proves that neither `choice`'s own split nor `_resplit`'s
+    reaches below `best_s`. Not where no split fits: `_resplit` then leaves the
+    candidate to the estimator, and so does this."""
+    return best_s <= parts_floor(problem, choice, costs, memo) < INF
+
+
+def parts_floor(problem: Problem, choice: PlanChoice, costs: StageCosts, memo: dict | None = None) -> float:
+    """`least_floor`, with each mixed position's own least (`_position`'s, whose parts'
+    memory rules out the choices that do not fit: most of them on a coarse microbatch)
+    in place of its floor: at most the busiest position's least of every split of
+    `choice`, its own and `_resplit`'s (which reads the same tables, built once:
+    `memo`; the other positions' floors are the ones `refused` took)."""
+    memo = {} if memo is None else memo
+    members = _members(choice)
+    floors = position_floors(problem, choice, costs, memo)
+    for p, mine in enumerate(members):
+        if len(mine) > 1:
+            floors[p] = np.where(costs._upper, _table(problem, choice, costs, memo, members, p)["least"], INF)
+    return split_floor(floors)
+
+
+def _members(choice: PlanChoice) -> list[list[int]]:
+    """Per pipeline position, its stages' indices in `choice`: the lead, then its parts."""
+    leads = [i for i, s in enumerate(choice.stages) if s.part_of < 0]
+    return [[i, *(k for k, s in enumerate(choice.stages) if s.part_of == i)] for i in leads]
+
+
+def _table(problem: Problem, choice: PlanChoice, costs: StageCosts, memo: dict, members: list[list[int]], p: int) -> dict:
+    """Position `p`'s `_position` tables, from `memo` by what they depend on where built before."""
+    m = choice.num_microbatches
+    b = choice.replica_batch[0] // m
+    stages = tuple(choice.stages[k] for k in members[p])
+    held, last = in_flight(choice.schedule, m, p, len(members)), p == len(members) - 1
+    key = (tuple((s.kind, s.dp, s.tp, s.examples) for s in stages), b, held, last, m)
+    if key not in memo:
+        memo[key] = _position(problem, costs, stages, b, m, held, last, memo)
+    return memo[key]
+
+
 def _resplit(problem: Problem, choice: PlanChoice, costs: StageCosts,
              memo: dict | None = None) -> tuple[PlanChoice, float, float] | None:
     """`choice` (one mixed stage among its stages, the same meshes and rows) with its
@@ -281,20 +324,10 @@ def _resplit(problem: Problem, choice: PlanChoice, costs: StageCosts,
     of its devices that suits the rows best). With the floor of that split
     and of `choice`'s own (the busiest position's `least`: no schedule beats it), or
     None where no split fits. `memo`: positions' tables already built, by what they depend on."""
-    m = choice.num_microbatches
-    b = choice.replica_batch[0] // m
-    leads = [i for i, s in enumerate(choice.stages) if s.part_of < 0]
-    n, layers = len(leads), costs.n
-    members = [[i, *(k for k, s in enumerate(choice.stages) if s.part_of == i)] for i in leads]
+    members, layers = _members(choice), costs.n
+    leads = [mine[0] for mine in members]
     memo = {} if memo is None else memo
-    tables = []
-    for p, mine in enumerate(members):
-        stages = tuple(choice.stages[k] for k in mine)
-        held, last = in_flight(choice.schedule, m, p, n), p == n - 1
-        key = (tuple((s.kind, s.dp, s.tp, s.examples) for s in stages), b, held, last, m)
-        if key not in memo:
-            memo[key] = _position(problem, costs, stages, b, m, held, last, memo)
-        tables.append(memo[key])
+    tables = [_table(problem, choice, costs, memo, members, p) for p in range(len(members))]
     own = max(float(t["least"][choice.stages[i].layer_start, choice.stages[i].layer_end]) for t, i in zip(tables, leads))
     # best[j]: the least busiest-position cost of positions 0..p holding layers [0, j)
     best = tables[0]["cost"][0].copy()
