@@ -181,6 +181,8 @@ def best_mixed(problem: Problem, choice: PlanChoice, costs: StageCosts, memo: di
             return  # nor once its mixed stage's parts hold their memory: the other positions' tables unbuilt
         split = _resplit(problem, candidate, costs, memo)
         options = [(candidate, 0.0)] if split is None else [(candidate, split[2]), split[:2]]
+        if split is not None and split[0] == candidate:
+            options = options[:1]  # the split again is its own (the same plan would be priced twice)
         for c, floor in options:
             # `floor`: the least the busiest position is busy a step (`_position`'s
             # "least"), which no schedule beats; past the best so far, not priced
