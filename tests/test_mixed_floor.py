@@ -68,34 +68,36 @@ def test_the_floor_is_below_every_split_resplit_finds(monkeypatch):
     assert any(f > 0 for f in seen)
 
 
-def test_the_parts_floor_is_below_every_split_resplit_finds(monkeypatch):
-    """The floor with mixed positions' own least (their tables, memory in): at most the
-    least of both splits `_resplit` prices, wherever it finds one."""
+def test_the_tables_floors_are_below_every_split_resplit_finds(monkeypatch):
+    """The floor with mixed positions' own least (their tables, memory in), and with
+    every position's at its stage's fewest microbatches in flight: at most the least
+    of both splits `_resplit` prices, wherever it finds one."""
     resplit = planner_mixed._resplit
     seen = []
 
     def checked(problem, choice, costs, memo=None):  # noqa: ANN001, ANN202
         out = resplit(problem, choice, costs, memo)
-        floor = planner_mixed.parts_floor(problem, choice, costs)
+        floor = planner_mixed.tables_floor(problem, choice, costs)
+        alone = planner_mixed.tables_floor(problem, choice, costs, alone=True)
         if out is not None:
-            assert least_floor(problem, choice, costs) <= floor <= min(out[1], out[2]), (choice.describe(), floor, out[1:])
-            seen.append(floor > least_floor(problem, choice, costs))
+            assert least_floor(problem, choice, costs) <= floor <= alone <= min(out[1], out[2]), (choice.describe(), floor, alone, out[1:])
+            seen.append((floor > least_floor(problem, choice, costs), alone > floor))
         return out
 
     monkeypatch.setattr(planner_mixed, "_resplit", checked)
     monkeypatch.setattr(planner_mixed, "refused", lambda *a, **k: False)
-    monkeypatch.setattr(planner_mixed, "_refused_by_parts", lambda *a, **k: False)
+    monkeypatch.setattr(planner_mixed, "_refused_by_tables", lambda *a, **k: False)
     for problem in _problems():
         _answer(problem)
     assert len(seen) > 20
-    assert any(seen)  # memory raises it somewhere
+    assert any(parts for parts, _ in seen) and any(alone for _, alone in seen)  # memory raises both somewhere
 
 
 def test_the_planner_answers_the_same_without_the_floor(monkeypatch):
     problems = _problems()
     with_floor = [_answer(p) for p in problems]
     monkeypatch.setattr(planner_mixed, "refused", lambda *a, **k: False)
-    monkeypatch.setattr(planner_mixed, "_refused_by_parts", lambda *a, **k: False)
+    monkeypatch.setattr(planner_mixed, "_refused_by_tables", lambda *a, **k: False)
     without = [_answer(p) for p in problems]
     assert with_floor == without
     assert any(mixed for answer in with_floor if isinstance(answer, tuple) for _, _, mixed in answer[0])
@@ -105,7 +107,7 @@ def test_the_floor_refuses_candidates(monkeypatch):
     """It is not vacuous: some candidates never reach `_resplit`, refused by the floor
     or by the parts' floor after it."""
     calls = {"resplit": 0, "refused": 0, "considered": 0, "parts": 0}
-    resplit, refused, by_parts = planner_mixed._resplit, planner_mixed.refused, planner_mixed._refused_by_parts
+    resplit, refused, by_parts = planner_mixed._resplit, planner_mixed.refused, planner_mixed._refused_by_tables
 
     def counted_resplit(*a, **k):  # noqa: ANN002, ANN003, ANN202
         calls["resplit"] += 1
@@ -124,7 +126,7 @@ def test_the_floor_refuses_candidates(monkeypatch):
 
     monkeypatch.setattr(planner_mixed, "_resplit", counted_resplit)
     monkeypatch.setattr(planner_mixed, "refused", counted_refused)
-    monkeypatch.setattr(planner_mixed, "_refused_by_parts", counted_by_parts)
+    monkeypatch.setattr(planner_mixed, "_refused_by_tables", counted_by_parts)
     for problem in _problems():
         _answer(problem)
     assert calls["refused"] > 0 and calls["parts"] > 0 and calls["resplit"] > 0

@@ -50,7 +50,7 @@ MERGED_MESHES = 1  # meshes per kind tried for a merged stage's parts: the wides
 LEAD_MESHES = 2  # meshes a stage joined by idle kinds is tried on: its own, then narrower data axes while the rows split coarsely
 COARSE = 0.05  # a split whose slowest part is this much behind a split by speed tries the lead on a narrower data axis
 COARSER = 2  # microbatch counts halved this many times beside the finalist's
-_PART_STATS = ("part floor", "stats")  # the memo's entry for `_refused_by_parts`: floors taken, candidates refused
+_PART_STATS = ("part floor", "stats")  # the memo's entry for `_refused_by_tables`: floors taken, candidates refused
 
 
 def proportional_examples(size: int, speeds: Sequence[float], least: Sequence[int] | int = 1,
@@ -177,8 +177,8 @@ def best_mixed(problem: Problem, choice: PlanChoice, costs: StageCosts, memo: di
         nonlocal best, best_s
         if candidate is None or refused(problem, candidate, costs, memo, best_s):
             return  # no split of it could be priced below the best so far (`mixed_floor`): its tables unbuilt
-        if earning(memo, _PART_STATS, lambda: _refused_by_parts(problem, candidate, costs, memo, best_s)):
-            return  # nor once its mixed stage's parts hold their memory: the other positions' tables unbuilt
+        if earning(memo, _PART_STATS, lambda: _refused_by_tables(problem, candidate, costs, memo, best_s)):
+            return  # nor once its positions' memory rules: the tables of the positions it holds unbuilt
         split = _resplit(problem, candidate, costs, memo)
         options = [(candidate, 0.0)] if split is None else [(candidate, split[2]), split[:2]]
         if split is not None and split[0] == candidate:
@@ -276,26 +276,44 @@ def _merged(problem: Problem, choice: PlanChoice, p: int, costs: StageCosts,
     return replace(choice, stages=tuple(stages))
 
 
-def _refused_by_parts(problem: Problem, choice: PlanChoice, costs: StageCosts, memo: dict, best_s: float) -> bool:
-    """Whether `parts_floor` proves that neither `choice`'s own split nor `_resplit`'s
-    reaches below `best_s`. Not where no split fits: `_resplit` then leaves the
-    candidate to the estimator, and so does this."""
-    return best_s <= parts_floor(problem, choice, costs, memo) < INF
+def _refused_by_tables(problem: Problem, choice: PlanChoice, costs: StageCosts, memo: dict, best_s: float) -> bool:
+    """Whether `tables_floor` proves that neither `choice`'s own split nor `_resplit`'s
+    reaches below `best_s`: with its mixed positions' tables, then (where that is not
+    enough) its other positions' too. Not where no split fits: `_resplit` then leaves
+    the candidate to the estimator, and so does this."""
+    floor = tables_floor(problem, choice, costs, memo)
+    if floor >= best_s or any(costs.may_offload(problem.kind(s.kind)) for s in choice.stages):
+        return best_s <= floor < INF  # (a table that may offload picks among tiers by what fits: not monotone in what it holds)
+    return best_s <= tables_floor(problem, choice, costs, memo, alone=True) < INF
 
 
-def parts_floor(problem: Problem, choice: PlanChoice, costs: StageCosts, memo: dict | None = None) -> float:
+def tables_floor(problem: Problem, choice: PlanChoice, costs: StageCosts, memo: dict | None = None,
+                 alone: bool = False) -> float:
     """`least_floor`, with each mixed position's own least (`_position`'s, whose parts'
     memory rules out the choices that do not fit: most of them on a coarse microbatch)
-    in place of its floor: at most the busiest position's least of every split of
-    `choice`, its own and `_resplit`'s (which reads the same tables, built once:
-    `memo`; the other positions' floors are the ones `refused` took)."""
+    in place of its floor, and with `alone`, each other position's least too, at the
+    fewest microbatches in flight of the positions on its devices' stage (memory grows
+    with them, so fewer fit no fewer choices: no more than its own least, where the
+    tables hold only on-device choices). At most the busiest position's least of
+    every split of `choice`, its own and `_resplit`'s, which reads the same tables,
+    built once (`memo`); the other positions' floors are the ones `refused` took."""
     memo = {} if memo is None else memo
     members = _members(choice)
     floors = position_floors(problem, choice, costs, memo)
+    m, n = choice.num_microbatches, len(members)
+    fewest: dict[tuple, int] = {}  # per stage (and whether last), the fewest microbatches its positions hold
     for p, mine in enumerate(members):
-        if len(mine) > 1:
-            floors[p] = np.where(costs._upper, _table(problem, choice, costs, memo, members, p)["least"], INF)
+        key = (_stage_key(choice, mine), p == n - 1)
+        fewest[key] = min(fewest.get(key, m + n), in_flight(choice.schedule, m, p, n))
+    for p, mine in enumerate(members):
+        if len(mine) > 1 or alone:
+            held = fewest[_stage_key(choice, mine), p == n - 1] if len(mine) == 1 else None
+            floors[p] = np.where(costs._upper, _table(problem, choice, costs, memo, members, p, held)["least"], INF)
     return split_floor(floors)
+
+
+def _stage_key(choice: PlanChoice, mine: list[int]) -> tuple:
+    return tuple((choice.stages[k].kind, choice.stages[k].dp, choice.stages[k].tp, choice.stages[k].examples) for k in mine)
 
 
 def _members(choice: PlanChoice) -> list[list[int]]:
@@ -304,13 +322,16 @@ def _members(choice: PlanChoice) -> list[list[int]]:
     return [[i, *(k for k, s in enumerate(choice.stages) if s.part_of == i)] for i in leads]
 
 
-def _table(problem: Problem, choice: PlanChoice, costs: StageCosts, memo: dict, members: list[list[int]], p: int) -> dict:
-    """Position `p`'s `_position` tables, from `memo` by what they depend on where built before."""
+def _table(problem: Problem, choice: PlanChoice, costs: StageCosts, memo: dict, members: list[list[int]], p: int,
+           held: int | None = None) -> dict:
+    """Position `p`'s `_position` tables (holding `held` microbatches, by default its
+    schedule's), from `memo` by what they depend on where built before."""
     m = choice.num_microbatches
     b = choice.replica_batch[0] // m
     stages = tuple(choice.stages[k] for k in members[p])
-    held, last = in_flight(choice.schedule, m, p, len(members)), p == len(members) - 1
-    key = (tuple((s.kind, s.dp, s.tp, s.examples) for s in stages), b, held, last, m)
+    last = p == len(members) - 1
+    held = in_flight(choice.schedule, m, p, len(members)) if held is None else held
+    key = (_stage_key(choice, members[p]), b, held, last, m)
     if key not in memo:
         memo[key] = _position(problem, costs, stages, b, m, held, last, memo)
     return memo[key]
