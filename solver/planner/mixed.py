@@ -21,7 +21,9 @@ estimator (`solver.cost.estimate`: the slowest part's rows set the stage's time,
 parts' gradients are summed as the runtime sums them over their links, each part's
 memory must fit), and kept only where it is faster than the finalist it came from.
 (A variant whose floor over every split, memory aside, already reaches the best so far
-is refused before its tables are built: `mixed_floor`.)
+is refused before its tables are built: `mixed_floor`; one whose floor with its
+positions' memory does, before the rest of them are: `tables_floor`. Where the caller
+reads only the first few plans, the best so far starts at the last of those.)
 So the planner chooses a mixed stage exactly when the estimator says it wins.
 """
 
