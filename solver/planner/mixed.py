@@ -107,7 +107,7 @@ def _read_to(found: list[PlanChoice], extra: list[PlanChoice], read: int | None)
     already there (the ranking is stable, variants come last), and more variants only
     push it further down: one not below this step is never read, and leaving it out
     leaves the plans read as they were."""
-    if read is None or len(found) + len(extra) < read:
+    if read is None or read < 1 or len(found) + len(extra) < read:
         return INF
     return sorted(c.step_s for c in (*found, *extra))[read - 1]
 
