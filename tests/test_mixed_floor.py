@@ -37,9 +37,9 @@ def _problems() -> list[Problem]:
     return out
 
 
-def _answer(problem: Problem):  # noqa: ANN202
+def _answer(problem: Problem, top_k: int = 5):  # noqa: ANN202
     try:
-        result = Planner(problem, top_k=5).solve()
+        result = Planner(problem, top_k=top_k).solve()
     except PlanningError as e:
         return str(e)
     plans = (result.best, *result.alternatives)
@@ -68,19 +68,46 @@ def test_the_floor_is_below_every_split_resplit_finds(monkeypatch):
     assert any(f > 0 for f in seen)
 
 
+def test_the_tables_floors_are_below_every_split_resplit_finds(monkeypatch):
+    """The floor with mixed positions' own least (their tables, memory in), and with
+    every position's at its stage's fewest microbatches in flight: at most the least
+    of both splits `_resplit` prices, wherever it finds one."""
+    resplit = planner_mixed._resplit
+    seen = []
+
+    def checked(problem, choice, costs, memo=None):  # noqa: ANN001, ANN202
+        out = resplit(problem, choice, costs, memo)
+        floor = planner_mixed.tables_floor(problem, choice, costs)
+        alone = planner_mixed.tables_floor(problem, choice, costs, alone=True)
+        if out is not None:
+            assert least_floor(problem, choice, costs) <= floor <= alone <= min(out[1], out[2]), (choice.describe(), floor, alone, out[1:])
+            seen.append((floor > least_floor(problem, choice, costs), alone > floor))
+        return out
+
+    monkeypatch.setattr(planner_mixed, "_resplit", checked)
+    monkeypatch.setattr(planner_mixed, "refused", lambda *a, **k: False)
+    monkeypatch.setattr(planner_mixed, "_refused_by_tables", lambda *a, **k: False)
+    for problem in _problems():
+        _answer(problem)
+    assert len(seen) > 20
+    assert any(parts for parts, _ in seen) and any(alone for _, alone in seen)  # memory raises both somewhere
+
+
 def test_the_planner_answers_the_same_without_the_floor(monkeypatch):
     problems = _problems()
     with_floor = [_answer(p) for p in problems]
     monkeypatch.setattr(planner_mixed, "refused", lambda *a, **k: False)
+    monkeypatch.setattr(planner_mixed, "_refused_by_tables", lambda *a, **k: False)
     without = [_answer(p) for p in problems]
     assert with_floor == without
     assert any(mixed for answer in with_floor if isinstance(answer, tuple) for _, _, mixed in answer[0])
 
 
 def test_the_floor_refuses_candidates(monkeypatch):
-    """It is not vacuous: some candidates never reach `_resplit`."""
-    calls = {"resplit": 0, "refused": 0, "considered": 0}
-    resplit, refused = planner_mixed._resplit, planner_mixed.refused
+    """It is not vacuous: some candidates never reach `_resplit`, refused by the floor
+    or by the parts' floor after it."""
+    calls = {"resplit": 0, "refused": 0, "considered": 0, "parts": 0}
+    resplit, refused, by_parts = planner_mixed._resplit, planner_mixed.refused, planner_mixed._refused_by_tables
 
     def counted_resplit(*a, **k):  # noqa: ANN002, ANN003, ANN202
         calls["resplit"] += 1
@@ -92,12 +119,38 @@ def test_the_floor_refuses_candidates(monkeypatch):
         calls["refused"] += out
         return out
 
+    def counted_by_parts(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        out = by_parts(*a, **k)
+        calls["parts"] += out
+        return out
+
     monkeypatch.setattr(planner_mixed, "_resplit", counted_resplit)
     monkeypatch.setattr(planner_mixed, "refused", counted_refused)
+    monkeypatch.setattr(planner_mixed, "_refused_by_tables", counted_by_parts)
     for problem in _problems():
         _answer(problem)
-    assert calls["refused"] > 0 and calls["resplit"] > 0
-    assert calls["resplit"] == calls["considered"] - calls["refused"]
+    assert calls["refused"] > 0 and calls["parts"] > 0 and calls["resplit"] > 0
+    assert calls["resplit"] == calls["considered"] - calls["refused"] - calls["parts"]
+
+
+def test_the_plans_read_are_the_same_where_variants_are_looked_for_below_them_alone(monkeypatch):
+    """`with_mixed_stages` looks for a finalist's variant only below the last plan its
+    caller reads (`read`): the plans read are those of a widening that reads them all."""
+    from solver.planner import search as planner_search
+
+    widen, best_mixed = planner_mixed.with_mixed_stages, planner_mixed.best_mixed
+    below = []
+
+    def counted(problem, choice, costs, memo=None, beat=math.inf):  # noqa: ANN001, ANN202
+        below.append(beat < choice.step_s)
+        return best_mixed(problem, choice, costs, memo, beat)
+
+    monkeypatch.setattr(planner_mixed, "best_mixed", counted)
+    problems = _problems()
+    read = [_answer(p, k) for p in problems for k in (1, 2)]
+    assert any(below)
+    monkeypatch.setattr(planner_search, "with_mixed_stages", lambda problem, found, costs, read=None: widen(problem, found, costs))
+    assert read == [_answer(p, k) for p in problems for k in (1, 2)]
 
 
 @pytest.mark.parametrize("bandwidth", [2e10, 1e5])

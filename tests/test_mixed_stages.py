@@ -264,7 +264,7 @@ def _force_t4_part(monkeypatch, t4_zero: int, lead_zero: int | None = None) -> N
     pipeline whichever plan would win."""
     from solver.planner import search as planner_search
 
-    def forced(problem, found, costs):
+    def forced(problem, found, costs, read=None):
         best = next((c for c in found if len(c.replica_batch) == 1 and c.chunks == 1 and "T4" not in {s.kind for s in c.stages}), None)
         if best is None:  # the idle-kinds note's search, every kind in use
             return found

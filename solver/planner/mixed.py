@@ -21,7 +21,9 @@ estimator (`solver.cost.estimate`: the slowest part's rows set the stage's time,
 parts' gradients are summed as the runtime sums them over their links, each part's
 memory must fit), and kept only where it is faster than the finalist it came from.
 (A variant whose floor over every split, memory aside, already reaches the best so far
-is refused before its tables are built: `mixed_floor`.)
+is refused before its tables are built: `mixed_floor`; one whose floor with its
+positions' memory does, before the rest of them are: `tables_floor`. Where the caller
+reads only the first few plans, the best so far starts at the last of those.)
 So the planner chooses a mixed stage exactly when the estimator says it wins.
 """
 
@@ -39,7 +41,7 @@ from solver.cost.ranges import at
 from solver.cost.stage_costs import INF, StageConfig, StageCosts
 from solver.cost.topologies import shares_sum_times
 from solver.memory import OFFLOAD_TIERS, in_flight
-from solver.planner.mixed_floor import part_steps, refused, stage_meshes as _meshes
+from solver.planner.mixed_floor import earning, part_steps, position_floors, refused, split_floor, stage_meshes as _meshes
 from solver.planner.problem import PlanChoice, StageChoice
 from solver.planner.step import ROUNDING, decisions, with_costs
 
@@ -50,6 +52,7 @@ MERGED_MESHES = 1  # meshes per kind tried for a merged stage's parts: the wides
 LEAD_MESHES = 2  # meshes a stage joined by idle kinds is tried on: its own, then narrower data axes while the rows split coarsely
 COARSE = 0.05  # a split whose slowest part is this much behind a split by speed tries the lead on a narrower data axis
 COARSER = 2  # microbatch counts halved this many times beside the finalist's
+_PART_STATS = ("part floor", "stats")  # the memo's entry for `_refused_by_tables`: floors taken, candidates refused
 
 
 def proportional_examples(size: int, speeds: Sequence[float], least: Sequence[int] | int = 1,
@@ -79,16 +82,34 @@ def proportional_examples(size: int, speeds: Sequence[float], least: Sequence[in
     return tuple(counts)
 
 
-def with_mixed_stages(problem: Problem, found: list[PlanChoice], costs: StageCosts) -> list[PlanChoice]:
+def with_mixed_stages(problem: Problem, found: list[PlanChoice], costs: StageCosts,
+                      read: int | None = None) -> list[PlanChoice]:
     """`found` (ranked by the estimator) with the best mixed variant of each of its
     first `MIXED_FINALISTS` single-chunk pipelines of different shapes (`_shapes`) added
-    where it is faster, ranked again."""
+    where it is faster, ranked again. `read`: how many plans of the ranking the caller
+    reads, its first (None: every one); a variant is only looked for below the last of
+    those so far (`_read_to`), as one no faster could not be among them."""
     if len(problem.kinds) < 2 or not problem.allow_mixed:
         return found
     plain = _shapes([c for c in found if _widened(c)])[:MIXED_FINALISTS]
     memo: dict = {}  # positions and parts priced for one finalist's variants serve the next's
-    extra = [v for c in plain if (v := best_mixed(problem, c, costs, memo)) is not None]
+    extra: list[PlanChoice] = []
+    for c in plain:
+        v = best_mixed(problem, c, costs, memo, _read_to(found, extra, read))
+        if v is not None:
+            extra.append(v)
     return sorted([*found, *extra], key=lambda c: c.step_s) if extra else found
+
+
+def _read_to(found: list[PlanChoice], extra: list[PlanChoice], read: int | None) -> float:
+    """The step of the `read`-th plan of `found` and `extra` ranked (inf where fewer, or
+    where every plan is read). A variant added later ranks after every plan of its step
+    already there (the ranking is stable, variants come last), and more variants only
+    push it further down: one not below this step is never read, and leaving it out
+    leaves the plans read as they were."""
+    if read is None or read < 1 or len(found) + len(extra) < read:
+        return INF
+    return sorted(c.step_s for c in (*found, *extra))[read - 1]
 
 
 def ranked_to(problem: Problem, ranked: list[PlanChoice], finalists: list[PlanChoice]) -> float:
@@ -139,15 +160,18 @@ def idle_devices(problem: Problem, choice: PlanChoice) -> dict[str, int]:
     return {k.name: k.count - used.get(k.name, 0) for k in problem.kinds if k.count > used.get(k.name, 0)}
 
 
-def best_mixed(problem: Problem, choice: PlanChoice, costs: StageCosts, memo: dict | None = None) -> PlanChoice | None:
+def best_mixed(problem: Problem, choice: PlanChoice, costs: StageCosts, memo: dict | None = None,
+               beat: float = INF) -> PlanChoice | None:
     """The fastest variant of `choice` with one mixed stage (idle devices joined to a
     stage, or two adjacent stages of different kinds made one), as split and with the
-    layers split again around it, if one beats it under the estimator; None otherwise.
+    layers split again around it, if one beats it and `beat` under the estimator; None
+    otherwise (the first of the fastest in the order tried: every cut below is sound, so
+    a lower `beat` only leaves out variants no faster than it).
     Single pipelines without interleaving only (the runtime's mixed stages have one chunk)."""
     if choice.chunks > 1 or len(choice.replica_batch) > 1 or choice.mixed:
         return None
     idle = idle_devices(problem, choice)
-    best, best_s = None, choice.step_s
+    best, best_s = None, min(choice.step_s, beat)
 
     memo = {} if memo is None else memo  # pipeline positions' tables and parts, shared by the variants
 
@@ -155,8 +179,12 @@ def best_mixed(problem: Problem, choice: PlanChoice, costs: StageCosts, memo: di
         nonlocal best, best_s
         if candidate is None or refused(problem, candidate, costs, memo, best_s):
             return  # no split of it could be priced below the best so far (`mixed_floor`): its tables unbuilt
+        if earning(memo, _PART_STATS, lambda: _refused_by_tables(problem, candidate, costs, memo, best_s)):
+            return  # nor once its positions' memory rules: the tables of the positions it holds unbuilt
         split = _resplit(problem, candidate, costs, memo)
         options = [(candidate, 0.0)] if split is None else [(candidate, split[2]), split[:2]]
+        if split is not None and split[0] == candidate:
+            options = options[:1]  # the split again is its own (the same plan would be priced twice)
         for c, floor in options:
             # `floor`: the least the busiest position is busy a step (`_position`'s
             # "least"), which no schedule beats; past the best so far, not priced
@@ -250,6 +278,67 @@ def _merged(problem: Problem, choice: PlanChoice, p: int, costs: StageCosts,
     return replace(choice, stages=tuple(stages))
 
 
+def _refused_by_tables(problem: Problem, choice: PlanChoice, costs: StageCosts, memo: dict, best_s: float) -> bool:
+    """Whether `tables_floor` proves that neither `choice`'s own split nor `_resplit`'s
+    reaches below `best_s`: with its mixed positions' tables, then (where that is not
+    enough) its other positions' too. Not where no split fits: `_resplit` then leaves
+    the candidate to the estimator, and so does this."""
+    floor = tables_floor(problem, choice, costs, memo)
+    if floor >= best_s or any(costs.may_offload(problem.kind(s.kind)) for s in choice.stages):
+        return best_s <= floor < INF  # (a table that may offload picks among tiers by what fits: not monotone in what it holds)
+    return best_s <= tables_floor(problem, choice, costs, memo, alone=True) < INF
+
+
+def tables_floor(problem: Problem, choice: PlanChoice, costs: StageCosts, memo: dict | None = None,
+                 alone: bool = False) -> float:
+    """`least_floor`, with each mixed position's own least (`_position`'s, whose parts'
+    memory rules out the choices that do not fit: most of them on a coarse microbatch)
+    in place of its floor, and with `alone`, each other position's least too, at the
+    fewest microbatches in flight of the positions on its devices' stage (memory grows
+    with them, so fewer fit no fewer choices: no more than its own least, where the
+    tables hold only on-device choices). At most the busiest position's least of
+    every split of `choice`, its own and `_resplit`'s, which reads the same tables,
+    built once (`memo`); the other positions' floors are the ones `refused` took."""
+    memo = {} if memo is None else memo
+    members = _members(choice)
+    floors = position_floors(problem, choice, costs, memo)
+    m, n = choice.num_microbatches, len(members)
+    fewest: dict[tuple, int] = {}  # per stage (and whether last), the fewest microbatches its positions hold
+    for p, mine in enumerate(members):
+        key = (_stage_key(choice, mine), p == n - 1)
+        fewest[key] = min(fewest.get(key, m + n), in_flight(choice.schedule, m, p, n))
+    for p, mine in enumerate(members):
+        if len(mine) > 1 or alone:
+            held = fewest[_stage_key(choice, mine), p == n - 1] if len(mine) == 1 else None
+            floors[p] = np.where(costs._upper, _table(problem, choice, costs, memo, members, p, held)["least"], INF)
+    return split_floor(floors)
+
+
+def _stage_key(choice: PlanChoice, mine: list[int]) -> tuple:
+    return tuple((choice.stages[k].kind, choice.stages[k].dp, choice.stages[k].tp, choice.stages[k].examples) for k in mine)
+
+
+def _members(choice: PlanChoice) -> list[list[int]]:
+    """Per pipeline position, its stages' indices in `choice`: the lead, then its parts."""
+    leads = [i for i, s in enumerate(choice.stages) if s.part_of < 0]
+    return [[i, *(k for k, s in enumerate(choice.stages) if s.part_of == i)] for i in leads]
+
+
+def _table(problem: Problem, choice: PlanChoice, costs: StageCosts, memo: dict, members: list[list[int]], p: int,
+           held: int | None = None) -> dict:
+    """Position `p`'s `_position` tables (holding `held` microbatches, by default its
+    schedule's), from `memo` by what they depend on where built before."""
+    m = choice.num_microbatches
+    b = choice.replica_batch[0] // m
+    stages = tuple(choice.stages[k] for k in members[p])
+    last = p == len(members) - 1
+    held = in_flight(choice.schedule, m, p, len(members)) if held is None else held
+    key = (_stage_key(choice, members[p]), b, held, last, m)
+    if key not in memo:
+        memo[key] = _position(problem, costs, stages, b, m, held, last, memo)
+    return memo[key]
+
+
 def _resplit(problem: Problem, choice: PlanChoice, costs: StageCosts,
              memo: dict | None = None) -> tuple[PlanChoice, float, float] | None:
     """`choice` (one mixed stage among its stages, the same meshes and rows) with its
@@ -260,20 +349,10 @@ def _resplit(problem: Problem, choice: PlanChoice, costs: StageCosts,
     of its devices that suits the rows best). With the floor of that split
     and of `choice`'s own (the busiest position's `least`: no schedule beats it), or
     None where no split fits. `memo`: positions' tables already built, by what they depend on."""
-    m = choice.num_microbatches
-    b = choice.replica_batch[0] // m
-    leads = [i for i, s in enumerate(choice.stages) if s.part_of < 0]
-    n, layers = len(leads), costs.n
-    members = [[i, *(k for k, s in enumerate(choice.stages) if s.part_of == i)] for i in leads]
+    members, layers = _members(choice), costs.n
+    leads = [mine[0] for mine in members]
     memo = {} if memo is None else memo
-    tables = []
-    for p, mine in enumerate(members):
-        stages = tuple(choice.stages[k] for k in mine)
-        held, last = in_flight(choice.schedule, m, p, n), p == n - 1
-        key = (tuple((s.kind, s.dp, s.tp, s.examples) for s in stages), b, held, last, m)
-        if key not in memo:
-            memo[key] = _position(problem, costs, stages, b, m, held, last, memo)
-        tables.append(memo[key])
+    tables = [_table(problem, choice, costs, memo, members, p) for p in range(len(members))]
     own = max(float(t["least"][choice.stages[i].layer_start, choice.stages[i].layer_end]) for t, i in zip(tables, leads))
     # best[j]: the least busiest-position cost of positions 0..p holding layers [0, j)
     best = tables[0]["cost"][0].copy()

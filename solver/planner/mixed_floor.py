@@ -15,6 +15,8 @@ the best so far is refused unbuilt, as its tables would refuse it.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from solver.cost.problem import Problem
@@ -43,12 +45,19 @@ def refused(problem: Problem, choice: PlanChoice, costs: StageCosts, memo: dict,
     the floors of a widening (its `memo`) keep failing to refuse (memory, which they
     leave aside, is what rules on the largest models), they stop being taken: their
     cost would only add to the tables', and a False here only leaves the candidate to them."""
-    stats = memo.setdefault(_STATS, [0, 0])
-    if stats[0] >= TRIAL and stats[1] * YIELD < stats[0]:
+    return earning(memo, _STATS, lambda: least_floor(problem, choice, costs, memo) >= best_s)
+
+
+def earning(memo: dict, stats: object, refuses: Callable[[], bool]) -> bool:
+    """`refuses()`, while floors of its kind (`stats`, their entry in `memo`: floors
+    taken, candidates refused) earn their cost: every one of the first `TRIAL`, then
+    while at least one in `YIELD` refuses; False once they stop being taken."""
+    taken = memo.setdefault(stats, [0, 0])
+    if taken[0] >= TRIAL and taken[1] * YIELD < taken[0]:
         return False
-    stats[0] += 1
-    if least_floor(problem, choice, costs, memo) >= best_s:
-        stats[1] += 1
+    taken[0] += 1
+    if refuses():
+        taken[1] += 1
         return True
     return False
 
@@ -57,21 +66,34 @@ def least_floor(problem: Problem, choice: PlanChoice, costs: StageCosts, memo: d
     """No split of `choice`'s layers over its pipeline positions (its stages, a mixed
     stage's parts with their rows) has a busiest position whose `_position` least is
     below this. `memo`: positions' floors already computed, by what they depend on."""
+    return split_floor(position_floors(problem, choice, costs, memo))
+
+
+def position_floors(problem: Problem, choice: PlanChoice, costs: StageCosts, memo: dict | None = None) -> list[np.ndarray]:
+    """Per pipeline position of `choice` (lead first), `_position_floor`'s, from `memo`
+    where a candidate before this one had the position."""
     m = choice.num_microbatches
     b = choice.replica_batch[0] // m
     leads = [i for i, s in enumerate(choice.stages) if s.part_of < 0]
-    n = costs.n
     memo = {} if memo is None else memo
-    best = None
+    out = []
     for p, lead in enumerate(leads):
         stages = tuple(s for k, s in enumerate(choice.stages) if k == lead or s.part_of == lead)
         last = p == len(leads) - 1
         key = ("floor", tuple((s.kind, s.dp, s.tp, s.examples) for s in stages), b, m, last)
         if key not in memo:
             memo[key] = _position_floor(problem, costs, stages, b, m, last, memo)
-        least = memo[key]
+        out.append(memo[key])
+    return out
+
+
+def split_floor(floors: list[np.ndarray]) -> float:
+    """The least over the splits of every layer over the positions (in order, each a
+    range of at least one layer: `floors` are inf elsewhere) of the busiest one's figure."""
+    best = None
+    for least in floors:
         best = least[0].copy() if best is None else np.maximum(best[:, None], least).min(axis=0)
-    return float(best[n]) if best is not None else INF
+    return float(best[-1]) if best is not None else INF
 
 
 def _position_floor(problem: Problem, costs: StageCosts, stages: tuple[StageChoice, ...], b: int, m: int,

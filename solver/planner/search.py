@@ -195,7 +195,7 @@ class Planner:
         # ranking: plans provably slower than those are not simulated (`rank`'s `exact_to`)
         found = rank(self.problem, finalists, self.costs, lambda ranked: max(
             ranked[self.top_k - 1].step_s if len(ranked) >= self.top_k else INF, ranked_to(self.problem, ranked, finalists)))
-        found = with_mixed_stages(self.problem, found, self.costs)  # a stage over idle kinds too, where it wins
+        found = with_mixed_stages(self.problem, found, self.costs, self.top_k)  # a stage over idle kinds too, where it wins
         self.deadline = INF  # the bound's own searches run to the end
         per_kind = tuple((k.name, (rank(self.problem, self._search((k.name,), 1), self.costs) or [None])[0]) for k in self.problem.kinds)
         bound = sum(c.throughput for _, c in per_kind if c is not None)
