@@ -65,7 +65,7 @@ def choice_arrays(choices: tuple[tuple[int, str], ...]) -> tuple[np.ndarray, np.
 
 
 @lru_cache(maxsize=None)
-def _grid(choices: tuple[tuple[int, str], ...]) -> tuple[tuple[int, ...], tuple[str, ...], bool]:
+def grid_of(choices: tuple[tuple[int, str], ...]) -> tuple[tuple[int, ...], tuple[str, ...], bool]:
     """The choices' ZeRO stages and recomputations, each once in order, and whether the
     choices are every pair of them, ZeRO stage major (a table's always are)."""
     zeros = tuple(dict.fromkeys(z for z, _ in choices))
@@ -145,7 +145,7 @@ class ChoiceMemory:
                        ranges: bool) -> RangeParts | None:
         """`totals`' parts at the ranges or at every [i, j] (flattened), stacked; None where
         the choices are no grid."""
-        zeros, remats, grid = _grid(choices)
+        zeros, remats, grid = grid_of(choices)
         if not grid:
             return None
         key = (cfg.tp, cfg.zero_shards, zeros, ranges)

@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from solver.cost.choice_memory import StageCosts, choice_arrays, range_totals
+from solver.cost.choice_memory import StageCosts, choice_arrays, grid_of, range_totals
 from solver.cost.stage_config import StageConfig
 from solver.cost.stage_tables import StageTable
 
@@ -106,9 +106,13 @@ class DeviceTables:
         costs = self.costs
         times = np.empty((4, len(choices) + 1, len(self.ranges)))
         times[:, 0] = _OTHERWISE
-        for c, (zero, remat) in enumerate(choices, 1):
-            for k, values in enumerate(costs._placed_times(cfg, b, zero, remat, placed)[:4]):
-                times[k, c] = self._at_ranges(values)
+        zeros, remats, grid = grid_of(choices)
+        if grid and not placed and not costs.overlapped(cfg):  # every ZeRO stage's times stacked (`ChoiceTimes`)
+            self._stacked_times(cfg, b, zeros, remats, times[:, 1:])
+        else:
+            for c, (zero, remat) in enumerate(choices, 1):
+                for k, values in enumerate(costs._placed_times(cfg, b, zero, remat, placed)[:4]):
+                    times[k, c] = self._at_ranges(values)
         cost = np.empty(times.shape[1:])
         cost[0] = INF
         np.add(times[0, 1:], times[1, 1:], out=cost[1:])  # m * (forward + backward) + tail, as `_table_times`
@@ -116,6 +120,20 @@ class DeviceTables:
         cost[1:] += times[2, 1:]
         zeros, remats = choice_arrays(choices)
         return _Picks(cost, times.reshape(4, -1), np.append(0, zeros), np.append(False, remats), bool(np.isnan(cost).any()))
+
+    def _stacked_times(self, cfg: StageConfig, b: int, zeros: tuple[int, ...], remats: tuple[str, ...],
+                       out: np.ndarray) -> None:
+        """Each choice's forward, backward, tail and sync at the ranges, into `out` (4, choices,
+        ranges), read from the stacks of every ZeRO stage (`ChoiceTimes.stack`, what
+        `_placed_times` reads apart) a take each; the choices ZeRO stage major."""
+        grid = out.reshape(4, len(zeros), len(remats), len(self.ranges))  # a view: `out` is contiguous per field
+        for r, remat in enumerate(remats):
+            stack = self.costs._choice_times.stack(cfg, b, zeros, remat)
+            for k, values in enumerate((stack.forward, stack.backward, stack.tail, stack.sync)):
+                if r and k != 1:  # the forward, tail and sync the same under every recomputation
+                    grid[k, :, r] = grid[k, :, 0]
+                else:
+                    values.reshape(len(zeros), -1).take(self.ranges, axis=1, out=grid[k, :, r])
 
     def _at_ranges(self, values: np.ndarray | float) -> np.ndarray | float:
         """A figure per [i, j] (an array, a view broadcast to one, or a number) at the ranges

@@ -22,6 +22,7 @@ from solver.efficiency import matmul_rate
 from solver.memory import (OFFLOAD_TIERS, DeviceMemory, StageActivations, in_flight, model_split_bytes, offloaded,
                            sharded_state, stage_memory)
 from solver.cost.choice_memory import ChoiceMemory, held_activations, held_state
+from solver.cost.choice_times import ChoiceTimes
 from solver.cost.device_table import DeviceTables
 from solver.cost.measured import LayerPrice, lookup
 from solver.cost.model_axes import model_comm_s
@@ -84,6 +85,7 @@ class StageCosts:
         self._held_memory = lru_cache(maxsize=None)(self._held_memory_uncached)
         self._held_state = lru_cache(maxsize=None)(functools.partial(held_state, self))
         self._held_activations = lru_cache(maxsize=None)(functools.partial(held_activations, self))
+        self._choice_times = ChoiceTimes(self)  # the times of every ZeRO stage of a stage at once
         self._choice_memory = ChoiceMemory(self)  # a table's memory for all its choices at once
         self._device_tables = DeviceTables(self)  # the tables of stages that keep their state on the devices
         self._params_max = lru_cache(maxsize=None)(lambda tp: _range_max(self.tp_params(tp)))
@@ -453,17 +455,15 @@ class StageCosts:
     def _times_uncached(self, cfg: StageConfig, b: int, zero: int, remat: str) -> tuple[np.ndarray, ...]:
         """`variant`'s times (forward, backward, tail, sync, hidden), the same wherever
         the stage sits and however many microbatches it holds."""
-        f, bw, _, _, rerun = self._ranges(cfg, b)
-        if self.problem.overlap_comm and self.problem.training and cfg.dp > 1:
+        if self.overlapped(cfg):
+            f, bw, _, _, _ = self._ranges(cfg, b)
             v = self._overlapped(cfg, b, zero, remat, f, bw)
             return v.forward, v.backward, v.tail, v.sync, _full(v.hidden, f.shape)
-        extra_f, extra_b, step_sync, tail = self.step_costs(cfg, zero)
-        launch = self.launches(cfg, b / cfg.dp)  # measured layers: one program's cost per stage program
-        dispatch = self.dispatches(cfg)  # and the runtime's host work to dispatch it (shared host only)
-        # (a measured layer's net time may be below zero, `solver.cost.measured.lookup`; a stage's never)
-        forward = np.maximum(f + extra_f + launch, 0.0) + dispatch
-        backward = np.maximum(bw + extra_b + launch + (rerun + extra_f if remat else 0.0), 0.0) + dispatch
-        return _full(forward, f.shape), _full(backward, f.shape), _full(tail, f.shape), _full(step_sync, f.shape), 0.0
+        return self._choice_times.times(cfg, b, zero, remat)  # every ZeRO stage's at once, each floored at zero
+
+    def overlapped(self, cfg: StageConfig) -> bool:
+        """Whether the stage's data axis overlaps its collectives with compute (`_overlapped`)."""
+        return self.problem.overlap_comm and self.problem.training and cfg.dp > 1
 
     def _buckets(self, cfg: StageConfig, zero: int = 0) -> dict[str, np.ndarray]:
         """Per layer (one gradient bucket each, as DDP and Megatron bucket them): the
