@@ -23,6 +23,7 @@ from solver.memory import (OFFLOAD_TIERS, DeviceMemory, StageActivations, in_fli
                            sharded_state, stage_memory)
 from solver.cost.choice_memory import ChoiceMemory, held_activations, held_state
 from solver.cost.choice_times import ChoiceTimes
+from solver.cost.cut_sends import CutSends
 from solver.cost.device_table import DeviceTables
 from solver.cost.measured import LayerPrice, lookup
 from solver.cost.model_axes import model_comm_s
@@ -93,7 +94,7 @@ class StageCosts:
         # ZeRO's collectives and the tail depend on the stage alone, not on its
         # microbatch or place: priced once per stage and ZeRO stage, not once per table.
         self.step_costs = lru_cache(maxsize=None)(self._step_costs)
-        self._sends = lru_cache(maxsize=None)(self._sends_uncached)
+        self._cut_sends = CutSends(self)  # stage pairs alike on the link share their sends
         self._upper = np.triu(np.ones((self.n + 1, self.n + 1), dtype=bool), k=1)
         self._cells = np.arange((self.n + 1) ** 2).reshape(self.n + 1, self.n + 1)  # every pipeline through a cut asks again
 
@@ -572,24 +573,7 @@ class StageCosts:
         """Seconds to move one microbatch's activation across a cut before layer j,
         from stage `a` to the next stage `c`: each data-parallel slice sends its part.
         Cached and read-only: the search asks for the same cut thousands of times."""
-        return self._sends(a, c, b)
-
-    def _sends_uncached(self, a: StageConfig, c: StageConfig, b: int) -> np.ndarray:
-        streams = min(a.dp, c.dp)
-        # The slices of a node send side by side: a shared NIC (or host memory) is divided among them.
-        per_node = max(1, self.kinds[a.kind].devices_per_node // a.tp)
-        link = self.problem.link(a.kind, c.kind).per_flow(min(streams, per_node))
-        out = link.latency + self.inputs * b / streams / link.bandwidth
-        if self.kinds[a.kind].shared_host and self.kinds[c.kind].shared_host:
-            # One host's cores do the copy: what the profile measured it costs the host to hand
-            # layer j its input on the receiving stage's mesh (a copy per shard and a dispatch,
-            # `MeasuredLayer` points' `send_s`) where it measured one, the link's bytes elsewhere.
-            for layer, price in self.measured(c, b / c.dp).items():
-                if price.send_s > 0:
-                    out[layer] = price.send_s
-        out = np.concatenate([out, [INF]])  # no cut after the last layer
-        out.setflags(write=False)
-        return out
+        return self._cut_sends.sends(a, c, b)
 
 
 __all__ = ["INF", "StageConfig", "StageCosts", "StageTable", "StageVariant", "in_flight"]  # in_flight: solver.memory's, re-exported
