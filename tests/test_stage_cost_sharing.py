@@ -97,3 +97,28 @@ def test_a_table_picks_each_ranges_first_fastest_choice_that_fits_by_its_variant
                         assert (int(table.zero[i, j]), bool(table.remat[i, j])) == (choices[k][0], bool(choices[k][1]))
                         picked += 1
     assert picked > 100 and unfit > 10
+
+
+@pytest.mark.parametrize("checkpoints, host", [(False, False), (True, False), (False, True)])
+def test_a_last_stages_table_is_the_same_at_every_count_where_one_program_holds_one(checkpoints, host):
+    """`StageCosts.table` builds a last stage's table once for every microbatch count
+    where each choice runs forward and backward as one program (held once): each is
+    the table built at its own count, bit for bit; with layer checkpoints (a recomputing
+    last stage holds every microbatch's inputs) each count has its own."""
+    compared = differ = 0
+    for seed in range(8):
+        problem = replace(random_problem(np.random.default_rng(seed)), allow_remat=True, layer_checkpoints=checkpoints)
+        if host:  # room on the hosts: tables pick among offload tiers too (`variant`'s memory)
+            problem = replace(problem, kinds=tuple(replace(k, host_memory_bytes=k.memory_bytes / 4) for k in problem.kinds))
+        costs = StageCosts(problem)
+        for cfg, b in list(_stages(problem))[:8]:
+            m = max(1, problem.batch_size // b)
+            for held in (1, 2, 5):
+                got, own = costs.table(cfg, b, held, True, m), costs._table(cfg, b, held, True, m)
+                for name in ("forward", "backward", "remat", "memory", "tail", "sync", "zero", "offload"):
+                    a, w = np.asarray(getattr(got, name)), np.asarray(getattr(own, name))
+                    assert a.dtype == w.dtype and a.tobytes() == w.tobytes(), (seed, cfg, b, held, name)
+                compared += 1
+                differ += costs.table(cfg, b, held, True, m) is not costs.table(cfg, b, 1, True, m)
+    assert compared > 100
+    assert differ > 0 if checkpoints else differ == 0

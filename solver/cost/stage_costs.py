@@ -21,7 +21,7 @@ from solver.collectives import Topology, fastest_times
 from solver.efficiency import matmul_rate
 from solver.memory import (OFFLOAD_TIERS, DeviceMemory, StageActivations, in_flight, model_split_bytes, offloaded,
                            sharded_state, stage_memory)
-from solver.cost.choice_memory import ChoiceMemory, held_activations, held_state
+from solver.cost.choice_memory import ChoiceMemory, held_activations, held_state, one_program
 from solver.cost.choice_times import ChoiceTimes
 from solver.cost.cut_sends import CutSends
 from solver.cost.device_table import DeviceTables
@@ -87,6 +87,9 @@ class StageCosts:
         self._held_state = lru_cache(maxsize=None)(functools.partial(held_state, self))
         self._held_activations = lru_cache(maxsize=None)(functools.partial(held_activations, self))
         self._choice_times = ChoiceTimes(self)  # the times of every ZeRO stage of a stage at once
+        # A last stage runs forward and backward as one program under every choice its table has (no
+        # layer checkpoints to rerun): its memory, so its table, the same at every microbatch count.
+        self._last_holds_one = all(one_program(self, True, remat) for remat in self.table_remats())
         self._choice_memory = ChoiceMemory(self)  # a table's memory for all its choices at once
         self._device_tables = DeviceTables(self)  # the tables of stages that keep their state on the devices
         self._params_max = lru_cache(maxsize=None)(lambda tp: _range_max(self.tp_params(tp)))
@@ -109,6 +112,8 @@ class StageCosts:
         the pipeline's last stage (forward and backward one program); `m`: microbatches
         per step, which weighs per-microbatch time against the once-per-step tail when
         choosing ZeRO and recomputation."""
+        if last and self._last_holds_one:  # one program holds one microbatch, whatever the count: one table for all
+            in_flight = 1
         return self._tables(cfg, b, in_flight, last, m)
 
     def may_offload(self, kind: DeviceKind) -> bool:
@@ -376,8 +381,11 @@ class StageCosts:
 
     def table_choices(self, cfg: StageConfig) -> list[tuple[int, str]]:
         """The (ZeRO stage, recomputation) choices a table picks from, in the order its ties keep."""
-        remats = ["full"] if self.problem.force_remat else [""] + (["full"] if self.problem.allow_remat else [])
-        return [(zero, remat) for zero in self.zero_stages(cfg) for remat in remats]  # large runs recompute always
+        return [(zero, remat) for zero in self.zero_stages(cfg) for remat in self.table_remats()]
+
+    def table_remats(self) -> list[str]:
+        """The recomputations a table picks among (large runs recompute always)."""
+        return ["full"] if self.problem.force_remat else [""] + (["full"] if self.problem.allow_remat else [])
 
     def _table_times(self, cfg: StageConfig, b: int, m: int, last: bool = False) -> tuple[list, dict, np.ndarray, np.ndarray]:
         """Cached; a last stage's as any other's where its one program changes no time (`_fused_backward`)."""
