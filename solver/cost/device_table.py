@@ -101,7 +101,9 @@ class DeviceTables:
     def _picks_uncached(self, cfg: StageConfig, b: int, m: int, placed: bool, choices: tuple[tuple[int, str], ...]) -> _Picks:
         """The choices' step costs and times at the ranges after the nothing-fits row:
         read from each choice's times (`_placed_times`, as `_table_times` stacks them)
-        at the ranges alone, not stacked over every [i, j] first, into their rows.
+        at the ranges alone, not stacked over every [i, j] first, into their rows: from
+        the stacks of every ZeRO stage at once (`ChoiceTimes`) where `_placed_times` reads
+        them too (a grid of choices, not a last stage's own times, no overlapped data axis).
         `placed`: a last stage's times, where they differ from the others'."""
         costs = self.costs
         times = np.empty((4, len(choices) + 1, len(self.ranges)))
