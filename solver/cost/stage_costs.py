@@ -72,6 +72,13 @@ class StageCosts:
         self.elementwise = np.array([layer.elementwise_bytes for layer in layers], dtype=float)
         self.bwd_elementwise = np.array([layer.backward_elementwise_bytes for layer in layers], dtype=float)
         self.elementwise_split = np.array([layer.elementwise_split for layer in layers], dtype=float)
+        # What every stage's layer times read the same (`_layer_times_uncached`), computed once: each pass's
+        # FLOPs, which layers run matmuls and how many (forward, backward), the backward's FLOPs with a rerun
+        bwd_flops = self.flops - self.fwd_flops
+        self._passes = tuple((flops, kernels > 0, np.maximum(kernels, 1.0))
+                             for flops, kernels in ((self.fwd_flops, self.matmuls), (bwd_flops, self.bwd_matmuls)))
+        self._bwd_work = bwd_flops + self.recompute_flops
+        self._split_share = lru_cache(maxsize=None)(lambda tp: self.elementwise_split / tp + 1 - self.elementwise_split)
         self.kinds = {k.name: k for k in problem.kinds}
         self._tables = lru_cache(maxsize=None)(self._table)
         self._measured = lru_cache(maxsize=None)(self._measured_uncached)
@@ -222,16 +229,16 @@ class StageCosts:
         cfg, b = key
         per_device = b / cfg.dp  # examples each data-parallel slice runs
         kind = self.kinds[cfg.kind]
-        speed = cfg.tp * self.matmul_rates(kind, cfg, per_device, self.fwd_flops, self.matmuls)
-        bwd_speed = cfg.tp * self.matmul_rates(kind, cfg, per_device, self.flops - self.fwd_flops, self.bwd_matmuls)
+        speed = cfg.tp * self.matmul_rates(kind, cfg, per_device)
+        bwd_speed = cfg.tp * self.matmul_rates(kind, cfg, per_device, backward=True)
         tp_comm = bwd_comm = tp_allreduce_s(kind, cfg.tp, self.tp_bytes * per_device, self.tp_count)  # backward as much
         if cfg.model_collectives:  # two model axes: what its layouts run, not Megatron's
             tp_comm, bwd_comm = model_comm_s(cfg.model_collectives, kind.intra, b, self.n)
         trains = float(self.problem.training)  # a forward-only function has no backward
         # memory-bound operators: their bytes, split like the activations where tensor parallelism splits them
-        streaming = per_device * (self.elementwise_split / cfg.tp + 1 - self.elementwise_split) / kind.memory_bandwidth
+        streaming = per_device * self._split_share(cfg.tp) / kind.memory_bandwidth  # (split / tp + 1 - split) bytes a byte
         forward = self.fwd_flops * per_device / speed + tp_comm + kind.layer_overhead_s / 3 + self.elementwise * streaming
-        backward = trains * ((self.flops - self.fwd_flops + self.recompute_flops) * per_device / bwd_speed + bwd_comm
+        backward = trains * (self._bwd_work * per_device / bwd_speed + bwd_comm
                              + 2 * kind.layer_overhead_s / 3 + self.bwd_elementwise * streaming)
         if kind.shared_host:  # one host's cores run every device's share, one after another
             forward, backward = forward * cfg.devices, backward * cfg.devices
@@ -308,14 +315,14 @@ class StageCosts:
             return 0.0
         return max((p.split_s for p in self.measured(cfg, b / cfg.dp).values()), default=0.0)
 
-    def matmul_rates(self, kind: DeviceKind, cfg: StageConfig, per_device: float, flops: np.ndarray,
-                     matmuls: np.ndarray) -> np.ndarray:
-        """FLOP/s of each layer's pass (`flops` per example, in `matmuls` kernels) on one
-        device of this stage: the mean size of one matmul (the pass's FLOPs on this device
-        over its matmul count) sets the rate. The mean is exact, not an approximation:
+    def matmul_rates(self, kind: DeviceKind, cfg: StageConfig, per_device: float, backward: bool = False) -> np.ndarray:
+        """FLOP/s of each layer's forward (or `backward`) pass on one device of this stage:
+        the mean size of one matmul (the pass's FLOPs on this device over its matmul count)
+        sets the rate. The mean is exact, not an approximation:
         on `solver.efficiency`'s curve a matmul of F FLOPs takes (F + F_half) / sustained
         seconds, so n matmuls take (their FLOPs + n F_half) / sustained whatever their sizes."""
-        each = np.where(matmuls > 0, flops * per_device / cfg.tp / np.maximum(matmuls, 1.0), 0.0)
+        flops, counted, kernels = self._passes[backward]
+        each = np.where(counted, flops * per_device / cfg.tp / kernels, 0.0)
         return np.asarray(matmul_rate(kind.flops, each, kind.matmul_half_flops), dtype=float).reshape(self.n)
 
     def _table(self, cfg: StageConfig, b: int, held: int, last: bool, m: int) -> StageTable:
