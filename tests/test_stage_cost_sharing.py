@@ -166,3 +166,22 @@ def test_layer_times_are_the_layers_own_sums(training):
                 assert a.tobytes() == np.asarray(want, dtype=float).tobytes()
             compared += 1
     assert compared > 50
+
+
+def test_range_sums_are_each_stages_own():
+    """`StageCosts._ranges` sums per range once per times key and shard: each stage's are
+    its own `per_layer`'s, summed (as before they were shared)."""
+    from solver.cost.ranges import cumsum, span
+
+    shared = 0
+    for seed in range(10):
+        problem = random_problem(np.random.default_rng(seed))
+        costs = StageCosts(problem)
+        for cfg, b in _stages(problem):
+            layer = costs.per_layer(cfg, b)
+            want = (span(cumsum(layer.forward)), span(cumsum(layer.backward)), span(cumsum(layer.saved)),
+                    costs._grads(cfg.tp), span(cumsum(layer.rerun)))
+            for got, w in zip(costs._ranges(cfg, b), want):
+                assert got.tobytes() == w.tobytes()
+        shared += costs._time_spans.cache_info().currsize < costs._ranges.cache_info().currsize
+    assert shared > 3

@@ -72,17 +72,17 @@ class StageCosts:
         self.elementwise = np.array([layer.elementwise_bytes for layer in layers], dtype=float)
         self.bwd_elementwise = np.array([layer.backward_elementwise_bytes for layer in layers], dtype=float)
         self.elementwise_split = np.array([layer.elementwise_split for layer in layers], dtype=float)
-        # What every stage's layer times read the same (`_layer_times_uncached`), computed once: each pass's
-        # FLOPs, which layers run matmuls and how many (forward, backward), the backward's FLOPs with a rerun
-        bwd_flops = self.flops - self.fwd_flops
+        bwd_flops = self.flops - self.fwd_flops  # each pass's FLOPs and matmuls, what every stage's layer times read
         self._passes = tuple((flops, kernels > 0, np.maximum(kernels, 1.0))
                              for flops, kernels in ((self.fwd_flops, self.matmuls), (bwd_flops, self.bwd_matmuls)))
-        self._bwd_work = bwd_flops + self.recompute_flops
+        self._bwd_work = bwd_flops + self.recompute_flops  # the backward's FLOPs with a rerun
         self._split_share = lru_cache(maxsize=None)(lambda tp: self.elementwise_split / tp + 1 - self.elementwise_split)
         self.kinds = {k.name: k for k in problem.kinds}
         self._tables = lru_cache(maxsize=None)(self._table)
         self._measured = lru_cache(maxsize=None)(self._measured_uncached)
         self._ranges = lru_cache(maxsize=None)(self._ranges_uncached)
+        self._time_spans = lru_cache(maxsize=None)(self._time_spans_uncached)
+        self._saved_span = lru_cache(maxsize=None)(lambda shard: _span(_cumsum(self.saved * shard)))  # `per_layer`'s saved
         self._layer_times = lru_cache(maxsize=None)(self._layer_times_uncached)
         self.per_layer = lru_cache(maxsize=None)(self._per_layer)  # the stage tables and the planner's bounds both read it
         # A stage's times do not depend on where it sits nor on what it holds, its memory's
@@ -559,10 +559,15 @@ class StageCosts:
 
     def _ranges_uncached(self, cfg: StageConfig, b: int) -> tuple[np.ndarray, ...]:
         """What does not depend on the stage's place in the pipeline: times and
-        activations of one microbatch, the gradient bytes."""
-        layer = self.per_layer(cfg, b)
-        return (_span(_cumsum(layer.forward)), _span(_cumsum(layer.backward)), _span(_cumsum(layer.saved)), self._grads(cfg.tp),
-                _span(_cumsum(layer.rerun)))
+        activations of one microbatch, the gradient bytes (`per_layer`'s, summed per range
+        once per `times_key` and per activations' shard, which stages share)."""
+        forward, backward, rerun = self._time_spans(self.times_key(cfg, b))
+        return forward, backward, self._saved_span(b / cfg.dp / cfg.tp), self._grads(cfg.tp), rerun
+
+    def _time_spans_uncached(self, key: tuple[StageConfig, float]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`per_layer`'s forward, backward and rerun seconds (`_layer_times`) per layer range."""
+        forward, backward, rerun, _ = self._layer_times(key)
+        return _span(_cumsum(forward)), _span(_cumsum(backward)), _span(_cumsum(rerun))
 
     def replica_sync(self, kinds: list[str] | tuple[str, ...], streams: int) -> float:
         """Summing every gradient across pipelines of `kinds` (one per replica),
