@@ -71,18 +71,29 @@ class DeviceTables:
         self._blank = np.repeat(_OTHERWISE, size, axis=1)  # a table where nothing fits
         self._spots = (np.arange(4)[:, None] * size + self.ranges).reshape(-1)  # the ranges in each of four tables, flat
         self._picks = lru_cache(maxsize=None)(self._picks_uncached)
+        self.plan = lru_cache(maxsize=None)(self._plan_uncached)
+
+    def _plan_uncached(self, cfg: StageConfig) -> tuple[int, tuple[tuple[int, str], ...]] | None:
+        """A stage's capacity and the choices its tables pick among where its optimizer state
+        stays on the devices (no tier offered, or no room to offload to skips every other
+        tier: `StageCosts._table`); None where a table must try the tiers too."""
+        costs = self.costs
+        tiers, host, disk = costs.offload_tiers(cfg), costs.host_capacity(cfg.kind), costs.nvme_capacity(cfg.kind)
+        if tiers[0] == "" and (not host or not disk and all(t == "nvme" for t in tiers[1:])):
+            return costs.capacity(cfg.kind), tuple(costs.table_choices(cfg))
+        return None
 
     def table(self, cfg: StageConfig, b: int, held: int, last: bool, m: int, capacity: int,
-              choices: list[tuple[int, str]]) -> StageTable:
+              choices: tuple[tuple[int, str], ...]) -> StageTable:
         """Per range the first of the fastest choices that fit (`StageCosts._table`'s pick)."""
-        costs, key = self.costs, tuple(choices)
-        picks = self._picks(cfg, b, m, last and bool(costs.measured(cfg, b / cfg.dp)), key)  # `_table_times`' last stage
-        parts = costs._choice_memory.range_parts(cfg, b, last, key)
+        costs = self.costs
+        picks = self._picks(cfg, b, m, last and bool(costs.measured(cfg, b / cfg.dp)), choices)  # `_table_times`' last stage
+        parts = costs._choice_memory.range_parts(cfg, b, last, choices)
         ranges = len(self.ranges)
         totals = np.empty(picks.cost.shape)  # each choice's bytes after none for "nothing fits"
         totals[0] = 0.0
         if parts is None:
-            totals[1:] = costs._choice_memory.totals(cfg, b, held, last, choices, ranges=True)
+            totals[1:] = costs._choice_memory.totals(cfg, b, held, last, list(choices), ranges=True)
         else:
             range_totals(parts, held, totals[1:])
         pick = first_least(np.where(totals <= capacity, picks.cost, INF), picks.nan)

@@ -328,14 +328,12 @@ class StageCosts:
     def _table(self, cfg: StageConfig, b: int, held: int, last: bool, m: int) -> StageTable:
         """Every (ZeRO stage, recomputation) the problem allows, priced by `variant`;
         per range the fastest that fits."""
+        if plan := self._device_tables.plan(cfg):  # on the devices only (most problems): the loop below's
+            return self._device_tables.table(cfg, b, held, last, m, *plan)  # figures, without its lists
         capacity = self.capacity(cfg.kind)
         shape = (self.n + 1, self.n + 1)
         tiers = self.offload_tiers(cfg)
         host, disk = self.host_capacity(cfg.kind), self.nvme_capacity(cfg.kind)
-        if tiers[0] == "" and (not host or not disk and all(t == "nvme" for t in tiers[1:])):
-            # on the devices only (most problems; no room to offload to skips every other tier
-            # below): the loop below's figures, without its lists (nor its stacks of every range)
-            return self._device_tables.table(cfg, b, held, last, m, capacity, self.table_choices(cfg))
         choices, fields, time_cost, _ = self._table_times(cfg, b, m, last)
         rows: list[tuple[int, str, str]] = []  # (ZeRO stage, recomputation, offload tier) per stacked row
         stacked: dict[str, list[np.ndarray]] = {name: [] for name in (*fields, "memory")}
