@@ -97,3 +97,91 @@ def test_a_table_picks_each_ranges_first_fastest_choice_that_fits_by_its_variant
                         assert (int(table.zero[i, j]), bool(table.remat[i, j])) == (choices[k][0], bool(choices[k][1]))
                         picked += 1
     assert picked > 100 and unfit > 10
+
+
+@pytest.mark.parametrize("checkpoints, host", [(False, False), (True, False), (False, True)])
+def test_a_last_stages_table_is_the_same_at_every_count_where_one_program_holds_one(checkpoints, host):
+    """`StageCosts.table` builds a last stage's table once for every microbatch count
+    where each choice runs forward and backward as one program (held once): each is
+    the table built at its own count, bit for bit; with layer checkpoints (a recomputing
+    last stage holds every microbatch's inputs) each count has its own."""
+    compared = differ = 0
+    for seed in range(8):
+        problem = replace(random_problem(np.random.default_rng(seed)), allow_remat=True, layer_checkpoints=checkpoints)
+        if host:  # room on the hosts: tables pick among offload tiers too (`variant`'s memory)
+            problem = replace(problem, kinds=tuple(replace(k, host_memory_bytes=k.memory_bytes / 4) for k in problem.kinds))
+        costs = StageCosts(problem)
+        for cfg, b in list(_stages(problem))[:8]:
+            m = max(1, problem.batch_size // b)
+            for held in (1, 2, 5):
+                got, own = costs.table(cfg, b, held, True, m), costs._table(cfg, b, held, True, m)
+                for name in ("forward", "backward", "remat", "memory", "tail", "sync", "zero", "offload"):
+                    a, w = np.asarray(getattr(got, name)), np.asarray(getattr(own, name))
+                    assert a.dtype == w.dtype and a.tobytes() == w.tobytes(), (seed, cfg, b, held, name)
+                compared += 1
+                differ += costs.table(cfg, b, held, True, m) is not costs.table(cfg, b, 1, True, m)
+    assert compared > 100
+    assert differ > 0 if checkpoints else differ == 0
+
+
+def _own_layer_times(costs: StageCosts, cfg, b: float):  # noqa: ANN001, ANN202
+    """A stage's modelled layer times as summed before their shared parts were kept
+    (`StageCosts._passes`, `_bwd_work`, `_split_share`): every sum from the layers' own arrays."""
+    from solver.cost.topologies import tp_allreduce_s
+    from solver.efficiency import matmul_rate
+
+    per_device, kind = b / cfg.dp, costs.kinds[cfg.kind]
+
+    def rates(flops, matmuls):  # noqa: ANN001, ANN202
+        each = np.where(matmuls > 0, flops * per_device / cfg.tp / np.maximum(matmuls, 1.0), 0.0)
+        return np.asarray(matmul_rate(kind.flops, each, kind.matmul_half_flops), dtype=float).reshape(costs.n)
+
+    speed = cfg.tp * rates(costs.fwd_flops, costs.matmuls)
+    bwd_speed = cfg.tp * rates(costs.flops - costs.fwd_flops, costs.bwd_matmuls)
+    comm = tp_allreduce_s(kind, cfg.tp, costs.tp_bytes * per_device, costs.tp_count)
+    trains = float(costs.problem.training)
+    streaming = per_device * (costs.elementwise_split / cfg.tp + 1 - costs.elementwise_split) / kind.memory_bandwidth
+    forward = costs.fwd_flops * per_device / speed + comm + kind.layer_overhead_s / 3 + costs.elementwise * streaming
+    backward = trains * ((costs.flops - costs.fwd_flops + costs.recompute_flops) * per_device / bwd_speed + comm
+                         + 2 * kind.layer_overhead_s / 3 + costs.bwd_elementwise * streaming)
+    return forward, backward
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_layer_times_are_the_layers_own_sums(training):
+    compared = 0
+    for seed in range(10):
+        rng = np.random.default_rng(seed)
+        problem = replace(random_problem(rng), training=training)
+        layers = tuple(replace(layer, matmuls=float(rng.integers(0, 9)), backward_matmuls=float(rng.integers(0, 3) * 7),
+                               recompute_flops=layer.forward_flops * float(rng.integers(0, 2)),
+                               elementwise_bytes=float(rng.integers(0, 4)) * 2**24, backward_elementwise_bytes=2.0**25,
+                               elementwise_split=float(rng.uniform(0, 1)))
+                       for layer in problem.layers)  # every sum's parts: matmul counts, reruns, memory-bound bytes
+        problem = replace(problem, layers=layers, kinds=tuple(replace(k, matmul_half_flops=1e9) for k in problem.kinds))
+        costs = StageCosts(problem)
+        for cfg, b in _stages(problem):
+            got = costs._layer_times_uncached((cfg, b))
+            for a, want in zip(got, _own_layer_times(costs, cfg, b)):
+                assert a.tobytes() == np.asarray(want, dtype=float).tobytes()
+            compared += 1
+    assert compared > 50
+
+
+def test_range_sums_are_each_stages_own():
+    """`StageCosts._ranges` sums per range once per times key and shard: each stage's are
+    its own `per_layer`'s, summed (as before they were shared)."""
+    from solver.cost.ranges import cumsum, span
+
+    shared = 0
+    for seed in range(10):
+        problem = random_problem(np.random.default_rng(seed))
+        costs = StageCosts(problem)
+        for cfg, b in _stages(problem):
+            layer = costs.per_layer(cfg, b)
+            want = (span(cumsum(layer.forward)), span(cumsum(layer.backward)), span(cumsum(layer.saved)),
+                    costs._grads(cfg.tp), span(cumsum(layer.rerun)))
+            for got, w in zip(costs._ranges(cfg, b), want):
+                assert got.tobytes() == w.tobytes()
+        shared += costs._time_spans.cache_info().currsize < costs._ranges.cache_info().currsize
+    assert shared > 3

@@ -50,12 +50,18 @@ def held_activations(costs: StageCosts, cfg: StageConfig, b: int, last: bool, re
     activations = StageActivations(saved, inputs, dots=dots * b / cfg.dp / cfg.tp, largest=costs.largest_max * shard,
                                    recomputed=costs._recomputed_span * shard,
                                    rerun_working=costs.rerun_working_max * shard)
-    fused = last
     if remat == "full" and costs.problem.layer_checkpoints:  # each layer's input kept, one layer rerun at a time
         activations = StageActivations(saved, costs._inputs_span * shard, largest=costs.largest_max * shard,
                                        recomputed=0.0, rerun_working=costs._layer_rerun_max * shard)
-        fused = False  # the last stage recomputes too: its program still frees each layer's activations
-    return activations, fused
+    return activations, one_program(costs, last, remat)
+
+
+def one_program(costs: StageCosts, last: bool, remat: str) -> bool:
+    """Whether a stage's forward and backward are one program, its microbatch's activations
+    held once (`solver.memory.activation_parts`' `fused`): a pipeline's last stage, unless
+    it reruns each layer from its kept input (`Problem.layer_checkpoints`): its program
+    still frees each layer's activations."""
+    return last and not (remat == "full" and costs.problem.layer_checkpoints)
 
 
 @lru_cache(maxsize=None)
@@ -65,7 +71,7 @@ def choice_arrays(choices: tuple[tuple[int, str], ...]) -> tuple[np.ndarray, np.
 
 
 @lru_cache(maxsize=None)
-def _grid(choices: tuple[tuple[int, str], ...]) -> tuple[tuple[int, ...], tuple[str, ...], bool]:
+def grid_of(choices: tuple[tuple[int, str], ...]) -> tuple[tuple[int, ...], tuple[str, ...], bool]:
     """The choices' ZeRO stages and recomputations, each once in order, and whether the
     choices are every pair of them, ZeRO stage major (a table's always are)."""
     zeros = tuple(dict.fromkeys(z for z, _ in choices))
@@ -120,6 +126,7 @@ class ChoiceMemory:
         self.ranges = np.flatnonzero(np.triu(np.ones(self.shape, dtype=bool), k=1))  # [i, j] with i < j, flattened
         self._states: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._parts = lru_cache(maxsize=self.KEEP)(self._parts_uncached)
+        self._shared_parts = lru_cache(maxsize=self.KEEP)(self._shared_parts_uncached)
         # What `range_totals` adds for a stage, microbatch and place; None where the choices
         # are no grid (`totals` then prices them one by one). Cached: a stage's tables at
         # each held count add the same.
@@ -145,7 +152,7 @@ class ChoiceMemory:
                        ranges: bool) -> RangeParts | None:
         """`totals`' parts at the ranges or at every [i, j] (flattened), stacked; None where
         the choices are no grid."""
-        zeros, remats, grid = _grid(choices)
+        zeros, remats, grid = grid_of(choices)
         if not grid:
             return None
         key = (cfg.tp, cfg.zero_shards, zeros, ranges)
@@ -174,6 +181,15 @@ class ChoiceMemory:
 
     def _parts_uncached(self, cfg: StageConfig, b: int, last: bool, remat: str, ranges: bool) -> tuple:
         """One recomputation's activation parts (`activation_parts`) and whether the
-        stage's forward and backward are one program."""
-        activations, fused = self.costs._held_activations(cfg, b, last, remat, 0.0)
-        return (*(self._at_ranges(x, ranges) for x in activation_parts(activations, remat, fused)), fused)
+        stage's forward and backward are one program. One program's parts are those
+        of no recomputation (what it keeps, held once), and a stage's activations are
+        the same wherever it sits: so priced once per stage, microbatch and the parts'
+        kind (`_shared_parts`), for every place and recomputation that has them."""
+        fused = one_program(self.costs, last, remat)
+        return (*self._shared_parts(cfg, b, "" if fused else remat, ranges), fused)
+
+    def _shared_parts_uncached(self, cfg: StageConfig, b: int, remat: str, ranges: bool) -> tuple:
+        """`_parts`' parts, not one program (a stage that is not the last: its activations
+        are the last stage's too)."""
+        activations, _ = self.costs._held_activations(cfg, b, False, remat, 0.0)
+        return tuple(self._at_ranges(x, ranges) for x in activation_parts(activations, remat, False))

@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from solver.cost.choice_memory import StageCosts, choice_arrays, range_totals
+from solver.cost.choice_memory import StageCosts, choice_arrays, grid_of, range_totals
 from solver.cost.stage_config import StageConfig
 from solver.cost.stage_tables import StageTable
 
@@ -71,18 +71,29 @@ class DeviceTables:
         self._blank = np.repeat(_OTHERWISE, size, axis=1)  # a table where nothing fits
         self._spots = (np.arange(4)[:, None] * size + self.ranges).reshape(-1)  # the ranges in each of four tables, flat
         self._picks = lru_cache(maxsize=None)(self._picks_uncached)
+        self.plan = lru_cache(maxsize=None)(self._plan_uncached)
+
+    def _plan_uncached(self, cfg: StageConfig) -> tuple[int, tuple[tuple[int, str], ...]] | None:
+        """A stage's capacity and the choices its tables pick among where its optimizer state
+        stays on the devices (no tier offered, or no room to offload to skips every other
+        tier: `StageCosts._table`); None where a table must try the tiers too."""
+        costs = self.costs
+        tiers, host, disk = costs.offload_tiers(cfg), costs.host_capacity(cfg.kind), costs.nvme_capacity(cfg.kind)
+        if tiers[0] == "" and (not host or not disk and all(t == "nvme" for t in tiers[1:])):
+            return costs.capacity(cfg.kind), tuple(costs.table_choices(cfg))
+        return None
 
     def table(self, cfg: StageConfig, b: int, held: int, last: bool, m: int, capacity: int,
-              choices: list[tuple[int, str]]) -> StageTable:
+              choices: tuple[tuple[int, str], ...]) -> StageTable:
         """Per range the first of the fastest choices that fit (`StageCosts._table`'s pick)."""
-        costs, key = self.costs, tuple(choices)
-        picks = self._picks(cfg, b, m, last and bool(costs.measured(cfg, b / cfg.dp)), key)  # `_table_times`' last stage
-        parts = costs._choice_memory.range_parts(cfg, b, last, key)
+        costs = self.costs
+        picks = self._picks(cfg, b, m, last and bool(costs.measured(cfg, b / cfg.dp)), choices)  # `_table_times`' last stage
+        parts = costs._choice_memory.range_parts(cfg, b, last, choices)
         ranges = len(self.ranges)
         totals = np.empty(picks.cost.shape)  # each choice's bytes after none for "nothing fits"
         totals[0] = 0.0
         if parts is None:
-            totals[1:] = costs._choice_memory.totals(cfg, b, held, last, choices, ranges=True)
+            totals[1:] = costs._choice_memory.totals(cfg, b, held, last, list(choices), ranges=True)
         else:
             range_totals(parts, held, totals[1:])
         pick = first_least(np.where(totals <= capacity, picks.cost, INF), picks.nan)
@@ -101,14 +112,20 @@ class DeviceTables:
     def _picks_uncached(self, cfg: StageConfig, b: int, m: int, placed: bool, choices: tuple[tuple[int, str], ...]) -> _Picks:
         """The choices' step costs and times at the ranges after the nothing-fits row:
         read from each choice's times (`_placed_times`, as `_table_times` stacks them)
-        at the ranges alone, not stacked over every [i, j] first, into their rows.
+        at the ranges alone, not stacked over every [i, j] first, into their rows: from
+        the stacks of every ZeRO stage at once (`ChoiceTimes`) where `_placed_times` reads
+        them too (a grid of choices, not a last stage's own times, no overlapped data axis).
         `placed`: a last stage's times, where they differ from the others'."""
         costs = self.costs
         times = np.empty((4, len(choices) + 1, len(self.ranges)))
         times[:, 0] = _OTHERWISE
-        for c, (zero, remat) in enumerate(choices, 1):
-            for k, values in enumerate(costs._placed_times(cfg, b, zero, remat, placed)[:4]):
-                times[k, c] = self._at_ranges(values)
+        zeros, remats, grid = grid_of(choices)
+        if grid and not placed and not costs.overlapped(cfg):  # every ZeRO stage's times stacked (`ChoiceTimes`)
+            self._stacked_times(cfg, b, zeros, remats, times[:, 1:])
+        else:
+            for c, (zero, remat) in enumerate(choices, 1):
+                for k, values in enumerate(costs._placed_times(cfg, b, zero, remat, placed)[:4]):
+                    times[k, c] = self._at_ranges(values)
         cost = np.empty(times.shape[1:])
         cost[0] = INF
         np.add(times[0, 1:], times[1, 1:], out=cost[1:])  # m * (forward + backward) + tail, as `_table_times`
@@ -116,6 +133,20 @@ class DeviceTables:
         cost[1:] += times[2, 1:]
         zeros, remats = choice_arrays(choices)
         return _Picks(cost, times.reshape(4, -1), np.append(0, zeros), np.append(False, remats), bool(np.isnan(cost).any()))
+
+    def _stacked_times(self, cfg: StageConfig, b: int, zeros: tuple[int, ...], remats: tuple[str, ...],
+                       out: np.ndarray) -> None:
+        """Each choice's forward, backward, tail and sync at the ranges, into `out` (4, choices,
+        ranges), read from the stacks of every ZeRO stage (`ChoiceTimes.stack`, what
+        `_placed_times` reads apart) a take each; the choices ZeRO stage major."""
+        grid = out.reshape(4, len(zeros), len(remats), len(self.ranges))  # a view: `out` is contiguous per field
+        for r, remat in enumerate(remats):
+            stack = self.costs._choice_times.stack(cfg, b, zeros, remat)
+            for k, values in enumerate((stack.forward, stack.backward, stack.tail, stack.sync)):
+                if r and k != 1:  # the forward, tail and sync the same under every recomputation
+                    grid[k, :, r] = grid[k, :, 0]
+                else:
+                    values.reshape(len(zeros), -1).take(self.ranges, axis=1, out=grid[k, :, r])
 
     def _at_ranges(self, values: np.ndarray | float) -> np.ndarray | float:
         """A figure per [i, j] (an array, a view broadcast to one, or a number) at the ranges

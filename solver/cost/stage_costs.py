@@ -21,7 +21,9 @@ from solver.collectives import Topology, fastest_times
 from solver.efficiency import matmul_rate
 from solver.memory import (OFFLOAD_TIERS, DeviceMemory, StageActivations, in_flight, model_split_bytes, offloaded,
                            sharded_state, stage_memory)
-from solver.cost.choice_memory import ChoiceMemory, held_activations, held_state
+from solver.cost.choice_memory import ChoiceMemory, held_activations, held_state, one_program
+from solver.cost.choice_times import ChoiceTimes
+from solver.cost.cut_sends import CutSends
 from solver.cost.device_table import DeviceTables
 from solver.cost.measured import LayerPrice, lookup
 from solver.cost.model_axes import model_comm_s
@@ -70,10 +72,17 @@ class StageCosts:
         self.elementwise = np.array([layer.elementwise_bytes for layer in layers], dtype=float)
         self.bwd_elementwise = np.array([layer.backward_elementwise_bytes for layer in layers], dtype=float)
         self.elementwise_split = np.array([layer.elementwise_split for layer in layers], dtype=float)
+        bwd_flops = self.flops - self.fwd_flops  # each pass's FLOPs and matmuls, what every stage's layer times read
+        self._passes = tuple((flops, kernels > 0, np.maximum(kernels, 1.0))
+                             for flops, kernels in ((self.fwd_flops, self.matmuls), (bwd_flops, self.bwd_matmuls)))
+        self._bwd_work = bwd_flops + self.recompute_flops  # the backward's FLOPs with a rerun
+        self._split_share = lru_cache(maxsize=None)(lambda tp: self.elementwise_split / tp + 1 - self.elementwise_split)
         self.kinds = {k.name: k for k in problem.kinds}
         self._tables = lru_cache(maxsize=None)(self._table)
         self._measured = lru_cache(maxsize=None)(self._measured_uncached)
         self._ranges = lru_cache(maxsize=None)(self._ranges_uncached)
+        self._time_spans = lru_cache(maxsize=None)(self._time_spans_uncached)
+        self._saved_span = lru_cache(maxsize=None)(lambda shard: _span(_cumsum(self.saved * shard)))  # `per_layer`'s saved
         self._layer_times = lru_cache(maxsize=None)(self._layer_times_uncached)
         self.per_layer = lru_cache(maxsize=None)(self._per_layer)  # the stage tables and the planner's bounds both read it
         # A stage's times do not depend on where it sits nor on what it holds, its memory's
@@ -84,6 +93,10 @@ class StageCosts:
         self._held_memory = lru_cache(maxsize=None)(self._held_memory_uncached)
         self._held_state = lru_cache(maxsize=None)(functools.partial(held_state, self))
         self._held_activations = lru_cache(maxsize=None)(functools.partial(held_activations, self))
+        self._choice_times = ChoiceTimes(self)  # the times of every ZeRO stage of a stage at once
+        # A last stage runs forward and backward as one program under every choice its table has (no
+        # layer checkpoints to rerun): its memory, so its table, the same at every microbatch count.
+        self._last_holds_one = all(one_program(self, True, remat) for remat in self.table_remats())
         self._choice_memory = ChoiceMemory(self)  # a table's memory for all its choices at once
         self._device_tables = DeviceTables(self)  # the tables of stages that keep their state on the devices
         self._params_max = lru_cache(maxsize=None)(lambda tp: _range_max(self.tp_params(tp)))
@@ -91,7 +104,7 @@ class StageCosts:
         # ZeRO's collectives and the tail depend on the stage alone, not on its
         # microbatch or place: priced once per stage and ZeRO stage, not once per table.
         self.step_costs = lru_cache(maxsize=None)(self._step_costs)
-        self._sends = lru_cache(maxsize=None)(self._sends_uncached)
+        self._cut_sends = CutSends(self)  # stage pairs alike on the link share their sends
         self._upper = np.triu(np.ones((self.n + 1, self.n + 1), dtype=bool), k=1)
         self._cells = np.arange((self.n + 1) ** 2).reshape(self.n + 1, self.n + 1)  # every pipeline through a cut asks again
 
@@ -106,6 +119,8 @@ class StageCosts:
         the pipeline's last stage (forward and backward one program); `m`: microbatches
         per step, which weighs per-microbatch time against the once-per-step tail when
         choosing ZeRO and recomputation."""
+        if last and self._last_holds_one:  # one program holds one microbatch, whatever the count: one table for all
+            in_flight = 1
         return self._tables(cfg, b, in_flight, last, m)
 
     def may_offload(self, kind: DeviceKind) -> bool:
@@ -214,16 +229,16 @@ class StageCosts:
         cfg, b = key
         per_device = b / cfg.dp  # examples each data-parallel slice runs
         kind = self.kinds[cfg.kind]
-        speed = cfg.tp * self.matmul_rates(kind, cfg, per_device, self.fwd_flops, self.matmuls)
-        bwd_speed = cfg.tp * self.matmul_rates(kind, cfg, per_device, self.flops - self.fwd_flops, self.bwd_matmuls)
+        speed = cfg.tp * self.matmul_rates(kind, cfg, per_device)
+        bwd_speed = cfg.tp * self.matmul_rates(kind, cfg, per_device, backward=True)
         tp_comm = bwd_comm = tp_allreduce_s(kind, cfg.tp, self.tp_bytes * per_device, self.tp_count)  # backward as much
         if cfg.model_collectives:  # two model axes: what its layouts run, not Megatron's
             tp_comm, bwd_comm = model_comm_s(cfg.model_collectives, kind.intra, b, self.n)
         trains = float(self.problem.training)  # a forward-only function has no backward
         # memory-bound operators: their bytes, split like the activations where tensor parallelism splits them
-        streaming = per_device * (self.elementwise_split / cfg.tp + 1 - self.elementwise_split) / kind.memory_bandwidth
+        streaming = per_device * self._split_share(cfg.tp) / kind.memory_bandwidth  # (split / tp + 1 - split) bytes a byte
         forward = self.fwd_flops * per_device / speed + tp_comm + kind.layer_overhead_s / 3 + self.elementwise * streaming
-        backward = trains * ((self.flops - self.fwd_flops + self.recompute_flops) * per_device / bwd_speed + bwd_comm
+        backward = trains * (self._bwd_work * per_device / bwd_speed + bwd_comm
                              + 2 * kind.layer_overhead_s / 3 + self.bwd_elementwise * streaming)
         if kind.shared_host:  # one host's cores run every device's share, one after another
             forward, backward = forward * cfg.devices, backward * cfg.devices
@@ -300,27 +315,25 @@ class StageCosts:
             return 0.0
         return max((p.split_s for p in self.measured(cfg, b / cfg.dp).values()), default=0.0)
 
-    def matmul_rates(self, kind: DeviceKind, cfg: StageConfig, per_device: float, flops: np.ndarray,
-                     matmuls: np.ndarray) -> np.ndarray:
-        """FLOP/s of each layer's pass (`flops` per example, in `matmuls` kernels) on one
-        device of this stage: the mean size of one matmul (the pass's FLOPs on this device
-        over its matmul count) sets the rate. The mean is exact, not an approximation:
+    def matmul_rates(self, kind: DeviceKind, cfg: StageConfig, per_device: float, backward: bool = False) -> np.ndarray:
+        """FLOP/s of each layer's forward (or `backward`) pass on one device of this stage:
+        the mean size of one matmul (the pass's FLOPs on this device over its matmul count)
+        sets the rate. The mean is exact, not an approximation:
         on `solver.efficiency`'s curve a matmul of F FLOPs takes (F + F_half) / sustained
         seconds, so n matmuls take (their FLOPs + n F_half) / sustained whatever their sizes."""
-        each = np.where(matmuls > 0, flops * per_device / cfg.tp / np.maximum(matmuls, 1.0), 0.0)
+        flops, counted, kernels = self._passes[backward]
+        each = np.where(counted, flops * per_device / cfg.tp / kernels, 0.0)
         return np.asarray(matmul_rate(kind.flops, each, kind.matmul_half_flops), dtype=float).reshape(self.n)
 
     def _table(self, cfg: StageConfig, b: int, held: int, last: bool, m: int) -> StageTable:
         """Every (ZeRO stage, recomputation) the problem allows, priced by `variant`;
         per range the fastest that fits."""
+        if plan := self._device_tables.plan(cfg):  # on the devices only (most problems): the loop below's
+            return self._device_tables.table(cfg, b, held, last, m, *plan)  # figures, without its lists
         capacity = self.capacity(cfg.kind)
         shape = (self.n + 1, self.n + 1)
         tiers = self.offload_tiers(cfg)
         host, disk = self.host_capacity(cfg.kind), self.nvme_capacity(cfg.kind)
-        if tiers[0] == "" and (not host or not disk and all(t == "nvme" for t in tiers[1:])):
-            # on the devices only (most problems; no room to offload to skips every other tier
-            # below): the loop below's figures, without its lists (nor its stacks of every range)
-            return self._device_tables.table(cfg, b, held, last, m, capacity, self.table_choices(cfg))
         choices, fields, time_cost, _ = self._table_times(cfg, b, m, last)
         rows: list[tuple[int, str, str]] = []  # (ZeRO stage, recomputation, offload tier) per stacked row
         stacked: dict[str, list[np.ndarray]] = {name: [] for name in (*fields, "memory")}
@@ -373,8 +386,11 @@ class StageCosts:
 
     def table_choices(self, cfg: StageConfig) -> list[tuple[int, str]]:
         """The (ZeRO stage, recomputation) choices a table picks from, in the order its ties keep."""
-        remats = ["full"] if self.problem.force_remat else [""] + (["full"] if self.problem.allow_remat else [])
-        return [(zero, remat) for zero in self.zero_stages(cfg) for remat in remats]  # large runs recompute always
+        return [(zero, remat) for zero in self.zero_stages(cfg) for remat in self.table_remats()]
+
+    def table_remats(self) -> list[str]:
+        """The recomputations a table picks among (large runs recompute always)."""
+        return ["full"] if self.problem.force_remat else [""] + (["full"] if self.problem.allow_remat else [])
 
     def _table_times(self, cfg: StageConfig, b: int, m: int, last: bool = False) -> tuple[list, dict, np.ndarray, np.ndarray]:
         """Cached; a last stage's as any other's where its one program changes no time (`_fused_backward`)."""
@@ -453,17 +469,15 @@ class StageCosts:
     def _times_uncached(self, cfg: StageConfig, b: int, zero: int, remat: str) -> tuple[np.ndarray, ...]:
         """`variant`'s times (forward, backward, tail, sync, hidden), the same wherever
         the stage sits and however many microbatches it holds."""
-        f, bw, _, _, rerun = self._ranges(cfg, b)
-        if self.problem.overlap_comm and self.problem.training and cfg.dp > 1:
+        if self.overlapped(cfg):
+            f, bw, _, _, _ = self._ranges(cfg, b)
             v = self._overlapped(cfg, b, zero, remat, f, bw)
             return v.forward, v.backward, v.tail, v.sync, _full(v.hidden, f.shape)
-        extra_f, extra_b, step_sync, tail = self.step_costs(cfg, zero)
-        launch = self.launches(cfg, b / cfg.dp)  # measured layers: one program's cost per stage program
-        dispatch = self.dispatches(cfg)  # and the runtime's host work to dispatch it (shared host only)
-        # (a measured layer's net time may be below zero, `solver.cost.measured.lookup`; a stage's never)
-        forward = np.maximum(f + extra_f + launch, 0.0) + dispatch
-        backward = np.maximum(bw + extra_b + launch + (rerun + extra_f if remat else 0.0), 0.0) + dispatch
-        return _full(forward, f.shape), _full(backward, f.shape), _full(tail, f.shape), _full(step_sync, f.shape), 0.0
+        return self._choice_times.times(cfg, b, zero, remat)  # every ZeRO stage's at once, each floored at zero
+
+    def overlapped(self, cfg: StageConfig) -> bool:
+        """Whether the stage's data axis overlaps its collectives with compute (`_overlapped`)."""
+        return self.problem.overlap_comm and self.problem.training and cfg.dp > 1
 
     def _buckets(self, cfg: StageConfig, zero: int = 0) -> dict[str, np.ndarray]:
         """Per layer (one gradient bucket each, as DDP and Megatron bucket them): the
@@ -543,10 +557,15 @@ class StageCosts:
 
     def _ranges_uncached(self, cfg: StageConfig, b: int) -> tuple[np.ndarray, ...]:
         """What does not depend on the stage's place in the pipeline: times and
-        activations of one microbatch, the gradient bytes."""
-        layer = self.per_layer(cfg, b)
-        return (_span(_cumsum(layer.forward)), _span(_cumsum(layer.backward)), _span(_cumsum(layer.saved)), self._grads(cfg.tp),
-                _span(_cumsum(layer.rerun)))
+        activations of one microbatch, the gradient bytes (`per_layer`'s, summed per range
+        once per `times_key` and per activations' shard, which stages share)."""
+        forward, backward, rerun = self._time_spans(self.times_key(cfg, b))
+        return forward, backward, self._saved_span(b / cfg.dp / cfg.tp), self._grads(cfg.tp), rerun
+
+    def _time_spans_uncached(self, key: tuple[StageConfig, float]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`per_layer`'s forward, backward and rerun seconds (`_layer_times`) per layer range."""
+        forward, backward, rerun, _ = self._layer_times(key)
+        return _span(_cumsum(forward)), _span(_cumsum(backward)), _span(_cumsum(rerun))
 
     def replica_sync(self, kinds: list[str] | tuple[str, ...], streams: int) -> float:
         """Summing every gradient across pipelines of `kinds` (one per replica),
@@ -572,24 +591,7 @@ class StageCosts:
         """Seconds to move one microbatch's activation across a cut before layer j,
         from stage `a` to the next stage `c`: each data-parallel slice sends its part.
         Cached and read-only: the search asks for the same cut thousands of times."""
-        return self._sends(a, c, b)
-
-    def _sends_uncached(self, a: StageConfig, c: StageConfig, b: int) -> np.ndarray:
-        streams = min(a.dp, c.dp)
-        # The slices of a node send side by side: a shared NIC (or host memory) is divided among them.
-        per_node = max(1, self.kinds[a.kind].devices_per_node // a.tp)
-        link = self.problem.link(a.kind, c.kind).per_flow(min(streams, per_node))
-        out = link.latency + self.inputs * b / streams / link.bandwidth
-        if self.kinds[a.kind].shared_host and self.kinds[c.kind].shared_host:
-            # One host's cores do the copy: what the profile measured it costs the host to hand
-            # layer j its input on the receiving stage's mesh (a copy per shard and a dispatch,
-            # `MeasuredLayer` points' `send_s`) where it measured one, the link's bytes elsewhere.
-            for layer, price in self.measured(c, b / c.dp).items():
-                if price.send_s > 0:
-                    out[layer] = price.send_s
-        out = np.concatenate([out, [INF]])  # no cut after the last layer
-        out.setflags(write=False)
-        return out
+        return self._cut_sends.sends(a, c, b)
 
 
 __all__ = ["INF", "StageConfig", "StageCosts", "StageTable", "StageVariant", "in_flight"]  # in_flight: solver.memory's, re-exported

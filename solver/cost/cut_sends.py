@@ -1,0 +1,59 @@
+"""Seconds to move one microbatch's activation across each cut of a pipeline, between
+two stages (`StageCosts.sends`).
+
+What crosses a cut depends on the two stages only through their kinds (the link
+between them), the data-parallel slices sending side by side (`streams`) and how
+many of them share a node's link (`flows`), and the microbatch: stages alike in
+those send alike, so each such send is priced once, however many stage shapes ask
+(the search asks for hundreds of pairs, half of them alike). Where both stages are one
+host's cores the measured copies (`MeasuredLayer` points' `send_s`) depend on the
+receiving stage itself, priced per pair.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+from solver.cost.stage_config import StageConfig
+
+StageCosts = Any  # solver.cost.stage_costs.StageCosts, which builds on this module (so not imported here)
+INF = float("inf")
+
+
+class CutSends:
+    """The sends of one problem's stage pairs, cached per pair and per alike send."""
+
+    def __init__(self, costs: StageCosts):
+        self.costs = costs
+        self.sends = lru_cache(maxsize=None)(self._sends_uncached)
+        self._link_sends = lru_cache(maxsize=None)(self._link_sends_uncached)
+
+    def _sends_uncached(self, a: StageConfig, c: StageConfig, b: int) -> np.ndarray:
+        """Per cut before layer j, from stage `a` to the next stage `c` (read-only; INF after the last layer)."""
+        kinds = self.costs.kinds
+        streams = min(a.dp, c.dp)
+        # The slices of a node send side by side: a shared NIC (or host memory) is divided among them.
+        flows = min(streams, max(1, kinds[a.kind].devices_per_node // a.tp))
+        if not (kinds[a.kind].shared_host and kinds[c.kind].shared_host):
+            return self._link_sends(a.kind, c.kind, flows, streams, b)
+        # One host's cores do the copy: what the profile measured it costs the host to hand
+        # layer j its input on the receiving stage's mesh (a copy per shard and a dispatch,
+        # `MeasuredLayer` points' `send_s`) where it measured one, the link's bytes elsewhere.
+        out = self._link_sends_uncached(a.kind, c.kind, flows, streams, b)[:-1].copy()
+        for layer, price in self.costs.measured(c, b / c.dp).items():
+            if price.send_s > 0:
+                out[layer] = price.send_s
+        out = np.concatenate([out, [INF]])  # no cut after the last layer
+        out.setflags(write=False)
+        return out
+
+    def _link_sends_uncached(self, a_kind: str, c_kind: str, flows: int, streams: int, b: int) -> np.ndarray:
+        """The link's time for each cut's bytes: `streams` slices' parts, `flows` of them on one node's link."""
+        costs = self.costs
+        link = costs.problem.link(a_kind, c_kind).per_flow(flows)
+        out = np.concatenate([link.latency + costs.inputs * b / streams / link.bandwidth, [INF]])  # no cut after the last layer
+        out.setflags(write=False)
+        return out
