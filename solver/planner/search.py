@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 # The search's best plans by its closed form that the estimator ranks. On the benchmark
 # scenarios (benchmarks/search_scale.py) ten times as many, and 500, choose the same
 # plans; ten did not (on 256 GPUs of two kinds the estimator prefers a 1F1B plan of
-# fewer microbatches that the closed form ranks eleventh).
+# fewer microbatches that the closed form ranks twelfth).
 FINALISTS = 15
 # A stream's combinations tightened at once when the first of them reaches the front of
 # the line (most of the next ones soon do; one array pass prices them all).
