@@ -41,7 +41,8 @@ from solver.cost.ranges import at
 from solver.cost.stage_costs import INF, StageConfig, StageCosts
 from solver.cost.topologies import shares_sum_times
 from solver.memory import OFFLOAD_TIERS, in_flight
-from solver.planner.mixed_floor import earning, part_steps, position_floors, refused, split_floor, stage_meshes as _meshes
+from solver.planner.mixed_floor import (earning, part_steps, position_floors, position_key, refused, split_floor,
+                                       stage_meshes as _meshes)
 from solver.planner.problem import PlanChoice, StageChoice
 from solver.planner.step import ROUNDING, decisions, with_costs
 
@@ -315,7 +316,7 @@ def tables_floor(problem: Problem, choice: PlanChoice, costs: StageCosts, memo: 
 
 
 def _stage_key(choice: PlanChoice, mine: list[int]) -> tuple:
-    return tuple((choice.stages[k].kind, choice.stages[k].dp, choice.stages[k].tp, choice.stages[k].examples) for k in mine)
+    return position_key(tuple(choice.stages[k] for k in mine))
 
 
 def _members(choice: PlanChoice) -> list[list[int]]:

@@ -80,11 +80,17 @@ def position_floors(problem: Problem, choice: PlanChoice, costs: StageCosts, mem
     for p, lead in enumerate(leads):
         stages = tuple(s for k, s in enumerate(choice.stages) if k == lead or s.part_of == lead)
         last = p == len(leads) - 1
-        key = ("floor", tuple((s.kind, s.dp, s.tp, s.examples) for s in stages), b, m, last)
+        key = ("floor", position_key(stages), b, m, last)
         if key not in memo:
             memo[key] = _position_floor(problem, costs, stages, b, m, last, memo)
         out.append(memo[key])
     return out
+
+
+def position_key(stages: tuple[StageChoice, ...]) -> tuple:
+    """What a pipeline position's floors and tables depend on of its stages (the lead, then
+    its parts): their kind, mesh and rows, not their layers (the memo's key)."""
+    return tuple((s.kind, s.dp, s.tp, s.examples) for s in stages)
 
 
 def split_floor(floors: list[np.ndarray]) -> float:
