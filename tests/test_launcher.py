@@ -41,13 +41,35 @@ def _wait_for(predicate, timeout_s: float) -> bool:
     return predicate()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
-def test_a_signal_to_the_launcher_leaves_no_process_behind(tmp_path, sig):
+def _start_launcher(tmp_path, ignored: tuple[signal.Signals, ...] = ()) -> subprocess.Popen:
+    """`hetpar launch` of two sleepers (each leaves its pid in `tmp_path`), started as
+    a terminal's foreground job has its signals (default), whatever this test process
+    inherited (a background job ignores SIGINT), but for `ignored` (nohup's SIGHUP)."""
     sleeper = f"import os, time; open(os.path.join({str(tmp_path)!r}, str(os.getpid())), 'w').close(); time.sleep(120)"
-    launcher = subprocess.Popen(
+
+    def dispositions() -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN if sig in ignored else signal.SIG_DFL)
+
+    return subprocess.Popen(
         [sys.executable, "-m", "hetpar.cli", "launch", "--cluster", str(TWO), "--", "python", "-c", sleeper],
         env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True)
+        text=True, start_new_session=True, preexec_fn=dispositions)
+
+
+def _kill_all(launcher: subprocess.Popen, tmp_path) -> None:
+    if launcher.poll() is None:
+        launcher.kill()
+    for name in os.listdir(tmp_path):
+        try:
+            os.kill(int(name), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
+def test_a_signal_to_the_launcher_leaves_no_process_behind(tmp_path, sig):
+    launcher = _start_launcher(tmp_path)
     try:
         assert _wait_for(lambda: len(os.listdir(tmp_path)) == 2, 60), "the two processes did not start"
         children = [int(name) for name in os.listdir(tmp_path)]
@@ -57,17 +79,29 @@ def test_a_signal_to_the_launcher_leaves_no_process_behind(tmp_path, sig):
         assert _wait_for(lambda: not any(_alive(pid) for pid in children), 10), \
             f"processes {[p for p in children if _alive(p)]} outlived the launcher after {sig.name}"
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-        for name in os.listdir(tmp_path):
-            try:
-                os.kill(int(name), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill_all(launcher, tmp_path)
     if sig != signal.SIGKILL:
         assert launcher.returncode == 130
         assert "Traceback" not in stderr
         assert "stopped all 2 processes" in stderr, stderr
+
+
+def test_a_launcher_started_under_nohup_outlives_the_hangup(tmp_path):
+    """SIGHUP ignored at the start (`nohup hetpar launch ...`) stays ignored: the job
+    runs on after its terminal hangs up, and SIGTERM still stops it."""
+    launcher = _start_launcher(tmp_path, ignored=(signal.SIGHUP,))
+    try:
+        assert _wait_for(lambda: len(os.listdir(tmp_path)) == 2, 60), "the two processes did not start"
+        children = [int(name) for name in os.listdir(tmp_path)]
+        launcher.send_signal(signal.SIGHUP)
+        time.sleep(1.0)
+        assert launcher.poll() is None and all(_alive(pid) for pid in children), "SIGHUP stopped a job started under nohup"
+        launcher.send_signal(signal.SIGTERM)
+        _, stderr = launcher.communicate(timeout=20)
+        assert _wait_for(lambda: not any(_alive(pid) for pid in children), 10)
+    finally:
+        _kill_all(launcher, tmp_path)
+    assert launcher.returncode == 130 and "stopped all 2 processes" in stderr, stderr
 
 
 def test_the_process_that_failed_first_is_named_with_its_last_lines(tmp_path):

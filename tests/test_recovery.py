@@ -125,6 +125,7 @@ def test_ctrl_c_after_the_sharding_ilp_raises_keyboard_interrupt():
     # (catch_sigint_signal) would leave the process to die; Python's raises.
     code = textwrap.dedent("""
         import os, signal, time
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's, whatever this test inherited
         from solver.intra_op import IntraOpProblem, Node, Strategy, solve_intra_op
         nodes = tuple(Node(f"op{i}", (Strategy("a", 1.0, 0.0, 1), Strategy("b", 0.5, 0.1, 2))) for i in range(4))
         solve_intra_op(IntraOpProblem(nodes), time_limit_s=5)
@@ -136,7 +137,9 @@ def test_ctrl_c_after_the_sharding_ilp_raises_keyboard_interrupt():
     """)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "KeyboardInterrupt raised" in done.stdout, (done.returncode, done.stderr[-500:])
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # this process's own handler after the ILPs solved in it: Python's (or ignored, where
+    # the tests were started in the background), never CP-SAT's
+    assert signal.getsignal(signal.SIGINT) in (signal.default_int_handler, signal.SIG_IGN)
 
 
 def test_a_device_failing_inside_a_stage_stops_its_process_in_seconds(tmp_path):

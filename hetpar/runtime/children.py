@@ -154,7 +154,9 @@ class Terminated(Exception):
 
 class stop_signals_raise:
     """While active (main thread only), SIGTERM and SIGHUP raise `Terminated` in the
-    launcher's main thread, so they stop the children like Ctrl-C does."""
+    launcher's main thread, so they stop the children like Ctrl-C does. A signal the
+    launcher was started ignoring stays ignored, as Python leaves an ignored SIGINT:
+    `nohup hetpar launch ...` asked to outlive its terminal's hangup."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
@@ -162,7 +164,8 @@ class stop_signals_raise:
         self.previous: dict[int, object] = {}
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
-                self.previous[sig] = signal.signal(sig, self._raise)
+                if signal.getsignal(sig) is not signal.SIG_IGN:
+                    self.previous[sig] = signal.signal(sig, self._raise)
         return self
 
     def __exit__(self, *exc: object) -> None:

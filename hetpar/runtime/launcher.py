@@ -102,7 +102,8 @@ def launch_local(cluster: Cluster, command: Sequence[str], timeout_s: float | No
     """Runs `command` once per process of `cluster` on this machine and waits for all
     of them. Returns when every process exited 0; otherwise stops the others and
     raises a HetparError naming the first that failed, with its last lines. A signal
-    to the launcher (Ctrl-C, SIGTERM, SIGHUP) stops every process first; SIGKILL
+    to the launcher (Ctrl-C, SIGTERM, SIGHUP; not one it was started ignoring, as
+    under nohup) stops every process first; SIGKILL
     reaches them through their parent-death signal (hetpar/runtime/children.py).
     `port` is the coordinator's (default: a free one). `cluster_file`, the file
     `cluster` was read from, is passed on to the processes (`launched_cluster`).
