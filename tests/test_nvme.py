@@ -246,7 +246,7 @@ def test_7b_goes_to_nvme_only_where_host_memory_is_short(llama_7b, tmp_path):
     for s, c, h, d in zip(plan.stages, cost.stages, on_host.stages, on_device.stages):
         cfg = StageConfig(s.group, s.data_parallel, s.tensor_parallel)
         state = d.memory.optimizer_state
-        disk = costs.nvme_transfer_s(cfg, state)
+        disk = costs.offload.nvme_transfer_s(cfg, state)
         kind = inputs.kind(s.group)
         assert disk == pytest.approx(2 * state / (kind.nvme_bandwidth / min(cfg.devices, kind.devices_per_node)))
         assert c.optimizer_s == pytest.approx(h.optimizer_s + disk, rel=1e-9) and disk > 1.0

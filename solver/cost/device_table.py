@@ -78,7 +78,7 @@ class DeviceTables:
         stays on the devices (no tier offered, or no room to offload to skips every other
         tier: `StageCosts._table`); None where a table must try the tiers too."""
         costs = self.costs
-        tiers, host, disk = costs.offload_tiers(cfg), costs.host_capacity(cfg.kind), costs.nvme_capacity(cfg.kind)
+        tiers, host, disk = costs.offload.tiers(cfg), costs.offload.host_capacity(cfg.kind), costs.offload.nvme_capacity(cfg.kind)
         if tiers[0] == "" and (not host or not disk and all(t == "nvme" for t in tiers[1:])):
             return costs.capacity(cfg.kind), tuple(costs.table_choices(cfg))
         return None

@@ -179,7 +179,7 @@ def estimate(problem: Problem, decisions: Decisions, costs: StageCosts | None = 
                 mine = [_priced(costs, q, q.config, q.examples, held, p == n - 1, following) for q in parts]
                 for q, r_ in zip(parts[1:], mine[1:]):
                     priced[index[id(q)]] = StageCost(*r_[1:6], r_[6], r_[7], r_[6].total, r_[8], r_[6].host,
-                                                     costs.host_capacity(q.kind), r_[6].nvme, costs.nvme_capacity(q.kind))
+                                                     costs.offload.host_capacity(q.kind), r_[6].nvme, costs.offload.nvme_capacity(q.kind))
                 raw.append(mixed_position(costs, parts, mine))
             else:
                 raw.append(_priced(costs, s, cfg, b, held, p == n - 1, following))
@@ -189,8 +189,8 @@ def estimate(problem: Problem, decisions: Decisions, costs: StageCosts | None = 
         raw = _blocking_sends(problem, raw)
         for p, (s, fwd, bwd, send, sync, opt, memory, capacity, hidden) in enumerate(raw):
             priced[index[id(s)]] = StageCost(fwd, bwd, send, sync + cross, opt, memory, capacity, group_total[p % groups], hidden,
-                                             group_host[p % groups], costs.host_capacity(s.kind),
-                                             group_nvme[p % groups], costs.nvme_capacity(s.kind))
+                                             group_host[p % groups], costs.offload.host_capacity(s.kind),
+                                             group_nvme[p % groups], costs.offload.nvme_capacity(s.kind))
     stage_costs = tuple(c for c in priced if c is not None)  # every stage: each replica's were priced
     per_replica = [[c.times for c, s in zip(stage_costs, d.stages) if s.replica == r and s.part_of < 0]
                    for r in range(len(d.replica_batch))]

@@ -27,6 +27,7 @@ from solver.cost.cut_sends import CutSends
 from solver.cost.device_table import DeviceTables
 from solver.cost.measured import LayerPrice, lookup
 from solver.cost.model_axes import model_comm_s
+from solver.cost.offload_prices import OffloadPrices
 from solver.cost.problem import DeviceKind, Problem
 from solver.cost.stage_config import StageConfig
 from solver.cost.stage_tables import PerLayer, StageTable, StageVariant
@@ -105,7 +106,8 @@ class StageCosts:
         # microbatch or place: priced once per stage and ZeRO stage, not once per table.
         self.step_costs = lru_cache(maxsize=None)(self._step_costs)
         self._cut_sends = CutSends(self)  # stage pairs alike on the link share their sends
-        self._upper = np.triu(np.ones((self.n + 1, self.n + 1), dtype=bool), k=1)
+        self.offload = OffloadPrices(problem, self.kinds)  # where optimizer state may live off the devices, at what price
+        self.nonempty = np.triu(np.ones((self.n + 1, self.n + 1), dtype=bool), k=1)  # entries [i, j] whose range holds a layer
         self._cells = np.arange((self.n + 1) ** 2).reshape(self.n + 1, self.n + 1)  # every pipeline through a cut asks again
 
     def tp_params(self, tp: int) -> np.ndarray:
@@ -122,52 +124,6 @@ class StageCosts:
         if last and self._last_holds_one:  # one program holds one microbatch, whatever the count: one table for all
             in_flight = 1
         return self._tables(cfg, b, in_flight, last, m)
-
-    def may_offload(self, kind: DeviceKind) -> bool:
-        """Whether a stage of `kind` may keep its optimizer state off its devices: the
-        problem allows a tier whose room on the node is known (host memory, a local
-        disk), and there is state to keep."""
-        if not self.problem.training:
-            return False
-        if kind.host_memory_bytes <= 0:  # the disk tier stages through host memory too
-            return False
-        return "host" in self.problem.offload_tiers or "nvme" in self.problem.offload_tiers and kind.nvme_bytes > 0
-
-    def offload_tiers(self, cfg: StageConfig) -> list[str]:
-        """Where the stage's optimizer state may live (solver.memory.OFFLOAD_TIERS)."""
-        tiers = [t for t in self.problem.offload_tiers if t == "" or self.problem.training]
-        return tiers or [""]
-
-    def host_capacity(self, kind: str) -> float:
-        """Host memory a device of `kind` may fill with offloaded state (its share of its
-        node's); 0 where unknown."""
-        return float(self.kinds[kind].host_memory_bytes)
-
-    def nvme_capacity(self, kind: str) -> float:
-        """Disk bytes a device of `kind` may fill with NVMe-tier state (its share of its
-        node's local disk); 0 where none is declared."""
-        return float(self.kinds[kind].nvme_bytes)
-
-    def nvme_transfer_s(self, cfg: StageConfig, nbytes: np.ndarray | float) -> np.ndarray | float:
-        """Seconds to read `nbytes` of NVMe-tier state per device from the node's disk
-        and write the updated state back, every step: a disk reads and writes over one
-        bandwidth (not full duplex), shared by the node's devices that use it. On top
-        of the host link's time (`host_transfer_s`): the state crosses both."""
-        kind = self.kinds[cfg.kind]
-        if kind.nvme_bandwidth <= 0:
-            return np.asarray(nbytes, dtype=float) * np.inf
-        share = kind.nvme_bandwidth / min(cfg.devices, kind.devices_per_node)
-        return 2 * np.asarray(nbytes, dtype=float) / share
-
-    def host_transfer_s(self, cfg: StageConfig, nbytes: np.ndarray | float) -> np.ndarray | float:
-        """Seconds to stream `nbytes` of offloaded state per device to the device and the
-        updated state back, every step: each byte crosses the host link once each way,
-        the two directions at once (PCIe is full duplex), the node's devices sharing
-        its host memory. Not hidden under the update's compute: the update waits for
-        its state."""
-        kind = self.kinds[cfg.kind]
-        link = kind.host_link.per_flow(min(cfg.devices, kind.devices_per_node))
-        return link.latency + np.asarray(nbytes, dtype=float) / link.bandwidth
 
     def capacity(self, kind: str) -> int:
         """Bytes a stage may use on each device: what the JAX client leaves a
@@ -207,7 +163,7 @@ class StageCosts:
         shard = per_device / cfg.tp  # activations split over tensor-parallel devices too (sequence parallel)
         params = self.tp_params(cfg.tp)
         state = self._state(params, cfg.dp, max(self.zero_stages(cfg)))
-        held = state.state - (state.optimizer_state if self.may_offload(kind) else 0.0)  # the least on the device
+        held = state.state - (state.optimizer_state if self.offload.allowed(kind) else 0.0)  # the least on the device
         forward, backward, rerun, fused = self._layer_times(self.times_key(cfg, b))
         return PerLayer(
             forward=forward,
@@ -332,8 +288,8 @@ class StageCosts:
             return self._device_tables.table(cfg, b, held, last, m, *plan)  # figures, without its lists
         capacity = self.capacity(cfg.kind)
         shape = (self.n + 1, self.n + 1)
-        tiers = self.offload_tiers(cfg)
-        host, disk = self.host_capacity(cfg.kind), self.nvme_capacity(cfg.kind)
+        tiers = self.offload.tiers(cfg)
+        host, disk = self.offload.host_capacity(cfg.kind), self.offload.nvme_capacity(cfg.kind)
         choices, fields, time_cost, _ = self._table_times(cfg, b, m, last)
         rows: list[tuple[int, str, str]] = []  # (ZeRO stage, recomputation, offload tier) per stacked row
         stacked: dict[str, list[np.ndarray]] = {name: [] for name in (*fields, "memory")}
@@ -343,7 +299,7 @@ class StageCosts:
             # Offloading only adds time: a tier is tried where some range fits in none tried
             # before it (host memory before disk), unless it is the only one allowed.
             if offload and (not host or offload == "nvme" and not disk
-                            or costs and (np.min(costs, axis=0)[self._upper] < INF).all()):
+                            or costs and (np.min(costs, axis=0)[self.nonempty] < INF).all()):
                 continue
             if not offload:  # every choice at once, by `variant`'s own sums (`ChoiceMemory`)
                 totals = self._choice_memory.totals(cfg, b, held, last, choices)
@@ -417,17 +373,17 @@ class StageCosts:
         `dots`: per example, the matmul results a "dots" policy keeps besides the
         stage's input (the planner never chooses it; a user may). `offload` "host": the
         optimizer state lives in host memory (`solver.memory.offloaded`) and the tail
-        streams it in and out (`host_transfer_s`); "nvme": it lives on the node's disk,
-        and the tail reads and writes it there too (`nvme_transfer_s`)."""
+        streams it in and out (`OffloadPrices.host_transfer_s`); "nvme": it lives on the
+        node's disk, and the tail reads and writes it there too (`nvme_transfer_s`)."""
         state, activations, fused, workspace = self._held_memory(cfg, b, last, zero, remat, dots)
         memory = stage_memory(state, activations, held, remat, fused=fused, workspace=workspace)
         forward, backward, tail, sync, hidden = self._placed_times(cfg, b, zero, remat, last)
         if not offload:
             return StageVariant(forward, backward, memory, tail, sync, hidden)
         per_layer = self._params_max(cfg.tp) * max(self.problem.state_factor - 2, 0.0) / (cfg.zero_shards if zero >= 1 else 1)
-        moved = self.host_transfer_s(cfg, memory.optimizer_state)
+        moved = self.offload.host_transfer_s(cfg, memory.optimizer_state)
         if offload == "nvme":
-            moved = moved + self.nvme_transfer_s(cfg, memory.optimizer_state)
+            moved = moved + self.offload.nvme_transfer_s(cfg, memory.optimizer_state)
         return StageVariant(forward, backward, offloaded(memory, offload, per_layer), tail + moved, sync, hidden)
 
     def _placed_times(self, cfg: StageConfig, b: int, zero: int, remat: str, last: bool) -> tuple[np.ndarray, ...]:

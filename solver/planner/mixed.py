@@ -285,7 +285,7 @@ def _refused_by_tables(problem: Problem, choice: PlanChoice, costs: StageCosts, 
     enough) its other positions' too. Not where no split fits: `_resplit` then leaves
     the candidate to the estimator, and so does this."""
     floor = tables_floor(problem, choice, costs, memo)
-    if floor >= best_s or any(costs.may_offload(problem.kind(s.kind)) for s in choice.stages):
+    if floor >= best_s or any(costs.offload.allowed(problem.kind(s.kind)) for s in choice.stages):
         return best_s <= floor < INF  # (a table that may offload picks among tiers by what fits: not monotone in what it holds)
     return best_s <= tables_floor(problem, choice, costs, memo, alone=True) < INF
 
@@ -311,7 +311,7 @@ def tables_floor(problem: Problem, choice: PlanChoice, costs: StageCosts, memo: 
     for p, mine in enumerate(members):
         if len(mine) > 1 or alone:
             held = fewest[_stage_key(choice, mine), p == n - 1] if len(mine) == 1 else None
-            floors[p] = np.where(costs._upper, _table(problem, choice, costs, memo, members, p, held)["least"], INF)
+            floors[p] = np.where(costs.nonempty, _table(problem, choice, costs, memo, members, p, held)["least"], INF)
     return split_floor(floors)
 
 

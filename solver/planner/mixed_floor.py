@@ -116,7 +116,7 @@ def _position_floor(problem: Problem, costs: StageCosts, stages: tuple[StageChoi
         least = np.full(shape, INF)
         for cfg in stage_meshes(problem, stages[0], b):
             least = np.minimum(least, _least_step(costs, cfg, b, m, last))
-        return np.where(costs._upper, least, INF)
+        return np.where(costs.nonempty, least, INF)
     remats = ["full"] if problem.force_remat else [""] + (["full"] if problem.allow_remat else [])
     least = np.full(shape, INF)
     for remat in remats:
@@ -128,7 +128,7 @@ def _position_floor(problem: Problem, costs: StageCosts, stages: tuple[StageChoi
                 memo[key] = steps.min(axis=0)
             slowest = np.maximum(slowest, memo[key])
         least = np.minimum(least, slowest)
-    return np.where(costs._upper, least, INF)
+    return np.where(costs.nonempty, least, INF)
 
 
 def _least_step(costs: StageCosts, cfg: StageConfig, b: int, m: int, last: bool) -> np.ndarray:

@@ -472,7 +472,7 @@ class Planner:
         blocked = self._why_no_shape_runs()
         if blocked:
             return blocked
-        offload = all(self.costs.may_offload(k) for k in p.kinds)  # the optimizer state may leave the devices
+        offload = all(self.costs.offload.allowed(k) for k in p.kinds)  # the optimizer state may leave the devices
         need = float(self.costs.params.sum()) * (2.0 if offload else p.state_factor)
         have = sum(k.count * k.usable_bytes * (1 - p.memory_reserve) for k in p.kinds)
         gib = 2**30
