@@ -161,7 +161,8 @@ def test_7b_offloads_where_device_memory_alone_is_too_small(llama_7b):
     assert not on_device.fits
     costs = StageCosts(inputs)
     for s, c, d in zip(plan.stages, cost.stages, on_device.stages):
-        transfer = costs.offload.host_transfer_s(StageConfig(s.group, s.data_parallel, s.tensor_parallel), d.memory.optimizer_state)
+        cfg = StageConfig(s.group, s.data_parallel, s.tensor_parallel)
+        transfer = costs.offload.host_transfer_s(cfg, d.memory.optimizer_state)
         assert c.optimizer_s == pytest.approx(d.optimizer_s + transfer, rel=1e-9) and transfer > 0.1
         assert c.memory.optimizer_state == 0 and c.memory.host == pytest.approx(d.memory.optimizer_state)
     assert cost.step_s > on_device.step_s

@@ -106,8 +106,8 @@ class StageCosts:
         # microbatch or place: priced once per stage and ZeRO stage, not once per table.
         self.step_costs = lru_cache(maxsize=None)(self._step_costs)
         self._cut_sends = CutSends(self)  # stage pairs alike on the link share their sends
-        self.offload = OffloadPrices(problem, self.kinds)  # where optimizer state may live off the devices, at what price
-        self.nonempty = np.triu(np.ones((self.n + 1, self.n + 1), dtype=bool), k=1)  # entries [i, j] whose range holds a layer
+        self.offload = OffloadPrices(problem, self.kinds)  # where optimizer state may live off the devices, and its price
+        self.nonempty = np.triu(np.ones((self.n + 1, self.n + 1), dtype=bool), k=1)  # [i, j] whose range holds a layer
         self._cells = np.arange((self.n + 1) ** 2).reshape(self.n + 1, self.n + 1)  # every pipeline through a cut asks again
 
     def tp_params(self, tp: int) -> np.ndarray:
