@@ -42,7 +42,7 @@ class CutSends:
         # One host's cores do the copy: what the profile measured it costs the host to hand
         # layer j its input on the receiving stage's mesh (a copy per shard and a dispatch,
         # `MeasuredLayer` points' `send_s`) where it measured one, the link's bytes elsewhere.
-        out = self._link_sends_uncached(a.kind, c.kind, flows, streams, b)[:-1].copy()
+        out = self._link_sends(a.kind, c.kind, flows, streams, b)[:-1].copy()
         for layer, price in self.costs.measured(c, b / c.dp).items():
             if price.send_s > 0:
                 out[layer] = price.send_s

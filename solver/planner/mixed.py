@@ -41,8 +41,8 @@ from solver.cost.ranges import at
 from solver.cost.stage_costs import INF, StageConfig, StageCosts
 from solver.cost.topologies import shares_sum_times
 from solver.memory import OFFLOAD_TIERS, in_flight
-from solver.planner.mixed_floor import (earning, part_steps, position_floors, position_key, refused, split_floor,
-                                       stage_meshes as _meshes)
+from solver.planner.mixed_floor import (earning, members as _members, part_steps, position_floors, position_key,
+                                       refused, split_floor, stage_meshes as _meshes)
 from solver.planner.problem import PlanChoice, StageChoice
 from solver.planner.step import ROUNDING, decisions, with_costs
 
@@ -317,12 +317,6 @@ def tables_floor(problem: Problem, choice: PlanChoice, costs: StageCosts, memo: 
 
 def _stage_key(choice: PlanChoice, mine: list[int]) -> tuple:
     return position_key(tuple(choice.stages[k] for k in mine))
-
-
-def _members(choice: PlanChoice) -> list[list[int]]:
-    """Per pipeline position, its stages' indices in `choice`: the lead, then its parts."""
-    leads = [i for i, s in enumerate(choice.stages) if s.part_of < 0]
-    return [[i, *(k for k, s in enumerate(choice.stages) if s.part_of == i)] for i in leads]
 
 
 def _table(problem: Problem, choice: PlanChoice, costs: StageCosts, memo: dict, members: list[list[int]], p: int,

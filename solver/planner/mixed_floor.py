@@ -74,17 +74,23 @@ def position_floors(problem: Problem, choice: PlanChoice, costs: StageCosts, mem
     where a candidate before this one had the position."""
     m = choice.num_microbatches
     b = choice.replica_batch[0] // m
-    leads = [i for i, s in enumerate(choice.stages) if s.part_of < 0]
+    positions = members(choice)
     memo = {} if memo is None else memo
     out = []
-    for p, lead in enumerate(leads):
-        stages = tuple(s for k, s in enumerate(choice.stages) if k == lead or s.part_of == lead)
-        last = p == len(leads) - 1
+    for p, mine in enumerate(positions):
+        stages = tuple(choice.stages[k] for k in mine)
+        last = p == len(positions) - 1
         key = ("floor", position_key(stages), b, m, last)
         if key not in memo:
             memo[key] = _position_floor(problem, costs, stages, b, m, last, memo)
         out.append(memo[key])
     return out
+
+
+def members(choice: PlanChoice) -> list[list[int]]:
+    """Per pipeline position, its stages' indices in `choice`: the lead, then its parts."""
+    leads = [i for i, s in enumerate(choice.stages) if s.part_of < 0]
+    return [[i, *(k for k, s in enumerate(choice.stages) if s.part_of == i)] for i in leads]
 
 
 def position_key(stages: tuple[StageChoice, ...]) -> tuple:
