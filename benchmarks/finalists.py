@@ -11,15 +11,21 @@ does that cost? Per scenario of `search_scale.py`:
     stages from it to the end, so a run of stages i..k turns over at most k - i + 1
     microbatches per round trip through them (their forwards, backwards and the
     sends both ways between them): where large sends sit between busy stages that
-    round trip, not the slowest stage, sets the pace (`cycle_pace`);
+    round trip, not the slowest stage, sets the pace (`cycle_pace`). The closed form
+    takes the whole pipeline's (the first stage's round trip, which keeps the split
+    one shortest path per bound, `solver.planner.layer_split`); the shorter runs'
+    are what stalls it still misses;
   - tails: what the tails add in the simulation over what the closed form adds (the
     slowest tail, after everything); negative where stages that finish their last
     backward early hide their tails under the others' drain;
-- for 1F1B, the stall left once the closed form's pace is raised to the in-flight
-  cycles' (`cycle_pace`): how much of the stall the cycles explain.
+- for 1F1B, the stall left once the closed form's pace is raised to every run's
+  in-flight cycle (`cycle_pace`): how much of the stall the cycles explain.
 
-The search is exact for its closed form; the finalists are what bridges the gap to
-the estimator, and the search's time grows with them (`README.md`, search speed).
+The search is exact for its closed form (an interleaved plan, whose split is close,
+not exact, it ranks by its simulated step where slower: the interleaved stalls below
+never make it rank a plan ahead); the finalists are what bridges the rest of the gap to
+the estimator (tails hidden, short runs' stalls), and the search's time grows with them
+(`README.md`, search speed).
 Ends with: RESULT finalists_needed_max=<n> stall_max=<fraction> tails_hidden_max=<fraction> cycle_residual_max=<fraction>
 Run: .venv/bin/python benchmarks/finalists.py [--scenario NAME ...]
 """

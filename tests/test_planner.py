@@ -20,12 +20,15 @@ from solver.planner.step import closed_form_step_s, simulated_step_s
 GIB = 2**30
 
 
-def random_problem(rng: np.random.Generator, kinds: int | None = None, allow_replicas: bool = True) -> Problem:
+def random_problem(rng: np.random.Generator, kinds: int | None = None, allow_replicas: bool = True,
+                   sends_scale: float = 1.0) -> Problem:
+    """`sends_scale`: each layer's input that much larger (its sends between stages),
+    the draws unchanged."""
     n = int(rng.integers(2, 9))
     layers = tuple(
         LayerCost(
             flops=float(f), forward_flops=float(f) / 3, param_bytes=int(rng.integers(1, 40)) * 2**24,
-            saved_bytes=float(rng.integers(1, 30)) * 2**22, input_bytes=float(rng.integers(1, 8)) * 2**20,
+            saved_bytes=float(rng.integers(1, 30)) * 2**22, input_bytes=float(rng.integers(1, 8)) * 2**20 * sends_scale,
             tp_bytes=float(rng.integers(0, 4)) * 2**20,
         )
         for f in rng.uniform(1e11, 1e12, n)
@@ -81,8 +84,12 @@ def interleaved_rows(problem: Problem, costs: StageCosts, chunk_counts: tuple[in
             yield m, b, order, layouts, groups, chunks, configs, tables, sends
 
 
-def brute_pipeline(problem: Problem, costs: StageCosts, kinds: tuple[str, ...], batch: int, schedules=("1f1b", "gpipe")) -> float:
-    """Every ordered subset of kinds, layout, microbatch count, schedule and split."""
+def brute_pipeline(problem: Problem, costs: StageCosts, kinds: tuple[str, ...], batch: int,
+                   schedules: tuple[str, ...] | None = None) -> float:
+    """Every ordered subset of kinds, layout, microbatch count, schedule and split; by
+    default the plain schedules the planner searches (GPipe only where 1F1B may not
+    run: `Schedule.dominated_by`)."""
+    schedules = schedules or tuple(name for name, chunks in _schedule_choices(problem) if chunks == 1)
     best_value = INF
     for m in problem.microbatch_counts():
         if batch % m:
@@ -131,12 +138,17 @@ def replace_m(problem: Problem, m: int) -> Problem:
     return replace(problem, microbatches=(m,))
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_no_plan_beats_the_planner(seed):
+# Sends 256 times larger: 1F1B's round trips pace some finalists of most problems (12 of
+# the 68 finalists of seeds 0-19, none at 1), where the split's sweep takes their pace.
+SEND_HEAVY = 256
+
+
+@pytest.mark.parametrize("seed,sends_scale", [(seed, 1) for seed in range(40)] + [(seed, SEND_HEAVY) for seed in range(16)])
+def test_no_plan_beats_the_planner(seed, sends_scale):
     rng = np.random.default_rng(seed)
     # the search's own space, which brute force enumerates: one kind per stage (a mixed
     # stage's closed form may lie below every plan of that space)
-    problem = replace(random_problem(rng, allow_replicas=seed % 2 == 0), allow_mixed=False)
+    problem = replace(random_problem(rng, allow_replicas=seed % 2 == 0, sends_scale=sends_scale), allow_mixed=False)
     expected = brute_force(problem)
     if expected == INF:
         with pytest.raises(PlanningError, match="no plan fits"):
@@ -158,13 +170,13 @@ def test_no_plan_beats_the_planner(seed):
     assert sorted({(s.layer_start, s.layer_end) for s in result.best.stages if s.replica == 0})[0][0] == 0
 
 
-@pytest.mark.parametrize("seed", range(30))
-def test_every_bound_is_below_every_split_it_covers(seed):
+@pytest.mark.parametrize("seed,sends_scale", [(seed, 1) for seed in range(30)] + [(seed, SEND_HEAVY) for seed in range(12)])
+def test_every_bound_is_below_every_split_it_covers(seed, sends_scale):
     """The search's three bounds, loosest first (a product of layouts at once, one
     layout, one order of it), never exceed the 1F1B step of any split of any order
     they cover; were one to, the search could prune the best plan."""
     rng = np.random.default_rng(100 + seed)
-    problem = random_problem(rng, kinds=int(rng.integers(1, 4)))
+    problem = random_problem(rng, kinds=int(rng.integers(1, 4)), sends_scale=sends_scale)
     costs, planner = StageCosts(problem), Planner(problem)
     bounds, n = planner.bounds, costs.n
     per_kind = [kind_layouts(problem, k.name) for k in problem.kinds]

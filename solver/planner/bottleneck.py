@@ -7,6 +7,9 @@ t (and its memory); each holds one layer at least, at its least one-layer time, 
 every further layer costs at least its least increment, so the least summed stage
 time hands the layers beyond one each to the least increments first. The floor is
 the least (m - 1) t plus that sum over the candidate times, plus the row's offset.
+Under 1F1B the pace is also at least the first stage's round trip over the stages
+(`round_trip_pace`): that sum plus the row's least sends both ways, shared by the
+microbatches the first stage keeps in flight.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import NamedTuple
 import numpy as np
 
 from solver.cost.stage_costs import INF
+from solver.schedules.one_f_one_b import round_trip_pace
 
 _BLOCK = 16  # candidate step times priced at once
 
@@ -54,13 +58,16 @@ class Group(NamedTuple):
 
 
 def least_steps(group: Group, at: np.ndarray, n: np.ndarray, nr: np.ndarray, m: int, layers: int, offsets: np.ndarray,
-                beat: float, lasts: LastStage | None = None) -> np.ndarray:
+                beat: float, lasts: LastStage | None = None, trips: np.ndarray | None = None) -> np.ndarray:
     """Per row (`at`: each stage's layout in the group's arrays; `n`, `nr`: the most
     layers each stage holds without and with recomputation, whole numbers): the least
     (m - 1) t + summed stage times over the group's candidate times t, plus the row's
     offset, stopped at `beat` (a figure that reaches it is as good as exact for
     pruning); `lasts`: the group's layouts' figures as a last stage, where the order is
-    known (each row's last stage's own, picked by its layout).
+    known (each row's last stage's own, picked by its layout); `trips`: per row, what
+    a round trip adds to the summed stage times (its least sends both ways), where
+    1F1B's round trips pace it (`round_trip_pace`) and the pace is t or the round
+    trip's, whichever is slower.
     The rooms are counted in integers (the group's are; mixing in float counts cast
     every array pass), exact, so every figure is the one counted in floats."""
     n, nr = n.astype(np.int64), nr.astype(np.int64)
@@ -112,7 +119,8 @@ def least_steps(group: Group, at: np.ndarray, n: np.ndarray, nr: np.ndarray, m: 
         if floor is None:
             floor = np.full(len(at), INF)
             floor[rows], sums = sums[:, -1], sums[:, :-1]
-        values = (m - 1) * ts + np.where(fit[rows, start : start + _BLOCK], sums, INF)
+        pace = ts if trips is None else np.maximum(ts, round_trip_pace(sums + trips[rows, None], n.shape[1], m))
+        values = (m - 1) * pace + np.where(fit[rows, start : start + _BLOCK], sums, INF)
         best[rows] = np.minimum(best[rows], values.min(axis=1))
         going[rows] = (m - 1) * ts[-1] + floor[rows] < best[rows]
         if not going.any():

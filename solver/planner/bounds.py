@@ -3,7 +3,9 @@
 The planner scores layouts in the order of these bounds and stops when the next
 bound cannot beat the plans it has, so the tighter they are, the fewer exact splits
 it computes. Each is valid for every split and every order it covers (1F1B's step:
-summed stage times and sends, plus m - 1 times the slowest, plus the slowest tail):
+summed stage times and sends, plus m - 1 times the slowest, or the first stage's
+round trip shared by the microbatches it keeps in flight where slower, plus the
+slowest tail; the round trip is priced only under 1F1B, `Schedule.round_trip_limited`):
 
 - the slowest stage: no stage holds more consecutive layers than fit its memory
   beside the activations in flight, or whose least time (over every run of that
@@ -99,7 +101,8 @@ class LowerBounds:
             at = np.stack([self._row_layouts(row, group) for row in rows])  # each stage's layout in the group's arrays
             fitting = np.array([self.fits.one(lay, b, 1) for lay in group.index], dtype=float)[at]
             tails = np.array([self._least_tail(tuple(sorted(row))) for row in rows])
-            out[chosen] = self._bounds(rows, fitting, m, b, tails, INF, group=group, at=at)
+            trips = np.zeros(len(rows)) if registry.get(schedule).round_trip_limited else None  # (sends: at least none)
+            out[chosen] = self._bounds(rows, fitting, m, b, tails, INF, group=group, at=at, trips=trips)
         return out
 
     def product_bounds(self, per_kind: list[list[KindLayout]], m: int, b: int, schedule: str) -> list[tuple[float, tuple[KindLayout, ...]]]:
@@ -275,7 +278,9 @@ class LowerBounds:
         group = self._group(orders[0], b)
         fitting, sends, slots = self._order_parts(orders, m, b, schedule)
         at = np.array([group.index[lay] for lay in orders[0]])[slots]  # each stage's layout in the group's arrays
-        return self._bounds(orders, fitting, m, b, sends + group.tail, beat, self._last_stages(group, b) if last else None, group, at)
+        trips = sends if registry.get(schedule).round_trip_limited else None
+        lasts = self._last_stages(group, b) if last else None
+        return self._bounds(orders, fitting, m, b, sends + group.tail, beat, lasts, group, at, trips)
 
     def _order_parts(self, orders: list[tuple[KindLayout, ...]], m: int, b: int,
                      schedule: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -306,7 +311,7 @@ class LowerBounds:
 
     def _bounds(self, rows: list[tuple[KindLayout, ...]], fitting: np.ndarray, m: int, b: int, offsets: np.ndarray,
                 beat: float, lasts: LastStage | None = None, group: Group | None = None,
-                at: np.ndarray | None = None) -> np.ndarray:
+                at: np.ndarray | None = None, trips: np.ndarray | None = None) -> np.ndarray:
         """Per row of layouts (rows of as many stages; the layouts all in `group`, by
         default the first row's set): the least (m - 1) t + summed stage times over
         candidate bottlenecks t (the group's), plus the row's offset (its tail's bound
@@ -314,7 +319,8 @@ class LowerBounds:
         without and with recomputation; `lasts`: the figures of `group`'s layouts as a last
         stage (`_last_stages`; each row picks its last stage's by its layout), where the order is known;
         `at`: each row's stages' layouts in the group's arrays, where the caller has
-        them (`_row_layouts` otherwise). (Plain schedules only: an interleaved
+        them (`_row_layouts` otherwise); `trips`: per row, its least sends both ways,
+        where 1F1B's round trips may pace it (`bottleneck.least_steps`). (Plain schedules only: an interleaved
         schedule's tail is its device groups' chunks' tails summed, and its fill is
         1/v, so these bounds do not hold for it.)"""
         layers = self.costs.n
@@ -330,7 +336,7 @@ class LowerBounds:
             return out
         n, nr, offsets = n[live], nr[live], offsets[live]
         at = np.stack([self._row_layouts(rows[i], group) for i in live]) if at is None else at[live]
-        out[live] = least_steps(group, at, n, nr, m, layers, offsets, beat, lasts)
+        out[live] = least_steps(group, at, n, nr, m, layers, offsets, beat, lasts, None if trips is None else trips[live])
         return out
 
     def interleaved_floor(self, layouts: tuple[KindLayout, ...], m: int, b: int, chunks: int) -> float:

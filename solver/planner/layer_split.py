@@ -2,16 +2,19 @@
 
 For a fixed row of stages and microbatch count, a 1F1B step is
 
-    sum of stage times + 2 x sum of sends + (m - 1) x the slowest stage or send
-    + the slowest tail (gradient sync and optimizer)
+    S + (m - 1) x max(the slowest stage or send, S / k where m > k)
+    + the slowest tail (gradient sync and optimizer),
+    S = sum of stage times + 2 x sum of sends
 
-(`solver.pipeline_sim.pipeline_time`). The sum is additive over stages, the two
-maxima are not, so the split cannot be one dynamic program. It is one per pair of
-bounds (T on stage and send times, U on tails): with both fixed, the least sum is a
-shortest path over cut positions. Sweeping T and U upward from their least feasible
-values, and stopping when `least unconstrained sum + (m - 1) T + U` can no longer beat
-the best split found, gives the exact optimum after a handful of passes, because the
-bubble term dominates and moves little between neighbouring bounds.
+(`solver.pipeline_sim.pipeline_time`; S / k: the first stage's round trips, k
+microbatches in flight per S). S is additive over stages, the two maxima are not, so
+the split cannot be one dynamic program. It is one per pair of bounds (T on stage and
+send times, U on tails): with both fixed, the least S is a shortest path over cut
+positions, and the step only grows with S, so that path is the best split within the
+bounds. Sweeping T and U upward from their least feasible values, and stopping when
+`least unconstrained S + (m - 1) max(T, S / k) + U` can no longer beat the best split
+found, gives the exact optimum after a handful of passes, because the bubble term
+dominates and moves little between neighbouring bounds.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import numpy as np
 
 from solver import schedules
 from solver.schedules import StageTimes
+from solver.schedules.one_f_one_b import round_trip_pace
 from solver.cost.stage_costs import INF
 from solver.cost.stage_tables import StageTable
 from solver.planner.rows import sorted_unique
@@ -299,10 +303,10 @@ def best_split(
 ) -> Split | None:
     """The split with the least 1F1B step time, or None when none fits or none beats `beat`.
 
-    For GPipe (whose two maxima bound the forward and the backward separately) the same
-    sweep runs on the 1F1B form and the result is scored with GPipe's: close, not
-    proven optimal. 1F1B is never slower nor larger under this model, so a search that
-    may pick either schedule is exact. Interleaved splits (`chunks` = v > 1 stages per
+    For GPipe (whose two maxima bound the forward and the backward separately, and
+    which has no round trips to wait for) the same sweep runs on the 1F1B form without
+    its round trips and the result is scored with GPipe's: close, not proven optimal; a
+    search that may pick 1F1B does not try GPipe (`Schedule.dominated_by`). Interleaved splits (`chunks` = v > 1 stages per
     device group) take the 1F1B sweep too, pruned by the 1F1B form of the splits it
     finds, each scored with the interleaved form: close, not proven optimal (their pace
     is a device group's sum of chunks). Only the early refusals use the interleaved
@@ -318,9 +322,16 @@ def best_split(
     if t_lo == INF or (m - 1) * t_lo >= beat:
         return None
     sum0 = row.least_total()
+    trips = v == 1 and schedules.get(schedule).round_trip_limited  # 1F1B: its round trips may pace it
+
+    def pace(t: float, total: float) -> float:
+        """The pace of a split whose slowest stage or send is `t` and whose stage times
+        and sends both ways sum to `total` (the sweep's bounds take the least of each)."""
+        return max(t, round_trip_pace(total, k, m)) if trips else t
+
     # An interleaved pace is a device group's chunks summed: at least the groups' least
     # shared work spread evenly over them (k / v groups), which one chunk's t_lo is not.
-    pace_lo = t_lo if v == 1 else max(t_lo, row.least_work() * v / k, row.pace_floor(v) * _BELOW)
+    pace_lo = pace(t_lo, sum0) if v == 1 else max(t_lo, row.least_work() * v / k, row.pace_floor(v) * _BELOW)
     if sum0 / v + (m - 1 / v) * pace_lo >= beat:
         return None  # before the tail's bound (tails are never negative) and the sweep's grids
     u_floor = row.least_max(of_tails=True)
@@ -332,7 +343,7 @@ def best_split(
         return None
     if shared and v > 1 and beat < INF and not _fitting_may_win(row, tables, m, v, sum0, u_floor, beat):
         return None  # a split fast enough leaves some group's chunks over its memory
-    if m - 1 / v > 0 and beat < INF and _every_bottleneck_loses(row, m, v, pace_lo, sum0, u_floor, beat):
+    if m - 1 / v > 0 and beat < INF and _every_bottleneck_loses(row, m, v, pace_lo, sum0, u_floor, beat, pace):
         return None  # before the sweep's grids: most pipelines the search prices lose here
     sum0, cuts0 = row.least_sum()
     # Every bottleneck and tail a split can have: each table's own, sorted once per table
@@ -343,16 +354,18 @@ def best_split(
     # What the sweep prunes against: the best objective (one chunk), or the best 1F1B
     # form seen (interleaved: its objective is not the form the sweep bounds).
     best_value = min(best.objective_s, beat) if v == 1 else _flow_shop(tables, sends, m, cuts0)
-    swept = _swept(row, t_values[np.searchsorted(t_values, t_lo):], lambda t: sum0 + (m - 1) * t + u_floor < best_value,
-                   lambda t, sum_t: sum_t + (m - 1) * t + u_floor < best_value)
+    swept = _swept(row, t_values[np.searchsorted(t_values, t_lo):],
+                   lambda t: sum0 + (m - 1) * pace(t, sum0) + u_floor < best_value,
+                   lambda t, sum_t: sum_t + (m - 1) * pace(t, sum_t) + u_floor < best_value)
     for t_max, sum_t, u_lo in swept:
-        if sum_t + (m - 1) * t_max + u_floor >= best_value:
+        least = sum_t + (m - 1) * pace(t_max, sum_t)  # of every split within t_max, before its tail
+        if least + u_floor >= best_value:
             continue  # no tail bound can make this bottleneck win (the loop below would stop at once)
         for u_max in u_values[np.searchsorted(u_values, u_lo):]:
-            if sum_t + (m - 1) * t_max + u_max >= best_value:
+            if least + u_max >= best_value:
                 break
             value, cuts = row.least_sum(t_max, u_max)
-            if value + (m - 1) * t_max + u_max < best_value:
+            if value + (m - 1) * pace(t_max, value) + u_max < best_value:
                 objective = score(tables, sends, m, cuts, schedule, chunks)
                 if objective < best.objective_s:
                     best = Split(cuts, objective)
@@ -373,13 +386,20 @@ _ABOVE = 1 + 1e-9  # a count of layers bounded above despite the rounding of the
 _REFUSE_TOL = 1 + 1e-9  # a bound refuses only what loses by more than rounding (score sums in its own order)
 
 
-def _every_bottleneck_loses(row: _Row, m: int, v: int, pace_lo: float, sum0: float, u_floor: float, beat: float) -> bool:
+def _slowest(t: float, total: float) -> float:
+    """A pace that is its slowest stage or send alone (no round trip counted)."""
+    return t
+
+
+def _every_bottleneck_loses(row: _Row, m: int, v: int, pace_lo: float, sum0: float, u_floor: float, beat: float,
+                            pace: Callable[[float, float], float] = _slowest) -> bool:
     """Whether no split beats `beat`, proven for every pace that could win at once
     instead of at each bottleneck value: a split whose pace (1F1B: its slowest stage
     or send; interleaved, v chunks: its busiest device group's chunks or sends, each
     of which it bounds) lies in [pace_lo, hi] costs at least least_sum(hi) / v +
     (m - 1/v) pace_lo + least_tail(hi) (both least figures only grow as the bound on
-    stage times falls; a group's tail is at least its slowest chunk's), and one whose
+    stage times falls; a group's tail is at least its slowest chunk's; 1F1B's pace is
+    also at least its round trip's at least_sum(hi), `pace`), and one whose
     pace exceeds `hi` loses on sum0 / v + (m - 1/v) pace + u_floor alone. One
     shortest path or two instead of the sweep's grids of every table entry: on the
     benchmark scenarios this refuses nearly every pipeline the sweep would."""
@@ -387,9 +407,9 @@ def _every_bottleneck_loses(row: _Row, m: int, v: int, pace_lo: float, sum0: flo
     hi = np.array([(beat * _REFUSE_TOL - sum0 / v - u_floor) / rate])
     if not hi[0] > pace_lo:
         return False  # (the caller's refusals leave none such; the sweep keeps the say)
-    rest = rate * pace_lo
     sums, tails = row.sums_and_tails(hi)  # (the sum alone seldom refuses: both in one pass)
     sum_hi = float(sums[0]) / v
+    rest = rate * pace(pace_lo, float(sums[0]))  # (1F1B: its round trips at that sum at the least)
     if sum_hi + rest + u_floor < beat * _REFUSE_TOL:
         return sum_hi + rest + max(float(tails[0]), u_floor) >= beat * _REFUSE_TOL
     return True
@@ -468,7 +488,8 @@ def _swept(row: _Row, t_values: np.ndarray, going: Callable[[float], bool], usef
 
 
 def _flow_shop(tables: Sequence[StageTable], sends: Sequence[np.ndarray], m: int, cuts: Sequence[int]) -> float:
-    """The 1F1B form of a split (see the module docstring): what the sweep bounds."""
+    """The 1F1B form of a split without its round trips (the module docstring's, S / k
+    left out): what the sweep bounds where it splits an interleaved row."""
     bounds = list(zip([0, *cuts], [*cuts, tables[0].forward.shape[0] - 1]))
     per_mb = [t.time.item(i, j) for t, (i, j) in zip(tables, bounds)]
     sent = [float(s[c]) for s, c in zip(sends, cuts)]

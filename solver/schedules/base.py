@@ -50,9 +50,13 @@ class Schedule(ABC):
     name: str = ""
     interleaved: bool = False  # runs several chunks per device group
     default_chunks: int = 1  # chunks per device group when a hand-made plan names none
-    # A schedule never faster nor smaller than this one under the planner's model: a
-    # search that may pick both tries only the other.
+    # A schedule never smaller than this one and, under the planner's model, faster only
+    # in corners it does not search (each says which): a search that may pick both tries
+    # only the other.
     dominated_by: str | None = None
+    # Whether the first stage's in-flight limit paces it (`round_trip_pace`): the planner's
+    # bounds and splits add that pace for such a schedule only.
+    round_trip_limited: bool = False
 
     def check(self, num_devices: int, num_microbatches: int, chunks: int) -> str | None:
         """Why this schedule cannot run D device groups x `chunks` over m microbatches

@@ -10,8 +10,18 @@ from typing import Sequence
 from solver.schedules.base import Schedule, StageTimes, Work
 
 
+def round_trip_pace(once, stages: int, num_microbatches: int):  # noqa: ANN001, ANN201 (a float or an array of them)
+    """The least pace 1F1B's in-flight limit allows: its first stage keeps `stages`
+    microbatches in flight, so it starts the next only when the one `stages` before it
+    has come back, one round trip (`once`: a microbatch's forwards, backwards and the
+    sends both ways) per `stages` microbatches. With no more microbatches than stages
+    the limit is never reached (0)."""
+    return once / stages if num_microbatches > stages else 0 * once
+
+
 class OneFOneB(Schedule):
     name = "1f1b"
+    round_trip_limited = True
 
     def device_order(self, device: int, num_devices: int, num_microbatches: int, chunks: int = 1) -> list[Work]:
         m = num_microbatches
@@ -27,9 +37,12 @@ class OneFOneB(Schedule):
     def step_time(self, stages: Sequence[StageTimes], num_microbatches: int, chunks: int = 1) -> float:
         """One flow shop whose job is a microbatch's forward and backward together:
         the first crosses every stage and link both ways, the others follow at the pace
-        of the slowest stage or link; then the slowest tail."""
+        of the slowest stage or link, or of the first stage's round trips where those
+        are slower (`round_trip_pace`: large sends between busy stages); then the
+        slowest tail."""
         m = num_microbatches
         sends = [s.send_s for s in stages[:-1]]
         per_mb = [s.forward_s + s.backward_s for s in stages]
         tail = max(s.sync_s + s.optimizer_s for s in stages)
-        return sum(per_mb) + 2 * sum(sends) + (m - 1) * max(per_mb + sends) + tail
+        once = sum(per_mb) + 2 * sum(sends)
+        return once + (m - 1) * max(max(per_mb + sends), round_trip_pace(once, len(stages), m)) + tail
