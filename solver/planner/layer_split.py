@@ -306,13 +306,14 @@ def best_split(
     For GPipe (whose two maxima bound the forward and the backward separately, and
     which has no round trips to wait for) the same sweep runs on the 1F1B form without
     its round trips and the result is scored with GPipe's: close, not proven optimal; a
-    search that may pick 1F1B does not try GPipe (`Schedule.dominated_by`). Interleaved splits (`chunks` = v > 1 stages per
-    device group) take the 1F1B sweep too, pruned by the 1F1B form of the splits it
-    finds, each scored with the interleaved form: close, not proven optimal (their pace
-    is a device group's sum of chunks). Only the early refusals use the interleaved
-    form's own bound (the fill counts 1/v, the rest m - 1/v stage times). With `shared`
-    (v > 1), also None where no split whose chunks share their device groups' memory
-    beats `beat` (the caller refuses a split that does not fit: `search._chunks_fit`)."""
+    search that may pick 1F1B does not try GPipe (`Schedule.dominated_by`). Interleaved
+    splits (`chunks` = v > 1 stages per device group) take the 1F1B sweep too, pruned by
+    the 1F1B form (without round trips) of the splits it finds, each scored with the
+    interleaved form: close, not proven optimal (their pace is a device group's sum of
+    chunks). Only the early refusals use the interleaved form's own bound (the fill
+    counts 1/v, the rest m - 1/v stage times). With `shared` (v > 1), also None where no
+    split whose chunks share their device groups' memory beats `beat` (the caller
+    refuses a split that does not fit: `search._chunks_fit`)."""
     v = chunks
     row = _Row(tables, sends)
     n, k = row.n, len(tables)

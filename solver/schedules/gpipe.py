@@ -10,9 +10,10 @@ from solver.schedules.base import Schedule, StageTimes, Work
 
 class GPipe(Schedule):
     name = "gpipe"
-    # 1F1B's flow shop with each microbatch's work kept together: never larger, and
-    # slower only where 1F1B waits for its round trips (sends as slow as the stages),
-    # which GPipe pays for with every microbatch's activations held at once.
+    # 1F1B runs the same flow shop with each microbatch's forward and backward kept
+    # together: it is never larger, and slower only where it waits for its round trips
+    # (sends as slow as the stages), which GPipe avoids by holding every microbatch's
+    # activations at once.
     dominated_by = "1f1b"
 
     def device_order(self, device: int, num_devices: int, num_microbatches: int, chunks: int = 1) -> list[Work]:
