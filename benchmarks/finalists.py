@@ -21,11 +21,11 @@ does that cost? Per scenario of `search_scale.py`:
 - for 1F1B, the stall left once the closed form's pace is raised to every run's
   in-flight cycle (`cycle_pace`): how much of the stall the cycles explain.
 
-The search is exact for its closed form (an interleaved plan, whose split is close,
-not exact, it ranks by its simulated step where slower: the interleaved stalls below
-never make it rank a plan ahead); the finalists are what bridges the rest of the gap to
-the estimator (tails hidden, short runs' stalls), and the search's time grows with them
-(`README.md`, search speed).
+The search is exact for its closed form, and ranks an interleaved plan (whose split is
+close, not exact) by its simulated step where slower, so the interleaved stalls below
+never put a plan ahead of where the estimator would; the finalists bridge the rest of
+the gap to the estimator (tails hidden, short runs' stalls), and the search's time grows
+with them (`README.md`, search speed).
 Ends with: RESULT finalists_needed_max=<n> stall_max=<fraction> tails_hidden_max=<fraction> cycle_residual_max=<fraction>
 Run: .venv/bin/python benchmarks/finalists.py [--scenario NAME ...]
 """

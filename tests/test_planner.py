@@ -247,8 +247,6 @@ def test_the_search_ranks_an_interleaved_pipeline_by_its_simulation_where_slower
     """An interleaved closed form misses the stalls of uneven chunks, so the search ranks
     each interleaved pipeline it finds by its simulated step where that is slower (the
     estimator's figure), lest such pipelines crowd out the finalists; some of these do."""
-    from dataclasses import replace
-
     problem = replace(three_kinds(), schedules=("interleaved",))
     planner, names = Planner(problem), [k.name for k in problem.kinds]
     slower = 0
