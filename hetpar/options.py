@@ -48,6 +48,10 @@ class StageOption:
     # "auto" lets the planner try this count (None: its default choices).
     chunks: int | None = None
     time_limit_s: float | None = None  # the planner's search; None: until proven optimal
+    # The search's best plans by its closed form that the estimator ranks ("auto"; None:
+    # solver.planner.search.FINALISTS). More where the closed form may misjudge a plan the
+    # estimator would prefer; each one more makes the search prove more.
+    finalists: int | None = None
     max_planning_layers: int = 8  # "auto" cuts the step into at most this many layers
     layer_overhead_s: float = 50e-6  # kernel launches of one layer's forward and backward
     # Recomputation on every stage: "" none, "full" (nothing kept, the backward reruns
@@ -130,7 +134,7 @@ def check_options(stage: StageOption, sharding: ShardingOption, runtime: Runtime
         raise PlanError(f"StageOption.layer_overhead_s is seconds per layer, at least 0, got {stage.layer_overhead_s}")
     if stage.mode not in STAGE_MODES:
         raise PlanError(f"StageOption.mode {stage.mode!r} is not one of {', '.join(STAGE_MODES)}")
-    for name in ("num_stages", "num_replicas", "num_layers"):
+    for name in ("num_stages", "num_replicas", "num_layers", "finalists"):
         value = getattr(stage, name)
         if value is not None and value < 1:
             raise PlanError(f"{name} must be at least 1, got {value}")

@@ -257,7 +257,8 @@ def idle_kinds(cluster: Cluster, inputs: Problem, search: SearchOptions, plan: P
         return []
     what = ", ".join(f"{g.type_name} x{g.size}" for g in idle)
     try:
-        every = plan_search(replace(inputs, use_all_kinds=True), top_k=1, time_limit_s=search.time_limit_s).best
+        every = plan_search(replace(inputs, use_all_kinds=True), top_k=1, time_limit_s=search.time_limit_s,
+                            finalists=search.finalists).best
     except PlanningError as e:
         return [f"{what} idle: no plan that uses every kind fits or runs ({e})"]
     return [f"{what} idle: the best plan using every kind is {every.step_s / step_s:.2f}x slower ({every.describe()}: "
@@ -279,6 +280,7 @@ def search_options(traced: TracedStep, option: StageOption, search_microbatches:
         measured=measured_devices(option.profile) if option.profile else (),
         **({} if zero is None else {"zero_stages": (zero,)}), **chunks,
         **({} if option.offload is None else {"offload_tiers": (option.offload,)}),
+        **({} if option.finalists is None else {"finalists": option.finalists}),
     )
 
 

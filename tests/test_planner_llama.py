@@ -100,3 +100,23 @@ def test_tensor_parallelism_splits_matmul_weights_only(llama_7b):
     costs = StageCosts(problem_for(layers, Cluster.from_file(str(CLUSTERS / "v100_32.yaml")).numbered(), BATCH, c.seq_len))
     total = 4 * c.param_count()
     assert costs.tp_params(8).sum() == pytest.approx((total - whole) / 8 + whole)
+
+
+def test_the_finalists_option_reaches_the_search(llama_7b, monkeypatch):
+    """`StageOption.finalists` (`hetpar solve --finalists`) is how many plans the real
+    search keeps for the estimator to rank; unset, the planner's default."""
+    from solver.planner.search import FINALISTS, Planner
+
+    kept, init = [], Planner.__init__
+
+    def recording(self, problem, top_k=5, time_limit_s=None, finalists=FINALISTS):  # noqa: ANN001, ANN202
+        kept.append(finalists)
+        init(self, problem, top_k, time_limit_s, finalists)
+
+    monkeypatch.setattr(Planner, "__init__", recording)
+    cluster = Cluster.from_file(str(CLUSTERS / "two_types.yaml")).numbered()
+    layers = layers_pass(llama_7b, cluster, StageOption(), True)
+    for option, expected in ((StageOption(finalists=12), 12), (StageOption(), FINALISTS)):
+        kept.clear()
+        search(layers, cluster, BATCH, llama.LLAMA2_7B.seq_len, search_options(llama_7b, option, search_microbatches=True))
+        assert kept == [expected]

@@ -47,6 +47,7 @@ def test_solve_imports_a_file_like_python_does(tmp_path):
     (dict(mesh_shape=(-1, 2)), r"mesh_shape \(-1, 2\): each mesh is \(data, model\) with positive whole numbers"),
     (dict(stage_option=hetpar.StageOption(layer_overhead_s=-1)), r"layer_overhead_s is seconds per layer, at least 0"),
     (dict(stage_option=hetpar.StageOption(time_limit_s=float("nan"))), r"time_limit_s must be a finite number, got nan"),
+    (dict(stage_option=hetpar.StageOption(finalists=0)), r"finalists must be at least 1, got 0"),
 ])
 def test_options_are_typed_at_the_boundary(options, message):
     """A string count, a float ZeRO stage (which a plan file could not load back), a
@@ -68,6 +69,9 @@ def test_solve_time_limit_returns_the_best_plan_found_or_says_it_found_none(tmp_
     assert main(["solve", "gpt", "--cluster", "examples/clusters/two_types.yaml", "--time-limit", "-1",
                  "-o", str(tmp_path / "x.json")]) == 2
     assert "--time-limit: Input should be greater than 0 (got -1.0)" in capsys.readouterr().err
+    assert main(["solve", "gpt", "--cluster", "examples/clusters/two_types.yaml", "--finalists", "0",
+                 "-o", str(tmp_path / "x.json")]) == 2
+    assert "--finalists: Input should be greater than or equal to 1 (got 0)" in capsys.readouterr().err
     out = tmp_path / "plan.json"
     code = main(["solve", "gpt", "--cluster", "examples/clusters/two_types.yaml", "--time-limit", "1e-6", "-o", str(out)])
     if code == 0:

@@ -21,6 +21,7 @@ from hetpar.cli import launch, machines, plans
 from hetpar.cli.options import check_options
 from hetpar.errors import HetparError
 from solver import schedules
+from solver.planner.search import FINALISTS
 
 
 def parser() -> argparse.ArgumentParser:
@@ -118,6 +119,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=float, metavar="SECONDS", help="stop the planner's search after this long and "
                    "keep the best plan found; its notes say how far from the best possible it may be "
                    "(default: search until the best is proven)")
+    p.add_argument("--finalists", type=int, metavar="N", help="the search's best plans by its closed form that the "
+                   f"estimator then ranks (default {FINALISTS}); more where the closed form may misjudge the plan the "
+                   "estimator would prefer, at a longer search")
     p.add_argument("--manual", action="append", default=[], metavar="SPEC",
                    help="price a configuration fixed by hand beside the planner's, e.g. "
                    "tp=8,pp=8,dp=4,mb=1,schedule=interleaved,chunks=2,remat=full[,kind=GROUP] (repeatable; implies --compare)")

@@ -42,6 +42,7 @@ class SolveOptions(_Options):
     zero_group: Annotated[int, Field(ge=0)] | Literal["auto"] | None = None  # hybrid sharding: ZeRO's devices per group
     batch_argnum: Annotated[int, Field(ge=0, le=1000)] = 1
     time_limit: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None  # seconds
+    finalists: Count | None = None  # None: the planner's default
     manual: list[str] = []
     profile: str | None = None
 

@@ -27,7 +27,7 @@ def solve(args: argparse.Namespace) -> int:
                          num_stages=args.stages, num_replicas=args.replicas, num_layers=args.layers, schedule=args.schedule,
                          use_all_kinds=args.use_all_kinds, profile=args.profile,
                          chunks=args.chunks, sharding_option=ShardingOption(zero=args.zero, zero_group=getattr(args, "zero_group", None)),
-                         stage_option=StageOption(time_limit_s=args.time_limit,
+                         stage_option=StageOption(time_limit_s=args.time_limit, finalists=args.finalists,
                                                   offload={"host": "host", "nvme": "nvme", "none": ""}.get(getattr(args, "offload", None))))
     save_plan(plan, args.output)
     _print_plan(plan)

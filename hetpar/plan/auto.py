@@ -21,6 +21,7 @@ from hetpar.trace.layers import Layers
 from solver.collectives import LinkCost
 from solver import schedules
 from solver.planner import DeviceKind, LayerCost, PlanChoice, PlanningError, Problem, SearchResult, plan
+from solver.planner.search import FINALISTS
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class SearchOptions:
     top_k: int = 5
     min_microbatch: int = 1  # examples in any pipeline's microbatch
     time_limit_s: float | None = None  # None: search until the best plan is proven
+    finalists: int = FINALISTS  # the search's best plans by its closed form that the estimator ranks
     layer_overhead_s: float = 50e-6  # kernel launches of one layer's forward and backward, catalog default
     memory_reserve: float = 0.1  # of each device's memory, for XLA's workspace beyond the arrays the model counts
     use_all_kinds: bool = False  # only plans that give every device kind of the cluster work
@@ -134,7 +136,7 @@ def search(layers: Layers, cluster: Cluster, batch_size: int, tokens_per_example
 def search_problem(layers: Layers, cluster: Cluster, problem: Problem, options: SearchOptions) -> tuple[Plan, SearchResult]:
     """The planner's best plan for `problem` (these layers' costs on this cluster)."""
     try:
-        result = plan(problem, top_k=options.top_k, time_limit_s=options.time_limit_s)
+        result = plan(problem, top_k=options.top_k, time_limit_s=options.time_limit_s, finalists=options.finalists)
     except PlanningError as e:
         raise PlanError(str(e)) from None
     return replace(to_plan(result.best, layers, cluster, result.bound_ratio), cost_inputs=problem), result
