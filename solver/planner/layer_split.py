@@ -323,13 +323,13 @@ def best_split(
     if t_lo == INF or (m - 1) * t_lo >= beat:
         return None
     sum0 = row.least_total()
-    trips = v == 1 and schedules.get(schedule).round_trip_limited  # 1F1B: its round trips may pace it
 
-    def pace(t: float, total: float) -> float:
+    def round_trips(t: float, total: float) -> float:
         """The pace of a split whose slowest stage or send is `t` and whose stage times
         and sends both ways sum to `total` (the sweep's bounds take the least of each)."""
-        return max(t, round_trip_pace(total, k, m)) if trips else t
+        return max(t, round_trip_pace(total, k, m))
 
+    pace = round_trips if v == 1 and schedules.get(schedule).round_trip_limited else _slowest  # 1F1B's may pace it
     # An interleaved pace is a device group's chunks summed: at least the groups' least
     # shared work spread evenly over them (k / v groups), which one chunk's t_lo is not.
     pace_lo = pace(t_lo, sum0) if v == 1 else max(t_lo, row.least_work() * v / k, row.pace_floor(v) * _BELOW)

@@ -62,7 +62,8 @@ class Interleaved1F1B(Schedule):
         each of the v x more sends lies on that path in full (the price of
         interleaving); the other m - 1/v microbatches follow at the pace of the busiest
         device group (all its chunks) or link (all the sends it carries); then the
-        busiest group's tails. With v = 1 this is 1F1B's form."""
+        busiest group's tails. With v = 1 this is 1F1B's form without its round trips
+        (`one_f_one_b.round_trip_pace`)."""
         v, m = chunks, num_microbatches
         fwd, bwd, send, tail = device_totals(stages, v)
         per_mb = [s.forward_s + s.backward_s for s in stages]
