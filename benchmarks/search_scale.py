@@ -20,8 +20,11 @@ The problem is built as `search_time.py` builds its own (16-bit mixed-precision
 Adam, 10% of memory kept for XLA), with any microbatch count dividing the batch, as
 `hetpar solve` searches by default. Per scenario: the search time, the chosen plan,
 its step time as the estimator prices it, whether the search proved it the best of
-its space, and its gap to the planner's bound (each kind's best plan alone, summed:
-a reference that a plan across kinds exceeds where a kind alone fits the model badly).
+its space, where the search's time went (`SearchResult.phases`: the search of
+pipelines, of pipelines side by side, the estimator's ranking, mixed-kind stages,
+and the bound's searches), and its gap to the planner's bound (each kind's best plan
+alone, summed: a reference that a plan across kinds exceeds where a kind alone fits
+the model badly).
 
 Ends with
 RESULT s64_3t_s=<t> s256_3t_s=<t> s768_3t_s=<t> mixed_stage_chosen=<n>
@@ -122,6 +125,7 @@ def main() -> None:
         print(f"{name}: {s.model.layers} layers, batch {s.batch}, {s.dtype}, {cluster}")
         print(f"  search {times[name]:.3f} s wall, {cpu:.3f} s CPU; step {best.step_s:.4f} s (estimator); {best.tokens_per_s:,.0f} tokens/s; "
               + ("proven best of the planner's space" if not result.gap else f"stopped at most {result.gap:.1%} from the best"))
+        print(f"  where the search's time went: {result.describe_phases()}")
         if result.bound_ratio is None:
             print("  bound: none (no kind alone fits the model)")
         else:

@@ -5,7 +5,7 @@ each group's path must lie below every split within its limit, and the refusal m
 bite where the shared work's floors do not (a device group that holds a heavy layer).
 Likewise before the tables: `LowerBounds.interleaved_floor`'s pace of the last group,
 whose last stage holds the model's last layers (a language model's head). And the
-refusals on the groups' shared memory: `search._chunks_may_fit` (no split fits) and
+refusals on the groups' shared memory: `chunk_memory.chunks_may_fit` (no split fits) and
 `_fitting_may_win` (no split that fits is fast enough), against every split."""
 
 from __future__ import annotations
@@ -148,18 +148,18 @@ def _heavy_head_rows():  # noqa: ANN202
 
 @pytest.mark.parametrize("seeds", [range(0, 15), range(15, 30)])
 def test_a_row_refused_for_memory_has_no_split_that_fits(seeds):
-    """`search._chunks_may_fit` (the first chunk's ranges from the first layer, the
+    """`chunk_memory.chunks_may_fit` (the first chunk's ranges from the first layer, the
     last's to the last) refuses only rows where no split's chunks share their device
-    groups' memory (`_chunks_fit`, brute force over every split that runs), and does
+    groups' memory (`chunks_fit`, brute force over every split that runs), and does
     refuse some rows of these random problems."""
-    from solver.planner.search import _chunks_fit, _chunks_may_fit
+    from solver.planner.chunk_memory import chunks_fit, chunks_may_fit
 
     checked = refused = 0
     for costs, m, b, order, layouts, groups, chunks, configs, tables, sends in _random_rows(seeds, 500):
         fitting = [cuts for cuts in compositions(costs.n, len(configs))
                    if score(tables, sends, m, cuts, "interleaved", chunks) < INF
-                   and _chunks_fit(tables, cuts, len(groups))]
-        may = _chunks_may_fit(tables, len(groups))
+                   and chunks_fit(tables, cuts, len(groups))]
+        may = chunks_may_fit(tables, len(groups))
         assert may or not fitting, (order, layouts, m, chunks, fitting[:3])
         checked += 1
         refused += not may
@@ -172,7 +172,7 @@ def test_the_fitting_refusal_never_refuses_a_beat_a_fitting_split_beats(seeds):
     splits within its limit, and `_fitting_may_win` (best_split's `shared` refusal)
     says no only where no split that fits its groups' memory beats the beat."""
     from solver.planner.layer_split import _fitting_may_win
-    from solver.planner.search import _chunks_fit
+    from solver.planner.chunk_memory import chunks_fit
 
     checked = refused = 0
     for costs, m, b, order, layouts, groups, chunks, configs, tables, sends in _random_rows(seeds, 500):
@@ -190,7 +190,7 @@ def test_the_fitting_refusal_never_refuses_a_beat_a_fitting_split_beats(seeds):
                             if p % len(groups) == g) for cuts, pace in zip(splits, paces) if pace <= limit]
                 assert least[g] <= min(held, default=INF), (order, layouts, m, chunks, limit, g)
         fitting = [score(tables, sends, m, cuts, "interleaved", chunks) for cuts in splits
-                   if _chunks_fit(tables, cuts, len(groups))]
+                   if chunks_fit(tables, cuts, len(groups))]
         best = min(fitting, default=INF)
         every = min(score(tables, sends, m, cuts, "interleaved", chunks) for cuts in splits)
         sum0, u_floor = row.least_total(), row.least_max(of_tails=True)

@@ -452,3 +452,21 @@ def test_without_a_kind_that_fits_alone_there_is_no_bound_ratio():
     result = plan(problem)
     assert {s.kind for s in result.best.stages} == {"a", "b"}
     assert result.upper_bound == 0 and result.bound_ratio is None
+
+
+@pytest.mark.parametrize("replicas", [True, False])
+def test_the_solve_reports_where_its_time_went(replicas):
+    """`SearchResult.phases` splits the solve's wall time into its parts, in the order
+    they ran (pipelines side by side only where the problem allows them), and the parts
+    account for it (what is left is the glue between them)."""
+    from dataclasses import replace
+
+    problem = random_problem(np.random.default_rng(7), kinds=2)
+    roomy = tuple(replace(k, memory_bytes=1000 * GIB) for k in problem.kinds)
+    result = plan(replace(problem, kinds=roomy, allow_replicas=replicas))
+    names = [name for name, _ in result.phases]
+    assert names == ["pipelines", *(["replicas"] if replicas else []), "ranking", "mixed stages", "bound"]
+    assert all(seconds >= 0 for _, seconds in result.phases)
+    spent = sum(seconds for _, seconds in result.phases)
+    assert spent <= result.search_s and spent >= 0.9 * result.search_s, (result.phases, result.search_s)
+    assert result.describe_phases().startswith("pipelines ")

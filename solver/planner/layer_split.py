@@ -177,7 +177,7 @@ class _Row:
     def group_memory(self, memories: Sequence[np.ndarray], v: int, limit: float) -> np.ndarray:
         """Per device group g: the least bytes its stages hold together (`memories`: each
         stage's per range) over splits whose stage and send times all stay within
-        `limit`, summed in the order `search._chunks_fit` sums them (stage order), so a
+        `limit`, summed in the order `chunk_memory.chunks_fit` sums them (stage order), so a
         split's own figure is exactly its path's."""
         groups = len(self.times) // v
         for p, (t, held) in enumerate(zip(self.times_w, memories)):
@@ -313,7 +313,7 @@ def best_split(
     chunks). Only the early refusals use the interleaved form's own bound (the fill
     counts 1/v, the rest m - 1/v stage times). With `shared` (v > 1), also None where no
     split whose chunks share their device groups' memory beats `beat` (the caller
-    refuses a split that does not fit: `search._chunks_fit`)."""
+    refuses a split that does not fit: `chunk_memory.chunks_fit`)."""
     v = chunks
     row = _Row(tables, sends)
     n, k = row.n, len(tables)
@@ -445,10 +445,10 @@ def _every_group_loses(row: _Row, m: int, v: int, sum0: float, u_floor: float, b
 def _fitting_may_win(row: _Row, tables: Sequence[StageTable], m: int, v: int, sum0: float, u_floor: float,
                      beat: float) -> bool:
     """Whether some split of an interleaved row both fits (each device group's chunks
-    within its memory, `search._chunks_fit`) and could beat `beat`: a split whose
+    within its memory, `chunk_memory.chunks_fit`) and could beat `beat`: a split whose
     pace exceeds hi (`_every_group_loses`) loses, and in one within it every stage
     and send time is within hi, so each group holds at least the least bytes of
-    `_Row.group_memory` over such splits (summed in `_chunks_fit`'s order, the same
+    `_Row.group_memory` over such splits (summed in `chunks_fit`'s order, the same
     figures); where that exceeds some group's capacity, no split both fits and wins.
     (On 256 GPUs of three kinds: a first group of T4s can hold its two chunks only
     with splits whose pace loses.)"""

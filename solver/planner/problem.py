@@ -104,6 +104,13 @@ class SearchResult:
     search_s: float
     per_kind: tuple[tuple[str, float], ...] = field(default=())  # examples/s of each kind alone
     gap: float = 0.0  # 0: proven best under the model; else the best possible may be this fraction faster
+    # Wall seconds of each part of `search_s`, in the order they ran: the search of
+    # pipelines, of pipelines side by side ("replicas"), the estimator's ranking of the
+    # finalists, mixed-kind stages, and each kind's own search for the bound.
+    phases: tuple[tuple[str, float], ...] = field(default=())
+
+    def describe_phases(self) -> str:
+        return ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.phases)
 
     @property
     def bound_ratio(self) -> float | None:

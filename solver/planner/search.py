@@ -43,10 +43,12 @@ import logging
 import math
 import time
 from dataclasses import replace
+from typing import Callable, TypeVar
 import numpy as np
 
 from solver import schedules as registry
 from solver.planner.bounds import LowerBounds
+from solver.planner.chunk_memory import chunks_fit, chunks_may_fit
 from solver.planner.layouts import KindLayout, kind_layouts
 from solver.planner.layer_split import best_split, score
 from solver.planner.problem import PlanChoice, PlanningError, Problem, SearchResult, StageChoice
@@ -58,6 +60,7 @@ from solver.planner.mixed import ranked_to, with_mixed_stages
 from solver.planner.step import rank, simulated_step_s
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 # The search's best plans by its closed form (interleaved ones by their simulated step
 # where slower) that the estimator ranks: the fewest with which every scenario of
 # benchmarks/search_scale.py chooses what ten times as many, and 150, choose (on 64 GPUs
@@ -121,11 +124,11 @@ class Planner:
             return None  # no split's pace could win: refused before the tables of its positions are built
         keys = [(c, b, in_flight(schedule, m, p, len(configs), chunks), p == len(configs) - 1, m) for p, c in enumerate(configs)]
         tables = [self.costs.table(*key) for key in keys]
-        if chunks > 1 and not _chunks_may_fit(tables, len(groups)):
-            return None  # no split fits, so neither would the best one (`_chunks_fit` below)
+        if chunks > 1 and not chunks_may_fit(tables, len(groups)):
+            return None  # no split fits, so neither would the best one (`chunks_fit` below)
         sends = [self.costs.sends(a, c, b) for a, c in zip(configs, configs[1:])]
         split = best_split(tables, sends, m, beat, schedule, chunks, shared=chunks > 1)
-        if split is None or not _chunks_fit(tables, split.cuts, len(groups)):
+        if split is None or not chunks_fit(tables, split.cuts, len(groups)):
             return None
         plan = self._pipeline_choice(configs, tables, sends, m, b, schedule, split.cuts, split.objective_s, chunks)
         if chunks > 1:  # ranked by its simulation where slower: its form misses uneven chunks' stalls (docstring)
@@ -164,8 +167,6 @@ class Planner:
             stages, m, schedule, step_s, batch, cross, examples * p.tokens_per_example, self.total_flops * examples, peak, chunks,
         )
 
-    # --- bounds ---------------------------------------------------------------------
-
     # --- the search -----------------------------------------------------------------
 
     def solve(self) -> SearchResult:
@@ -182,13 +183,21 @@ class Planner:
 
     def _solve(self) -> SearchResult:
         started = time.perf_counter()
+        phases: dict[str, float] = {}  # wall seconds of each part of the solve, as `SearchResult.phases` reports them
+
+        def timed(name: str, part: Callable[[], T]) -> T:
+            begun = time.perf_counter()
+            out = part()
+            phases[name] = phases.get(name, 0.0) + time.perf_counter() - begun
+            return out
+
         if self.time_limit_s is not None:
             self.deadline = started + self.time_limit_s
-        found = self._search(tuple(k.name for k in self.problem.kinds), self.finalists)
+        found = timed("pipelines", lambda: self._search(tuple(k.name for k in self.problem.kinds), self.finalists))
         if self.problem.allow_replicas and len(self.problem.kinds) > 1:
             if time.perf_counter() < self.deadline:
-                found = sorted(found + self._replica_plans(found[-1].step_s if len(found) >= self.finalists else INF),
-                               key=lambda c: c.step_s)
+                beat = found[-1].step_s if len(found) >= self.finalists else INF
+                found = sorted(found + timed("replicas", lambda: self._replica_plans(beat)), key=lambda c: c.step_s)
             else:
                 self.unexplored = min(self.unexplored, self._replica_floor())
         if not found:
@@ -200,23 +209,28 @@ class Planner:
         finalists = found[: self.finalists]
         # the first `top_k` and what `with_mixed_stages` widens are all that is read of the
         # ranking: plans provably slower than those are not simulated (`rank`'s `exact_to`)
-        found = rank(self.problem, finalists, self.costs, lambda ranked: max(
-            ranked[self.top_k - 1].step_s if len(ranked) >= self.top_k else INF, ranked_to(self.problem, ranked, finalists)))
-        found = with_mixed_stages(self.problem, found, self.costs, self.top_k)  # a stage over idle kinds too, where it wins
+        by_estimate = timed("ranking", lambda: rank(self.problem, finalists, self.costs, lambda ranked: max(
+            ranked[self.top_k - 1].step_s if len(ranked) >= self.top_k else INF, ranked_to(self.problem, ranked, finalists))))
+        # a stage over idle kinds too, where it wins
+        found = timed("mixed stages", lambda: with_mixed_stages(self.problem, by_estimate, self.costs, self.top_k))
         self.deadline = INF  # the bound's own searches run to the end
-        per_kind = tuple((k.name, (rank(self.problem, self._search((k.name,), 1), self.costs) or [None])[0]) for k in self.problem.kinds)
+        per_kind = timed("bound", lambda: tuple((k.name, self._alone(k.name)) for k in self.problem.kinds))
         bound = sum(c.throughput for _, c in per_kind if c is not None)
         gap = max(0.0, 1 - self.unexplored / found[0].step_s) if self.unexplored < INF else 0.0
         result = SearchResult(found[0], tuple(found[1 : self.top_k]), bound, time.perf_counter() - started,
-                              tuple((name, c.throughput if c else 0.0) for name, c in per_kind), gap)
+                              tuple((name, c.throughput if c else 0.0) for name, c in per_kind), gap, tuple(phases.items()))
         if gap > 0:
             log.warning("the planner stopped at its time limit of %s s: the best plan found is within %.2fx of the "
                         "best possible step time; allow more time to close the gap", self.time_limit_s,
                         1 / max(1e-9, 1 - gap))
         ratio = result.bound_ratio
-        log.info("planned in %.2f s: %s (%s)", result.search_s, result.best.describe(),
+        log.info("planned in %.2f s (%s): %s (%s)", result.search_s, result.describe_phases(), result.best.describe(),
                  f"{ratio:.1%} of the bound" if ratio is not None else "no bound: no kind alone fits the model")
         return result
+
+    def _alone(self, kind: str) -> PlanChoice | None:
+        """The best plan on `kind`'s devices alone, by the estimator: the bound's part."""
+        return (rank(self.problem, self._search((kind,), 1), self.costs) or [None])[0]
 
     def _replica_floor(self) -> float:
         """No replica plan beats perfect use of every device plus the cheapest gradient sum."""
@@ -558,37 +572,6 @@ def _schedule_choices(problem: Problem, interleave: bool = True) -> list[tuple[s
 def _bound_schedule(schedules: list[tuple[str, int]]) -> str:
     """The schedule a search's bounds are taken under: its first plain one, else its first."""
     return next((name for name, chunks in schedules if chunks == 1), schedules[0][0])
-
-
-def _chunks_fit(tables, cuts: tuple[int, ...], groups: int) -> bool:  # noqa: ANN001
-    """Chunks of one device group share its memory: their sum must fit (one chunk
-    per group always does, the tables having checked it)."""
-    if len(tables) == groups:
-        return True
-    bounds = list(zip([0, *cuts], [*cuts, tables[0].forward.shape[0] - 1]))
-    used = [0.0] * groups
-    for p, (t, (i, j)) in enumerate(zip(tables, bounds)):
-        used[p % groups] += float(t.memory[i, j])
-    return all(u <= tables[g].capacity for g, u in enumerate(used))
-
-
-def _chunks_may_fit(tables, groups: int) -> bool:  # noqa: ANN001
-    """Whether some split's chunks could share their device groups' memory: each
-    chunk takes at least the least memory of any range its table runs (the first
-    chunk's ranges start at the first layer, the last's end at the last: a language
-    model's embedding and head, whose state a first group's two chunks may not fit),
-    summed per group in `_chunks_fit`'s order (so a split it accepts never fails
-    this). Most groups of four chunks that a split cannot fit fail here, before the
-    split's sweep."""
-    used = [0.0] * groups
-    last = len(tables) - 1
-    for p, t in enumerate(tables):
-        held = t.memory[0] if p == 0 else t.memory[:, -1] if p == last else t.memory
-        runs = np.isfinite(t.forward[0] if p == 0 else t.forward[:, -1] if p == last else t.forward)
-        if not runs.any():
-            return False
-        used[p % groups] += float(held[runs].min())
-    return all(u <= tables[g].capacity for g, u in enumerate(used))
 
 
 def plan(problem: Problem, top_k: int = 5, time_limit_s: float | None = None, finalists: int = FINALISTS) -> SearchResult:
