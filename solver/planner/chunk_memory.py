@@ -5,10 +5,14 @@ split could fit (`chunks_may_fit`) and a split that does not (`chunks_fit`)."""
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
+from solver.cost.stage_tables import StageTable
 
-def chunks_fit(tables, cuts: tuple[int, ...], groups: int) -> bool:  # noqa: ANN001
+
+def chunks_fit(tables: Sequence[StageTable], cuts: tuple[int, ...], groups: int) -> bool:
     """Chunks of one device group share its memory: their sum must fit (one chunk
     per group always does, the tables having checked it)."""
     if len(tables) == groups:
@@ -20,7 +24,7 @@ def chunks_fit(tables, cuts: tuple[int, ...], groups: int) -> bool:  # noqa: ANN
     return all(u <= tables[g].capacity for g, u in enumerate(used))
 
 
-def chunks_may_fit(tables, groups: int) -> bool:  # noqa: ANN001
+def chunks_may_fit(tables: Sequence[StageTable], groups: int) -> bool:
     """Whether some split's chunks could share their device groups' memory: each
     chunk takes at least the least memory of any range its table runs (the first
     chunk's ranges start at the first layer, the last's end at the last: a language
