@@ -170,6 +170,39 @@ def test_no_plan_beats_the_planner(seed, sends_scale):
     assert sorted({(s.layer_start, s.layer_end) for s in result.best.stages if s.replica == 0})[0][0] == 0
 
 
+@pytest.mark.parametrize("sends_scale", [1, SEND_HEAVY])
+def test_one_microbatchs_split_is_the_least_of_every_split(sends_scale):
+    """At one microbatch a split has no pace term, so its sweep prices the loosest
+    bottleneck alone (`best_split`); the split it returns is still the least of every
+    split of every row, under 1F1B and GPipe, with any beat it is given."""
+    from solver.planner.layer_split import best_split
+
+    checked = 0
+    for seed in range(16):
+        checked += _one_microbatch_rows_checked(random_problem(np.random.default_rng(seed), sends_scale=sends_scale), best_split)
+    assert checked >= 100
+
+
+def _one_microbatch_rows_checked(problem: Problem, best_split) -> int:  # noqa: ANN001
+    costs = StageCosts(problem)
+    checked = 0
+    for m, b, _, _, groups in every_row(problem):
+        if m != 1 or len(groups) > costs.n:
+            continue
+        for schedule in ("1f1b", "gpipe"):
+            tables = [costs.table(c, b, in_flight(schedule, 1, p, len(groups)), p == len(groups) - 1, 1)
+                      for p, c in enumerate(groups)]
+            sends = [costs.sends(a, c, b) for a, c in zip(groups, groups[1:])]
+            least = min(score(tables, sends, 1, cuts, schedule) for cuts in compositions(costs.n, len(groups)))
+            found = best_split(tables, sends, 1, schedule=schedule)
+            assert (found is None) if least == INF else found.objective_s == pytest.approx(least, rel=1e-12)
+            if least < INF:  # a beat just above it keeps it, one at it refuses it
+                assert best_split(tables, sends, 1, least * (1 + 1e-9), schedule) is not None
+                assert best_split(tables, sends, 1, least * (1 - 1e-9), schedule) is None
+            checked += 1
+    return checked
+
+
 @pytest.mark.parametrize("seed,sends_scale", [(seed, 1) for seed in range(30)] + [(seed, SEND_HEAVY) for seed in range(12)])
 def test_every_bound_is_below_every_split_it_covers(seed, sends_scale):
     """The search's three bounds, loosest first (a product of layouts at once, one

@@ -350,6 +350,10 @@ def best_split(
     # Every bottleneck and tail a split can have: each table's own, sorted once per table
     # (a table serves many pipelines), merged (a stable sort runs through sorted runs).
     t_values = sorted_unique(np.concatenate([t.run_times for t in tables] + [s[1:n] for s in row.sends]), kind="stable")
+    if m == 1 and v == 1:
+        # One microbatch: no pace term, so the loosest bottleneck's least sums are every split's least (the
+        # sweep would walk up to them from the tightest, pricing each on the way).
+        t_values = t_values[-1:]
     u_values = sorted_unique(np.concatenate([t.run_tails for t in tables]), kind="stable")
     best = Split(cuts0, score(tables, sends, m, cuts0, schedule, chunks))
     # What the sweep prunes against: the best objective (one chunk), or the best 1F1B
