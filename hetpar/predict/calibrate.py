@@ -48,18 +48,28 @@ class LayerSample:
     transpose_s: float = 0.0
 
 
-def program_inputs(program: Program, graph: Any) -> list[Any]:
-    """Zero-filled arguments with the program's shapes and shardings."""
-    return [
-        jax.device_put(jnp.zeros(graph.avals[v].shape, graph.avals[v].dtype), sharding)
-        for v, sharding in zip(program.task.inputs, program.in_shardings)
-    ]
+def program_inputs(program: Program, graph: Any, zeros: dict | None = None) -> list[Any]:
+    """Zero-filled arguments with the program's shapes and shardings. With `zeros` (a
+    dict the caller keeps for a set of runs), arguments of one shape, dtype and sharding
+    are one array: a program donates only its accumulators, never these, so runs may
+    share them, and a profile of a large model's many programs holds each weight's
+    zeros once rather than once per program (a dozen copies of a 1B model's embedding)."""
+    def zero(aval: Any, sharding: Any) -> Any:
+        key = (aval.shape, aval.dtype, sharding)
+        if zeros is None or key not in zeros:
+            made = jax.device_put(jnp.zeros(aval.shape, aval.dtype), sharding)
+            if zeros is None:
+                return made
+            zeros[key] = made
+        return zeros[key]
+
+    return [zero(graph.avals[v], sharding) for v, sharding in zip(program.task.inputs, program.in_shardings)]
 
 
-def program_run(program: Program, graph: Any) -> Callable[[], Any]:
-    """One run of `program` on zero-filled arguments, accumulators included: what
-    `timing.steady_time(s)` times."""
-    inputs = program_inputs(program, graph)
+def program_run(program: Program, graph: Any, zeros: dict | None = None) -> Callable[[], Any]:
+    """One run of `program` on zero-filled arguments (shared through `zeros`, as
+    `program_inputs` says), accumulators included: what `timing.steady_time(s)` times."""
+    inputs = program_inputs(program, graph, zeros)
     return lambda: program.fn(program.init_acc() if program.init_acc else (), *inputs)
 
 

@@ -394,15 +394,16 @@ def _layer_runs(fn: Callable, args: tuple, batch_argnum: int, device_ids: Sequen
     # the last costs inside a last stage's program, `LayerPointRecord.fused_s`).
     n = layers.num_layers
     whole = pair = ref = None
+    zeros: dict = {}  # every run's zero-filled arguments, one array per shape, dtype and sharding (`program_inputs`)
     if n > 1:
         split = [0] * (n - 2) + [1 if n > 2 else 0] * 2
         ref = compile_layer_stages(traced, layers, split, {s: mesh for s in set(split)},
                                    layouts=layer_layouts(traced, layers, split, device_ids, (dp, tp), device_kind, shard))
         last = [p for p in ref.programs if p.task.per_microbatch and p.task.stage == split[-1]]
         if len(last) == 1:
-            pair = _carried_run(last[0], ref.graph)
+            pair = _carried_run(last[0], ref.graph, zeros)
         if n >= 4:  # at least two layers in the reference stage: its programs against theirs apart
-            runs = [_carried_run(p, ref.graph) for p in ref.programs if p.task.per_microbatch and p.task.stage == 0]
+            runs = [_carried_run(p, ref.graph, zeros) for p in ref.programs if p.task.per_microbatch and p.task.stage == 0]
             whole = lambda: [r() for r in runs]  # noqa: E731
     out, seen = [], set()
     for layer, signature in enumerate(signatures):
@@ -417,9 +418,9 @@ def _layer_runs(fn: Callable, args: tuple, batch_argnum: int, device_ids: Sequen
         record = LayerRecord(signature, layers.names[layer], device_kind, dtype, tp, dp, shared)
         share = layers.forward_flops[layer] / layers.flops[layer] if layers.forward_flops and layers.flops[layer] else 1 / 3
         out.append(_Layer(
-            record, examples, _carried_run(fwd, plain.graph), _carried_run(bwd, plain.graph) if bwd else None,
-            _carried_run(redo, rerun.graph) if redo else None, [program_run(p, plain.graph) for p in once], share,
-            max(_peak_bytes(p, plain.graph, program_inputs) for p in mine),
+            record, examples, _carried_run(fwd, plain.graph, zeros), _carried_run(bwd, plain.graph, zeros) if bwd else None,
+            _carried_run(redo, rerun.graph, zeros) if redo else None, [program_run(p, plain.graph, zeros) for p in once], share,
+            max(_peak_bytes(p, plain.graph, lambda p, g: program_inputs(p, g, zeros)) for p in mine),
             _merge_run([(plain.graph.avals[v], None if v in p.stacked else sh.spec) for p in mine if p.task.per_microbatch
                         for v, sh in zip(p.task.reductions, p.acc_shardings)], device_ids, merge_ids, (dp, tp))
             if merge_ids is not None else None,
@@ -432,7 +433,7 @@ def _layer_runs(fn: Callable, args: tuple, batch_argnum: int, device_ids: Sequen
     return out, whole, ref
 
 
-def _carried_run(program: Any, graph: Any) -> Callable[[], Any]:
+def _carried_run(program: Any, graph: Any, zeros: dict | None = None) -> Callable[[], Any]:
     """One microbatch of a per-microbatch `program` on zero-filled arguments, adding
     into the accumulators the previous run left (donated, as the pipeline's runtime
     passes them from microbatch to microbatch): a run that made fresh accumulators
@@ -441,7 +442,7 @@ def _carried_run(program: Any, graph: Any) -> Callable[[], Any]:
     5% of a transformer block's backward)."""
     from hetpar.predict.calibrate import program_inputs
 
-    inputs = program_inputs(program, graph)
+    inputs = program_inputs(program, graph, zeros)
     acc = [program.init_acc() if program.init_acc else ()]
 
     def run() -> Any:
