@@ -4,7 +4,8 @@ compute, the usual mixed-precision setup: the shape of the model the planner mus
 see through (its parameters reach the layers only through casts).
 
 `LLAMA2_7B` and `LLAMA2_13B` are the published configurations, for planning
-abstractly (`jax.eval_shape`); tests use tiny ones."""
+abstractly (`jax.eval_shape`); `TINYLLAMA_1B` is one that runs on a single accelerator
+(benchmarks/one_device_step.py); tests use tiny ones."""
 
 from __future__ import annotations
 
@@ -40,6 +41,10 @@ class LlamaConfig:
 
 LLAMA2_7B = LlamaConfig(vocab_size=32000, seq_len=4096, d_model=4096, n_heads=32, n_layers=32, d_ff=11008)
 LLAMA2_13B = LlamaConfig(vocab_size=32000, seq_len=4096, d_model=5120, n_heads=40, n_layers=40, d_ff=13824)
+# TinyLlama-1.1B's shapes (22 blocks of 2048, SwiGLU 5632, 32000 tokens) with full multi-head
+# attention (its 4 key-value heads shared by 32 query heads would be 1.1B; this is 1.26B), at 1024
+# tokens a sequence rather than its 2048: a 1B-class model one accelerator trains, AdamW included.
+TINYLLAMA_1B = LlamaConfig(vocab_size=32000, seq_len=1024, d_model=2048, n_heads=32, n_layers=22, d_ff=5632)
 
 
 class RMSNorm(nn.Module):
@@ -158,3 +163,9 @@ def llama2_7b_512(batch_size: int = 64) -> Workload:
     activations fit a 16 GB device's pipeline stage, so that its state decides where
     it fits (`examples/clusters/v100_offload_6.yaml`: only with host offload)."""
     return setup(batch_size, replace(LLAMA2_7B, seq_len=512), abstract=True)
+
+
+def tinyllama_1b(batch_size: int = 8) -> Workload:
+    """`TINYLLAMA_1B` with its arrays allocated (about 20 GB with AdamW's state): for
+    `hetpar profile --layers models.llama:tinyllama_1b` and runs on one accelerator."""
+    return setup(batch_size, TINYLLAMA_1B)
