@@ -15,11 +15,10 @@ and timed (wall clock, each call blocked on, after a compiling call and
 With `--small` a tiny Llama of the same code runs instead, on any machine (the path
 alone: its figures say nothing of a GPU's).
 
-On an H200 the profile alone ran past 450 s (most of it compiling: the reference stage
-of 22 blocks, each distinct layer plain and recomputing, each program's memory analysis),
-so within a lent GPU's minutes run it as two calls: `--profile-only --profile
-$OUT/layers.json` (the file comes back), then the steps with `--profile layers.json`
-carried along (an existing file is used as it is).
+On an H200 the profile alone ran past 450 s and was stopped there (where that time went
+was not measured), so within a lent GPU's minutes run it as two calls: `--profile-only
+--profile $OUT/layers.json` (the file comes back), then the steps with `--profile
+layers.json` carried along (an existing file is used as it is).
 
 Ends with
 RESULT device=<type> measured_s=<t> profile_s=<t> profile_err=<x> catalog_s=<t> catalog_err=<x>
