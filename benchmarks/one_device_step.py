@@ -1,5 +1,5 @@
-"""Predicted against measured step time of a 1B-class model on this machine's first
-accelerator: the check of the estimator that needs a real GPU.
+"""Predicted against measured step time of a 1B-class model on this machine's
+accelerator (the host's CPU left out): the check of the estimator that needs a real GPU.
 
 The model is `models.llama.TINYLLAMA_1B` (TinyLlama-1.1B's shapes with full multi-head
 attention, 1024 tokens a sequence, bf16 compute, f32 parameters, AdamW), `--batch-size`
@@ -15,10 +15,12 @@ and timed (wall clock, each call blocked on, after a compiling call and
 With `--small` a tiny Llama of the same code runs instead, on any machine (the path
 alone: its figures say nothing of a GPU's).
 
-On an H200 the profile alone ran past 450 s and was stopped there (where that time went
-was not measured), so within a lent GPU's minutes run it as two calls: `--profile-only
---profile $OUT/layers.json` (the file comes back), then the steps with `--profile
-layers.json` carried along (an existing file is used as it is).
+On an H200 the profile alone ran past 450 s and was stopped there; it then timed the
+layers on the host's CPU too (where that time went was not measured; `hetpar profile
+--layers` now leaves the CPU out unless asked, `--host-cpu`). Within a lent GPU's minutes
+run it as two calls if need be: `--profile-only --profile $OUT/layers.json` (the file
+comes back), then the steps with `--profile layers.json` carried along (an existing file
+is used as it is).
 
 Ends with
 RESULT device=<type> measured_s=<t> profile_s=<t> profile_err=<x> catalog_s=<t> catalog_err=<x>
@@ -70,7 +72,7 @@ def main() -> None:
     factory = small if args.small else llama.tinyllama_1b
     spec = f"{Path(__file__).resolve()}:small" if args.small else "models.llama:tinyllama_1b"
     device = jax.devices()[0]
-    cluster = hetpar.Cluster.local()
+    cluster = hetpar.Cluster.local(include_cpu=False)
     print(f"device: {device.device_kind} ({device.platform}); cluster: {cluster.describe()}", flush=True)
 
     profile = Path(args.profile) if args.profile else Path(tempfile.mkdtemp()) / "layers.json"

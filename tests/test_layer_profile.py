@@ -354,8 +354,8 @@ def test_profiling_a_steps_layers_records_each_distinct_layer(workload):
 def test_runs_share_zero_arguments_of_one_shape_dtype_and_sharding(workload):
     """A profile's runs take zero-filled arguments (`program_inputs`); with one dict of
     zeros for them all, a weight several programs read (the forward and the backward,
-    the plain and the recomputing one) is one array, not one per program, which held a
-    dozen copies of a 1.26B Llama's embedding on a 141 GB GPU until it ran out."""
+    the plain and the recomputing one) is one array, not one per program (with a copy
+    per program a 1.26B Llama's profile ran out of a 141 GB GPU's memory)."""
     from hetpar.compile.programs import stage_mesh
     from hetpar.compile.step import compile_layer_stages
     from hetpar.predict.calibrate import program_inputs
@@ -375,6 +375,22 @@ def test_runs_share_zero_arguments_of_one_shape_dtype_and_sharding(workload):
     assert len(zeros) < len(fwd.task.inputs) + len(bwd.task.inputs)
     alone = program_inputs(fwd, step.graph)  # without the dict, fresh arrays, as before
     assert all(a is not b for a, b in zip(alone, first))
+
+
+@pytest.mark.parametrize("flags, host_cpu", [((), False), (("--host-cpu",), True)])
+def test_the_layer_profile_times_the_host_cpu_beside_accelerators_only_when_asked(tmp_path, monkeypatch, flags, host_cpu):
+    """On a machine with accelerators `Cluster.local()` holds the host's CPU as one more
+    kind; `hetpar profile --layers` asks for it only with `--host-cpu` (here, where the
+    CPU is the only kind, it is profiled either way)."""
+    from hetpar.cluster.cluster import Cluster
+
+    asked, local = [], Cluster.local
+    monkeypatch.setattr(Cluster, "local", staticmethod(lambda include_cpu=True: asked.append(include_cpu) or local(include_cpu)))
+    path = tmp_path / "layers.json"
+    assert main(["profile", "-o", str(path), "--mesh-size", "1", "--layers", "mlp", "--microbatch-sizes", "2",
+                 "--rounds", "1", "--no-remat", *flags]) == 0
+    assert asked[-1] is host_cpu  # the layer profile's (the device profile before it asks its own)
+    assert {r.device_kind for r in Profile.load(path).layers} == {"cpu"}
 
 
 def test_profiling_measures_the_runtimes_host_work(workload):

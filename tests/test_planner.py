@@ -11,7 +11,7 @@ import pytest
 
 from solver.collectives import LinkCost, Topology, affine_costs, best
 from solver.planner import DeviceKind, LayerCost, PlanningError, Problem, plan
-from solver.planner.layer_split import score
+from solver.planner.layer_split import best_split, score
 from solver.planner.layouts import kind_layouts
 from solver.planner.search import FINALISTS, Planner, _schedule_choices
 from solver.cost.stage_costs import INF, StageCosts, in_flight
@@ -174,16 +174,14 @@ def test_no_plan_beats_the_planner(seed, sends_scale):
 def test_one_microbatchs_split_is_the_least_of_every_split(sends_scale):
     """At one microbatch a split has no pace term, so its sweep prices the loosest
     bottleneck alone (`best_split`); the split it returns is still the least of every
-    split of every row, under 1F1B and GPipe, with any beat it is given."""
-    from solver.planner.layer_split import best_split
-
-    checked = 0
-    for seed in range(16):
-        checked += _one_microbatch_rows_checked(random_problem(np.random.default_rng(seed), sends_scale=sends_scale), best_split)
+    split of every row, under 1F1B and GPipe, and a beat just above it keeps it while one
+    just below refuses it."""
+    checked = sum(_one_microbatch_rows_checked(random_problem(np.random.default_rng(seed), sends_scale=sends_scale))
+                  for seed in range(16))
     assert checked >= 100
 
 
-def _one_microbatch_rows_checked(problem: Problem, best_split) -> int:  # noqa: ANN001
+def _one_microbatch_rows_checked(problem: Problem) -> int:
     costs = StageCosts(problem)
     checked = 0
     for m, b, _, _, groups in every_row(problem):
@@ -196,7 +194,7 @@ def _one_microbatch_rows_checked(problem: Problem, best_split) -> int:  # noqa: 
             least = min(score(tables, sends, 1, cuts, schedule) for cuts in compositions(costs.n, len(groups)))
             found = best_split(tables, sends, 1, schedule=schedule)
             assert (found is None) if least == INF else found.objective_s == pytest.approx(least, rel=1e-12)
-            if least < INF:  # a beat just above it keeps it, one at it refuses it
+            if least < INF:
                 assert best_split(tables, sends, 1, least * (1 + 1e-9), schedule) is not None
                 assert best_split(tables, sends, 1, least * (1 - 1e-9), schedule) is None
             checked += 1

@@ -142,14 +142,16 @@ def ints(text: str, flag: str) -> list[int]:
 
 def profile_layers(args: argparse.Namespace, workload) -> list:  # noqa: ANN001
     """`hetpar profile --layers STEP`: each distinct layer of STEP (`workload`, loaded)
-    timed on every device kind of this process (predict/layer_profile.py)."""
+    timed on every device kind of this process (predict/layer_profile.py), the host's
+    CPU beside accelerators only with `--host-cpu`: a large model's layers, and the
+    reference stage of nearly all of them, run many times slower on the host's cores."""
     from hetpar.cluster.cluster import Cluster
     from hetpar.predict.layer_profile import layer_timing
     from hetpar.runtime.host_cost import host_runs
     from hetpar.shard import shard_stages
 
     records = []
-    for group in Cluster.local().groups:
+    for group in Cluster.local(include_cpu=args.host_cpu).groups:
         kind = args.device_type or group.type_name
         records += layer_timing(workload.step, workload.args, group.device_ids, kind,
                                 ints(args.microbatch_sizes, "--microbatch-sizes"), ints(args.data_parallel, "--data-parallel"),

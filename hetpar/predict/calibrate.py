@@ -53,7 +53,8 @@ def program_inputs(program: Program, graph: Any, zeros: dict | None = None) -> l
     dict the caller keeps for a set of runs), arguments of one shape, dtype and sharding
     are one array: a program donates only its accumulators, never these, so runs may
     share them, and a profile of a large model's many programs holds each weight's
-    zeros once rather than once per program (a dozen copies of a 1B model's embedding)."""
+    zeros once rather than once per program (a Llama of 669 MiB of state: 2,695 MiB of
+    arrays alive before its host-cost run, 1,599 MiB with them shared)."""
     def zero(aval: Any, sharding: Any) -> Any:
         key = (aval.shape, aval.dtype, sharding)
         if zeros is None or key not in zeros:

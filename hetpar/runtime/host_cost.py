@@ -50,10 +50,10 @@ class HostRuns:
 @dataclass
 class _Recording:
     """The real transport, keeping the shape, dtype and sharding of what every call
-    returned (`_stand_in`) and every split's arguments. Not the values: a run that held
-    every value its step makes (every stage's activations, a second new state) would need
-    several times a step's memory, more than a 1B-class model's step leaves on a 141 GB
-    GPU; the replay only hands values on and checks where they lie."""
+    returned (`_stand_in`) and every split's arguments. Not the values: they are every
+    value the step makes (every stage's activations, a second new state), held beside the
+    profile's own arrays (with them a 1.26B Llama's profile ran out of a 141 GB GPU's
+    memory), and the replay only hands values on and checks where they lie."""
 
     real: DeviceTransport
     returned: list = field(default_factory=list)
