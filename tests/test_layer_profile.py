@@ -373,7 +373,7 @@ def test_runs_share_zero_arguments_of_one_shape_dtype_and_sharding(workload):
     for v in read_by_both:
         assert first[fwd.task.inputs.index(v)] is second[bwd.task.inputs.index(v)]
     assert len(zeros) < len(fwd.task.inputs) + len(bwd.task.inputs)
-    alone = program_inputs(fwd, step.graph)  # without the dict, fresh arrays, as before
+    alone = program_inputs(fwd, step.graph)  # without the dict, arrays of its own
     assert all(a is not b for a, b in zip(alone, first))
 
 

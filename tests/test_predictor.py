@@ -152,3 +152,38 @@ def test_steady_times_interleave_rounds_and_keep_the_least():
     assert order == ["a", "b", "a", "b", "a", "b"]
     short = scripted("c", [9, 1, 1, 0.5, 6])
     assert steady_times([short], repeats=1, rounds=1, warmup=1, clocks=[clock], min_round_s=2.5) == [0.5]  # 1 + 1 + 0.5
+
+
+def _gpu_box(monkeypatch, kinds=("NVIDIA H100 80GB HBM3",)):
+    """`Cluster.local()` on a machine with two GPUs of each of `kinds` and the host's
+    CPU (JAX's devices stood in for: this machine has no GPU)."""
+    from types import SimpleNamespace
+
+    import hetpar.cluster.cluster as cluster
+
+    gpus = [SimpleNamespace(platform="gpu", device_kind=k, id=i) for i, k in enumerate(k for k in kinds for _ in range(2))]
+    cpu = SimpleNamespace(platform="cpu", device_kind="cpu", id=0)
+    monkeypatch.setattr(cluster, "local_devices", lambda include_cpu=True: gpus + ([cpu] if include_cpu else []))
+
+
+def test_a_profile_files_the_host_cpu_under_its_own_name_beside_named_gpus(monkeypatch):
+    """`--device-type` names the accelerators; the host's CPU, profiled beside them only
+    when asked, keeps its name (filed under theirs, its figures replaced the GPUs')."""
+    from hetpar.errors import HetparError
+    from hetpar.predict.profile import profiled_groups
+
+    _gpu_box(monkeypatch)
+    assert [(name, g.type_name, len(g.device_ids)) for name, g in profiled_groups()] == [("H100", "H100", 2)]
+    assert [(name, g.type_name) for name, g in profiled_groups("H100-SXM", include_cpu=True)] == \
+        [("H100-SXM", "H100"), ("cpu", "cpu")]
+    _gpu_box(monkeypatch, ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"))
+    assert [name for name, _ in profiled_groups(include_cpu=True)] == ["H100", "A100-80GB", "cpu"]
+    with pytest.raises(HetparError, match="has 2: H100, A100-80GB; leave it out"):
+        profiled_groups("H100")
+
+
+def test_on_a_cpu_machine_the_device_type_names_the_cpu():
+    from hetpar.predict.profile import profiled_groups
+
+    assert [name for name, _ in profiled_groups("A100")] == ["A100"]  # the README's stand-in on CPU devices
+    assert [name for name, _ in profiled_groups()] == ["cpu"]

@@ -73,9 +73,9 @@ def parser() -> argparse.ArgumentParser:
                    "sharding pass lays out a stage of it on a data x model mesh (default 1: stages with a model axis "
                    "are then priced from the model)")
     p.add_argument("--no-remat", action="store_true", help="with --layers: skip the recomputing backward")
-    p.add_argument("--host-cpu", action="store_true", help="with --layers on a machine with accelerators: also time "
-                   "the layers on the host's CPU, a device kind the planner may give stages (default: the "
-                   "accelerators only; a large model's layers take many times longer on the CPU)")
+    p.add_argument("--host-cpu", action="store_true", help="on a machine with accelerators: also profile the host's "
+                   "CPU, a device kind the planner may give stages, under its own name whatever --device-type says "
+                   "(default: the accelerators only; a large model's layers take many times longer on the CPU)")
     p.add_argument("--rounds", type=int, default=7, help="with --layers: timed rounds per program (the median is kept)")
     p.add_argument("--links", action="store_true",
                    help="measure this machine's links instead (device to device, device to host) and print them as "

@@ -92,7 +92,8 @@ def profile(args: argparse.Namespace) -> int:
             w = load_workload(args.model, batch_size=size)
             layers.append(LayerWorkload(f"{args.model} batch {size}", w.step, w.args, args.num_layers or 4))
     sizes = ints(args.mesh_sizes, "--mesh-sizes") if args.mesh_sizes else []
-    result = profile_local(mesh_size=args.mesh_size, device_type=args.device_type, layers=layers, mesh_sizes=sizes)
+    result = profile_local(mesh_size=args.mesh_size, device_type=args.device_type, layers=layers, mesh_sizes=sizes,
+                           include_cpu=args.host_cpu)
     if args.layers:
         result.layers = profile_layers(args, step)
     result.save(args.output)
@@ -118,14 +119,15 @@ def profile(args: argparse.Namespace) -> int:
 
 def profile_links(args: argparse.Namespace) -> int:
     """`hetpar profile --links`: each device kind's node links, as cluster-file fields."""
-    from hetpar.cluster.cluster import Cluster, jax_devices
+    from hetpar.cluster.cluster import jax_devices
     from hetpar.predict.links import measure_links
+    from hetpar.predict.profile import profiled_groups
 
-    for group in Cluster.local().groups:
+    for name, group in profiled_groups(args.device_type, args.host_cpu):
         if len(group.device_ids) < 2:
-            print(f"# {group.type_name}: one device, no link between devices to measure")
+            print(f"# {name}: one device, no link between devices to measure")
             continue
-        links = measure_links(jax_devices(group.device_ids), args.device_type or group.type_name)
+        links = measure_links(jax_devices(group.device_ids), name)
         print(links.as_yaml())
     return 0
 
@@ -145,14 +147,13 @@ def profile_layers(args: argparse.Namespace, workload) -> list:  # noqa: ANN001
     timed on every device kind of this process (predict/layer_profile.py), the host's
     CPU beside accelerators only with `--host-cpu`: a large model's layers, and the
     reference stage of nearly all of them, run many times slower on the host's cores."""
-    from hetpar.cluster.cluster import Cluster
     from hetpar.predict.layer_profile import layer_timing
+    from hetpar.predict.profile import profiled_groups
     from hetpar.runtime.host_cost import host_runs
     from hetpar.shard import shard_stages
 
     records = []
-    for group in Cluster.local(include_cpu=args.host_cpu).groups:
-        kind = args.device_type or group.type_name
+    for kind, group in profiled_groups(args.device_type, args.host_cpu):
         records += layer_timing(workload.step, workload.args, group.device_ids, kind,
                                 ints(args.microbatch_sizes, "--microbatch-sizes"), ints(args.data_parallel, "--data-parallel"),
                                 num_layers=args.num_layers, remat=not args.no_remat, host=host_runs,

@@ -209,21 +209,39 @@ class LayerWorkload:
     batch_argnum: int = 1
 
 
+def profiled_groups(device_type: str | None = None, include_cpu: bool = False) -> list[tuple[str, Any]]:
+    """This process's device groups (`Cluster.local`), each with the name a profile
+    files it under: `device_type`, the user's catalog name for the machine's devices,
+    else the detected kind. On a machine with accelerators the host's CPU is profiled
+    only with `include_cpu`, and keeps its own name: a measurement filed under the
+    accelerators' name would replace theirs (it came last). `device_type` names one
+    kind, so a machine with accelerators of two kinds is refused it."""
+    from hetpar.cluster.cluster import Cluster
+
+    groups = Cluster.local(include_cpu).groups
+    named = [g for g in groups if g.type_name != "cpu"] or list(groups)  # the accelerators, or the CPU where alone
+    if device_type and len(named) > 1:
+        raise HetparError(f"a device type name (--device-type {device_type}) files one kind of device, and this machine "
+                          f"has {len(named)}: {', '.join(g.type_name for g in named)}; leave it out to file each under "
+                          "its detected name")
+    return [(device_type if device_type and g in named else g.type_name, g) for g in groups]
+
+
 def profile_local(
     mesh_size: int | None = None, device_type: str | None = None, layers: Sequence[LayerWorkload] = (),
-    mesh_sizes: Sequence[int] = (),
+    mesh_sizes: Sequence[int] = (), include_cpu: bool = False,
 ) -> Profile:
-    """Profiles the devices of this process, grouped by kind; with `layers`, also times
+    """Profiles the devices of this process, grouped by kind (the host's CPU beside
+    accelerators only with `include_cpu`, `profiled_groups`); with `layers`, also times
     those models' layers and fits the predictor's corrections to them. Two batch sizes
     of one model let the fit tell fixed costs from costs that grow with the work.
     `mesh_sizes`: on CPU virtual devices, meshes of these sizes are calibrated too
     (`DeviceProfile.meshes`); every mesh's layer programs are timed in one pool."""
-    from hetpar.cluster.cluster import Cluster, jax_devices
+    from hetpar.cluster.cluster import jax_devices
 
     profiles = {}
-    for group in Cluster.local().groups:
+    for name, group in profiled_groups(device_type, include_cpu):
         main = mesh_size or len(group.device_ids)
-        name = device_type or group.type_name
         for size in mesh_sizes:
             if not 0 < size <= len(group.device_ids):
                 raise HetparError(f"cannot calibrate a mesh of {size} devices: this process has "
