@@ -2,7 +2,9 @@
 and how close to its own bound are the plans it returns?
 
 Search times are wall seconds (the RESULT line's) and this process's CPU seconds
-(on a shared, loaded machine wall time also counts other processes' turns).
+(on a shared, loaded machine wall time also counts other processes' turns), those of
+the middle of `--repeats` solves of the scenario by wall time (default 3: the median;
+one solve's time on a shared 2-core machine varies by half), with their range.
 
 Scenarios (models on paper, `solver.transformer`; clusters built here as cluster
 specs, nodes of 8 GPUs):
@@ -32,7 +34,7 @@ RESULT s64_3t_s=<t> s256_3t_s=<t> s768_3t_s=<t> mixed_stage_chosen=<n>
 768-GPU scenario; mixed_stage_chosen: scenarios whose chosen plan has a stage whose
 data-parallel parts are of different kinds, solver/planner/mixed.py: chosen only where
 the estimator prices it faster).
-Run: .venv/bin/python benchmarks/search_scale.py [--scenario NAME ...] [--finalists K]
+Run: .venv/bin/python benchmarks/search_scale.py [--scenario NAME ...] [--finalists K] [--repeats N]
 """
 
 from __future__ import annotations
@@ -108,22 +110,33 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scenario", choices=sorted(SCENARIOS), action="append")
     parser.add_argument("--finalists", type=int, default=FINALISTS, help="plans the estimator ranks (default %(default)s)")
+    parser.add_argument("--repeats", type=int, default=3, help="solves per scenario, the middle one reported (default %(default)s)")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     logging.basicConfig(level=logging.WARNING)
     times: dict[str, float] = {}
     mixed = 0
     for name in args.scenario or list(SCENARIOS):
         s = SCENARIOS[name]
-        problem = s.problem()
-        started, cpu_started = time.perf_counter(), time.process_time()
-        result = Planner(problem, top_k=1, finalists=args.finalists).solve()
-        times[name] = time.perf_counter() - started
-        cpu = time.process_time() - cpu_started  # this process's own CPU: steadier than wall on a shared machine
+        walls, cpus, results = [], [], []
+        for _ in range(args.repeats):  # each solve on a problem of its own, as a user's run makes it
+            problem = s.problem()
+            started, cpu_started = time.perf_counter(), time.process_time()
+            results.append(Planner(problem, top_k=1, finalists=args.finalists).solve())
+            walls.append(time.perf_counter() - started)
+            cpus.append(time.process_time() - cpu_started)  # this process's own CPU: steadier than wall on a shared machine
+        if len({r.best.describe() for r in results}) > 1:
+            raise SystemExit(f"{name}: the repeated solves chose different plans: {sorted({r.best.describe() for r in results})}")
+        mid = sorted(range(len(walls)), key=walls.__getitem__)[len(walls) // 2]  # the middle solve, its phases with it
+        result, times[name], cpu = results[mid], walls[mid], cpus[mid]
         best = result.best
         cluster = " + ".join(f"{k.count} {k.name}" for k in problem.kinds)
         alone = ", ".join(f"{kind} {rate * problem.tokens_per_example:,.0f}" for kind, rate in result.per_kind)
+        spread = f" (the middle of {len(walls)} solves: {min(walls):.3f}-{max(walls):.3f})" if len(walls) > 1 else ""
         print(f"{name}: {s.model.layers} layers, batch {s.batch}, {s.dtype}, {cluster}")
-        print(f"  search {times[name]:.3f} s wall, {cpu:.3f} s CPU; step {best.step_s:.4f} s (estimator); {best.tokens_per_s:,.0f} tokens/s; "
+        print(f"  search {times[name]:.3f} s wall{spread}, {cpu:.3f} s CPU; step {best.step_s:.4f} s (estimator); "
+              f"{best.tokens_per_s:,.0f} tokens/s; "
               + ("proven best of the planner's space" if not result.gap else f"stopped at most {result.gap:.1%} from the best"))
         print(f"  where the search's time went: {result.describe_phases()}")
         if result.bound_ratio is None:
