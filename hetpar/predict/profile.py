@@ -18,7 +18,7 @@ import json
 import logging
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +30,9 @@ from hetpar.predict.calibrate import LayerProgram, LayerSample, calibrated, laye
 from hetpar.predict.layer_profile import LayerRecord, merge_records
 from hetpar.predict.timing import steady_time, steady_times
 from hetpar.predict.compute import ComputeModel
+
+if TYPE_CHECKING:
+    from hetpar.cluster.groups import DeviceGroup
 
 log = logging.getLogger("hetpar.profile")
 PROFILE_VERSION = 2  # 2: measured layers (`Profile.layers`, predict/layer_profile.py); version 1 files still read
@@ -209,13 +212,13 @@ class LayerWorkload:
     batch_argnum: int = 1
 
 
-def profiled_groups(device_type: str | None = None, include_cpu: bool = False) -> list[tuple[str, Any]]:
+def profiled_groups(device_type: str | None = None, include_cpu: bool = False) -> list[tuple[str, "DeviceGroup"]]:
     """This process's device groups (`Cluster.local`), each with the name a profile
     files it under: `device_type`, the user's catalog name for the machine's devices,
     else the detected kind. On a machine with accelerators the host's CPU is profiled
-    only with `include_cpu`, and keeps its own name: a measurement filed under the
-    accelerators' name would replace theirs (it came last). `device_type` names one
-    kind, so a machine with accelerators of two kinds is refused it."""
+    only with `include_cpu`, and keeps its own name: filed under the accelerators'
+    name, its measurement (made after theirs) would replace theirs. `device_type`
+    names one kind, so a machine with accelerators of two kinds is refused it."""
     from hetpar.cluster.cluster import Cluster
 
     groups = Cluster.local(include_cpu).groups
