@@ -7,23 +7,31 @@ layout of the products other than contiguous along the stages would reorder them
 import numpy as np
 import pytest
 
-from solver.planner.bottleneck import Group, LastStage, least_steps
+from solver.planner.bottleneck import Group, LastRooms, least_steps, places
+from solver.planner.runs import FITS_TOL
 
 INF = float("inf")
 _BLOCK = 16
 
 
 def least_steps_floats(group, at, n, nr, m, layers, offsets, beat, lasts=None):
-    """The float pass as it was: every room a float, the floor priced apart."""
+    """The float pass as it was: every room a float, the floor priced apart (with
+    `lasts`, each stage's figures by its place, a stage at a time)."""
     plain = n >= 1
     firsts = np.where(plain, group.firsts[at], group.firsts_remat[at])
     rates = np.where(plain, group.rates[at], group.rates_remat[at])
+    middle = np.zeros(len(at))  # the least time at which every middle stage holds a layer
     if lasts is not None:
-        ends = plain[:, -1]
-        firsts[:, -1] = np.where(ends, [s.first for s in lasts], [s.first_remat for s in lasts])
-        rates[:, -1] = np.where(ends, [s.step for s in lasts], [s.step_remat for s in lasts])
-        last_rooms = np.maximum(np.minimum(np.stack([s.rooms for s in lasts]), n[:, -1:]),
-                                np.minimum(np.stack([s.rooms_remat for s in lasts]), nr[:, -1:]))
+        figures = group.by_place
+        for column, place in enumerate(places(at.shape[1])):
+            lay, whole = at[:, column], plain[:, column]
+            firsts[:, column] = np.where(whole, figures[0, place][lay], figures[1, place][lay])
+            rates[:, column] = np.where(whole, figures[2, place][lay], figures[3, place][lay])
+        last = at[:, -1]
+        last_rooms = np.maximum(np.minimum(lasts.rooms[last], n[:, -1:]), np.minimum(lasts.rooms_remat[last], nr[:, -1:]))
+        if at.shape[1] > 2:
+            inner = np.minimum(np.where(n >= 1, figures[0, 1][at], INF), np.where(nr >= 1, figures[1, 1][at], INF))
+            middle = inner[:, 1:-1].max(axis=1)
     base = firsts.sum(axis=1)[:, None]
     by_rate = np.argsort(rates, axis=1, kind="stable")
     each = np.arange(len(at))[:, None]
@@ -50,7 +58,7 @@ def least_steps_floats(group, at, n, nr, m, layers, offsets, beat, lasts=None):
     for start in range(int(np.argmax(enough.any(axis=0))) if some.any() else len(steps), len(steps), _BLOCK):
         ts = steps[start : start + _BLOCK]
         block = np.ascontiguousarray(rooms[going, :, start : start + _BLOCK].transpose(0, 2, 1))
-        values = (m - 1) * ts + least_sums(block, going)
+        values = np.where(ts * FITS_TOL >= middle[going, None], (m - 1) * ts + least_sums(block, going), INF)
         best[going] = np.minimum(best[going], values.min(axis=1))
         going[going] = (m - 1) * ts[-1] + floor_sums[going] < best[going]
         if not going.any():
@@ -67,20 +75,15 @@ def random_case(rng):
     stages, rows = int(rng.integers(1, min(18, layers) + 1)), int(rng.integers(1, 8))
     group = Group(np.sort(rng.random(size)) * 3, 0.0, rng.random(layouts), rng.random(layouts) * 2, rng.random(layouts) / 7,
                   rng.random(layouts) / 5, nondecreasing_counts(rng, layouts, size, layers),
-                  nondecreasing_counts(rng, layouts, size, layers), {}, {}, [])
+                  nondecreasing_counts(rng, layouts, size, layers), rng.random((6, 3, layouts)), {}, {}, [])
     at = rng.integers(0, layouts, (rows, stages))
     n = rng.integers(0, layers // stages + 3, (rows, stages)).astype(float)
     nr = n + rng.integers(0, 3, (rows, stages))
     lasts = None
     if rng.random() < 0.5:
-        lasts = LastStage(*rng.random((4, layouts)), *(nondecreasing_counts(rng, layouts, size, layers) for _ in range(2)))
+        lasts = LastRooms(*(nondecreasing_counts(rng, layouts, size, layers) for _ in range(2)))
     beat = INF if rng.random() < 0.5 else float(rng.random() * 20)
     return group, at, n, nr, int(rng.integers(1, 40)), layers, rng.random(rows), beat, lasts
-
-
-def each_rows_last(lasts, at):
-    """The float pass's `lasts`: a row's last stage's figures per row (its layout's row of the table)."""
-    return None if lasts is None else [LastStage(*(field[i] for field in lasts)) for i in at[:, -1]]
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -88,5 +91,5 @@ def test_least_steps_is_the_float_pass_bit_for_bit(seed):
     rng = np.random.default_rng(seed)
     for _ in range(300):
         case = random_case(rng)
-        old = least_steps_floats(*case[:-1], each_rows_last(case[-1], case[1]))
+        old = least_steps_floats(*case)
         assert least_steps(*case).tobytes() == old.tobytes()

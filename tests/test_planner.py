@@ -21,17 +21,22 @@ GIB = 2**30
 
 
 def random_problem(rng: np.random.Generator, kinds: int | None = None, allow_replicas: bool = True,
-                   sends_scale: float = 1.0) -> Problem:
+                   sends_scale: float = 1.0, light_ends: bool = False) -> Problem:
     """`sends_scale`: each layer's input that much larger (its sends between stages),
-    the draws unchanged."""
+    the draws unchanged; `light_ends`: the first and last layers' work a thousandth
+    (a language model's embedding: the least run of one layer is one no middle stage
+    holds)."""
     n = int(rng.integers(2, 9))
+    work = rng.uniform(1e11, 1e12, n)
+    if light_ends:
+        work[[0, -1]] /= 1000
     layers = tuple(
         LayerCost(
             flops=float(f), forward_flops=float(f) / 3, param_bytes=int(rng.integers(1, 40)) * 2**24,
             saved_bytes=float(rng.integers(1, 30)) * 2**22, input_bytes=float(rng.integers(1, 8)) * 2**20 * sends_scale,
             tp_bytes=float(rng.integers(0, 4)) * 2**20,
         )
-        for f in rng.uniform(1e11, 1e12, n)
+        for f in work
     )
     num_kinds = kinds or int(rng.integers(1, 4))
     counts = rng.multinomial(int(rng.integers(num_kinds, 9)) - num_kinds, [1 / num_kinds] * num_kinds) + 1
@@ -201,13 +206,16 @@ def _one_microbatch_rows_checked(problem: Problem) -> int:
     return checked
 
 
-@pytest.mark.parametrize("seed,sends_scale", [(seed, 1) for seed in range(30)] + [(seed, SEND_HEAVY) for seed in range(12)])
-def test_every_bound_is_below_every_split_it_covers(seed, sends_scale):
+@pytest.mark.parametrize("seed,sends_scale,light_ends", [(seed, 1, False) for seed in range(30)]
+                         + [(seed, SEND_HEAVY, False) for seed in range(12)] + [(seed, 1, True) for seed in range(16)])
+def test_every_bound_is_below_every_split_it_covers(seed, sends_scale, light_ends):
     """The search's three bounds, loosest first (a product of layouts at once, one
     layout, one order of it), never exceed the 1F1B step of any split of any order
-    they cover; were one to, the search could prune the best plan."""
+    they cover; were one to, the search could prune the best plan. With light first
+    and last layers (an embedding's), the bounds' middle stages, which hold neither,
+    are what binds."""
     rng = np.random.default_rng(100 + seed)
-    problem = random_problem(rng, kinds=int(rng.integers(1, 4)), sends_scale=sends_scale)
+    problem = random_problem(rng, kinds=int(rng.integers(1, 4)), sends_scale=sends_scale, light_ends=light_ends)
     costs, planner = StageCosts(problem), Planner(problem)
     bounds, n = planner.bounds, costs.n
     per_kind = [kind_layouts(problem, k.name) for k in problem.kinds]
@@ -217,9 +225,11 @@ def test_every_bound_is_below_every_split_it_covers(seed, sends_scale):
         product = bounds.product_bounds(usable, m, b, "1f1b")
         # A product's sets bounded together (as the search tightens a stream's next
         # ones: sets of as many stages share one pass on all their layouts' candidate
-        # times) give each set's own figure, bit for bit.
+        # times) give each set's own figure, up to rounding: another set's candidate
+        # within the tolerance below one of its own counts a middle stage's one-layer
+        # room there (`bottleneck._unplaced`).
         alone = [bounds.bound(layouts, m, b, "1f1b") for _, layouts in product]
-        assert list(bounds.set_bounds([layouts for _, layouts in product], m, b, "1f1b")) == alone
+        assert list(bounds.set_bounds([layouts for _, layouts in product], m, b, "1f1b")) == pytest.approx(alone, rel=1e-11)
         for lower, layouts in product:
             layout_bound = bounds.bound(layouts, m, b, "1f1b")
             assert lower <= layout_bound * (1 + 1e-12)
@@ -233,13 +243,14 @@ def test_every_bound_is_below_every_split_it_covers(seed, sends_scale):
                     [bounds.order_bound(o, m, b, "1f1b", beat, last) for o in orders]
             for order in orders:
                 order_bound = bounds.order_bound(order, m, b, "1f1b")
-                assert layout_bound <= order_bound * (1 + 1e-12)
                 configs = [lay.config for lay in order for _ in range(lay.stages)]
                 tables = [costs.table(c, b, in_flight("1f1b", m, p, len(configs)), p == len(configs) - 1, m)
                           for p, c in enumerate(configs)]
                 sends = [costs.sends(a, c, b) for a, c in zip(configs, configs[1:])]
                 exact = min((score(tables, sends, m, cuts, "1f1b") for cuts in compositions(n, len(configs))), default=INF)
                 assert order_bound <= exact * (1 + 1e-12), (order, m, order_bound, exact)
+                # The set's, whatever its order (one stage first, one last, the others between).
+                assert layout_bound <= exact * (1 + 1e-12), (order, m, layout_bound, exact)
                 # With the last stage's own runs (what the search ranks and refuses orders by).
                 last_bound = bounds.order_bound(order, m, b, "1f1b", last=True)
                 assert last_bound <= exact * (1 + 1e-12), (order, m, last_bound, exact)

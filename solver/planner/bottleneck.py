@@ -19,22 +19,17 @@ from typing import NamedTuple
 import numpy as np
 
 from solver.cost.stage_costs import INF
+from solver.planner.runs import FITS_TOL
 from solver.schedules.one_f_one_b import round_trip_pace
 
 _BLOCK = 16  # candidate step times priced at once
 
 
-class LastStage(NamedTuple):
-    """A group's layouts as a pipeline's last stage (`LowerBounds._last_stages`), a row
-    each in the group's `index` order: the least one-layer time and increment per
-    further layer, plain and recomputing, over the model's last runs, and the rooms per
-    candidate step time of the group (an order's last stage is any of its layouts: a
-    row of orders picks its last stages' rows, not a list of them stacked per call)."""
+class LastRooms(NamedTuple):
+    """A group's layouts as a pipeline's last stage (`LowerBounds._last_rooms`): its
+    rooms per candidate step time of the group, [layout, t] (layouts in the group's
+    `index` order; a row of orders picks its last stage's by its layout)."""
 
-    first: np.ndarray
-    first_remat: np.ndarray
-    step: np.ndarray
-    step_remat: np.ndarray
     rooms: np.ndarray
     rooms_remat: np.ndarray
 
@@ -52,19 +47,27 @@ class Group(NamedTuple):
     rates_remat: np.ndarray
     plain_rooms: np.ndarray
     remat_rooms: np.ndarray
+    # [figure, place, layout]: `rows.EndRuns`' six figures (one-layer time, increment per further
+    # layer, base beside the increments anywhere; each plain and recomputing) over the runs a
+    # stage's place in a pipeline allows (`places`: first, middle, last)
+    by_place: np.ndarray
     index: dict[tuple, int]  # a layout (`layouts.KindLayout`) -> its row
     rows: dict[tuple, np.ndarray]  # per row of these layouts, each stage's position in the arrays above
-    lasts: list[LastStage]  # its layouts' figures as a pipeline's last stage, once asked (`LowerBounds._last_stages`)
+    lasts: list[LastRooms]  # its layouts' rooms as a pipeline's last stage, once asked (`LowerBounds._last_rooms`)
 
 
 def least_steps(group: Group, at: np.ndarray, n: np.ndarray, nr: np.ndarray, m: int, layers: int, offsets: np.ndarray,
-                beat: float, lasts: LastStage | None = None, trips: np.ndarray | None = None) -> np.ndarray:
+                beat: float, lasts: LastRooms | None = None, trips: np.ndarray | None = None,
+                placed: bool | None = None) -> np.ndarray:
     """Per row (`at`: each stage's layout in the group's arrays; `n`, `nr`: the most
     layers each stage holds without and with recomputation, whole numbers): the least
     (m - 1) t + summed stage times over the group's candidate times t, plus the row's
     offset, stopped at `beat` (a figure that reaches it is as good as exact for
-    pruning); `lasts`: the group's layouts' figures as a last stage, where the order is
-    known (each row's last stage's own, picked by its layout); `trips`: per row, what
+    pruning); `lasts`: given where the order is known, each stage is priced by the runs
+    its place allows (`Group.by_place`), the last's rooms are its own, and no candidate
+    time below a middle stage's one-layer time counts (`_middle_floor`); `placed` False:
+    the order is not known (a set's rows), but at most two stages are not middle ones
+    (`_unplaced`); `trips`: per row, what
     a round trip adds to the summed stage times (its least sends both ways), where
     1F1B's round trips pace it (`round_trip_pace`) and the pace is t or the round
     trip's, whichever is slower.
@@ -74,12 +77,20 @@ def least_steps(group: Group, at: np.ndarray, n: np.ndarray, nr: np.ndarray, m: 
     plain = n >= 1  # a stage that cannot hold one layer without recomputing recomputes
     firsts = np.where(plain, group.firsts[at], group.firsts_remat[at])
     rates = np.where(plain, group.rates[at], group.rates_remat[at])
-    if lasts is not None:
-        ends, last = plain[:, -1], at[:, -1]
-        firsts[:, -1] = np.where(ends, lasts.first[last], lasts.first_remat[last])
-        rates[:, -1] = np.where(ends, lasts.step[last], lasts.step_remat[last])
+    # Per row, the least candidate time at which its middle stages all hold a layer (`_middle_floor`).
+    middle = None
+    if placed is False:
+        base, middle = _unplaced(group.by_place, at, plain, n, nr)
+    elif lasts is not None:  # each stage's runs are those its place allows (a subset: the figures only grow)
+        place, figures = places(at.shape[1]), group.by_place
+        firsts = np.where(plain, figures[0][place, at], figures[1][place, at])
+        rates = np.where(plain, figures[2][place, at], figures[3][place, at])
+        last = at[:, -1]
         last_rooms = np.maximum(np.minimum(lasts.rooms[last], n[:, -1:]), np.minimum(lasts.rooms_remat[last], nr[:, -1:]))
-    base = firsts.sum(axis=1)
+        if at.shape[1] > 2:
+            middle = _middle_floor(figures, at[:, 1:-1], n[:, 1:-1], nr[:, 1:-1]).max(axis=1)
+    if placed is not False:
+        base = firsts.sum(axis=1)
     # The stages sorted by their increment per layer, once: the least sums hand the
     # layers beyond one per stage to the least increments first.
     by_rate = np.argsort(rates, axis=1, kind="stable")
@@ -97,6 +108,8 @@ def least_steps(group: Group, at: np.ndarray, n: np.ndarray, nr: np.ndarray, m: 
     # (nondecreasing along t, as the rooms are).
     enough = rooms.sum(axis=1) >= layers
     fit = enough & (rooms.min(axis=1) >= 1)
+    if middle is not None:
+        fit &= group.steps * FITS_TOL >= middle[:, None]
     some = enough[:, -1]
     budget = layers - n.shape[1]  # layers beyond one per stage
     steps = group.steps
@@ -126,6 +139,41 @@ def least_steps(group: Group, at: np.ndarray, n: np.ndarray, nr: np.ndarray, m: 
         if not going.any():
             break
     return np.where(some, best + offsets, INF)
+
+
+def _middle_floor(figures: np.ndarray, at: np.ndarray, n: np.ndarray, nr: np.ndarray) -> np.ndarray:
+    """Per stage, its least one-layer time as a middle stage (`Group.by_place`), plain
+    where its memory holds a layer so, else recomputing (inf: neither): no split in
+    whose middle this stage is has a bottleneck M below it. A candidate time
+    (`LowerBounds._group`), so at most the largest candidate t <= M, where a split is
+    counted."""
+    return np.minimum(np.where(n >= 1, figures[0, 1][at], INF), np.where(nr >= 1, figures[1, 1][at], INF))
+
+
+def _unplaced(figures: np.ndarray, at: np.ndarray, plain: np.ndarray, n: np.ndarray,
+              nr: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """Where a row's order is not known: one of its stages is first, one last, the
+    others middle ones, whichever they are (`figures`: `Group.by_place`). Per row: its
+    stages' summed bases beside their increments anywhere (`rows.EndRuns.base`), each
+    at its middle place's but the two that an end place saves the most, at their end's;
+    and no candidate time below the third largest of its stages' `_middle_floor`
+    counts (None for fewer than three stages, all ends)."""
+    def base(place: int) -> np.ndarray:
+        return np.where(plain, figures[4, place][at], figures[5, place][at])
+
+    end = np.minimum(base(0), base(2))
+    if at.shape[1] < 3:
+        return end.sum(axis=1), None
+    middle = base(1)
+    chosen = np.zeros(at.shape, dtype=bool)
+    np.put_along_axis(chosen, np.argsort(middle - end, axis=1, kind="stable")[:, -2:], True, axis=1)
+    return np.where(chosen, end, middle).sum(axis=1), np.sort(_middle_floor(figures, at, n, nr), axis=1)[:, -3]
+
+
+def places(stages: int) -> np.ndarray:
+    """Each stage's place in a pipeline of `stages` (`Group.by_place`'s second axis): first, the
+    middle ones, last; one stage alone holds the whole model, its runs the last's."""
+    return np.array([2] if stages == 1 else [0] + [1] * (stages - 2) + [2])
 
 
 def least_sums(rooms: np.ndarray, budget: int, base: np.ndarray, rates: np.ndarray) -> np.ndarray:

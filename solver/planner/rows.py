@@ -146,6 +146,22 @@ def least_steps(runs: np.ndarray) -> list[float]:
     return [float(max(d, 0.0)) for d in ((runs[:, 1:] - runs[:, :1]) / np.arange(1, runs.shape[1])).min(axis=1)]
 
 
+class EndRuns(NamedTuple):
+    """A stage's least runs where its place in the pipeline fixes which layers it can
+    hold: the first stage's runs start at the model's first layer, a middle stage's lie
+    between the first and the last layer (those are the end stages'), whatever the split."""
+
+    one: float  # the least forward + backward of one layer (inf: no such stage)
+    one_remat: float  # the same, the backward rerunning the forward
+    step: float  # the least increment per layer beyond the first (`least_steps`)
+    step_remat: float
+    # The most a such that every run of q layers here costs at least a + (q - 1) times the
+    # stage's least increment anywhere (`StageRuns.step`, `step_remat`): at least `StageRuns.time[0]`,
+    # a figure to sum beside those increments where the place is not known (`bottleneck.least_steps`).
+    base: float
+    base_remat: float
+
+
 class StageRuns(NamedTuple):
     """One stage's least times over runs of consecutive layers, per microbatch
     (`LowerBounds._stage_runs`)."""
@@ -162,6 +178,9 @@ class StageRuns(NamedTuple):
     last_step_remat: float
     last_floor: np.ndarray  # `last` made nondecreasing
     last_floor_remat: np.ndarray
+    first: EndRuns  # as the pipeline's first stage (its runs start at layer 0)
+    inner: EndRuns  # as a stage between the first and the last (its runs within layers 1..n - 2)
+    final: EndRuns  # as the last stage (`last`'s runs)
 
 
 def stage_runs(forward: np.ndarray, backward: np.ndarray, fused: list[np.ndarray | None]) -> list[StageRuns]:
@@ -176,5 +195,31 @@ def stage_runs(forward: np.ndarray, backward: np.ndarray, fused: list[np.ndarray
     runs = np.concatenate([plain, remat, last, last_remat])
     steps, floors = least_steps(runs), nondecreasing_rows(runs)
     step, floor = [steps[i * count : (i + 1) * count] for i in range(4)], [floors[i * count : (i + 1) * count] for i in range(4)]
-    fields = (plain, remat, step[0], step[1], last, last_remat, floor[0], floor[1], step[2], step[3], floor[2], floor[3])
+    anywhere = (np.array(step[0]), np.array(step[1]))
+    fields = (plain, remat, step[0], step[1], last, last_remat, floor[0], floor[1], step[2], step[3], floor[2], floor[3],
+              _end_runs(both[:, 0, 1:], rerun[:, 0, 1:], n, anywhere), _end_runs(_inner(both), _inner(rerun), n - 2, anywhere),
+              _end_runs(last, last_remat, n, anywhere))
     return [StageRuns(*row) for row in zip(*fields)]
+
+
+def _inner(values: np.ndarray) -> np.ndarray:
+    """[row, q - 1]: the least run of q layers within layers 1..n - 2 (a middle stage's),
+    of each span matrix, q up to n - 2 (none for a model of fewer than 3 layers)."""
+    n = values.shape[1] - 1
+    return least_runs_rows(values[:, 1:n, 1:n]) if n >= 3 else np.zeros((len(values), 0))
+
+
+def _end_runs(plain: np.ndarray, remat: np.ndarray, finite: int, anywhere: tuple[np.ndarray, np.ndarray]) -> list[EndRuns]:
+    """`EndRuns` of each row of `plain` and `remat` ([row, q - 1]: its runs of q layers,
+    the first `finite` of them possible; `anywhere`: each row's least increments over
+    runs anywhere, plain and recomputing)."""
+    count = len(plain)
+    if finite < 1:
+        return [EndRuns(np.inf, np.inf, 0.0, 0.0, np.inf, np.inf)] * count
+    plain, remat = plain[:, :finite], remat[:, :finite]
+    steps = least_steps(np.concatenate([plain, remat]))
+    q = np.arange(finite)
+    base = (plain - anywhere[0][:, None] * q).min(axis=1)
+    base_remat = (remat - anywhere[1][:, None] * q).min(axis=1)
+    return [EndRuns(float(plain[i, 0]), float(remat[i, 0]), steps[i], steps[count + i], float(base[i]), float(base_remat[i]))
+            for i in range(count)]
