@@ -65,9 +65,10 @@ def _third_slowest(times: list[np.ndarray], counts: list[np.ndarray]) -> np.ndar
     its stages (0 for fewer than three): no split's bottleneck is below it, since every
     stage but the first and the last is a middle one, its one-layer time at most the
     bottleneck (kept below it despite rounding, `_BELOW`)."""
-    order = np.argsort(-np.stack(times), axis=0, kind="stable")
-    slowest = np.take_along_axis(np.stack(times), order, axis=0)
-    held = np.cumsum(np.take_along_axis(np.stack(counts), order, axis=0), axis=0)
+    times, counts = np.stack(times), np.stack(counts)
+    order = np.argsort(-times, axis=0, kind="stable")
+    slowest = np.take_along_axis(times, order, axis=0)
+    held = np.cumsum(np.take_along_axis(counts, order, axis=0), axis=0)
     third = np.argmax(held >= 3, axis=0)
     value = np.take_along_axis(slowest, third[None, :], axis=0)[0]
     return np.where(held[-1] >= 3, value * _BELOW, 0.0)
@@ -450,7 +451,7 @@ class LowerBounds:
         key = (tuple(sorted(layouts)), b)
         if key not in self._groups:
             each = self._runs_of(key[0], b)
-            # (a middle stage's least one-layer runs too: `bottleneck._unplaced` counts at them)
+            # (and a middle stage's least one-layer runs: `bottleneck._middle_floor` is compared with them)
             inner = np.array([(r.inner.one, r.inner.one_remat) for r in each]).ravel()
             steps = sorted_unique(np.concatenate([r.time for r in each] + [r.remat for r in each] + [inner[np.isfinite(inner)]]))
             rooms = counts_within(np.array([r.floor for r in each] + [r.floor_remat for r in each]), steps * FITS_TOL)

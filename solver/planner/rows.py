@@ -148,8 +148,8 @@ def least_steps(runs: np.ndarray) -> list[float]:
 
 class EndRuns(NamedTuple):
     """A stage's least runs where its place in the pipeline fixes which layers it can
-    hold: the first stage's runs start at the model's first layer, a middle stage's lie
-    between the first and the last layer (those are the end stages'), whatever the split."""
+    hold, whatever the split: the first stage's runs start at the model's first layer,
+    the last's end at its last, and a middle stage's lie between the two."""
 
     one: float  # the least forward + backward of one layer (inf: no such stage)
     one_remat: float  # the same, the backward rerunning the forward
