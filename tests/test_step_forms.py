@@ -187,6 +187,32 @@ def test_batch_statistics_run_with_markers():
     assert_close(new_w, expected_w, "per-microbatch mean gradient")
 
 
+def test_a_step_whose_microbatch_mixes_examples_gets_no_mixed_kind_stage():
+    """A mixed-kind stage runs its parts on their rows of each microbatch; batch
+    statistics under `hetpar.value_and_grad` are taken over the whole microbatch, so
+    the planner may not choose one there (the runtime refuses it: a value without a
+    batch axis crossing into the stage), while a plain step's planning may."""
+    from hetpar.pipeline import search_options
+    from hetpar.options import StageOption
+    from hetpar.trace.traced_step import trace_step
+
+    def loss_fn(w, batch):
+        h = batch["x"] @ w
+        return jnp.mean(((h - h.mean(axis=0)) / (h.std(axis=0) + 1e-5)) ** 2)
+
+    def marked(w, batch):
+        loss, g = hetpar.value_and_grad(loss_fn)(w, batch)
+        return w - 0.1 * g, loss
+
+    def plain(w, batch):
+        loss, g = jax.value_and_grad(lambda w: jnp.mean((batch["x"] @ w - batch["y"]) ** 2))(w)
+        return w - 0.1 * g, loss
+
+    args = (jnp.ones((8, 4)), _data())
+    assert not search_options(trace_step(marked, args, 1, 2), StageOption()).allow_mixed
+    assert search_options(trace_step(plain, args, 1, 2), StageOption()).allow_mixed
+
+
 def test_plans_are_cached_by_argument_shapes():
     net = _Net()
     batch = _data(16)

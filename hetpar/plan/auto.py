@@ -42,6 +42,10 @@ class SearchOptions:
     # where host memory is short too; ("host",) or ("nvme",) forces that tier.
     offload_tiers: tuple[str, ...] = ("", "host", "nvme")
     allow_replicas: bool = True
+    # A stage's data-parallel parts on different kinds, each running its rows of every microbatch
+    # (solver/planner/mixed.py): not for a step whose microbatch work mixes examples (hetpar.value_and_grad's
+    # batch statistics, a step run whole), which each part would compute over its own rows.
+    allow_mixed: bool = True
     dtype: str = "float32"
     top_k: int = 5
     min_microbatch: int = 1  # examples in any pipeline's microbatch
@@ -121,6 +125,7 @@ def problem_for(layers: Layers, cluster: Cluster, batch_size: int, tokens_per_ex
         batch_size, group_links(cluster),
         tokens_per_example=tokens_per_example, microbatches=options.microbatches, schedules=options.schedules, chunks=options.chunks,
         max_tp=options.max_tp, allow_remat=options.allow_remat, force_remat=options.force_remat, allow_replicas=options.allow_replicas,
+        allow_mixed=options.allow_mixed,
         zero_stages=options.zero_stages, use_all_kinds=options.use_all_kinds, offload_tiers=options.offload_tiers,
         min_microbatch=options.min_microbatch,
         memory_reserve=options.memory_reserve,
