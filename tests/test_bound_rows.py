@@ -91,7 +91,7 @@ def test_stage_runs_match_the_one_stage_sums_bit_for_bit():
         ends = np.arange(n - 1, -1, -1)
         assert np.array_equal(r.last, both[ends, n]) and np.array_equal(r.last_remat, rerun[ends, n])
         assert np.array_equal(r.floor, nondecreasing(r.time)) and np.array_equal(r.floor_remat, nondecreasing(r.remat))
-        assert r.last_step == least_step(r.last) and r.last_step_remat == least_step(r.last_remat)
+        assert r.final.step == least_step(r.last) and r.final.step_remat == least_step(r.last_remat)
         assert np.array_equal(r.last_floor, nondecreasing(r.last)) and np.array_equal(r.last_floor_remat, nondecreasing(r.last_remat))
     assert np.array_equal(least_runs_rows(np.stack([both_rows[1]])), least_runs_of(both_rows[1])[None])
     assert np.array_equal(least_runs(both_rows[1]), least_runs_of(both_rows[1]))  # runs.py's one-row form

@@ -389,7 +389,7 @@ def test_the_layer_profile_times_the_host_cpu_beside_accelerators_only_when_aske
     path = tmp_path / "layers.json"
     assert main(["profile", "-o", str(path), "--mesh-size", "1", "--layers", "mlp", "--microbatch-sizes", "2",
                  "--rounds", "1", "--no-remat", *flags]) == 0
-    assert asked[-1] is host_cpu  # the layer profile's (the device profile before it asks its own)
+    assert asked[-1] is host_cpu  # the layer profile's (the device profile before it asks the same)
     assert {r.device_kind for r in Profile.load(path).layers} == {"cpu"}
 
 

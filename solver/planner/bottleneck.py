@@ -141,13 +141,19 @@ def least_steps(group: Group, at: np.ndarray, n: np.ndarray, nr: np.ndarray, m: 
     return np.where(some, best + offsets, INF)
 
 
+def middle_one(one: np.ndarray, one_remat: np.ndarray, n: np.ndarray, nr: np.ndarray) -> np.ndarray:
+    """A stage's least one-layer time as a middle stage (`one`, `one_remat`: plain and
+    recomputing), plain where its memory holds a layer so (`n` >= 1), else recomputing
+    (`nr` >= 1), inf where neither: no split in whose middle the stage is has a
+    bottleneck below it."""
+    return np.minimum(np.where(n >= 1, one, INF), np.where(nr >= 1, one_remat, INF))
+
+
 def _middle_floor(figures: np.ndarray, at: np.ndarray, n: np.ndarray, nr: np.ndarray) -> np.ndarray:
-    """Per stage, its least one-layer time as a middle stage (`Group.by_place`), plain
-    where its memory holds a layer so, else recomputing (inf: neither): no split in
-    whose middle this stage is has a bottleneck M below it. A candidate time
-    (`LowerBounds._group`), so at most the largest candidate t <= M, where a split is
-    counted."""
-    return np.minimum(np.where(n >= 1, figures[0, 1][at], INF), np.where(nr >= 1, figures[1, 1][at], INF))
+    """`middle_one` of each stage (`Group.by_place`'s middle place): a candidate time
+    (`LowerBounds._group`), so at most the largest candidate t <= M, where a split of
+    bottleneck M is counted."""
+    return middle_one(figures[0, 1][at], figures[1, 1][at], n, nr)
 
 
 def _unplaced(figures: np.ndarray, at: np.ndarray, plain: np.ndarray, n: np.ndarray,

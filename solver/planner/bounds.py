@@ -39,7 +39,7 @@ from solver import schedules as registry
 from solver.planner.problem import Problem
 from solver.cost.stage_costs import INF, StageConfig, StageCosts, in_flight
 from solver.planner.layouts import KindLayout, kind_layouts
-from solver.planner.bottleneck import Group, LastRooms, least_steps
+from solver.planner.bottleneck import Group, LastRooms, least_steps, middle_one
 from solver.planner.fitting import LayoutFits
 from solver.planner.rows import StageRuns, counts_within, least_for_counts, least_runs_rows, most_within, sorted_unique, stage_runs
 from solver.planner.runs import FITS_TOL, balanced_pace, first_enough, least_runs, longest
@@ -255,8 +255,8 @@ class LowerBounds:
                 counts * np.where(plain, heads[:, 0], heads[:, 1]),
                 np.where(plain, heads[:, 2], heads[:, 3]),
                 counts * (fitting.max(axis=1) - 1),
-                np.minimum(np.where(plain, [r.inner.one for r in runs], INF),
-                           np.where(fitting[:, 1] >= 1, [r.inner.one_remat for r in runs], INF)),
+                middle_one(np.array([r.inner.one for r in runs]), np.array([r.inner.one_remat for r in runs]),
+                           fitting[:, 0], fitting[:, 1]),
             )
         return self._bases[key]
 

@@ -174,13 +174,11 @@ class StageRuns(NamedTuple):
     last_remat: np.ndarray
     floor: np.ndarray  # `time` made nondecreasing (`nondecreasing_rows`): what the searches for rooms read
     floor_remat: np.ndarray
-    last_step: float  # `last`'s least increment per layer (`least_steps`)
-    last_step_remat: float
     last_floor: np.ndarray  # `last` made nondecreasing
     last_floor_remat: np.ndarray
     first: EndRuns  # as the pipeline's first stage (its runs start at layer 0)
     inner: EndRuns  # as a stage between the first and the last (its runs within layers 1..n - 2)
-    final: EndRuns  # as the last stage (`last`'s runs)
+    final: EndRuns  # as the last stage (`last`'s runs; its increments are `last`'s least steps)
 
 
 def stage_runs(forward: np.ndarray, backward: np.ndarray, fused: list[np.ndarray | None]) -> list[StageRuns]:
@@ -191,12 +189,12 @@ def stage_runs(forward: np.ndarray, backward: np.ndarray, fused: list[np.ndarray
     plain, remat = np.split(least_runs_rows(np.concatenate([both, rerun])), 2)
     ends = np.arange(n - 1, -1, -1)  # where the last stage starts, holding 1, 2, ... layers
     last, last_remat = both[:, ends, n], rerun[:, ends, n]
-    # the four kinds of runs as rows of one array: each row's figures are its own (a least or a running least)
-    runs = np.concatenate([plain, remat, last, last_remat])
-    steps, floors = least_steps(runs), nondecreasing_rows(runs)
-    step, floor = [steps[i * count : (i + 1) * count] for i in range(4)], [floors[i * count : (i + 1) * count] for i in range(4)]
+    # the kinds of runs as rows of one array: each row's figures are its own (a least or a running least)
+    steps = least_steps(np.concatenate([plain, remat]))
+    floors = nondecreasing_rows(np.concatenate([plain, remat, last, last_remat]))
+    step, floor = [steps[i * count : (i + 1) * count] for i in range(2)], [floors[i * count : (i + 1) * count] for i in range(4)]
     anywhere = (np.array(step[0]), np.array(step[1]))
-    fields = (plain, remat, step[0], step[1], last, last_remat, floor[0], floor[1], step[2], step[3], floor[2], floor[3],
+    fields = (plain, remat, step[0], step[1], last, last_remat, floor[0], floor[1], floor[2], floor[3],
               _end_runs(both[:, 0, 1:], rerun[:, 0, 1:], n, anywhere), _end_runs(_inner(both), _inner(rerun), n - 2, anywhere),
               _end_runs(last, last_remat, n, anywhere))
     return [StageRuns(*row) for row in zip(*fields)]
