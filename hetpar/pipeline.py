@@ -269,16 +269,18 @@ def search_options(traced: TracedStep, option: StageOption, search_microbatches:
                    zero: int | None = None) -> SearchOptions:
     """What the planner may choose for this step: the user's schedule, chunks and
     ZeRO stage (`ShardingOption.zero`) if given, the traced microbatch count unless
-    `search_microbatches`; no mixed-kind stage where the microbatch work may mix
-    examples (`SearchOptions.allow_mixed`)."""
+    `search_microbatches`; neither pipelines side by side nor a mixed-kind stage
+    where the microbatch work may mix examples (`SearchOptions.allow_replicas`,
+    `allow_mixed`): the planner's choice would change what the step computes."""
     chunks = {"chunks": (option.chunks,)} if option.chunks else {}  # else the planner's choices
+    keeps_examples_apart = not (traced.analysis.marked or traced.analysis.single)
     return SearchOptions(
         microbatches=None if search_microbatches else (traced.batch_size // traced.microbatch_size,),
         schedules=(option.schedule,) if option.schedule else schedules.names(),
         min_microbatch=2 if traced.microbatch_size >= 4 or search_microbatches else 1,  # size 1 traces apart
         dtype=compute_dtype(traced.full, [c.flops for c in op_costs(traced.full)]),
         time_limit_s=option.time_limit_s, layer_overhead_s=option.layer_overhead_s, use_all_kinds=option.use_all_kinds,
-        allow_mixed=not (traced.analysis.marked or traced.analysis.single),
+        allow_replicas=keeps_examples_apart, allow_mixed=keeps_examples_apart,
         measured=measured_devices(option.profile) if option.profile else (),
         **({} if zero is None else {"zero_stages": (zero,)}), **chunks,
         **({} if option.offload is None else {"offload_tiers": (option.offload,)}),

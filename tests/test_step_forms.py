@@ -187,11 +187,13 @@ def test_batch_statistics_run_with_markers():
     assert_close(new_w, expected_w, "per-microbatch mean gradient")
 
 
-def test_a_step_whose_microbatch_mixes_examples_gets_no_mixed_kind_stage():
-    """A mixed-kind stage runs its parts on their rows of each microbatch; batch
-    statistics under `hetpar.value_and_grad` are taken over the whole microbatch, so
-    the planner may not choose one there (the runtime refuses it: a value without a
-    batch axis crossing into the stage), while a plain step's planning may."""
+def test_a_step_whose_microbatch_mixes_examples_gets_no_replicas_or_mixed_kind_stage():
+    """Pipelines side by side each run a share of every microbatch, and a mixed-kind
+    stage's parts their rows of it; batch statistics under `hetpar.value_and_grad`
+    are taken over the whole microbatch, so the planner may choose neither there
+    (a replica plan would take them over each share: a different loss; the runtime
+    refuses a mixed stage: a value without a batch axis crossing into it), while a
+    plain step's planning may."""
     from hetpar.pipeline import search_options
     from hetpar.options import StageOption
     from hetpar.trace.traced_step import trace_step
@@ -209,8 +211,10 @@ def test_a_step_whose_microbatch_mixes_examples_gets_no_mixed_kind_stage():
         return w - 0.1 * g, loss
 
     args = (jnp.ones((8, 4)), _data())
-    assert not search_options(trace_step(marked, args, 1, 2), StageOption()).allow_mixed
-    assert search_options(trace_step(plain, args, 1, 2), StageOption()).allow_mixed
+    marked_options = search_options(trace_step(marked, args, 1, 2), StageOption())
+    plain_options = search_options(trace_step(plain, args, 1, 2), StageOption())
+    assert not marked_options.allow_mixed and not marked_options.allow_replicas
+    assert plain_options.allow_mixed and plain_options.allow_replicas
 
 
 def test_plans_are_cached_by_argument_shapes():

@@ -41,10 +41,11 @@ class SearchOptions:
     # offloads to host memory only where a stage fits no other way, and to a local disk only
     # where host memory is short too; ("host",) or ("nvme",) forces that tier.
     offload_tiers: tuple[str, ...] = ("", "host", "nvme")
+    # Pipelines side by side, each on a share of every microbatch, and a stage's data-parallel
+    # parts on different kinds, each running its rows of every microbatch (solver/planner/mixed.py):
+    # not for a step whose microbatch work mixes examples (hetpar.value_and_grad's batch
+    # statistics, a step run whole), which each pipeline or part would compute over its own rows.
     allow_replicas: bool = True
-    # A stage's data-parallel parts on different kinds, each running its rows of every microbatch
-    # (solver/planner/mixed.py): not for a step whose microbatch work mixes examples (hetpar.value_and_grad's
-    # batch statistics, a step run whole), which each part would compute over its own rows.
     allow_mixed: bool = True
     dtype: str = "float32"
     top_k: int = 5
