@@ -6,7 +6,8 @@ strategies disagree add up to the least time while every program point still fit
 device memory. Today's JAX has no such pass we can call, so we run it ourselves at the
 jaxpr level: the JAX half turns a jaxpr into `Node`s and `Edge`s with measured or
 modelled costs; this module only solves the resulting problem. It is pure Python,
-numpy and OR-Tools CP-SAT, and must never import jax (the `solver/` package is jax-free
+numpy, OR-Tools CP-SAT and (for the linear relaxation, solver/lp_relaxation.py)
+HiGHS through scipy, and must never import jax (the `solver/` package is jax-free
 so it can be tested and reused without a device runtime).
 """
 
@@ -24,6 +25,7 @@ from ortools.sat.python import cp_model
 from solver.cpsat import cp_solver
 from solver.dead_ends import alive_strategies
 from solver.elimination import min_sum
+from solver.lp_relaxation import integral_choice, relaxed_weights
 
 log = logging.getLogger(__name__)
 
@@ -229,13 +231,14 @@ def _no_fit(limit: int, rows: list[dict[int, np.ndarray]], time_limit_s: float) 
 
 
 def _local_search_start(unary: list[np.ndarray], pairs: dict[tuple[int, int], np.ndarray],
-                        sweeps: int = 8) -> list[int]:
-    """Each node's cheapest strategy given its neighbours', repeated a few sweeps (ICM)."""
+                        first: list[int] | None = None, sweeps: int = 8) -> list[int]:
+    """Each node's cheapest strategy given its neighbours', repeated a few sweeps (ICM),
+    from `first` (the relaxation's heaviest strategies), else each node's cheapest alone."""
     incident: list[list[tuple[int, np.ndarray]]] = [[] for _ in unary]
     for (a, b), mat in pairs.items():
         incident[a].append((b, mat))
         incident[b].append((a, mat.T))
-    choice = [int(np.argmin(u)) for u in unary]
+    choice = list(first) if first is not None else [int(np.argmin(u)) for u in unary]
     for _ in range(sweeps):
         changed = False
         for k, u in enumerate(unary):
@@ -300,7 +303,10 @@ def _fit_start(start: list[int], unary: list[np.ndarray], pairs: dict[tuple[int,
 
 
 def solve_intra_op(problem: IntraOpProblem, time_limit_s: float = 10.0, workers: int = 1) -> IntraOpSolution:
-    """Picks one strategy per node minimising total time under the memory limit (CP-SAT).
+    """Picks one strategy per node minimising total time under the memory limit:
+    exactly by elimination where the interaction graph is thin, else from the linear
+    relaxation where its optimum is a choice (both deterministic, and proven optimal),
+    else by CP-SAT's search.
 
     One worker by default: a single-threaded CP-SAT search is deterministic, so the
     driver that plans and every process that compiles a stage (Ray workers, a plan
@@ -361,11 +367,14 @@ def solve_intra_op(problem: IntraOpProblem, time_limit_s: float = 10.0, workers:
         return tuple(int(alive[index[r]][picks[index[r]]]) for r in leaders)
 
     # Without a budget that can bind, the problem is a sum of unary and pairwise
-    # costs: exact by elimination where the interaction graph is thin (solver.elimination).
+    # costs: exact by elimination where the interaction graph is thin (solver.elimination);
+    # else, budget or not, exact where the linear relaxation's optimum is a choice.
     binding = limit is not None and any(sum(int(m.max()) for m in row.values()) > limit for row in rows)
     exact = None if binding else min_sum(unary, pairs, max_work=int(time_limit_s * _ELIMINATED_PER_S))
-    if exact is not None:
-        choice = expand(exact[0])
+    weights = None if exact is not None else relaxed_weights(unary, pairs, rows, limit, time_limit_s)
+    picks = exact[0] if exact is not None else integral_choice(weights)
+    if picks is not None and (not binding or peak_bytes(problem, expand(picks)) <= limit):
+        choice = expand(picks)
         cost = evaluate(problem, choice)
         return IntraOpSolution(choice=choice, cost_s=cost, bound_s=cost, optimal=True, gap=0.0,
                                solve_s=time.perf_counter() - started)
@@ -376,7 +385,7 @@ def solve_intra_op(problem: IntraOpProblem, time_limit_s: float = 10.0, workers:
 
     # A complete, cheap starting point: CP-SAT on a large model can spend a short time
     # limit in presolve and find nothing; the start is then what we return.
-    start = _local_search_start(unary, pairs)
+    start = _local_search_start(unary, pairs, None if weights is None else [int(np.argmax(w)) for w in weights])
     if limit is not None:
         start = _fit_start(start, unary, pairs, rows, limit)
     start_ok = limit is None or peak_bytes(problem, expand(start)) <= limit

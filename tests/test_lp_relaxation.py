@@ -1,0 +1,96 @@
+"""The sharding problem's linear relaxation (solver/lp_relaxation.py): where its
+optimum is integral it is brute force's optimum, and the solver then answers without
+a CP-SAT search; where it is fractional the search still finds the optimum."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import solver.intra_op as intra_op
+from solver.intra_op import Edge, IntraOpProblem, Node, Strategy, evaluate, peak_bytes, solve_intra_op
+from solver.lp_relaxation import integral_choice, relaxed_weights
+from test_intra_op_solver import brute, random_problem
+
+
+def _terms(problem: IntraOpProblem) -> tuple[list[np.ndarray], dict, list[dict[int, np.ndarray]]]:
+    """The problem as the relaxation takes it (no tied nodes): costs per node, per
+    pair of nodes (parallel edges summed), and bytes per program point."""
+    unary = [np.array([s.compute_s + s.comm_s for s in node.strategies]) for node in problem.nodes]
+    pairs: dict[tuple[int, int], np.ndarray] = {}
+    for e in problem.edges:
+        pairs[(e.src, e.dst)] = pairs.get((e.src, e.dst), 0.0) + np.array(e.cost_s)
+    rows = [{v: np.array([s.memory_bytes for s in problem.nodes[v].strategies]) for v in set(live)}
+            for live in problem.live_sets]
+    return unary, pairs, rows
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_an_integral_relaxation_is_the_optimum(seed):
+    problem = random_problem(np.random.default_rng(seed))
+    unary, pairs, rows = _terms(problem)
+    choice = integral_choice(relaxed_weights(unary, pairs, rows, problem.memory_limit_bytes))
+    if choice is None:
+        return  # fractional: the search's turn (counted below)
+    assert evaluate(problem, choice) == pytest.approx(brute(problem), rel=1e-9, abs=1e-12)
+    if problem.memory_limit_bytes is not None:
+        assert peak_bytes(problem, choice) <= problem.memory_limit_bytes
+
+
+def test_the_relaxation_of_a_chain_is_always_integral():
+    """On a tree the relaxation is exact, so every free chain gets its optimum from it
+    (this also keeps the property test above from passing on fractional answers alone)."""
+    for seed in range(20):
+        rng = np.random.default_rng(1000 + seed)
+        nodes = tuple(Node(f"op{i}", tuple(Strategy(f"s{j}", float(rng.uniform()), 0.0, 1) for j in range(int(rng.integers(2, 5)))))
+                      for i in range(5))
+        edges = tuple(Edge(i, i + 1, tuple(tuple(float(x) for x in row) for row in
+                                           rng.uniform(0, 1, (len(nodes[i].strategies), len(nodes[i + 1].strategies)))))
+                      for i in range(4))
+        problem = IntraOpProblem(nodes, edges)
+        choice = integral_choice(relaxed_weights(*_terms(problem)[:2]))
+        assert choice is not None, f"seed {seed}: a chain's relaxation came out fractional"
+        assert evaluate(problem, choice) == pytest.approx(brute(problem), rel=1e-9)
+
+
+def _dense(seed: int) -> IntraOpProblem:
+    """Every node joined to the next two: cycles, which elimination would still solve."""
+    rng = np.random.default_rng(seed)
+    nodes = tuple(Node(f"op{i}", tuple(Strategy(f"s{j}", float(rng.uniform()), 0.0, 1) for j in range(3))) for i in range(7))
+    edges = tuple(Edge(i, j, tuple(tuple(float(x) for x in row) for row in rng.uniform(0, 1, (3, 3))))
+                  for i in range(7) for j in (i + 1, i + 2) if j < 7)
+    return IntraOpProblem(nodes, edges)
+
+
+def test_where_elimination_is_refused_an_integral_relaxation_answers_without_a_search(monkeypatch):
+    monkeypatch.setattr(intra_op, "_ELIMINATED_PER_S", 0)  # elimination over its budget at once
+
+    def no_search(*args, **kwargs):
+        raise AssertionError("CP-SAT was asked, though the relaxation's optimum was integral")
+
+    answered = 0
+    for seed in range(12):
+        problem = _dense(seed)
+        if integral_choice(relaxed_weights(*_terms(problem)[:2])) is None:
+            continue
+        with monkeypatch.context() as m:
+            m.setattr(intra_op, "cp_solver", no_search)
+            solution = solve_intra_op(problem)
+        assert solution.optimal and solution.gap == 0.0
+        assert solution.cost_s == pytest.approx(brute(problem), rel=1e-9)
+        answered += 1
+    assert answered >= 6
+
+
+def test_a_fractional_relaxation_leaves_the_optimum_to_the_search(monkeypatch):
+    """Three operators in a cycle, each pair paying to agree: every choice has a pair
+    that agrees, while the relaxation splits each operator half and half and pays
+    nothing. The relaxation gives no choice; the search finds the optimum."""
+    monkeypatch.setattr(intra_op, "_ELIMINATED_PER_S", 0)
+    nodes = tuple(Node(f"op{i}", (Strategy("rows", 1.0, 0.0, 1), Strategy("cols", 1.0, 0.0, 1))) for i in range(3))
+    agree = ((1.0, 0.0), (0.0, 1.0))
+    problem = IntraOpProblem(nodes, (Edge(0, 1, agree), Edge(1, 2, agree), Edge(0, 2, agree)))
+    weights = relaxed_weights(*_terms(problem)[:2])
+    assert weights is not None and integral_choice(weights) is None
+    solution = solve_intra_op(problem)
+    assert solution.optimal and solution.cost_s == pytest.approx(brute(problem)) == pytest.approx(4.0)
