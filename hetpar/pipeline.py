@@ -18,7 +18,7 @@ from hetpar.trace.stages import op_stages
 from hetpar.errors import PlanError
 from hetpar.options import ShardingOption, StageOption, build_options
 from hetpar.passes import timed_pass
-from hetpar.plan.auto import Measured, SearchOptions, problem_for, search_problem
+from hetpar.plan.auto import Measured, SearchOptions, planner_for, problem_for, search_problem
 from hetpar.plan.costs import estimate_plan, fit_problems, priced, unpriced
 from hetpar.plan.manual import assign_replicas, assign_stages
 from hetpar.plan.model import Plan, Spec, StagePlan, runs
@@ -33,7 +33,7 @@ from hetpar.trace.microbatch import Phase, input_roles
 from hetpar.trace.traced_step import TracedStep, trace_step
 from solver import schedules
 from solver.collectives import LinkCost
-from solver.planner import PlanningError, Problem, plan as plan_search
+from solver.planner import Planner, PlanningError, Problem
 
 log = logging.getLogger(__name__)
 
@@ -186,8 +186,9 @@ def stage_pass(traced: TracedStep, layers: Layers, cluster: Cluster, option: Sta
     with layers split by speed ("manual") or evenly ("uniform")."""
     num_microbatches = traced.batch_size // traced.microbatch_size
     if auto:
-        plan, result = search_problem(layers, cluster, inputs, search)
-        notes = idle_kinds(cluster, inputs, search, plan, result.best.step_s)
+        planner = planner_for(inputs, search)
+        plan, result = search_problem(layers, cluster, planner)
+        notes = idle_kinds(cluster, planner, plan, result.best.step_s)
         if result.gap > 0:
             notes = (f"the search stopped at its time limit ({option.time_limit_s:g} s): this plan's step time is "
                      f"within {1 / max(1e-9, 1 - result.gap):.2f}x of the best possible (its bound); allow more time "
@@ -247,18 +248,17 @@ def _fastest_count(traced: TracedStep, layers: Layers, cluster: Cluster, option:
     return chosen
 
 
-def idle_kinds(cluster: Cluster, inputs: Problem, search: SearchOptions, plan: Plan, step_s: float) -> list[str]:
+def idle_kinds(cluster: Cluster, planner: Planner, plan: Plan, step_s: float) -> list[str]:
     """One line per device kind the planner's best plan leaves idle, with the number
     that decided it: the best plan that puts every kind to work, priced by the same
-    estimator (or why there is none)."""
+    estimator (or why there is none), searched with what the planner already priced."""
     used = {s.group for s in plan.stages}
     idle = [g for g in cluster.groups if g.label not in used]
     if not idle:
         return []
     what = ", ".join(f"{g.type_name} x{g.size}" for g in idle)
     try:
-        every = plan_search(replace(inputs, use_all_kinds=True), top_k=1, time_limit_s=search.time_limit_s,
-                            finalists=search.finalists).best
+        every = planner.requiring_every_kind().solve().best
     except PlanningError as e:
         return [f"{what} idle: no plan that uses every kind fits or runs ({e})"]
     return [f"{what} idle: the best plan using every kind is {every.step_s / step_s:.2f}x slower ({every.describe()}: "

@@ -6,12 +6,16 @@ best plan using every kind is), the summary lists the kind as idle, and
 from __future__ import annotations
 
 import re
+from dataclasses import replace
+
+import numpy as np
 
 import hetpar
 from models import gpt
 from parity import run_parity
 from solver.collectives import LinkCost
-from solver.planner import DeviceKind, LayerCost, Problem, plan
+from solver.planner import DeviceKind, LayerCost, Planner, PlanningError, Problem, plan
+from test_planner import random_problem
 
 FAST_SLOW = {"A100": 4, "V100": 4}
 
@@ -28,6 +32,26 @@ def test_the_planner_uses_every_kind_when_asked():
     assert {s.kind for s in alone.stages} == {"fast"}  # a kind 100x slower only slows the step down
     every = plan(_problem(use_all_kinds=True)).best
     assert {s.kind for s in every.stages} == {"fast", "slow"} and every.step_s > alone.step_s
+
+
+def test_after_its_search_the_planner_finds_the_best_plan_using_every_kind_as_a_fresh_one_does():
+    """The idle-kind note's search reuses the planner's tables, pipelines and each
+    kind's own plan (`Planner.requiring_every_kind`): it must find what a fresh
+    planner of the same problem with `use_all_kinds` finds, plan and bound alike."""
+    problems = [_problem()] + [random_problem(np.random.default_rng(seed), kinds=3) for seed in range(8)]
+    compared = 0
+    for problem in problems:
+        planner = Planner(problem)
+        try:
+            planner.solve()
+            fresh = plan(replace(problem, use_all_kinds=True), top_k=1)
+        except PlanningError:
+            continue
+        shared = planner.requiring_every_kind().solve()
+        assert [shared.best.describe(), shared.best.step_s, shared.per_kind] == [fresh.best.describe(), fresh.best.step_s, fresh.per_kind]
+        assert {s.kind for s in shared.best.stages} == {k.name for k in problem.kinds}
+        compared += 1
+    assert compared >= 5
 
 
 def test_an_idle_kind_is_named_with_the_cost_of_using_it():

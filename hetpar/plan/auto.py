@@ -20,7 +20,7 @@ from hetpar.plan.model import ClusterGroup, Plan, StagePlan
 from hetpar.trace.layers import Layers
 from solver.collectives import LinkCost
 from solver import schedules
-from solver.planner import DeviceKind, LayerCost, PlanChoice, PlanningError, Problem, SearchResult, plan
+from solver.planner import DeviceKind, LayerCost, PlanChoice, Planner, PlanningError, Problem, SearchResult
 from solver.planner.search import FINALISTS
 
 
@@ -136,16 +136,25 @@ def problem_for(layers: Layers, cluster: Cluster, batch_size: int, tokens_per_ex
 def search(layers: Layers, cluster: Cluster, batch_size: int, tokens_per_example: int = 1,
            options: SearchOptions = SearchOptions()) -> tuple[Plan, SearchResult]:
     """The planner's best plan for these layers on this cluster, as a Plan."""
-    return search_problem(layers, cluster, problem_for(layers, cluster, batch_size, tokens_per_example, options), options)
+    return search_problem(layers, cluster, planner_for(problem_for(layers, cluster, batch_size, tokens_per_example, options), options))
 
 
-def search_problem(layers: Layers, cluster: Cluster, problem: Problem, options: SearchOptions) -> tuple[Plan, SearchResult]:
-    """The planner's best plan for `problem` (these layers' costs on this cluster)."""
+def planner_for(problem: Problem, options: SearchOptions) -> Planner:
+    """The planner of `problem` under the search's limits (kept by a caller that asks it
+    more than one question: its tables and pipelines serve them all)."""
     try:
-        result = plan(problem, top_k=options.top_k, time_limit_s=options.time_limit_s, finalists=options.finalists)
+        return Planner(problem, top_k=options.top_k, time_limit_s=options.time_limit_s, finalists=options.finalists)
     except PlanningError as e:
         raise PlanError(str(e)) from None
-    return replace(to_plan(result.best, layers, cluster, result.bound_ratio), cost_inputs=problem), result
+
+
+def search_problem(layers: Layers, cluster: Cluster, planner: Planner) -> tuple[Plan, SearchResult]:
+    """The planner's best plan for its problem (these layers' costs on this cluster)."""
+    try:
+        result = planner.solve()
+    except PlanningError as e:
+        raise PlanError(str(e)) from None
+    return replace(to_plan(result.best, layers, cluster, result.bound_ratio), cost_inputs=planner.problem), result
 
 
 def to_plan(choice: PlanChoice, layers: Layers, cluster: Cluster, bound_ratio: float | None = None) -> Plan:
