@@ -126,6 +126,36 @@ def test_single_type_cluster_gets_one_stage_meshed_by_the_ilp(batch, width, hidd
         assert specs["[0].params['params']['down']['kernel']"] == ('model', None)
 
 
+def test_a_mesh_whose_solve_without_a_budget_loses_is_not_solved_further(monkeypatch):
+    """Choosing a stage's mesh compares each mesh's ILP cost with the cheapest so far;
+    a mesh whose solve without a memory budget already costs no less cannot win under
+    one, so it is not solved further (`_StageSolver.cost`): the plan is the one that
+    solving every mesh in full gives, with fewer meshes solved."""
+    import hetpar.shard as shard
+
+    state, data, loss_fn = two_layer(batch=8, width=512, hidden=4096)
+    full_solve = shard._StageSolver.solve
+
+    def planned(prune: bool):
+        solved = set()
+
+        def solve(self, stage, mesh):
+            solved.add(tuple(mesh.items()))
+            return full_solve(self, stage, mesh)
+
+        with monkeypatch.context() as m:
+            m.setattr(shard._StageSolver, "solve", solve)
+            if not prune:
+                m.setattr(shard._StageSolver, "cost", lambda self, stage, mesh, beat=float("inf"): solve(self, stage, mesh)[1])
+            made = hetpar.make_plan(with_grads(loss_fn), (state, data), hetpar.Cluster.virtual({"cpu": 4}))
+        return [(s.mesh_shape, s.shardings, s.operand_shardings) for s in made.stages], solved
+
+    pruned, solved_pruned = planned(True)
+    full, solved_full = planned(False)
+    assert pruned == full and full[0][0] == (1, 4)
+    assert solved_pruned < solved_full
+
+
 def test_large_batch_small_weights_stay_data_parallel():
     state, batch, loss_fn = two_layer(batch=4096, width=64, hidden=64)
     par = hetpar.parallelize(with_grads(loss_fn), cluster=hetpar.Cluster.virtual({"cpu": 4}), num_stages=1, mesh_shape=(1, 4))

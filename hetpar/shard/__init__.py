@@ -10,6 +10,7 @@ import logging
 import math
 from collections import OrderedDict
 from dataclasses import replace
+from typing import Callable
 
 from hetpar.cluster.catalog import device_type
 from hetpar.errors import PlanError
@@ -17,7 +18,7 @@ from hetpar.options import ShardingOption
 from hetpar.plan import Plan, StagePlan
 from hetpar.plan.costs import estimate_plan
 from hetpar.shard.model_axes import model_collectives, with_model_axes
-from hetpar.shard.strategies import AXES, Spec, tensor_parallel, to_source, stage_problem
+from hetpar.shard.strategies import AXES, Spec, StageProblem, tensor_parallel, to_source, stage_problem
 from hetpar.shard.zero import apply_zero, offloaded_state, stage_params, zero_items
 from hetpar.trace.flops import op_costs
 from hetpar.trace.layers import Layers, compute_dtype
@@ -81,7 +82,14 @@ def _model_axes(solver: "_StageSolver", plan: Plan, stage: StagePlan) -> StagePl
     agrees that the step is not slower, each mesh priced with the collectives its
     ILP solution runs: the ILP sees one stage's matmuls, the estimator the whole step
     (how often each collective runs, the bubble, the other stages)."""
-    chosen = with_model_axes(stage, lambda mesh: solver.solve(stage, mesh)[1])
+    least = [math.inf]  # the cheapest mesh priced so far (`_StageSolver.cost` proves others lose to it)
+
+    def cost_of(mesh: dict[str, int]) -> float:
+        cost = solver.cost(stage, mesh, beat=least[0])
+        least[0] = min(least[0], cost)
+        return cost
+
+    chosen = with_model_axes(stage, cost_of)
     if chosen.mesh_shape == stage.mesh_shape:
         return stage
     chosen = replace(chosen, data_parallel=chosen.mesh_shape[0], tensor_parallel=math.prod(chosen.mesh_shape[1:]))
@@ -243,7 +251,7 @@ def _best_mesh(solver: "_StageSolver", plan: Plan, stage: StagePlan, batch_size:
         if all_data:
             least = solver.solve(stage, {"data": n})[1] * (1 - solver.option.model_axis_margin)
         for d, m in shapes:
-            cost = solver.solve(stage, {"data": d, "model": m})[1]
+            cost = solver.cost(stage, {"data": d, "model": m}, beat=least)
             if cost < least:
                 best, least = (d, m), cost
     if len(best) == 2:
@@ -269,6 +277,7 @@ class _StageSolver:
         self.traced, self.layers, self.plan, self.option, self.links = traced, layers, plan, option, links
         self.dtype = compute_dtype(traced.full, [c.flops for c in op_costs(traced.full)])  # as the planner's
         self._solved: dict[tuple, tuple[dict[int, Spec], float, dict[int, tuple[Spec, Spec]], tuple]] = {}
+        self._problems: dict[tuple, tuple[Callable, StageProblem] | None] = {}
 
     def solve(self, stage: StagePlan, mesh: dict[str, int]) -> tuple[dict[int, Spec], float, dict[int, tuple[Spec, Spec]], tuple]:
         """Value id -> layout (weights, matmul results), the predicted time,
@@ -278,6 +287,21 @@ class _StageSolver:
         if key not in self._solved:
             self._solved[key] = self._solve(stage, mesh)
         return self._solved[key]
+
+    def cost(self, stage: StagePlan, mesh: dict[str, int], beat: float = math.inf) -> float:
+        """`solve`'s predicted time, or where the stage's solve without a memory budget
+        already proves it no less than `beat`, that proof (its bound): a budget only
+        adds constraints, so a mesh that loses without one loses with one, and the
+        choice between meshes needs no budgeted solve of it (on Llama-2-13B's stages,
+        each a solve of several seconds on a 3-axis mesh)."""
+        key = (stage.index, tuple(mesh.items()), stage.zero_group)
+        if key not in self._solved and beat < math.inf:
+            free = self._problem(stage, mesh)
+            if free is not None:
+                floor = _solve_once(free[1].problem, self.option.time_limit_s).bound_s
+                if floor >= beat:
+                    return floor
+        return self.solve(stage, mesh)[1]
 
     def link(self, stage: StagePlan) -> LinkCost:
         """The link inside the stage's nodes: the cluster file's, else its device type's
@@ -294,23 +318,40 @@ class _StageSolver:
             return kind.flops, kind.matmul_half_flops
         return matmul_speed(stage.device_type, self.dtype)
 
+    def _problem(self, stage: StagePlan, mesh: dict[str, int]) -> tuple[Callable, StageProblem] | None:
+        """How to build the stage's problem on `mesh` under a budget, and the problem
+        without one (None where it has no matmul to shard); kept per stage and mesh
+        (`cost` and `solve` both ask)."""
+        key = (stage.index, tuple(mesh.items()), stage.zero_group)
+        if key not in self._problems:
+            traced = self.traced
+            of_op = self.plan.stage_of_operators(stage.replica)
+            ops = [i for i, s in enumerate(of_op) if s == stage.lead]
+            batch_free = {v for v in traced.full.invars if v not in traced.analysis.batch_axis}
+            sustained, half = self.speed(stage)
+            link = self.link(stage)
+            factor = state_factor(self._zero(stage), zero_shards(stage, mesh)[0], stage.offload)
+            build = lambda budget: stage_problem(traced.full, ops, batch_free, mesh, sustained, link,  # noqa: E731
+                                                 budget, factor, batch_axis=traced.analysis.batch_axis,
+                                                 op_layer=self.layers.op_layer,
+                                                 data_state_factor=state_factor(0, mesh.get("data", 1), stage.offload),
+                                                 matmul_half_flops=half)
+            problem = build(None)
+            self._problems[key] = None if problem is None else (build, problem)
+        return self._problems[key]
+
+    def _zero(self, stage: StagePlan) -> int:
+        """The stage's ZeRO stage: the user's, else the plan's."""
+        return self.option.zero if self.option.zero is not None else stage.zero
+
     def _solve(self, stage: StagePlan, mesh: dict[str, int]) -> tuple[dict[int, Spec], float, dict[int, tuple[Spec, Spec]], tuple]:
         traced = self.traced
-        of_op = self.plan.stage_of_operators(stage.replica)
-        ops = [i for i, s in enumerate(of_op) if s == stage.lead]
-        batch_free = {v for v in traced.full.invars if v not in traced.analysis.batch_axis}
-        sustained, half = self.speed(stage)
-        link = self.link(stage)
-        zero = self.option.zero if self.option.zero is not None else stage.zero
-        factor = state_factor(zero, zero_shards(stage, mesh)[0], stage.offload)
-        build = lambda budget: stage_problem(traced.full, ops, batch_free, mesh, sustained, link,  # noqa: E731
-                                             budget, factor, batch_axis=traced.analysis.batch_axis,
-                                             op_layer=self.layers.op_layer,
-                                             data_state_factor=state_factor(0, mesh.get("data", 1), stage.offload),
-                                             matmul_half_flops=half)
-        problem = build(None)
-        if problem is None:
+        built = self._problem(stage, mesh)
+        if built is None:
             return {}, 0.0, {}, ()
+        build, problem = built
+        zero = self._zero(stage)
+        factor = state_factor(zero, zero_shards(stage, mesh)[0], stage.offload)
         solution = _solve_once(problem.problem, self.option.time_limit_s)
         problem, solution = self._within_memory(stage, build, problem, solution, factor, self._gathered(stage, zero, mesh))
         log.info("stage %d sharded on %s: %.3g s predicted (%s)", stage.index, mesh, solution.cost_s,
