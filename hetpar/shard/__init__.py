@@ -292,8 +292,8 @@ class _StageSolver:
         """`solve`'s predicted time, or where the stage's solve without a memory budget
         already proves it no less than `beat`, that proof (its bound): a budget only
         adds constraints, so a mesh that loses without one loses with one, and the
-        choice between meshes needs no budgeted solve of it (on Llama-2-13B's stages,
-        each a solve of several seconds on a 3-axis mesh)."""
+        choice between meshes needs no budgeted solve of it (a budgeted solve is
+        CP-SAT's search where the relaxation is fractional: seconds on a large stage)."""
         key = (stage.index, tuple(mesh.items()), stage.zero_group)
         if key not in self._solved and beat < math.inf:
             free = self._problem(stage, mesh)
