@@ -9,7 +9,7 @@ vertex with every operator's vector 0/1; then that choice costs what the relaxat
 does, and the relaxation is a lower bound on every choice: the choice is optimal.
 
 Why it is here: on the stages where elimination would build tables too large
-(tied blocks on a 3-axis mesh, up to a hundred choices per operator), CP-SAT spends
+(tied blocks on a 3-axis mesh, up to 115 choices per operator), CP-SAT spends
 most of its time on this same relaxation at its root: 6.7-8.7 s for each of
 Llama-2-13B's stages on a 32x2x2 mesh (`benchmarks/real_models.py`), where HiGHS's
 dual simplex solves it in 0.3-0.6 s and finds it integral. Where the optimum is
