@@ -25,7 +25,7 @@ from ortools.sat.python import cp_model
 from solver.cpsat import cp_solver
 from solver.dead_ends import alive_strategies
 from solver.elimination import min_sum
-from solver.lp_relaxation import integral_choice, relaxed_weights
+from solver.lp_relaxation import relaxed
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,9 @@ _TOTAL_CAP = 1e15
 # Table entries exact elimination may build per second of the time limit: about a
 # quarter of what numpy sums and minimises in that time on one core.
 _ELIMINATED_PER_S = 10_000_000
+# A relaxation's value refuses `beat` only above it by more than HiGHS's tolerances
+# (its optimum is exact to about 1e-7 of the objective's terms).
+_BOUND_MARGIN = 1 + 1e-6
 
 
 class IntraOpError(ValueError):
@@ -302,11 +305,14 @@ def _fit_start(start: list[int], unary: list[np.ndarray], pairs: dict[tuple[int,
     return choice
 
 
-def solve_intra_op(problem: IntraOpProblem, time_limit_s: float = 10.0, workers: int = 1) -> IntraOpSolution:
+def solve_intra_op(problem: IntraOpProblem, time_limit_s: float = 10.0, workers: int = 1,
+                   beat: float = math.inf) -> IntraOpSolution | None:
     """Picks one strategy per node minimising total time under the memory limit:
     exactly by elimination where the interaction graph is thin, else from the linear
     relaxation where its optimum is a choice (both deterministic, and proven optimal),
-    else by CP-SAT's search.
+    else by CP-SAT's search. None, before any search, where the relaxation's value
+    proves that no choice costs less than `beat` (a caller comparing meshes needs
+    no more of a mesh that loses).
 
     One worker by default: a single-threaded CP-SAT search is deterministic, so the
     driver that plans and every process that compiles a stage (Ray workers, a plan
@@ -371,8 +377,10 @@ def solve_intra_op(problem: IntraOpProblem, time_limit_s: float = 10.0, workers:
     # else, budget or not, exact where the linear relaxation's optimum is a choice.
     binding = limit is not None and any(sum(int(m.max()) for m in row.values()) > limit for row in rows)
     exact = None if binding else min_sum(unary, pairs, max_work=int(time_limit_s * _ELIMINATED_PER_S))
-    weights = None if exact is not None else relaxed_weights(unary, pairs, rows, limit, time_limit_s)
-    picks = exact[0] if exact is not None else integral_choice(weights)
+    relaxation = None if exact is not None else relaxed(unary, pairs, rows, limit, time_limit_s)
+    if relaxation is not None and constant + relaxation.value >= beat * _BOUND_MARGIN:
+        return None  # no choice beats `beat`: the relaxation's value bounds them all
+    picks = exact[0] if exact is not None else relaxation and relaxation.integral_choice()
     if picks is not None and (not binding or peak_bytes(problem, expand(picks)) <= limit):
         choice = expand(picks)
         cost = evaluate(problem, choice)
@@ -385,7 +393,7 @@ def solve_intra_op(problem: IntraOpProblem, time_limit_s: float = 10.0, workers:
 
     # A complete, cheap starting point: CP-SAT on a large model can spend a short time
     # limit in presolve and find nothing; the start is then what we return.
-    start = _local_search_start(unary, pairs, None if weights is None else [int(np.argmax(w)) for w in weights])
+    start = _local_search_start(unary, pairs, None if relaxation is None else relaxation.heaviest())
     if limit is not None:
         start = _fit_start(start, unary, pairs, rows, limit)
     start_ok = limit is None or peak_bytes(problem, expand(start)) <= limit

@@ -21,6 +21,8 @@ pivots on the same input, so every process gets the same answer.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import scipy.sparse as sparse
 from scipy.optimize import linprog
@@ -28,24 +30,35 @@ from scipy.optimize import linprog
 _INTEGRAL_TOL = 1e-6  # a strategy's weight this close to 0 or 1 counts as that
 
 
-def integral_choice(weights: list[np.ndarray] | None) -> list[int] | None:
-    """The strategy per node where the relaxation's optimum (`relaxed_weights`) puts
-    all of every node's weight on one strategy: then the optimum of the integer
-    problem too. None where some node's weight is split."""
-    if weights is None or any(np.abs(w - np.round(w)).max(initial=0.0) > _INTEGRAL_TOL for w in weights):
-        return None
-    return [int(np.argmax(w)) for w in weights]
+@dataclass(frozen=True)
+class Relaxation:
+    """The relaxation's optimum: per node, the weight it gives each strategy, and its
+    value, a lower bound on every choice's cost (HiGHS's, to its tolerances)."""
+
+    weights: list[np.ndarray]
+    value: float
+
+    def integral_choice(self) -> list[int] | None:
+        """The strategy per node where the optimum puts all of every node's weight on
+        one strategy: then the optimum of the integer problem too. None where some
+        node's weight is split."""
+        if any(np.abs(w - np.round(w)).max(initial=0.0) > _INTEGRAL_TOL for w in self.weights):
+            return None
+        return [int(np.argmax(w)) for w in self.weights]
+
+    def heaviest(self) -> list[int]:
+        """Each node's strategy of the largest weight: a good start for a search where
+        the optimum is fractional."""
+        return [int(np.argmax(w)) for w in self.weights]
 
 
-def relaxed_weights(unary: list[np.ndarray], pairs: dict[tuple[int, int], np.ndarray],
-                    rows: list[dict[int, np.ndarray]] | None = None, limit: int | None = None,
-                    time_limit_s: float = 60.0) -> list[np.ndarray] | None:
-    """Per node, the weight the relaxation's optimum gives each strategy, for the sum
-    sum(unary[k][x_k]) + sum(pairs[(a, b)][x_a, x_b]) with every memory row's bytes,
-    sum(rows[r][j][x_j]), within `limit`; None where it is infeasible or not found
-    within `time_limit_s` of wall time. Rows whose largest total cannot pass `limit`
-    are left out, as they bind nothing. Where it is fractional the heaviest strategy
-    per node is still a good start for a search."""
+def relaxed(unary: list[np.ndarray], pairs: dict[tuple[int, int], np.ndarray],
+            rows: list[dict[int, np.ndarray]] | None = None, limit: int | None = None,
+            time_limit_s: float = 60.0) -> Relaxation | None:
+    """The relaxation's optimum for the sum sum(unary[k][x_k]) + sum(pairs[(a, b)][x_a,
+    x_b]) with every memory row's bytes, sum(rows[r][j][x_j]), within `limit`; None
+    where it is infeasible or not found within `time_limit_s` of wall time. Rows whose
+    largest total cannot pass `limit` are left out, as they bind nothing."""
     sizes = np.array([len(u) for u in unary])
     start = np.concatenate([[0], np.cumsum(sizes)])
     nx = int(start[-1])
@@ -84,4 +97,4 @@ def relaxed_weights(unary: list[np.ndarray], pairs: dict[tuple[int, int], np.nda
                     method="highs-ds", options={"time_limit": time_limit_s})
     if found.status != 0:
         return None
-    return [found.x[start[k] : start[k + 1]] for k in range(len(unary))]
+    return Relaxation([found.x[start[k] : start[k + 1]] for k in range(len(unary))], float(found.fun))

@@ -9,7 +9,7 @@ import pytest
 
 import solver.intra_op as intra_op
 from solver.intra_op import Edge, IntraOpProblem, Node, Strategy, evaluate, peak_bytes, solve_intra_op
-from solver.lp_relaxation import integral_choice, relaxed_weights
+from solver.lp_relaxation import relaxed
 from test_intra_op_solver import brute, random_problem
 
 
@@ -26,13 +26,17 @@ def _terms(problem: IntraOpProblem) -> tuple[list[np.ndarray], dict, list[dict[i
 
 
 @pytest.mark.parametrize("seed", range(30))
-def test_an_integral_relaxation_is_the_optimum(seed):
+def test_an_integral_relaxation_is_the_optimum_and_any_bounds_it(seed):
     problem = random_problem(np.random.default_rng(seed))
     unary, pairs, rows = _terms(problem)
-    choice = integral_choice(relaxed_weights(unary, pairs, rows, problem.memory_limit_bytes))
+    relaxation = relaxed(unary, pairs, rows, problem.memory_limit_bytes)
+    best = brute(problem)
+    assert relaxation.value <= best * (1 + 1e-9) + 1e-12
+    choice = relaxation.integral_choice()
     if choice is None:
         return  # fractional: the search's turn (counted below)
-    assert evaluate(problem, choice) == pytest.approx(brute(problem), rel=1e-9, abs=1e-12)
+    assert evaluate(problem, choice) == pytest.approx(best, rel=1e-9, abs=1e-12)
+    assert relaxation.value == pytest.approx(best, rel=1e-7, abs=1e-12)
     if problem.memory_limit_bytes is not None:
         assert peak_bytes(problem, choice) <= problem.memory_limit_bytes
 
@@ -48,7 +52,7 @@ def test_the_relaxation_of_a_chain_is_always_integral():
                                            rng.uniform(0, 1, (len(nodes[i].strategies), len(nodes[i + 1].strategies)))))
                       for i in range(4))
         problem = IntraOpProblem(nodes, edges)
-        choice = integral_choice(relaxed_weights(*_terms(problem)[:2]))
+        choice = relaxed(*_terms(problem)[:2]).integral_choice()
         assert choice is not None, f"seed {seed}: a chain's relaxation came out fractional"
         assert evaluate(problem, choice) == pytest.approx(brute(problem), rel=1e-9)
 
@@ -71,7 +75,7 @@ def test_where_elimination_is_refused_an_integral_relaxation_answers_without_a_s
     answered = 0
     for seed in range(12):
         problem = _dense(seed)
-        if integral_choice(relaxed_weights(*_terms(problem)[:2])) is None:
+        if relaxed(*_terms(problem)[:2]).integral_choice() is None:
             continue
         with monkeypatch.context() as m:
             m.setattr(intra_op, "cp_solver", no_search)
@@ -90,7 +94,21 @@ def test_a_fractional_relaxation_leaves_the_optimum_to_the_search(monkeypatch):
     nodes = tuple(Node(f"op{i}", (Strategy("rows", 1.0, 0.0, 1), Strategy("cols", 1.0, 0.0, 1))) for i in range(3))
     agree = ((1.0, 0.0), (0.0, 1.0))
     problem = IntraOpProblem(nodes, (Edge(0, 1, agree), Edge(1, 2, agree), Edge(0, 2, agree)))
-    weights = relaxed_weights(*_terms(problem)[:2])
-    assert weights is not None and integral_choice(weights) is None
+    relaxation = relaxed(*_terms(problem)[:2])
+    assert relaxation.integral_choice() is None and relaxation.value == pytest.approx(3.0)
     solution = solve_intra_op(problem)
     assert solution.optimal and solution.cost_s == pytest.approx(brute(problem)) == pytest.approx(4.0)
+
+
+def test_a_problem_whose_relaxation_exceeds_beat_is_refused_before_its_search(monkeypatch):
+    """A caller comparing meshes passes the cheapest so far (`beat`): where the
+    relaxation's value already exceeds it, no search runs and the answer is None;
+    below it, the search answers as without `beat`."""
+    monkeypatch.setattr(intra_op, "_ELIMINATED_PER_S", 0)
+    nodes = tuple(Node(f"op{i}", (Strategy("rows", 1.0, 0.0, 1), Strategy("cols", 1.0, 0.0, 1))) for i in range(3))
+    agree = ((1.0, 0.0), (0.0, 1.0))
+    problem = IntraOpProblem(nodes, (Edge(0, 1, agree), Edge(1, 2, agree), Edge(0, 2, agree)))  # relaxation 3, optimum 4
+    with monkeypatch.context() as m:
+        m.setattr(intra_op, "cp_solver", lambda *a, **k: pytest.fail("searched a problem its relaxation refuses"))
+        assert solve_intra_op(problem, beat=2.5) is None
+    assert solve_intra_op(problem, beat=3.5).cost_s == pytest.approx(4.0)  # the bound does not refuse: the search's optimum

@@ -293,7 +293,8 @@ class _StageSolver:
         already proves it no less than `beat`, that proof (its bound): a budget only
         adds constraints, so a mesh that loses without one loses with one, and the
         choice between meshes needs no budgeted solve of it (a budgeted solve is
-        CP-SAT's search where the relaxation is fractional: seconds on a large stage)."""
+        CP-SAT's search where the relaxation is fractional: seconds on a large stage).
+        Likewise inf where the budgeted problem's relaxation costs more than `beat`."""
         key = (stage.index, tuple(mesh.items()), stage.zero_group)
         if key not in self._solved and beat < math.inf:
             free = self._problem(stage, mesh)
@@ -301,6 +302,10 @@ class _StageSolver:
                 floor = _solve_once(free[1].problem, self.option.time_limit_s).bound_s
                 if floor >= beat:
                     return floor
+            solved = self._solve(stage, mesh, beat)
+            if solved is None:
+                return math.inf  # its budgeted problem's relaxation already costs more than `beat`
+            self._solved[key] = solved
         return self.solve(stage, mesh)[1]
 
     def link(self, stage: StagePlan) -> LinkCost:
@@ -344,7 +349,10 @@ class _StageSolver:
         """The stage's ZeRO stage: the user's, else the plan's."""
         return self.option.zero if self.option.zero is not None else stage.zero
 
-    def _solve(self, stage: StagePlan, mesh: dict[str, int]) -> tuple[dict[int, Spec], float, dict[int, tuple[Spec, Spec]], tuple]:
+    def _solve(self, stage: StagePlan, mesh: dict[str, int], beat: float = math.inf,
+               ) -> tuple[dict[int, Spec], float, dict[int, tuple[Spec, Spec]], tuple] | None:
+        """`solve`'s answer, or None where the stage's budgeted problem provably costs
+        no less than `beat` (`solve_intra_op`'s refusal)."""
         traced = self.traced
         built = self._problem(stage, mesh)
         if built is None:
@@ -353,7 +361,10 @@ class _StageSolver:
         zero = self._zero(stage)
         factor = state_factor(zero, zero_shards(stage, mesh)[0], stage.offload)
         solution = _solve_once(problem.problem, self.option.time_limit_s)
-        problem, solution = self._within_memory(stage, build, problem, solution, factor, self._gathered(stage, zero, mesh))
+        within = self._within_memory(stage, build, problem, solution, factor, self._gathered(stage, zero, mesh), beat)
+        if within is None:
+            return None
+        problem, solution = within
         log.info("stage %d sharded on %s: %.3g s predicted (%s)", stage.index, mesh, solution.cost_s,
                  "optimal" if solution.optimal else f"gap {solution.gap:.1%}")
         out: dict[int, Spec] = {}
@@ -381,13 +392,13 @@ class _StageSolver:
         return max((model_split_bytes(p, u, model) for p, u in zip(self.layers.param_bytes[span], unsplit)), default=0.0)
 
     def _within_memory(self, stage: StagePlan, build, problem, solution, factor: float = 4.0,  # noqa: ANN001
-                       gathered: float = 0.0):
+                       gathered: float = 0.0, beat: float = math.inf):
         """The fastest sharding is kept unless its weights' state overflows what the
         stage's devices have left after their activations and (ZeRO-3) `gathered`
         parameters (the planner priced the stage assuming its weights split over the
         model axis): then the ILP solves again under that budget. Where no sharding
         fits the budget, the fastest one stays and placement's fit check names the
-        shortfall."""
+        shortfall. None where the budgeted problem provably costs no less than `beat`."""
         if not stage.memory_capacity:
             return problem, solution
         unsplit = sum(self.layers.unsplit_param_bytes[stage.layer_start : stage.layer_end]) if self.layers.unsplit_param_bytes else 0
@@ -399,7 +410,8 @@ class _StageSolver:
         if bounded is None or peak_bytes(bounded.problem, solution.choice) <= budget:
             return problem, solution
         try:
-            return bounded, _solve_once(bounded.problem, self.option.time_limit_s)
+            solved = _solve_once(bounded.problem, self.option.time_limit_s, beat)
+            return None if solved is None else (bounded, solved)
         except IntraOpError as e:
             log.info("stage %d: %s; keeping the fastest sharding", stage.index, e)
             return problem, solution
@@ -408,10 +420,11 @@ _SOLVED: OrderedDict[tuple, IntraOpSolution] = OrderedDict()
 _SOLVED_MAX = 256
 
 
-def _solve_once(problem: IntraOpProblem, time_limit_s: float) -> IntraOpSolution:
+def _solve_once(problem: IntraOpProblem, time_limit_s: float, beat: float = math.inf) -> IntraOpSolution | None:
     """The ILP's answer, solved once per distinct problem: stages holding the same
     blocks on the same mesh (and a pass asked twice) pose the same problem up to the
-    names of its operators, and a solve can take the whole time limit."""
+    names of its operators, and a solve can take the whole time limit. None, not
+    remembered, where the solver refuses the problem against `beat`."""
     # Edges in a canonical order: stages of the same blocks list their optimizer-update
     # edges in their parameters' order, which sorts "layers_10" before "layers_2".
     edges = tuple(sorted(problem.edges, key=lambda e: (e.src, e.dst, e.cost_s)))
@@ -420,7 +433,9 @@ def _solve_once(problem: IntraOpProblem, time_limit_s: float) -> IntraOpSolution
     if key in _SOLVED:
         _SOLVED.move_to_end(key)
         return _SOLVED[key]
-    solution = solve_intra_op(problem, time_limit_s)
+    solution = solve_intra_op(problem, time_limit_s, beat=beat)
+    if solution is None:  # refused against `beat`: another caller may need the answer
+        return None
     _SOLVED[key] = solution
     if len(_SOLVED) > _SOLVED_MAX:
         _SOLVED.popitem(last=False)
