@@ -14,9 +14,10 @@ most of its time on this same relaxation at its root: 6.7-8.7 s for each of
 Llama-2-13B's stages on a 32x2x2 mesh (`benchmarks/real_models.py`), where HiGHS's
 dual simplex solves it in 0.3-0.6 s and finds it integral. Where the optimum is
 fractional (a binding memory budget makes it so), or HiGHS does not finish, the
-caller goes on to CP-SAT, starting from the relaxation's heaviest strategies: this
-module only ever answers with a proven optimum. HiGHS (through scipy) runs the same
-pivots on the same input, so every process gets the same answer.
+caller goes on to CP-SAT, starting from the relaxation's heaviest strategies; the
+relaxation's value, a lower bound on every choice, still refuses a mesh that cannot
+beat the cheapest one so far (`solve_intra_op`'s `beat`). HiGHS (through scipy) runs
+the same pivots on the same input, so every process gets the same answer.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ def relaxed(unary: list[np.ndarray], pairs: dict[tuple[int, int], np.ndarray],
     x_b]) with every memory row's bytes, sum(rows[r][j][x_j]), within `limit`; None
     where it is infeasible or not found within `time_limit_s` of wall time. Rows whose
     largest total cannot pass `limit` are left out, as they bind nothing."""
+    if not unary:
+        return Relaxation([], 0.0)
     sizes = np.array([len(u) for u in unary])
     start = np.concatenate([[0], np.cumsum(sizes)])
     nx = int(start[-1])
