@@ -286,6 +286,7 @@ class _StageSolver:
         key = (stage.index, tuple(mesh.items()), stage.zero_group)  # the group sets the state ZeRO leaves per device
         if key not in self._solved:
             self._solved[key] = self._solve(stage, mesh)
+            self._problems.pop(key, None)  # answered: its problem (megabytes on a 3-axis mesh) is not asked again
         return self._solved[key]
 
     def cost(self, stage: StagePlan, mesh: dict[str, int], beat: float = math.inf) -> float:
@@ -301,8 +302,10 @@ class _StageSolver:
             if free is not None:
                 floor = _solve_once(free[1].problem, self.option.time_limit_s).bound_s
                 if floor >= beat:
+                    self._problems.pop(key, None)
                     return floor
             solved = self._solve(stage, mesh, beat)
+            self._problems.pop(key, None)
             if solved is None:
                 return math.inf  # its budgeted problem's relaxation already costs more than `beat`
             self._solved[key] = solved
@@ -326,7 +329,7 @@ class _StageSolver:
     def _problem(self, stage: StagePlan, mesh: dict[str, int]) -> tuple[Callable, StageProblem] | None:
         """How to build the stage's problem on `mesh` under a budget, and the problem
         without one (None where it has no matmul to shard); kept per stage and mesh
-        (`cost` and `solve` both ask)."""
+        until it is answered (`cost` asks, then `_solve`)."""
         key = (stage.index, tuple(mesh.items()), stage.zero_group)
         if key not in self._problems:
             traced = self.traced
