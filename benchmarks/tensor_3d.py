@@ -110,7 +110,7 @@ def main() -> None:
 
     solved: dict[str, float] = {}
 
-    def cost_of(mesh: dict[str, int]) -> float:
+    def cost_of(mesh: dict[str, int], beat: float) -> float:  # every mesh solved in full, to print its cost
         problem = stage_problem(graph, ops, held, mesh, flops, link, batch_axis=traced.analysis.batch_axis)
         solved["x".join(map(str, mesh.values()))] = cost = solve_intra_op(problem.problem).cost_s
         return cost

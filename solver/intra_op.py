@@ -380,7 +380,7 @@ def solve_intra_op(problem: IntraOpProblem, time_limit_s: float = 10.0, workers:
     relaxation = None if exact is not None else relaxed(unary, pairs, rows, limit, time_limit_s)
     if relaxation is not None and constant + relaxation.value >= beat * _BOUND_MARGIN:
         return None  # no choice beats `beat`: the relaxation's value bounds them all
-    picks = exact[0] if exact is not None else relaxation and relaxation.integral_choice()
+    picks = exact[0] if exact is not None else relaxation.integral_choice() if relaxation is not None else None
     if picks is not None and (not binding or peak_bytes(problem, expand(picks)) <= limit):
         choice = expand(picks)
         cost = evaluate(problem, choice)

@@ -45,7 +45,7 @@ class Relaxation:
         node's weight is split."""
         if any(np.abs(w - np.round(w)).max(initial=0.0) > _INTEGRAL_TOL for w in self.weights):
             return None
-        return [int(np.argmax(w)) for w in self.weights]
+        return self.heaviest()
 
     def heaviest(self) -> list[int]:
         """Each node's strategy of the largest weight: a good start for a search where

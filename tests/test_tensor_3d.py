@@ -144,7 +144,7 @@ def _ilp_cost(traced, flops: float, link: LinkCost, half: float = 0.0):
     held = {v for v in graph.invars if v not in traced.analysis.batch_axis}
     solved = {}
 
-    def cost_of(mesh: dict[str, int]) -> float:
+    def cost_of(mesh: dict[str, int], beat: float) -> float:
         key = tuple(mesh.items())
         if key not in solved:
             problem = stage_problem(graph, list(range(len(graph.ops))), held, mesh, flops, link,
@@ -175,7 +175,7 @@ def test_the_chooser_factors_a_wide_model_axis_for_large_matmuls_and_not_for_nar
     assert min(v for k, v in solved.items() if len(k) == 3) >= solved[(("data", 4), ("model", 16))]
     # Nothing to factor: a model axis under 4, or no model axis.
     assert factorings(4) == [(2, 2)] and factorings(16) == [(2, 8), (4, 4)] and factorings(3) == []
-    assert choose_model_axes((8, 2), lambda mesh: 1.0)[0] == (8, 2) and choose_model_axes((8,), lambda mesh: 1.0)[0] == (8,)
+    assert choose_model_axes((8, 2), lambda mesh, beat: 1.0)[0] == (8, 2) and choose_model_axes((8,), lambda mesh, beat: 1.0)[0] == (8,)
 
 
 def test_a_mesh_the_chooser_factored_computes_what_jax_jit_does_and_is_priced_from_its_layouts():

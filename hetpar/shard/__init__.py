@@ -82,14 +82,7 @@ def _model_axes(solver: "_StageSolver", plan: Plan, stage: StagePlan) -> StagePl
     agrees that the step is not slower, each mesh priced with the collectives its
     ILP solution runs: the ILP sees one stage's matmuls, the estimator the whole step
     (how often each collective runs, the bubble, the other stages)."""
-    least = [math.inf]  # the cheapest mesh priced so far (`_StageSolver.cost` proves others lose to it)
-
-    def cost_of(mesh: dict[str, int]) -> float:
-        cost = solver.cost(stage, mesh, beat=least[0])
-        least[0] = min(least[0], cost)
-        return cost
-
-    chosen = with_model_axes(stage, cost_of)
+    chosen = with_model_axes(stage, lambda mesh, beat: solver.cost(stage, mesh, beat))
     if chosen.mesh_shape == stage.mesh_shape:
         return stage
     chosen = replace(chosen, data_parallel=chosen.mesh_shape[0], tensor_parallel=math.prod(chosen.mesh_shape[1:]))

@@ -16,6 +16,7 @@ those layouts.
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from dataclasses import replace
 from typing import Callable
@@ -38,24 +39,26 @@ def factorings(model: int) -> list[tuple[int, int]]:
     return [(a, model // a) for a in range(2, model + 1) if model % a == 0 and 2 <= a <= model // a]
 
 
-def choose_model_axes(shape: tuple[int, ...], cost_of: Callable[[dict[str, int]], float]) -> tuple[tuple[int, ...], float]:
+def choose_model_axes(shape: tuple[int, ...], cost_of: Callable[[dict[str, int], float], float]) -> tuple[tuple[int, ...], float]:
     """The cheapest of a `data` x `model` mesh of `shape` with a model axis of 4 or
-    more and its factorings `data` x `a` x `b`, each priced by `cost_of` (the stage's
-    ILP cost on a mesh: the caller solves each once and keeps it), with its cost. A
-    factored mesh must be strictly cheaper to be taken; any other shape stands."""
+    more and its factorings `data` x `a` x `b`, each priced by `cost_of(mesh, beat)`
+    (the stage's ILP cost on a mesh: the caller solves each once and keeps it; it may
+    answer any figure no less than `beat`, the cheapest so far, where it proves the
+    mesh no cheaper), with its cost. A factored mesh must be strictly cheaper to be
+    taken; any other shape stands."""
     shape = tuple(shape)
     if len(shape) != 2 or shape[1] < MIN_FACTORED:
-        return shape, cost_of(dict(zip(AXES, shape)))
+        return shape, cost_of(dict(zip(AXES, shape)), math.inf)
     data, model = shape
-    best, least = shape, cost_of(dict(zip(AXES, shape)))
+    best, least = shape, cost_of(dict(zip(AXES, shape)), math.inf)
     for a, b in factorings(model):
-        cost = cost_of(dict(zip(AXES, (data, a, b))))
+        cost = cost_of(dict(zip(AXES, (data, a, b))), least)
         if cost < least:
             best, least = (data, a, b), cost
     return best, least
 
 
-def with_model_axes(stage: StagePlan, cost_of: Callable[[dict[str, int]], float]) -> StagePlan:
+def with_model_axes(stage: StagePlan, cost_of: Callable[[dict[str, int], float], float]) -> StagePlan:
     """`stage` on the mesh `choose_model_axes` prices cheapest, its degrees kept."""
     shape = tuple(stage.mesh_shape)
     if len(shape) != 2 or shape[1] < MIN_FACTORED:
