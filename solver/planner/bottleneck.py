@@ -26,7 +26,7 @@ _BLOCK = 16  # candidate step times priced at once
 
 
 class LastRooms(NamedTuple):
-    """A group's layouts as a pipeline's last stage (`LowerBounds._last_rooms`): its
+    """A group's layouts as a pipeline's last stage (`LowerBounds._group`'s `placed`): its
     rooms per candidate step time of the group, [layout, t] (layouts in the group's
     `index` order; a row of orders picks its last stage's by its layout)."""
 
@@ -53,7 +53,7 @@ class Group(NamedTuple):
     by_place: np.ndarray
     index: dict[tuple, int]  # a layout (`layouts.KindLayout`) -> its row
     rows: dict[tuple, np.ndarray]  # per row of these layouts, each stage's position in the arrays above
-    lasts: list[LastRooms]  # its layouts' rooms as a pipeline's last stage, once asked (`LowerBounds._last_rooms`)
+    lasts: LastRooms | None  # its layouts' rooms as a pipeline's last stage (None: not a group for orders, `placed`)
 
 
 def least_steps(group: Group, at: np.ndarray, n: np.ndarray, nr: np.ndarray, m: int, layers: int, offsets: np.ndarray,

@@ -93,6 +93,7 @@ class LowerBounds:
         self._kind_layouts: dict[str, list[KindLayout]] = {}
         self._tail_values: np.ndarray | None = None
         self._held_tails: dict[StageConfig, np.ndarray] = {}
+        self._end_tails: dict[StageConfig, tuple[float, float]] = {}  # `_ends_tail`'s parts
         self._envelopes: dict[tuple[tuple[KindLayout, ...], int], tuple[np.ndarray, float, np.ndarray]] = {}
         self._least_tails: dict[tuple[KindLayout, ...], float] = {}
         self._paces: dict[tuple[StageConfig, int], tuple[float, float, float]] = {}
@@ -282,7 +283,10 @@ class LowerBounds:
         them (each layout's tails, and its rooms on them, priced in one array pass)."""
         if self._tail_values is None:
             cfgs = list(dict.fromkeys(lay.config for k in self.problem.kinds for lay in kind_layouts(self.problem, k.name)))
-            tails = least_runs_rows(np.array([self._tail_spans(cfg) for cfg in cfgs]))
+            spans = np.array([self._tail_spans(cfg) for cfg in cfgs])
+            tails = least_runs_rows(spans)
+            n = self.costs.n  # a first stage's runs start at layer 0, a last's end at n
+            self._end_tails.update(zip(cfgs, zip(spans[:, 0, 1:].min(axis=1), spans[:, :n, n].min(axis=1))))
             self._tails.update(zip(cfgs, tails))
             self._tail_values = np.unique(tails)
             self._held_tails.update(zip(cfgs, most_within(tails, self._tail_values, FITS_TOL)))
@@ -299,19 +303,19 @@ class LowerBounds:
         holds only as many layers as fit beside the activations its position keeps in
         flight, a stage that cannot hold one layer without recomputing pays the
         recompute, and every cut pays its least send both ways; with `last`, each stage
-        is priced by the runs its place allows (`Group.by_place`, `_last_rooms`: the last
+        is priced by the runs its place allows (`Group.by_place`, `_group`'s `placed`: the last
         stage holds the model's last layers, the first its first, the others neither).
         Stops at `beat`: a bound that reaches it is as good as exact for pruning. All
         orders at once (one array pass, not a pass per order: the search ranks every
         order of a set when the set reaches the front of its line)."""
         if registry.get(schedule).interleaved:
             return np.array([self.bound(order, m, b, schedule) for order in orders])
-        group = self._group(orders[0], b)
+        group = self._group(orders[0], b, placed=last)
         fitting, sends, slots = self._order_parts(orders, m, b, schedule)
         at = np.array([group.index[lay] for lay in orders[0]])[slots]  # each stage's layout in the group's arrays
         trips = sends if registry.get(schedule).round_trip_limited else None
-        lasts = self._last_rooms(group, b) if last else None
-        return self._bounds(orders, fitting, m, b, sends + group.tail, beat, lasts, group, at, trips)
+        tails = np.array([self._ends_tail(order[0].config, order[-1].config) for order in orders])
+        return self._bounds(orders, fitting, m, b, sends + np.maximum(group.tail, tails), beat, group.lasts, group, at, trips)
 
     def _order_parts(self, orders: list[tuple[KindLayout, ...]], m: int, b: int,
                      schedule: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -348,7 +352,7 @@ class LowerBounds:
         candidate bottlenecks t (the group's), plus the row's offset (its tail's bound
         and sends); `fitting` (rows x stages x 2): the most layers each stage holds
         without and with recomputation; `lasts`: where the order is known, `group`'s layouts' rooms as
-        a last stage (`_last_rooms`; each row picks its last stage's by its layout), each stage priced by its place;
+        a last stage (`Group.lasts`; each row picks its last stage's by its layout), each stage priced by its place;
         `at`: each row's stages' layouts in the group's arrays, where the caller has
         them (`_row_layouts` otherwise); `trips`: per row, its least sends both ways,
         where 1F1B's round trips may pace it (`bottleneck.least_steps`). (Plain schedules only: an interleaved
@@ -443,43 +447,45 @@ class LowerBounds:
             group.rows[row] = np.repeat([group.index[lay] for lay in row], [lay.stages for lay in row])
         return group.rows[row]
 
-    def _group(self, layouts: tuple[KindLayout, ...], b: int) -> Group:
+    def _group(self, layouts: tuple[KindLayout, ...], b: int, placed: bool = False) -> Group:
         """Candidate step times, each layout's rooms at them, and the tail's bound:
-        the same for every order of `layouts` (each order seen is kept too: sorting is most of a hit's cost)."""
-        if (layouts, b) in self._groups:
-            return self._groups[layouts, b]
-        key = (tuple(sorted(layouts)), b)
+        the same for every order of `layouts` (each order seen is kept too: sorting is
+        most of a hit's cost).
+
+        `placed`: for orders, whose last stage is known. A pipeline's last stage holds
+        the model's last layers (on a language model the head, heavier than any other
+        layer), so its rooms at a candidate time t are those of its last runs within t,
+        not of its least runs anywhere (`Group.lasts`), and the last runs' times join
+        the candidates: a split of bottleneck M is counted at the largest candidate
+        t <= M, and each stage's least run of its count of layers (the last stage's
+        last run) is a candidate <= M, so <= t: every stage has room for its layers at
+        t. Without the last runs among the candidates, a split whose last stage sets
+        the pace was counted at the slower middle runs below it: on 64 GPUs of three
+        kinds such orders were bounded 10-14% below their best split and split in vain.
+        (Its times, and the first and middle stages', by their place: `Group.by_place`.)"""
+        if (layouts, b, placed) in self._groups:
+            return self._groups[layouts, b, placed]
+        key = (tuple(sorted(layouts)), b, placed)
         if key not in self._groups:
             each = self._runs_of(key[0], b)
+            count = len(each)
             # (and a middle stage's least one-layer runs: `bottleneck._middle_floor` is compared with them)
             inner = np.array([(r.inner.one, r.inner.one_remat) for r in each]).ravel()
-            steps = sorted_unique(np.concatenate([r.time for r in each] + [r.remat for r in each] + [inner[np.isfinite(inner)]]))
+            times = [r.time for r in each] + [r.remat for r in each] + [inner[np.isfinite(inner)]]
+            if placed:
+                lasts = np.array([r.last_floor for r in each] + [r.last_floor_remat for r in each])
+                times.append(lasts[np.isfinite(lasts)])
+            steps = sorted_unique(np.concatenate(times))
             rooms = counts_within(np.array([r.floor for r in each] + [r.floor_remat for r in each]), steps * FITS_TOL)
+            last_rooms = counts_within(lasts, steps * FITS_TOL) if placed else None
             firsts, firsts_remat, rates, rates_remat = np.array([(r.time[0], r.remat[0], r.step, r.step_remat) for r in each]).T.copy()
             by_place = np.array([[tuple(place) for place in (r.first, r.inner, r.final)] for r in each],
                                 dtype=float).transpose(2, 1, 0).copy()
-            self._groups[key] = Group(steps, self._least_tail(key[0]), firsts, firsts_remat, rates, rates_remat, rooms[: len(each)],
-                                      rooms[len(each) :], by_place, {lay: i for i, lay in enumerate(key[0])}, {}, [])
-        self._groups[layouts, b] = self._groups[key]
+            self._groups[key] = Group(steps, self._least_tail(key[0]), firsts, firsts_remat, rates, rates_remat, rooms[:count],
+                                      rooms[count:], by_place, {lay: i for i, lay in enumerate(key[0])}, {},
+                                      LastRooms(last_rooms[:count], last_rooms[count:]) if placed else None)
+        self._groups[layouts, b, placed] = self._groups[key]
         return self._groups[key]
-
-    def _last_rooms(self, group: Group, b: int) -> LastRooms:
-        """A pipeline's last stage holds the model's last layers (on a language model,
-        the head, heavier than any other layer), so its rooms are at most those of the
-        last runs, not only of the least runs anywhere. On the group's grid of
-        candidate times t (`_group`) they count the layers whose last run stays within
-        the next candidate above t, not t: a split's bottleneck M is at least every
-        other stage's least run, each a candidate, so it is counted at the largest
-        candidate t <= M, where its last stage's run (<= M, below the next candidate)
-        has room (as its least run, a candidate <= M, has at t: the rooms are the
-        lesser of the two). (Its times, and the first and middle stages', by their
-        place: `Group.by_place`.)"""
-        if not group.lasts:  # every layout of the group at once: an order's last stage is any of them
-            runs = self._runs_of(tuple(group.index), b)
-            above = np.append(group.steps[1:], INF)
-            rooms = counts_within(np.array([r.last_floor for r in runs] + [r.last_floor_remat for r in runs]), above * FITS_TOL)
-            group.lasts.append(LastRooms(rooms[: len(runs)], rooms[len(runs) :]))
-        return group.lasts[0]
 
     def _least_tail(self, layouts: tuple[KindLayout, ...]) -> float:
         """The least u such that stages whose every run costs at most u in tail (and
@@ -491,6 +497,17 @@ class LowerBounds:
             enough = int(held.searchsorted(self.costs.n))
             self._least_tails[layouts] = float(candidates[enough]) if enough < len(candidates) else 0.0
         return self._least_tails[layouts]
+
+    def _ends_tail(self, first: StageConfig, last: StageConfig) -> float:
+        """The slowest tail of a pipeline whose first stage is `first` and last `last`
+        is at least either one's least tail over the runs its place allows: the first
+        holds the model's first layer, the last its last. On a language model those are
+        the embedding and the head, the largest layers by parameters, whose gradient sum
+        on a slow kind's network outlasts what the set's bound (`_least_tail`, any stage
+        holding any layers) counts: 126 ms for eight T4s holding the embedding of a
+        4096-wide GPT against a set bound of a few ms."""
+        self._tail_grid()  # (prices every layout's end tails)
+        return max(self._end_tails[first][0], self._end_tails[last][1])
 
     def _layout_tails(self, lay: KindLayout) -> np.ndarray:
         """Per candidate tail, the most layers all of a layout's stages hold within it
