@@ -123,12 +123,12 @@ class LowerBounds:
             by_count.setdefault(sum(lay.stages for lay in layouts), []).append(i)
         for chosen in by_count.values():
             rows = [sets[i] for i in chosen]
-            group = self._group(rows[0] if len(rows) == 1 else tuple({lay for row in rows for lay in row}), b)
+            group = self._group(rows[0] if len(rows) == 1 else tuple({lay for row in rows for lay in row}), b, placed=True)
             at = np.stack([self._row_layouts(row, group) for row in rows])  # each stage's layout in the group's arrays
             fitting = np.array([self.fits.one(lay, b, 1) for lay in group.index], dtype=float)[at]
-            tails = np.array([self._least_tail(tuple(sorted(row))) for row in rows])
+            tails = np.array([max(self._least_tail(tuple(sorted(row))), self._set_ends_tail(row)) for row in rows])
             trips = np.zeros(len(rows)) if registry.get(schedule).round_trip_limited else None  # (sends: at least none)
-            out[chosen] = self._bounds(rows, fitting, m, b, tails, INF, group=group, at=at, trips=trips, placed=False)
+            out[chosen] = self._bounds(rows, fitting, m, b, tails, INF, group.lasts, group, at, trips, placed=False)
         return out
 
     def product_bounds(self, per_kind: list[list[KindLayout]], m: int, b: int, schedule: str) -> list[tuple[float, tuple[KindLayout, ...]]]:
@@ -508,6 +508,13 @@ class LowerBounds:
         4096-wide GPT against a set bound of a few ms."""
         self._tail_grid()  # (prices every layout's end tails)
         return max(self._end_tails[first][0], self._end_tails[last][1])
+
+    def _set_ends_tail(self, layouts: tuple[KindLayout, ...]) -> float:
+        """`_ends_tail` where the order is not known: some stage of these layouts is
+        first and some last, so the slowest tail is at least the least first tail
+        among them and the least last one."""
+        self._tail_grid()
+        return max(min(self._end_tails[lay.config][0] for lay in layouts), min(self._end_tails[lay.config][1] for lay in layouts))
 
     def _layout_tails(self, lay: KindLayout) -> np.ndarray:
         """Per candidate tail, the most layers all of a layout's stages hold within it
