@@ -476,8 +476,9 @@ class LowerBounds:
                 lasts = np.array([r.last_floor for r in each] + [r.last_floor_remat for r in each])
                 times.append(lasts[np.isfinite(lasts)])
             steps = sorted_unique(np.concatenate(times))
-            rooms = counts_within(np.array([r.floor for r in each] + [r.floor_remat for r in each]), steps * FITS_TOL)
-            last_rooms = counts_within(lasts, steps * FITS_TOL) if placed else None
+            floors = np.array([r.floor for r in each] + [r.floor_remat for r in each])
+            rooms = counts_within(np.concatenate([floors, lasts]) if placed else floors, steps * FITS_TOL)  # (one pass)
+            last_rooms = rooms[2 * count :]
             firsts, firsts_remat, rates, rates_remat = np.array([(r.time[0], r.remat[0], r.step, r.step_remat) for r in each]).T.copy()
             by_place = np.array([[tuple(place) for place in (r.first, r.inner, r.final)] for r in each],
                                 dtype=float).transpose(2, 1, 0).copy()
