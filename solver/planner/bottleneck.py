@@ -108,8 +108,7 @@ def least_steps(group: Group, at: np.ndarray, n: np.ndarray, nr: np.ndarray, m: 
     # (nondecreasing along t, as the rooms are).
     enough = rooms.sum(axis=1) >= layers
     fit = enough & (rooms.min(axis=1) >= 1)
-    if lasts is not None and placed is False:
-        fit &= _some_stage_last(rooms, lasts, at, n, nr, layers)
+    unplaced_last = lasts is not None and placed is False  # (checked per block of times: most rows stop in their first)
     if middle is not None:
         fit &= group.steps * FITS_TOL >= middle[:, None]
     some = enough[:, -1]
@@ -135,7 +134,11 @@ def least_steps(group: Group, at: np.ndarray, n: np.ndarray, nr: np.ndarray, m: 
             floor = np.full(len(at), INF)
             floor[rows], sums = sums[:, -1], sums[:, :-1]
         pace = ts if trips is None else np.maximum(ts, round_trip_pace(sums + trips[rows, None], n.shape[1], m))
-        values = (m - 1) * pace + np.where(fit[rows, start : start + _BLOCK], sums, INF)
+        fits = fit[rows, start : start + _BLOCK]
+        if unplaced_last:
+            block_times = slice(start, start + _BLOCK)
+            fits = fits & _some_stage_last(rooms[rows, :, block_times], lasts, block_times, at[rows], n[rows], nr[rows], layers)
+        values = (m - 1) * pace + np.where(fits, sums, INF)
         best[rows] = np.minimum(best[rows], values.min(axis=1))
         going[rows] = (m - 1) * ts[-1] + floor[rows] < best[rows]
         if not going.any():
@@ -143,16 +146,17 @@ def least_steps(group: Group, at: np.ndarray, n: np.ndarray, nr: np.ndarray, m: 
     return np.where(some, best + offsets, INF)
 
 
-def _some_stage_last(rooms: np.ndarray, lasts: LastRooms, at: np.ndarray, n: np.ndarray, nr: np.ndarray,
+def _some_stage_last(rooms: np.ndarray, lasts: LastRooms, times: slice, at: np.ndarray, n: np.ndarray, nr: np.ndarray,
                      layers: int) -> np.ndarray:
-    """[row, t]: where the order is not known, one of the row's stages is last all the
+    """[row, t] over the candidate `times` (`rooms`' [row, stage, t]): where the order is not known, one of the row's stages is last all the
     same, holding the model's last layers (`LastRooms`): the layers fit at t only if
     some stage, its rooms cut to its rooms as the last, still leaves room for every
     layer and holds one layer at least (the others keep their rooms anywhere; the
     least sums, priced with those, only fall for it). On a language model the head's
     runs make the last stage the slowest of its kind: a set's floor that ignored
     them stood 2-6% below the best of its orders on 64 GPUs of three kinds."""
-    as_last = np.maximum(np.minimum(lasts.rooms[at], n[:, :, None]), np.minimum(lasts.rooms_remat[at], nr[:, :, None]))
+    as_last = np.maximum(np.minimum(lasts.rooms[:, times][at], n[:, :, None]),
+                         np.minimum(lasts.rooms_remat[:, times][at], nr[:, :, None]))
     np.minimum(as_last, rooms, out=as_last)
     left = rooms.sum(axis=1)[:, None, :] - rooms + as_last  # [row, stage, t]: the rooms with that stage last
     return ((left >= layers) & (as_last >= 1)).any(axis=1)

@@ -483,7 +483,7 @@ class LowerBounds:
             by_place = np.array([[tuple(place) for place in (r.first, r.inner, r.final)] for r in each],
                                 dtype=float).transpose(2, 1, 0).copy()
             self._groups[key] = Group(steps, self._least_tail(key[0]), firsts, firsts_remat, rates, rates_remat, rooms[:count],
-                                      rooms[count:], by_place, {lay: i for i, lay in enumerate(key[0])}, {},
+                                      rooms[count : 2 * count], by_place, {lay: i for i, lay in enumerate(key[0])}, {},
                                       LastRooms(last_rooms[:count], last_rooms[count:]) if placed else None)
         self._groups[layouts, b, placed] = self._groups[key]
         return self._groups[key]
