@@ -207,6 +207,12 @@ def _fixed_stages(traced: TracedStep, layers: Layers, cluster: Cluster, option: 
     schedule = option.schedule or schedules.DEFAULT
     speeds = {k.name: k.flops for k in inputs.kinds}  # sustained per device at the step's dtype
     if (option.num_replicas or 1) > 1:
+        if traced.analysis.marked:
+            log.warning(
+                "num_replicas=%d on a hetpar.value_and_grad step: each pipeline runs its own share of every microbatch, "
+                "so whatever the loss computes over the microbatch as a whole (batch statistics) it computes over that "
+                "share, as data-parallel training without synchronised batch norm does, and the loss can differ from the "
+                "per-microbatch one; leave num_replicas unset for the per-microbatch figures", option.num_replicas)
         plan = assign_replicas(layers, cluster, option.num_replicas, stages, num_microbatches, traced.batch_size,
                                schedule, uniform=uniform, chunks=_chunks(option), speeds=speeds)
     else:

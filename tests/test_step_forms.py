@@ -1,5 +1,7 @@
 """Steps in the forms users write them: any state pytree, markers, nnx, refusals."""
 
+import logging
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -215,6 +217,37 @@ def test_a_step_whose_microbatch_mixes_examples_gets_no_replicas_or_mixed_kind_s
     plain_options = search_options(trace_step(plain, args, 1, 2), StageOption())
     assert not marked_options.allow_mixed and not marked_options.allow_replicas
     assert plain_options.allow_mixed and plain_options.allow_replicas
+
+
+def test_replicas_set_by_hand_on_a_step_whose_microbatch_mixes_examples_are_warned_of(caplog):
+    """The planner keeps a `hetpar.value_and_grad` step to one pipeline (above); a user
+    who asks for replicas gets them, each taking batch statistics over its own share of
+    every microbatch (here a loss that differs from the per-microbatch one), and a
+    warning that says so. A plain step's replicas compute what it does: no warning."""
+    def loss_fn(w, batch):
+        h = batch["x"] @ w
+        return jnp.mean(((h - h.mean(axis=0)) / (h.std(axis=0) + 1e-5)) ** 2)
+
+    def marked(w, batch):
+        loss, g = hetpar.value_and_grad(loss_fn)(w, batch)
+        return w - 0.1 * g, loss
+
+    def plain(w, batch):
+        loss, g = jax.value_and_grad(lambda w: jnp.mean((batch["x"] @ w - batch["y"]) ** 2))(w)
+        return w - 0.1 * g, loss
+
+    batch, w = _data(), jax.random.normal(jax.random.key(3), (8, 4))
+    cluster = hetpar.Cluster.virtual(CLUSTER)
+    with caplog.at_level(logging.WARNING, logger="hetpar.pipeline"):
+        _, loss = hetpar.parallelize(marked, cluster=cluster, num_microbatches=2, num_replicas=2)(w, batch)
+    assert any("num_replicas=2 on a hetpar.value_and_grad step" in r.getMessage() for r in caplog.records)
+    halves = [jax.tree.map(lambda a: a[i * 8 : (i + 1) * 8], batch) for i in range(2)]
+    per_microbatch = np.mean([float(loss_fn(w, h)) for h in halves])
+    assert abs(float(loss) - per_microbatch) > 1e-6  # what the warning is about
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hetpar.pipeline"):
+        hetpar.parallelize(plain, cluster=cluster, num_microbatches=2, num_replicas=2)(w, batch)
+    assert not any("num_replicas" in r.getMessage() for r in caplog.records)
 
 
 def test_plans_are_cached_by_argument_shapes():
