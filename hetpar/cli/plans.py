@@ -14,6 +14,7 @@ def solve(args: argparse.Namespace) -> int:
     from hetpar.cluster.cluster import Cluster
     from hetpar.plan.file import save_plan
     from hetpar.options import ShardingOption, StageOption
+    from hetpar.passes import announcing
     from hetpar.pipeline import make_plan
     from hetpar.workloads import load_workload
 
@@ -22,13 +23,15 @@ def solve(args: argparse.Namespace) -> int:
     with Progress(*columns, transient=True) as progress:
         task = progress.add_task(f"building {args.function}", total=None)
         workload = load_workload(args.function, batch_size=args.batch_size)
-        progress.update(task, description=f"tracing the step and solving for {cluster.describe()}")
-        plan = make_plan(workload.step, workload.args, cluster, num_microbatches=args.microbatches, batch_argnum=args.batch_argnum,
-                         num_stages=args.stages, num_replicas=args.replicas, num_layers=args.layers, schedule=args.schedule,
-                         use_all_kinds=args.use_all_kinds, profile=args.profile,
-                         chunks=args.chunks, sharding_option=ShardingOption(zero=args.zero, zero_group=getattr(args, "zero_group", None)),
-                         stage_option=StageOption(time_limit_s=args.time_limit, finalists=args.finalists,
-                                                  offload={"host": "host", "nvme": "nvme", "none": ""}.get(getattr(args, "offload", None))))
+        progress.update(task, description=f"tracing the step for {cluster.describe()}")
+        with announcing(lambda what: progress.update(task, description=f"{what} ({cluster.describe()})")):
+            plan = make_plan(workload.step, workload.args, cluster, num_microbatches=args.microbatches,
+                             batch_argnum=args.batch_argnum, num_stages=args.stages, num_replicas=args.replicas,
+                             num_layers=args.layers, schedule=args.schedule,
+                             use_all_kinds=args.use_all_kinds, profile=args.profile, chunks=args.chunks,
+                             sharding_option=ShardingOption(zero=args.zero, zero_group=getattr(args, "zero_group", None)),
+                             stage_option=StageOption(time_limit_s=args.time_limit, finalists=args.finalists, offload={
+                                 "host": "host", "nvme": "nvme", "none": ""}.get(getattr(args, "offload", None))))
     save_plan(plan, args.output)
     _print_plan(plan)
     print(f"wrote {args.output}")

@@ -15,6 +15,7 @@ from typing import Callable
 from hetpar.cluster.catalog import device_type
 from hetpar.errors import PlanError
 from hetpar.options import ShardingOption
+from hetpar.passes import announce
 from hetpar.plan import Plan, StagePlan
 from hetpar.plan.costs import estimate_plan
 from hetpar.shard.model_axes import model_collectives, with_model_axes
@@ -59,6 +60,7 @@ def shard_stages(traced: TracedStep, layers: Layers, plan: Plan, option: Shardin
     solver = _StageSolver(traced, layers, plan, option, links or {})
     stages = []
     for stage in plan.stages:
+        announce(f"sharding stage {stage.index + 1} of {len(plan.stages)} ({stage.num_devices} {stage.device_type})")
         if devices_per_node is not None:
             stage = _best_mesh(solver, plan, stage, traced.batch_size, devices_per_node.get(stage.group, stage.num_devices))
         if option.factor_model_axis or (option.factor_model_axis is None and devices_per_node is not None):
