@@ -75,7 +75,7 @@ def random_case(rng):
     stages, rows = int(rng.integers(1, min(18, layers) + 1)), int(rng.integers(1, 8))
     group = Group(np.sort(rng.random(size)) * 3, 0.0, rng.random(layouts), rng.random(layouts) * 2, rng.random(layouts) / 7,
                   rng.random(layouts) / 5, nondecreasing_counts(rng, layouts, size, layers),
-                  nondecreasing_counts(rng, layouts, size, layers), rng.random((6, 3, layouts)), {}, {}, [])
+                  nondecreasing_counts(rng, layouts, size, layers), rng.random((6, 3, layouts)), {}, {}, None)
     at = rng.integers(0, layouts, (rows, stages))
     n = rng.integers(0, layers // stages + 3, (rows, stages)).astype(float)
     nr = n + rng.integers(0, 3, (rows, stages))

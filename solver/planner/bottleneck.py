@@ -148,13 +148,14 @@ def least_steps(group: Group, at: np.ndarray, n: np.ndarray, nr: np.ndarray, m: 
 
 def _some_stage_last(rooms: np.ndarray, lasts: LastRooms, times: slice, at: np.ndarray, n: np.ndarray, nr: np.ndarray,
                      layers: int) -> np.ndarray:
-    """[row, t] over the candidate `times` (`rooms`' [row, stage, t]): where the order is not known, one of the row's stages is last all the
-    same, holding the model's last layers (`LastRooms`): the layers fit at t only if
-    some stage, its rooms cut to its rooms as the last, still leaves room for every
-    layer and holds one layer at least (the others keep their rooms anywhere; the
-    least sums, priced with those, only fall for it). On a language model the head's
-    runs make the last stage the slowest of its kind: a set's floor that ignored
-    them stood 2-6% below the best of its orders on 64 GPUs of three kinds."""
+    """[row, t] over the candidate `times` (`rooms`: [row, stage, t] on them): where the
+    order is not known, one of the row's stages is last all the same, holding the
+    model's last layers (`LastRooms`): the layers fit at t only if some stage, its rooms
+    cut to its rooms as the last, still leaves room for every layer and holds one layer
+    at least (the others keep their rooms anywhere; the least sums, priced with those,
+    only fall for it). On a language model the head's runs make the last stage the
+    slowest of its kind: with this check the sets of 64 GPUs of three kinds that the
+    search bounds further per order fell from 220 to 108."""
     as_last = np.maximum(np.minimum(lasts.rooms[:, times][at], n[:, :, None]),
                          np.minimum(lasts.rooms_remat[:, times][at], nr[:, :, None]))
     np.minimum(as_last, rooms, out=as_last)
