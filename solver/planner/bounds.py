@@ -515,8 +515,7 @@ class LowerBounds:
 
     def _set_ends_tail(self, layouts: tuple[KindLayout, ...]) -> float:
         """`_ends_tail` where the order is not known: some stage of these layouts is
-        first and some last, so the slowest tail is at least the least first tail
-        among them and the least last one."""
+        first and some last, each at least the least such tail among them."""
         self._tail_grid()
         return max(min(self._end_tails[lay.config][0] for lay in layouts), min(self._end_tails[lay.config][1] for lay in layouts))
 
