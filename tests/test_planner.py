@@ -223,6 +223,9 @@ def test_every_bound_is_below_every_split_it_covers(seed, sends_scale, light_end
         b = problem.batch_size // m
         usable = [[lay for lay in lays if b % lay.dp == 0] for lays in per_kind]
         product = bounds.product_bounds(usable, m, b, "1f1b")
+        # The product's floor, priced before its table (inf where memory alone fits no combination): below all of it.
+        floor = bounds.product_floor(usable, m, b, "1f1b")
+        assert floor <= min((lower for lower, _ in product), default=INF) * (1 + 1e-12), (m, floor)
         # A product's sets bounded together (as the search tightens a stream's next
         # ones: sets of as many stages share one pass on all their layouts' candidate
         # times) give each set's own figure, up to rounding: another set's candidate

@@ -189,12 +189,17 @@ class LowerBounds:
         product's table only when this reaches the front of its line, and most never
         do. Each kind is taken at its best layout for each part apart: the least
         bottleneck at which the kinds' roomiest layouts hold every layer, the least
-        first-layer times, the least tail at which they hold every layer."""
+        first-layer times, the least tail at which they hold every layer. Inf where
+        memory alone leaves every combination short of room, before any layout's runs
+        are priced (on 64 GPUs, every kind at one and two microbatches)."""
         if not per_kind or not all(per_kind):
             return INF
         if registry.get(schedule).interleaved:  # every finite bound of the product is the work floor
             return self._work_s() * m * b / sum(self._kind_rate(lays[0].kind) for lays in per_kind) * _BELOW
         layers = self.costs.n
+        if sum(float((np.array([lay.stages for lay in lays]) * self.fits.kind(tuple(lays), b).max(axis=1)).max())
+               for lays in per_kind) < layers:
+            return INF
         envelopes = [self._envelope(tuple(lays), b) for lays in per_kind]
         needs = [need for need, _, _ in envelopes]
         candidates = np.unique(np.concatenate(needs))
@@ -452,19 +457,15 @@ class LowerBounds:
         the same for every order of `layouts` (each order seen is kept too: sorting is
         most of a hit's cost).
 
-        `placed`: with its layouts' rooms as a pipeline's last stage (`Group.lasts`:
-        an order prices its last stage by them, a set asks that one of its stages can
-        be the last). A pipeline's last stage holds the model's last layers (on a
-        language model the head, heavier than any other layer), so its rooms at a
-        candidate time t are those of its last runs within t, not of its least runs
-        anywhere, and the last runs' times join the candidates: a split of bottleneck M
-        is counted at the largest candidate
-        t <= M, and each stage's least run of its count of layers (the last stage's
-        last run) is a candidate <= M, so <= t: every stage has room for its layers at
-        t. Without the last runs among the candidates, a split whose last stage sets
-        the pace was counted at the slower middle runs below it: on 64 GPUs of three
-        kinds such orders were bounded 10-14% below their best split and split in vain.
-        (Its times, and the first and middle stages', by their place: `Group.by_place`.)"""
+        `placed`: with its layouts' rooms as a pipeline's last stage (`Group.lasts`: an
+        order prices its last stage by them, a set asks that one of its stages can be
+        last). The last stage holds the model's last layers (on a language model the
+        head, heavier than any other layer): its rooms at a candidate time t are its
+        last runs' within t, and those runs' times join the candidates, so a split of
+        bottleneck M, counted at the largest candidate t <= M, has every stage's least
+        run of its layers (the last's last run) <= t. Without them a split whose last
+        stage sets the pace was counted at the middle runs below it: on 64 GPUs of three
+        kinds such orders were bounded 10-14% below their best split and split in vain."""
         if (layouts, b, placed) in self._groups:
             return self._groups[layouts, b, placed]
         key = (tuple(sorted(layouts)), b, placed)
@@ -504,12 +505,11 @@ class LowerBounds:
     def _ends_tail(self, first: StageConfig, last: StageConfig) -> float:
         """The slowest tail of a pipeline whose first stage is `first` and last `last`
         is at least either one's least tail over the runs its place allows: the first
-        holds the model's first layer, the last its last. On a language model those are
-        the embedding and the head, the largest layers by parameters, whose gradient sum
-        on a slow kind's network outlasts what the set's bound (`_least_tail`, any stage
-        holding any layers) counts: at least 94 ms where a stage of eight T4s holds the
-        embedding of Metis's 4096-wide GPT, against 17 ms for its set of T4, V100 and
-        A100 layouts on 64 GPUs."""
+        holds the model's first layer, the last its last (on a language model the
+        embedding and the head, the largest by parameters, whose gradient sum on a slow
+        kind's network outlasts the set's bound, `_least_tail`: at least 94 ms where
+        eight T4s hold the embedding of Metis's 4096-wide GPT, against 17 ms for its
+        set of T4, V100 and A100 layouts on 64 GPUs)."""
         self._tail_grid()  # (prices every layout's end tails)
         return max(self._end_tails[first][0], self._end_tails[last][1])
 
