@@ -20,8 +20,8 @@ _listeners: list[Callable[[str], None]] = []
 @contextlib.contextmanager
 def announcing(listener: Callable[[str], None]) -> Iterator[None]:
     """While the block runs, `listener` gets a short line as each pass, or a long part
-    of one (a stage's sharding solve), starts: planning a large model takes minutes,
-    and a spinner with one line for all of it says nothing of where it is."""
+    of one (a stage's sharding solve), starts: planning a large model takes tens of
+    seconds, and a spinner with one line for all of it says nothing of where it is."""
     _listeners.append(listener)
     try:
         yield
