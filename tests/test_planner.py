@@ -269,8 +269,8 @@ def test_an_order_bound_counts_what_its_end_stages_must_hold(seeds, work):
     (read here from the stage tables themselves, not from the bounds' own figures);
     one that counted the last stage's rooms at its least runs anywhere, or the set's
     tail, fell 10-14% short of the best split on 64 GPUs of three kinds. A set's
-    bound, whatever its order, counts the least of its layouts as the last stage and
-    as the first. (That they stay below every split is
+    bound, whatever its order, counts the least first and last tails of its layouts.
+    (That they stay below every split is
     `test_every_bound_is_below_every_split_it_covers`.)
     `work`: the end layers' work, times the drawn one; every layer's a ten-thousandth
     where it is below one, so that the tails are nearly all of every step."""
@@ -299,14 +299,12 @@ def _check_end_stages(seed: int, work: float) -> int:
                                            for k in problem.kinds]):
             if sum(lay.stages for lay in layouts) > n:
                 continue
-            # The set's, whatever its order: some stage of it is last and some first (its
-            # rooms taken at one microbatch in flight, the best case of every position).
+            # The set's, whatever its order: some stage of it is first and some last.
             alone = [costs.table(lay.config, b, 1, True, m) for lay in layouts]
-            heads = [float(t.time[:n, n].min()) for t in alone]
-            if min(heads) < INF:
+            if min(float(t.time[:n, n].min()) for t in alone) < INF:
                 tails = max(min(float(t.tail[0, 1:].min()) for t in alone), min(float(t.tail[:n, n].min()) for t in alone))
                 bound = planner.bounds.bound(layouts, m, b, "1f1b")
-                assert bound >= ((m - 1) * min(heads) + tails) * (1 - 1e-9), (seed, layouts, m, bound, heads, tails)
+                assert bound >= tails * (1 - 1e-9), (seed, layouts, m, bound, tails)
             for order in itertools.permutations(layouts):
                 configs = [lay.config for lay in order for _ in range(lay.stages)]
                 if len(configs) > n:

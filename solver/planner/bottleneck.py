@@ -53,7 +53,7 @@ class Group(NamedTuple):
     by_place: np.ndarray
     index: dict[tuple, int]  # a layout (`layouts.KindLayout`) -> its row
     rows: dict[tuple, np.ndarray]  # per row of these layouts, each stage's position in the arrays above
-    lasts: LastRooms | None  # its layouts' rooms as a pipeline's last stage (None: not a group for orders, `placed`)
+    lasts: LastRooms | None  # its layouts' rooms as a pipeline's last stage (`LowerBounds._group`'s `placed`)
 
 
 def least_steps(group: Group, at: np.ndarray, n: np.ndarray, nr: np.ndarray, m: int, layers: int, offsets: np.ndarray,
@@ -101,14 +101,13 @@ def least_steps(group: Group, at: np.ndarray, n: np.ndarray, nr: np.ndarray, m: 
     rooms, remat = group.plain_rooms[at], group.remat_rooms[at]
     np.minimum(rooms, n[:, :, None], out=rooms)
     np.maximum(rooms, np.minimum(remat, nr[:, :, None], out=remat), out=rooms)
-    if lasts is not None and placed is not False:
+    if lasts is not None:
         end = np.argmax(by_rate == by_rate.shape[1] - 1, axis=1)  # where the last stage sorted to
         rooms[each[:, 0], end] = np.minimum(rooms[each[:, 0], end], last_rooms)
     # Where a row's layers fit: every stage has room for one and all for every layer
     # (nondecreasing along t, as the rooms are).
     enough = rooms.sum(axis=1) >= layers
     fit = enough & (rooms.min(axis=1) >= 1)
-    unplaced_last = lasts is not None and placed is False  # (checked per block of times: most rows stop in their first)
     if middle is not None:
         fit &= group.steps * FITS_TOL >= middle[:, None]
     some = enough[:, -1]
@@ -134,11 +133,7 @@ def least_steps(group: Group, at: np.ndarray, n: np.ndarray, nr: np.ndarray, m: 
             floor = np.full(len(at), INF)
             floor[rows], sums = sums[:, -1], sums[:, :-1]
         pace = ts if trips is None else np.maximum(ts, round_trip_pace(sums + trips[rows, None], n.shape[1], m))
-        fits = fit[rows, start : start + _BLOCK]
-        if unplaced_last:
-            block_times = slice(start, start + _BLOCK)
-            fits = fits & _some_stage_last(rooms[rows, :, block_times], lasts, block_times, at[rows], n[rows], nr[rows], layers)
-        values = (m - 1) * pace + np.where(fits, sums, INF)
+        values = (m - 1) * pace + np.where(fit[rows, start : start + _BLOCK], sums, INF)
         best[rows] = np.minimum(best[rows], values.min(axis=1))
         going[rows] = (m - 1) * ts[-1] + floor[rows] < best[rows]
         if not going.any():
@@ -146,21 +141,19 @@ def least_steps(group: Group, at: np.ndarray, n: np.ndarray, nr: np.ndarray, m: 
     return np.where(some, best + offsets, INF)
 
 
-def _some_stage_last(rooms: np.ndarray, lasts: LastRooms, times: slice, at: np.ndarray, n: np.ndarray, nr: np.ndarray,
-                     layers: int) -> np.ndarray:
-    """[row, t] over the candidate `times` (`rooms`: [row, stage, t] on them): where the
-    order is not known, one of the row's stages is last all the same, holding the
-    model's last layers (`LastRooms`): the layers fit at t only if some stage, its rooms
-    cut to its rooms as the last, still leaves room for every layer and holds one layer
-    at least (the others keep their rooms anywhere; the least sums, priced with those,
-    only fall for it). On a language model the head's runs make the last stage the
-    slowest of its kind: with this check the sets of 64 GPUs of three kinds that the
-    search bounds further per order fell from 220 to 108."""
-    as_last = np.maximum(np.minimum(lasts.rooms[:, times][at], n[:, :, None]),
-                         np.minimum(lasts.rooms_remat[:, times][at], nr[:, :, None]))
-    np.minimum(as_last, rooms, out=as_last)
-    left = rooms.sum(axis=1)[:, None, :] - rooms + as_last  # [row, stage, t]: the rooms with that stage last
-    return ((left >= layers) & (as_last >= 1)).any(axis=1)
+def third_slowest(times: list[np.ndarray], counts: list[np.ndarray]) -> np.ndarray:
+    """Per combination of one layout per kind (`times`: per kind, its stages' least
+    one-layer time as middle stages; `counts`: its stages), the third largest over all
+    its stages (0 for fewer than three): no split's bottleneck is below it, since every
+    stage but the first and the last is a middle one, its one-layer time at most the
+    bottleneck (kept below it despite rounding)."""
+    times, counts = np.stack(times), np.stack(counts)
+    order = np.argsort(-times, axis=0, kind="stable")
+    slowest = np.take_along_axis(times, order, axis=0)
+    held = np.cumsum(np.take_along_axis(counts, order, axis=0), axis=0)
+    third = np.argmax(held >= 3, axis=0)
+    value = np.take_along_axis(slowest, third[None, :], axis=0)[0]
+    return np.where(held[-1] >= 3, value * (1 - 1e-9), 0.0)
 
 
 def middle_one(one: np.ndarray, one_remat: np.ndarray, n: np.ndarray, nr: np.ndarray) -> np.ndarray:

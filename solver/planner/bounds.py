@@ -23,8 +23,8 @@ slowest tail; the round trip is priced only under 1F1B, `Schedule.round_trip_lim
   head), so the bottleneck is at least each middle stage's least such layer, and its
   one-layer time is at least that, not the embedding's; where the order is not known
   (a product of layouts, a set), at most two stages are ends, so the bottleneck is at
-  least the third slowest stage's (`bottleneck._unplaced`, `_third_slowest`). Without
-  it, on Llama-2-7B over 768 GPUs of three kinds, sets of dozens of V100 stages each
+  least the third slowest stage's (`bottleneck._unplaced`, `bottleneck.third_slowest`).
+  Without it, on Llama-2-7B over 768 GPUs of three kinds, sets of dozens of V100 stages each
   "holding" the embedding at its cost were bounded at 1.4 s against 48 s for their best
   split, and the search took 48.5 s; with it 5.6 s, to the same plan.
 """
@@ -39,7 +39,7 @@ from solver import schedules as registry
 from solver.planner.problem import Problem
 from solver.cost.stage_costs import INF, StageConfig, StageCosts, in_flight
 from solver.planner.layouts import KindLayout, kind_layouts
-from solver.planner.bottleneck import Group, LastRooms, least_steps, middle_one
+from solver.planner.bottleneck import Group, LastRooms, least_steps, middle_one, third_slowest
 from solver.planner.fitting import LayoutFits
 from solver.planner.rows import StageRuns, counts_within, least_for_counts, least_runs_rows, most_within, sorted_unique, stage_runs
 from solver.planner.runs import FITS_TOL, balanced_pace, first_enough, least_runs, longest
@@ -56,22 +56,7 @@ class _KindArrays(NamedTuple):
     firsts: np.ndarray  # its stages' least time, one layer each
     rates: np.ndarray  # the least increment per further layer
     extra: np.ndarray  # further layers its stages have memory for (beyond one each)
-    inner: np.ndarray  # its stages' least one-layer time as a middle stage (`_third_slowest`)
-
-
-def _third_slowest(times: list[np.ndarray], counts: list[np.ndarray]) -> np.ndarray:
-    """Per combination of one layout per kind (`times`: per kind, its stages' least
-    one-layer time as middle stages; `counts`: its stages), the third largest over all
-    its stages (0 for fewer than three): no split's bottleneck is below it, since every
-    stage but the first and the last is a middle one, its one-layer time at most the
-    bottleneck (kept below it despite rounding, `_BELOW`)."""
-    times, counts = np.stack(times), np.stack(counts)
-    order = np.argsort(-times, axis=0, kind="stable")
-    slowest = np.take_along_axis(times, order, axis=0)
-    held = np.cumsum(np.take_along_axis(counts, order, axis=0), axis=0)
-    third = np.argmax(held >= 3, axis=0)
-    value = np.take_along_axis(slowest, third[None, :], axis=0)[0]
-    return np.where(held[-1] >= 3, value * _BELOW, 0.0)
+    inner: np.ndarray  # its stages' least one-layer time as a middle stage (`bottleneck.third_slowest`)
 
 
 class LowerBounds:
@@ -95,6 +80,7 @@ class LowerBounds:
         self._held_tails: dict[StageConfig, np.ndarray] = {}
         self._end_tails: dict[StageConfig, tuple[float, float]] = {}  # `_ends_tail`'s parts
         self._envelopes: dict[tuple[tuple[KindLayout, ...], int], tuple[np.ndarray, float, np.ndarray]] = {}
+        self._held_most: dict[tuple[tuple[KindLayout, ...], int], float] = {}  # `_most_held`'s
         self._least_tails: dict[tuple[KindLayout, ...], float] = {}
         self._paces: dict[tuple[StageConfig, int], tuple[float, float, float]] = {}
         self._layout_paces: dict[tuple[KindLayout, int], tuple[float, float, float]] = {}
@@ -123,12 +109,12 @@ class LowerBounds:
             by_count.setdefault(sum(lay.stages for lay in layouts), []).append(i)
         for chosen in by_count.values():
             rows = [sets[i] for i in chosen]
-            group = self._group(rows[0] if len(rows) == 1 else tuple({lay for row in rows for lay in row}), b, placed=True)
+            group = self._group(rows[0] if len(rows) == 1 else tuple({lay for row in rows for lay in row}), b)
             at = np.stack([self._row_layouts(row, group) for row in rows])  # each stage's layout in the group's arrays
             fitting = np.array([self.fits.one(lay, b, 1) for lay in group.index], dtype=float)[at]
-            tails = np.array([max(self._least_tail(tuple(sorted(row))), self._set_ends_tail(row)) for row in rows])
+            tails = np.maximum([self._least_tail(tuple(sorted(row))) for row in rows], self._set_ends_tails(group, at))
             trips = np.zeros(len(rows)) if registry.get(schedule).round_trip_limited else None  # (sends: at least none)
-            out[chosen] = self._bounds(rows, fitting, m, b, tails, INF, group.lasts, group, at, trips, placed=False)
+            out[chosen] = self._bounds(rows, fitting, m, b, tails, INF, group=group, at=at, trips=trips, placed=False)
         return out
 
     def product_bounds(self, per_kind: list[list[KindLayout]], m: int, b: int, schedule: str) -> list[tuple[float, tuple[KindLayout, ...]]]:
@@ -158,8 +144,8 @@ class LowerBounds:
             return np.zeros(0), index
         grid = self._time_grid(b, kinds)
         at = first_enough([a.rooms for a in arrays], index, len(grid), layers)
-        least = np.maximum(grid[np.minimum(at, len(grid) - 1)], _third_slowest([a.inner[i] for a, i in zip(arrays, index)],
-                                                                               [a.counts[i] for a, i in zip(arrays, index)]))
+        least = np.maximum(grid[np.minimum(at, len(grid) - 1)], third_slowest([a.inner[i] for a, i in zip(arrays, index)],
+                                                                              [a.counts[i] for a, i in zip(arrays, index)]))
         # (a third slowest of inf: three stages or more that hold no middle layer, so one of them cannot be in the middle)
         bottleneck = np.where((at < len(grid)) & np.isfinite(least), (m - 1) * np.where(np.isfinite(least), least, 0.0), INF)
         # The summed stage times with memory alone limiting each stage.
@@ -189,16 +175,14 @@ class LowerBounds:
         product's table only when this reaches the front of its line, and most never
         do. Each kind is taken at its best layout for each part apart: the least
         bottleneck at which the kinds' roomiest layouts hold every layer, the least
-        first-layer times, the least tail at which they hold every layer. Inf where
-        memory alone leaves every combination short of room, before any layout's runs
-        are priced (on 64 GPUs, every kind at one and two microbatches)."""
+        first-layer times, the least tail at which they hold every layer. Inf, before
+        any runs are priced, where memory alone leaves no combination room (`_most_held`)."""
         if not per_kind or not all(per_kind):
             return INF
         if registry.get(schedule).interleaved:  # every finite bound of the product is the work floor
             return self._work_s() * m * b / sum(self._kind_rate(lays[0].kind) for lays in per_kind) * _BELOW
         layers = self.costs.n
-        if sum(float((np.array([lay.stages for lay in lays]) * self.fits.kind(tuple(lays), b).max(axis=1)).max())
-               for lays in per_kind) < layers:
+        if sum(self._most_held(tuple(lays), b) for lays in per_kind) < layers:
             return INF
         envelopes = [self._envelope(tuple(lays), b) for lays in per_kind]
         needs = [need for need, _, _ in envelopes]
@@ -212,6 +196,13 @@ class LowerBounds:
         held = np.nonzero(sum(most for _, _, most in envelopes) >= layers)[0]
         tail = float(tail_grid[held[0] if held.size else len(tail_grid) - 1])
         return ((m - 1) * float(candidates[enough[0]]) + sums + tail) * _BELOW
+
+    def _most_held(self, layouts: tuple[KindLayout, ...], b: int) -> float:
+        """The most layers any of a kind's layouts holds, memory alone counted."""
+        if (layouts, b) not in self._held_most:
+            stages = np.array([lay.stages for lay in layouts])
+            self._held_most[layouts, b] = float((stages * self.fits.kind(layouts, b).max(axis=1)).max())
+        return self._held_most[layouts, b]
 
     def _envelope(self, layouts: tuple[KindLayout, ...], b: int) -> tuple[np.ndarray, float, np.ndarray]:
         """One kind's best case over its layouts, for `product_floor`: per count r of
@@ -457,15 +448,16 @@ class LowerBounds:
         the same for every order of `layouts` (each order seen is kept too: sorting is
         most of a hit's cost).
 
-        `placed`: with its layouts' rooms as a pipeline's last stage (`Group.lasts`: an
-        order prices its last stage by them, a set asks that one of its stages can be
-        last). The last stage holds the model's last layers (on a language model the
-        head, heavier than any other layer): its rooms at a candidate time t are its
-        last runs' within t, and those runs' times join the candidates, so a split of
-        bottleneck M, counted at the largest candidate t <= M, has every stage's least
-        run of its layers (the last's last run) <= t. Without them a split whose last
-        stage sets the pace was counted at the middle runs below it: on 64 GPUs of three
-        kinds such orders were bounded 10-14% below their best split and split in vain."""
+        `placed`: for orders, whose last stage holds the model's last layers (on a
+        language model the head): with its layouts' rooms as the last stage
+        (`Group.lasts`), the last runs' times among the candidates and the rooms at t
+        the last runs' within t, so a split of bottleneck M, counted at the largest
+        candidate t <= M, has every stage's least run of its layers <= t. Without them
+        a split whose last stage sets the pace was counted at the middle runs below it
+        (64 GPUs of three kinds: such orders were bounded 10-14% below their best
+        split). (A set's bound could ask that one of its stages be last on the same
+        candidates; on Llama-2-13B over 768 GPUs their added candidates cost its sets'
+        bounds more than the check pruned, the search 30-50% longer.)"""
         if (layouts, b, placed) in self._groups:
             return self._groups[layouts, b, placed]
         key = (tuple(sorted(layouts)), b, placed)
@@ -475,19 +467,18 @@ class LowerBounds:
             # (and a middle stage's least one-layer runs: `bottleneck._middle_floor` is compared with them)
             inner = np.array([(r.inner.one, r.inner.one_remat) for r in each]).ravel()
             times = [r.time for r in each] + [r.remat for r in each] + [inner[np.isfinite(inner)]]
-            if placed:
-                lasts = np.array([r.last_floor for r in each] + [r.last_floor_remat for r in each])
-                times.append(lasts[np.isfinite(lasts)])
-            steps = sorted_unique(np.concatenate(times))
             floors = np.array([r.floor for r in each] + [r.floor_remat for r in each])
-            rooms = counts_within(np.concatenate([floors, lasts]) if placed else floors, steps * FITS_TOL)  # (one pass)
-            last_rooms = rooms[2 * count :]
+            if placed:
+                floors = np.concatenate([floors, [r.last_floor for r in each], [r.last_floor_remat for r in each]])
+                times.append(floors[2 * count :][np.isfinite(floors[2 * count :])])
+            steps = sorted_unique(np.concatenate(times))
+            rooms = counts_within(floors, steps * FITS_TOL)  # (with the last runs', one pass)
             firsts, firsts_remat, rates, rates_remat = np.array([(r.time[0], r.remat[0], r.step, r.step_remat) for r in each]).T.copy()
             by_place = np.array([[tuple(place) for place in (r.first, r.inner, r.final)] for r in each],
                                 dtype=float).transpose(2, 1, 0).copy()
             self._groups[key] = Group(steps, self._least_tail(key[0]), firsts, firsts_remat, rates, rates_remat, rooms[:count],
                                       rooms[count : 2 * count], by_place, {lay: i for i, lay in enumerate(key[0])}, {},
-                                      LastRooms(last_rooms[:count], last_rooms[count:]) if placed else None)
+                                      LastRooms(rooms[2 * count : 3 * count], rooms[3 * count :]) if placed else None)
         self._groups[layouts, b, placed] = self._groups[key]
         return self._groups[key]
 
@@ -503,21 +494,21 @@ class LowerBounds:
         return self._least_tails[layouts]
 
     def _ends_tail(self, first: StageConfig, last: StageConfig) -> float:
-        """The slowest tail of a pipeline whose first stage is `first` and last `last`
-        is at least either one's least tail over the runs its place allows: the first
-        holds the model's first layer, the last its last (on a language model the
-        embedding and the head, the largest by parameters, whose gradient sum on a slow
-        kind's network outlasts the set's bound, `_least_tail`: at least 94 ms where
-        eight T4s hold the embedding of Metis's 4096-wide GPT, against 17 ms for its
-        set of T4, V100 and A100 layouts on 64 GPUs)."""
+        """A pipeline's slowest tail is at least its first stage's least tail over the
+        runs holding the model's first layer, and its last's holding the last (on a
+        language model the embedding and the head, the largest by parameters: at least
+        94 ms where eight T4s hold Metis's 4096-wide GPT's embedding, against 17 ms
+        for the set's bound, `_least_tail`, of T4, V100 and A100 layouts on 64 GPUs)."""
         self._tail_grid()  # (prices every layout's end tails)
         return max(self._end_tails[first][0], self._end_tails[last][1])
 
-    def _set_ends_tail(self, layouts: tuple[KindLayout, ...]) -> float:
-        """`_ends_tail` where the order is not known: some stage of these layouts is
-        first and some last, each at least the least such tail among them."""
+    def _set_ends_tails(self, group: Group, at: np.ndarray) -> np.ndarray:
+        """`_ends_tail` of each row of `group`'s layouts (`at`: its stages' places in the
+        group) where the order is not known: some stage is first and some last, each
+        at least the least such tail among the row's."""
         self._tail_grid()
-        return max(min(self._end_tails[lay.config][0] for lay in layouts), min(self._end_tails[lay.config][1] for lay in layouts))
+        ends = np.array([self._end_tails[lay.config] for lay in group.index])[at]  # [row, stage, first or last]
+        return ends.min(axis=1).max(axis=1)
 
     def _layout_tails(self, lay: KindLayout) -> np.ndarray:
         """Per candidate tail, the most layers all of a layout's stages hold within it
