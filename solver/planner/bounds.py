@@ -15,7 +15,8 @@ slowest tail; the round trip is priced only under 1F1B, `Schedule.round_trip_lim
   increment per layer over runs of consecutive layers;
 - the tail: some stage holds a run of layers whose gradient sync and optimizer,
   plus any per-microbatch ZeRO collectives the tail saves, cost at least as much as
-  the least such run that lets all the stages hold every layer;
+  the least such run that lets all the stages hold every layer; and the first stage
+  holds the first layer, the last the last (`_ends_tail`);
 - the sends (per order): each cut between two stages sends at least the least
   activation across that pair;
 - the places: every stage but the first and the last holds a run between the
@@ -24,9 +25,10 @@ slowest tail; the round trip is priced only under 1F1B, `Schedule.round_trip_lim
   one-layer time is at least that, not the embedding's; where the order is not known
   (a product of layouts, a set), at most two stages are ends, so the bottleneck is at
   least the third slowest stage's (`bottleneck._unplaced`, `bottleneck.third_slowest`).
-  Without it, on Llama-2-7B over 768 GPUs of three kinds, sets of dozens of V100 stages each
-  "holding" the embedding at its cost were bounded at 1.4 s against 48 s for their best
-  split, and the search took 48.5 s; with it 5.6 s, to the same plan.
+  Without it, on Llama-2-7B over 768 GPUs of three kinds, sets of dozens of V100
+  stages each "holding" the embedding at its cost were bounded at 1.4 s against 48 s
+  for their best split, and the search took 48.5 s; with it 5.6 s, to the same plan.
+  Where the order is known, the last stage's rooms are its last runs' (`_group`).
 """
 
 from __future__ import annotations
