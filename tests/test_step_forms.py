@@ -189,6 +189,22 @@ def test_batch_statistics_run_with_markers():
     assert_close(new_w, expected_w, "per-microbatch mean gradient")
 
 
+def _batch_statistics_loss(w, batch):
+    h = batch["x"] @ w
+    return jnp.mean(((h - h.mean(axis=0)) / (h.std(axis=0) + 1e-5)) ** 2)
+
+
+def _marked_step(w, batch):
+    """A step whose microbatch work mixes examples: batch statistics under `hetpar.value_and_grad`."""
+    loss, g = hetpar.value_and_grad(_batch_statistics_loss)(w, batch)
+    return w - 0.1 * g, loss
+
+
+def _plain_step(w, batch):
+    loss, g = jax.value_and_grad(lambda w: jnp.mean((batch["x"] @ w - batch["y"]) ** 2))(w)
+    return w - 0.1 * g, loss
+
+
 def test_a_step_whose_microbatch_mixes_examples_gets_no_replicas_or_mixed_kind_stage():
     """Pipelines side by side each run a share of every microbatch, and a mixed-kind
     stage's parts their rows of it; batch statistics under `hetpar.value_and_grad`
@@ -200,21 +216,9 @@ def test_a_step_whose_microbatch_mixes_examples_gets_no_replicas_or_mixed_kind_s
     from hetpar.options import StageOption
     from hetpar.trace.traced_step import trace_step
 
-    def loss_fn(w, batch):
-        h = batch["x"] @ w
-        return jnp.mean(((h - h.mean(axis=0)) / (h.std(axis=0) + 1e-5)) ** 2)
-
-    def marked(w, batch):
-        loss, g = hetpar.value_and_grad(loss_fn)(w, batch)
-        return w - 0.1 * g, loss
-
-    def plain(w, batch):
-        loss, g = jax.value_and_grad(lambda w: jnp.mean((batch["x"] @ w - batch["y"]) ** 2))(w)
-        return w - 0.1 * g, loss
-
     args = (jnp.ones((8, 4)), _data())
-    marked_options = search_options(trace_step(marked, args, 1, 2), StageOption())
-    plain_options = search_options(trace_step(plain, args, 1, 2), StageOption())
+    marked_options = search_options(trace_step(_marked_step, args, 1, 2), StageOption())
+    plain_options = search_options(trace_step(_plain_step, args, 1, 2), StageOption())
     assert not marked_options.allow_mixed and not marked_options.allow_replicas
     assert plain_options.allow_mixed and plain_options.allow_replicas
 
@@ -224,29 +228,17 @@ def test_replicas_set_by_hand_on_a_step_whose_microbatch_mixes_examples_are_warn
     who asks for replicas gets them, each taking batch statistics over its own share of
     every microbatch (here a loss that differs from the per-microbatch one), and a
     warning that says so. A plain step's replicas compute what it does: no warning."""
-    def loss_fn(w, batch):
-        h = batch["x"] @ w
-        return jnp.mean(((h - h.mean(axis=0)) / (h.std(axis=0) + 1e-5)) ** 2)
-
-    def marked(w, batch):
-        loss, g = hetpar.value_and_grad(loss_fn)(w, batch)
-        return w - 0.1 * g, loss
-
-    def plain(w, batch):
-        loss, g = jax.value_and_grad(lambda w: jnp.mean((batch["x"] @ w - batch["y"]) ** 2))(w)
-        return w - 0.1 * g, loss
-
     batch, w = _data(), jax.random.normal(jax.random.key(3), (8, 4))
     cluster = hetpar.Cluster.virtual(CLUSTER)
     with caplog.at_level(logging.WARNING, logger="hetpar.pipeline"):
-        _, loss = hetpar.parallelize(marked, cluster=cluster, num_microbatches=2, num_replicas=2)(w, batch)
+        _, loss = hetpar.parallelize(_marked_step, cluster=cluster, num_microbatches=2, num_replicas=2)(w, batch)
     assert any("num_replicas=2 on a hetpar.value_and_grad step" in r.getMessage() for r in caplog.records)
     halves = [jax.tree.map(lambda a: a[i * 8 : (i + 1) * 8], batch) for i in range(2)]
-    per_microbatch = np.mean([float(loss_fn(w, h)) for h in halves])
+    per_microbatch = np.mean([float(_batch_statistics_loss(w, h)) for h in halves])
     assert abs(float(loss) - per_microbatch) > 1e-6  # what the warning is about
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="hetpar.pipeline"):
-        hetpar.parallelize(plain, cluster=cluster, num_microbatches=2, num_replicas=2)(w, batch)
+        hetpar.parallelize(_plain_step, cluster=cluster, num_microbatches=2, num_replicas=2)(w, batch)
     assert not any("num_replicas" in r.getMessage() for r in caplog.records)
 
 
