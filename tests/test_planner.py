@@ -267,8 +267,8 @@ def test_an_order_bound_counts_what_its_end_stages_must_hold(seeds, work):
     and its slowest tail is at least either end stage's least tail over the runs its
     place allows. The bound the search ranks and refuses orders by counts both
     (read here from the stage tables themselves, not from the bounds' own figures);
-    one that counted the last stage's rooms at its least runs anywhere, or the set's
-    tail, fell 10-14% short of the best split on 64 GPUs of three kinds. A set's
+    one whose candidate bottlenecks left the last stage's runs out, and that took the
+    set's tail, fell 10-14% short of the best split on 64 GPUs of three kinds. A set's
     bound, whatever its order, counts the least first and last tails of its layouts.
     (That they stay below every split is
     `test_every_bound_is_below_every_split_it_covers`.)
