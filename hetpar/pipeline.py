@@ -17,7 +17,7 @@ from hetpar.compile.remat import rerun, saveable
 from hetpar.trace.stages import op_stages
 from hetpar.errors import PlanError
 from hetpar.options import ShardingOption, StageOption, build_options
-from hetpar.passes import timed_pass
+from hetpar.passes import announce, timed_pass
 from hetpar.plan.auto import Measured, SearchOptions, planner_for, problem_for, search_problem
 from hetpar.plan.costs import estimate_plan, fit_problems, priced, unpriced
 from hetpar.plan.manual import assign_replicas, assign_stages
@@ -263,6 +263,7 @@ def idle_kinds(cluster: Cluster, planner: Planner, plan: Plan, step_s: float) ->
     if not idle:
         return []
     what = ", ".join(f"{g.type_name} x{g.size}" for g in idle)
+    announce(f"the best plan that also uses {what}")  # (a second search: seconds on a 768-GPU cluster)
     try:
         every = planner.requiring_every_kind().solve().best
     except PlanningError as e:

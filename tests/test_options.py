@@ -60,8 +60,9 @@ def test_every_planning_pass_logs_its_time(caplog):
 
 def test_planning_announces_each_pass_and_each_stage_it_shards():
     """What `hetpar solve` shows on its progress line (`hetpar.passes.announcing`):
-    each pass as it starts, and each stage's sharding solve, the longest part of
-    planning a large model."""
+    each pass as it starts, the second search where the best plan leaves a kind idle
+    (here the V100s), and each stage's sharding solve, the longest part of planning
+    a large model."""
     from hetpar.passes import announcing
 
     w = mlp.setup(batch_size=8)
@@ -69,6 +70,8 @@ def test_planning_announces_each_pass_and_each_stage_it_shards():
     with announcing(heard.append):
         plan = hetpar.make_plan(w.step, (w.state, w.batch), hetpar.Cluster.virtual({"A100": 2, "V100": 2}), num_microbatches=2)
     stages = [f"sharding stage {s.index + 1} of {len(plan.stages)} ({s.num_devices} {s.device_type})" for s in plan.stages]
-    assert heard == ["the layers pass", "the stage assignment pass", "the sharding pass", *stages, "the placement pass"]
+    idle = [f"the best plan that also uses {line.split(' idle:')[0]}" for line in plan.notes if " idle:" in line]
+    assert idle and heard == ["the layers pass", "the stage assignment pass", *idle, "the sharding pass", *stages,
+                              "the placement pass"]
     hetpar.make_plan(w.step, (w.state, w.batch), hetpar.Cluster.virtual({"A100": 2, "V100": 2}), num_microbatches=2)
-    assert len(heard) == 4 + len(stages)  # the listener is gone after its block
+    assert len(heard) == 4 + len(idle) + len(stages)  # the listener is gone after its block
