@@ -16,7 +16,7 @@ slowest tail; the round trip is priced only under 1F1B, `Schedule.round_trip_lim
 - the tail: some stage holds a run of layers whose gradient sync and optimizer,
   plus any per-microbatch ZeRO collectives the tail saves, cost at least as much as
   the least such run that lets all the stages hold every layer; and the first stage
-  holds the first layer, the last the last (`_ends_tail`);
+  holds the first layer, the last the last (`_ends_tails`);
 - the sends (per order): each cut between two stages sends at least the least
   activation across that pair;
 - the places: every stage but the first and the last holds a run between the
@@ -80,7 +80,7 @@ class LowerBounds:
         self._kind_layouts: dict[str, list[KindLayout]] = {}
         self._tail_values: np.ndarray | None = None
         self._held_tails: dict[StageConfig, np.ndarray] = {}
-        self._end_tails: dict[StageConfig, tuple[float, float]] = {}  # `_ends_tail`'s parts
+        self._end_tails: dict[StageConfig, tuple[float, float]] = {}  # `_ends_tails`' parts
         self._envelopes: dict[tuple[tuple[KindLayout, ...], int], tuple[np.ndarray, float, np.ndarray]] = {}
         self._held_most: dict[tuple[tuple[KindLayout, ...], int], float] = {}  # `_most_held`'s
         self._least_tails: dict[tuple[KindLayout, ...], float] = {}
@@ -114,7 +114,7 @@ class LowerBounds:
             group = self._group(rows[0] if len(rows) == 1 else tuple({lay for row in rows for lay in row}), b)
             at = np.stack([self._row_layouts(row, group) for row in rows])  # each stage's layout in the group's arrays
             fitting = np.array([self.fits.one(lay, b, 1) for lay in group.index], dtype=float)[at]
-            tails = np.maximum([self._least_tail(tuple(sorted(row))) for row in rows], self._set_ends_tails(group, at))
+            tails = np.maximum([self._least_tail(tuple(sorted(row))) for row in rows], self._ends_tails(group, at, False))
             trips = np.zeros(len(rows)) if registry.get(schedule).round_trip_limited else None  # (sends: at least none)
             out[chosen] = self._bounds(rows, fitting, m, b, tails, INF, group=group, at=at, trips=trips, placed=False)
         return out
@@ -312,8 +312,8 @@ class LowerBounds:
         fitting, sends, slots = self._order_parts(orders, m, b, schedule)
         at = np.array([group.index[lay] for lay in orders[0]])[slots]  # each stage's layout in the group's arrays
         trips = sends if registry.get(schedule).round_trip_limited else None
-        tails = np.array([self._ends_tail(order[0].config, order[-1].config) for order in orders])
-        return self._bounds(orders, fitting, m, b, sends + np.maximum(group.tail, tails), beat, group.lasts, group, at, trips)
+        tails = np.maximum(group.tail, self._ends_tails(group, at, True))
+        return self._bounds(orders, fitting, m, b, sends + tails, beat, group.lasts, group, at, trips)
 
     def _order_parts(self, orders: list[tuple[KindLayout, ...]], m: int, b: int,
                      schedule: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -495,22 +495,17 @@ class LowerBounds:
             self._least_tails[layouts] = float(candidates[enough]) if enough < len(candidates) else 0.0
         return self._least_tails[layouts]
 
-    def _ends_tail(self, first: StageConfig, last: StageConfig) -> float:
-        """A pipeline's slowest tail is at least its first stage's least tail over the
-        runs holding the model's first layer, and its last's holding the last (on a
-        language model the embedding and the head, the largest by parameters: at least
-        94 ms where eight T4s hold Metis's 4096-wide GPT's embedding, against 17 ms
-        for the set's bound, `_least_tail`, of T4, V100 and A100 layouts on 64 GPUs)."""
+    def _ends_tails(self, group: Group, at: np.ndarray, ordered: bool) -> np.ndarray:
+        """Per row of `group`'s layouts (`at`: its stages' places in the group), a floor
+        under its slowest tail: its first stage's least tail over the runs holding the
+        model's first layer, and its last's holding the last (on a language model the
+        embedding and the head, the largest by parameters: at least 94 ms where eight
+        T4s hold Metis's 4096-wide GPT's embedding, against 17 ms for the set's bound,
+        `_least_tail`, of T4, V100 and A100 layouts on 64 GPUs). Not `ordered` (a set):
+        some stage is first and some last, each at least the least such tail among them."""
         self._tail_grid()  # (prices every layout's end tails)
-        return max(self._end_tails[first][0], self._end_tails[last][1])
-
-    def _set_ends_tails(self, group: Group, at: np.ndarray) -> np.ndarray:
-        """`_ends_tail` of each row of `group`'s layouts (`at`: its stages' places in the
-        group) where the order is not known: some stage is first and some last, each
-        at least the least such tail among the row's."""
-        self._tail_grid()
         ends = np.array([self._end_tails[lay.config] for lay in group.index])[at]  # [row, stage, first or last]
-        return ends.min(axis=1).max(axis=1)
+        return np.maximum(ends[:, 0, 0], ends[:, -1, 1]) if ordered else ends.min(axis=1).max(axis=1)
 
     def _layout_tails(self, lay: KindLayout) -> np.ndarray:
         """Per candidate tail, the most layers all of a layout's stages hold within it
