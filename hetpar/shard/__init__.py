@@ -272,7 +272,7 @@ class _StageSolver:
         self.traced, self.layers, self.plan, self.option, self.links = traced, layers, plan, option, links
         self.dtype = compute_dtype(traced.full, [c.flops for c in op_costs(traced.full)])  # as the planner's
         self._solved: dict[tuple, tuple[dict[int, Spec], float, dict[int, tuple[Spec, Spec]], tuple]] = {}
-        self._problems: dict[tuple, tuple[Callable, StageProblem] | None] = {}
+        self._problems: dict[tuple, tuple[Callable, StageProblem, float] | None] = {}
 
     def solve(self, stage: StagePlan, mesh: dict[str, int]) -> tuple[dict[int, Spec], float, dict[int, tuple[Spec, Spec]], tuple]:
         """Value id -> layout (weights, matmul results), the predicted time,
@@ -321,10 +321,11 @@ class _StageSolver:
             return kind.flops, kind.matmul_half_flops
         return matmul_speed(stage.device_type, self.dtype)
 
-    def _problem(self, stage: StagePlan, mesh: dict[str, int]) -> tuple[Callable, StageProblem] | None:
-        """How to build the stage's problem on `mesh` under a budget, and the problem
-        without one (None where it has no matmul to shard); kept per stage and mesh
-        until it is answered (`cost` asks, then `_solve`)."""
+    def _problem(self, stage: StagePlan, mesh: dict[str, int]) -> tuple[Callable, StageProblem, float] | None:
+        """How to build the stage's problem on `mesh` under a budget, the problem
+        without one (None where it has no matmul to shard), and the bytes of state per
+        parameter byte its weights keep; kept per stage and mesh until it is answered
+        (`cost` asks, then `_solve`)."""
         key = (stage.index, tuple(mesh.items()), stage.zero_group)
         if key not in self._problems:
             traced = self.traced
@@ -340,7 +341,7 @@ class _StageSolver:
                                                  data_state_factor=state_factor(0, mesh.get("data", 1), stage.offload),
                                                  matmul_half_flops=half)
             problem = build(None)
-            self._problems[key] = None if problem is None else (build, problem)
+            self._problems[key] = None if problem is None else (build, problem, factor)
         return self._problems[key]
 
     def _zero(self, stage: StagePlan) -> int:
@@ -355,11 +356,10 @@ class _StageSolver:
         built = self._problem(stage, mesh)
         if built is None:
             return {}, 0.0, {}, ()
-        build, problem = built
-        zero = self._zero(stage)
-        factor = state_factor(zero, zero_shards(stage, mesh)[0], stage.offload)
+        build, problem, factor = built
         solution = _solve_once(problem.problem, self.option.time_limit_s)
-        within = self._within_memory(stage, build, problem, solution, factor, self._gathered(stage, zero, mesh), beat)
+        gathered = self._gathered(stage, self._zero(stage), mesh)
+        within = self._within_memory(stage, build, problem, solution, factor, gathered, beat)
         if within is None:
             return None
         problem, solution = within
