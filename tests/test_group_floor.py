@@ -154,7 +154,7 @@ def test_a_row_refused_for_memory_has_no_split_that_fits(seeds):
     refuse some rows of these random problems."""
     from solver.planner.chunk_memory import chunks_fit, chunks_may_fit
 
-    checked = refused = 0
+    checked = refused = jointly = 0
     for costs, m, b, order, layouts, groups, chunks, configs, tables, sends in _random_rows(seeds, 500):
         fitting = [cuts for cuts in compositions(costs.n, len(configs))
                    if score(tables, sends, m, cuts, "interleaved", chunks) < INF
@@ -163,7 +163,22 @@ def test_a_row_refused_for_memory_has_no_split_that_fits(seeds):
         assert may or not fitting, (order, layouts, m, chunks, fitting[:3])
         checked += 1
         refused += not may
-    assert checked >= 20 and refused >= 1, (checked, refused)
+        jointly += not may and _each_chunk_alone_fits(tables, len(groups))
+    assert checked >= 20 and refused >= 1 and jointly >= 1, (checked, refused, jointly)
+
+
+def _each_chunk_alone_fits(tables, groups: int) -> bool:  # noqa: ANN001
+    """Whether each group's chunks, each at the least bytes of any range at its place
+    (the first from the first layer, the last to the last), fit its memory: what
+    `chunks_may_fit` checked before it counted the layers the groups hold together."""
+    used = [0.0] * groups
+    for p, t in enumerate(tables):
+        held = t.memory[0] if p == 0 else t.memory[:, -1] if p == len(tables) - 1 else t.memory
+        runs = np.isfinite(t.forward[0] if p == 0 else t.forward[:, -1] if p == len(tables) - 1 else t.forward)
+        if not runs.any():
+            return False
+        used[p % groups] += float(held[runs].min())
+    return all(u <= tables[g].capacity for g, u in enumerate(used))
 
 
 @pytest.mark.parametrize("seeds", [range(0, 15), range(15, 30)])

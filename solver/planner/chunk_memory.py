@@ -9,7 +9,9 @@ from typing import Sequence
 
 import numpy as np
 
+from solver.cost.stage_costs import INF
 from solver.cost.stage_tables import StageTable
+from solver.planner.rows import least_runs_rows
 
 
 def chunks_fit(tables: Sequence[StageTable], cuts: tuple[int, ...], groups: int) -> bool:
@@ -25,19 +27,31 @@ def chunks_fit(tables: Sequence[StageTable], cuts: tuple[int, ...], groups: int)
 
 
 def chunks_may_fit(tables: Sequence[StageTable], groups: int) -> bool:
-    """Whether some split's chunks could share their device groups' memory: each
-    chunk takes at least the least memory of any range its table runs (the first
-    chunk's ranges start at the first layer, the last's end at the last: a language
-    model's embedding and head, whose state a first group's two chunks may not fit),
-    summed per group in `chunks_fit`'s order (so a split it accepts never fails
-    this). Most groups of four chunks that a split cannot fit fail here, before the
-    split's sweep."""
-    used = [0.0] * groups
-    last = len(tables) - 1
-    for p, t in enumerate(tables):
-        held = t.memory[0] if p == 0 else t.memory[:, -1] if p == last else t.memory
-        runs = np.isfinite(t.forward[0] if p == 0 else t.forward[:, -1] if p == last else t.forward)
-        if not runs.any():
-            return False
-        used[p % groups] += float(held[runs].min())
-    return all(u <= tables[g].capacity for g, u in enumerate(used))
+    """Whether some split's chunks could share their device groups' memory. A chunk
+    holds a run of one layer or more, whose bytes are at least the least of any run of
+    that length at its place (the first chunk's runs start at the first layer, the
+    last's end at the last: a language model's embedding and head, whose state a first
+    group's two chunks may not fit). Per group, the least bytes its chunks take for each
+    count of layers they hold together (a min-plus sum over its chunks, in `chunks_fit`'s
+    order, so a split it accepts never fails this); the layers fit only if the most
+    each group holds within its capacity add up to every layer. (The least bytes per
+    chunk alone, summed per group, let through rows whose groups each fit some split
+    but not the same one: on 64 GPUs of three kinds, 16 GB T4 and V100 groups of two
+    chunks fitting only a few layers each, refused after their sweeps.)"""
+    n = tables[0].memory.shape[0] - 1
+    held = np.stack([np.where(np.isfinite(t.forward), t.memory, INF) for t in tables])  # [chunk, i, j]: bytes per range
+    by_length = np.full((len(tables), n + 1), INF)  # [chunk, l]: the least bytes of a run of l layers at its place
+    by_length[:, 1:] = least_runs_rows(held)
+    by_length[0, 1:] = held[0, 0, 1:]
+    by_length[-1, 1:] = held[-1, n - np.arange(1, n + 1), n]
+    least = np.full((groups, n + 1), INF)  # [group, L]: the least bytes of its chunks so far holding L layers
+    least[:, 0] = 0.0
+    skewed = np.full((groups, n + 1, 2 * n + 2), INF)  # row i shifted right by i when read at width 2n + 1
+    for first in range(0, len(tables), groups):
+        skewed[:, :, : n + 1] = least[:, :, None] + by_length[first : first + groups, None, :]
+        least = skewed.reshape(groups, -1)[:, : (n + 1) * (2 * n + 1)].reshape(groups, n + 1, 2 * n + 1)[:, :, : n + 1].min(axis=1)
+    capacity = np.array([t.capacity for t in tables[:groups]], dtype=float)[:, None]
+    within = least <= capacity
+    if not within.any(axis=1).all():
+        return False
+    return int((n - np.argmax(within[:, ::-1], axis=1)).sum()) >= n
