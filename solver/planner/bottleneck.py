@@ -25,119 +25,128 @@ from solver.schedules.one_f_one_b import round_trip_pace
 _BLOCK = 16  # candidate step times priced at once
 
 
-class LastRooms(NamedTuple):
-    """A group's layouts as a pipeline's last stage (`LowerBounds._group`'s `placed`): its
-    rooms per candidate step time of the group, [layout, t] (layouts in the group's
-    `index` order; a row of orders picks its last stage's by its layout)."""
+class LayoutRows(NamedTuple):
+    """Per layout (a row each, in `index`'s order) at one microbatch size, what every
+    set's and order's bound reads of it, whatever the other layouts beside it: a bound
+    gathers its rows' stages from these (`at`), so sets and orders of any layouts share
+    one table and none builds arrays of its own."""
 
-    rooms: np.ndarray
-    rooms_remat: np.ndarray
-
-
-class Group(NamedTuple):
-    """What a set of layouts' bounds share, whatever their order."""
-
-    steps: np.ndarray  # every time a stage of these layouts can take for a run of layers
-    tail: float  # the least slowest tail
-    # Per layout (a row each, in `index`'s order): one stage's least one-layer time and
-    # increment per further layer, plain and recomputing, and its rooms per step (plain, remat).
+    # [layout, q - 1]: the least time at which one stage has room for q layers (`rows.StageRuns.floor`),
+    # plain and recomputing, and the same as a pipeline's last stage (its runs end the model)
+    floors: np.ndarray
+    floors_remat: np.ndarray
+    last_floors: np.ndarray
+    last_floors_remat: np.ndarray
+    # one stage's least one-layer time and increment per further layer, plain and recomputing
     firsts: np.ndarray
     firsts_remat: np.ndarray
     rates: np.ndarray
     rates_remat: np.ndarray
-    plain_rooms: np.ndarray
-    remat_rooms: np.ndarray
     # [figure, place, layout]: `rows.EndRuns`' six figures (one-layer time, increment per further
     # layer, base beside the increments anywhere; each plain and recomputing) over the runs a
     # stage's place in a pipeline allows (`places`: first, middle, last)
     by_place: np.ndarray
+    one: np.ndarray  # [layout, 2]: the most layers one stage holds, one microbatch in flight (plain, recomputing)
+    ends: np.ndarray  # [layout, 2]: the least tail of a run holding the model's first layer, and its last
     index: dict[tuple, int]  # a layout (`layouts.KindLayout`) -> its row
-    rows: dict[tuple, np.ndarray]  # per row of these layouts, each stage's position in the arrays above
-    lasts: LastRooms | None  # its layouts' rooms as a pipeline's last stage (`LowerBounds._group`'s `placed`)
+    rows: dict[tuple, np.ndarray]  # per row of layouts seen, each stage's row in the arrays above
 
 
-def least_steps(group: Group, at: np.ndarray, n: np.ndarray, nr: np.ndarray, m: int, layers: int, offsets: np.ndarray,
-                beat: float, lasts: LastRooms | None = None, trips: np.ndarray | None = None,
-                placed: bool | None = None) -> np.ndarray:
-    """Per row (`at`: each stage's layout in the group's arrays; `n`, `nr`: the most
-    layers each stage holds without and with recomputation, whole numbers): the least
-    (m - 1) t + summed stage times over the group's candidate times t, plus the row's
-    offset, stopped at `beat` (a figure that reaches it is as good as exact for
-    pruning); `lasts`: given where the order is known, each stage is priced by the runs
-    its place allows (`Group.by_place`), the last's rooms are its own, and no candidate
-    time below a middle stage's one-layer time counts (`_middle_floor`); `placed` False:
-    the order is not known (a set's rows), but at most two stages are not middle ones
-    (`_unplaced`); `trips`: per row, what
-    a round trip adds to the summed stage times (its least sends both ways), where
-    1F1B's round trips pace it (`round_trip_pace`) and the pace is t or the round
-    trip's, whichever is slower.
-    The rooms are counted in integers (the group's are; mixing in float counts cast
-    every array pass), exact, so every figure is the one counted in floats."""
+def least_steps(table: LayoutRows, at: np.ndarray, n: np.ndarray, nr: np.ndarray, m: int, layers: int, offsets: np.ndarray,
+                beat: float, last: bool = False, trips: np.ndarray | None = None, placed: bool | None = None) -> np.ndarray:
+    """Per row (`at`: each stage's layout in `table`; `n`, `nr`: the most layers each
+    stage holds without and with recomputation, whole numbers): the least (m - 1) t +
+    summed stage times over candidate bottlenecks t, plus the row's offset, stopped at
+    `beat` (a figure that reaches it is as good as exact for pruning); `last`: the
+    order is known, each stage is priced by the runs its place allows
+    (`LayoutRows.by_place`), the last stage's rooms are also its last runs', and no
+    bottleneck below a middle stage's one-layer time counts (`_middle_floor`);
+    `placed` False: the order is not known (a set's rows), but at most two stages are
+    not middle ones (`_unplaced`); `trips`: per row, what a round trip adds to the
+    summed stage times (its least sends both ways), where 1F1B's round trips pace it
+    (`round_trip_pace`) and the pace is t or the round trip's, whichever is slower.
+
+    Each stage gains a room for one more layer at each of its thresholds (the least
+    time at which it has room for q layers, nondecreasing in q), so a row's rooms
+    change only there: its candidates are its own stages' thresholds, sorted, the
+    rooms at each counted by position. A split of bottleneck M has all its stages'
+    thresholds up to their layers within M (times `FITS_TOL`, for rounding), so at the
+    largest of them every stage has room for its layers and the pace is at most M.
+    No grid of times shared by a group of layouts is built, so rows of any layouts
+    are bounded in one pass."""
     n, nr = n.astype(np.int64), nr.astype(np.int64)
     plain = n >= 1  # a stage that cannot hold one layer without recomputing recomputes
-    firsts = np.where(plain, group.firsts[at], group.firsts_remat[at])
-    rates = np.where(plain, group.rates[at], group.rates_remat[at])
-    # Per row, the least candidate time at which its middle stages all hold a layer (`_middle_floor`).
-    middle = None
+    middle = None  # per row, the least pace at which its middle stages all hold a layer (`_middle_floor`)
     if placed is False:
-        base, middle = _unplaced(group.by_place, at, plain, n, nr)
-    elif lasts is not None:  # each stage's runs are those its place allows (a subset: the figures only grow)
-        place, figures = places(at.shape[1]), group.by_place
+        firsts = None
+        base, middle = _unplaced(table.by_place, at, plain, n, nr)
+        rates = np.where(plain, table.rates[at], table.rates_remat[at])
+    elif last:  # each stage's runs are those its place allows (a subset: the figures only grow)
+        place, figures = places(at.shape[1]), table.by_place
         firsts = np.where(plain, figures[0][place, at], figures[1][place, at])
         rates = np.where(plain, figures[2][place, at], figures[3][place, at])
-        last = at[:, -1]
-        last_rooms = np.maximum(np.minimum(lasts.rooms[last], n[:, -1:]), np.minimum(lasts.rooms_remat[last], nr[:, -1:]))
         if at.shape[1] > 2:
             middle = _middle_floor(figures, at[:, 1:-1], n[:, 1:-1], nr[:, 1:-1]).max(axis=1)
-    if placed is not False:
+    else:
+        firsts = np.where(plain, table.firsts[at], table.firsts_remat[at])
+        rates = np.where(plain, table.rates[at], table.rates_remat[at])
+    if firsts is not None:
         base = firsts.sum(axis=1)
-    # The stages sorted by their increment per layer, once: the least sums hand the
-    # layers beyond one per stage to the least increments first.
+    rows_count, stages = at.shape
+    # Each stage's thresholds: the q-th where it may hold q layers plain (q <= n) or recomputing (q <= nr).
+    q = np.arange(layers)
+    thresholds = np.minimum(np.where(q < n[:, :, None], table.floors[at], INF),
+                            np.where(q < nr[:, :, None], table.floors_remat[at], INF))
+    if last:  # the last stage's rooms are also its last runs' (a threshold is the later of the two)
+        end = at[:, -1]
+        np.maximum(thresholds[:, -1], np.minimum(np.where(q < n[:, -1:], table.last_floors[end], INF),
+                                                 np.where(q < nr[:, -1:], table.last_floors_remat[end], INF)),
+                   out=thresholds[:, -1])
+    flat = thresholds.reshape(rows_count, stages * layers)
+    order = np.argsort(flat, axis=1, kind="stable")
+    candidates = np.take_along_axis(flat, order, axis=1)
+    # The stages sorted by their increment per layer: the least sums hand the layers
+    # beyond one per stage to the least increments first; each candidate's stage by that rank.
     by_rate = np.argsort(rates, axis=1, kind="stable")
-    each = np.arange(len(at))[:, None]
-    at, n, nr, sorted_rates = at[each, by_rate], n[each, by_rate], nr[each, by_rate], rates[each, by_rate]
-    # Per row, stage and candidate bottleneck time t: the most layers the stage may
-    # hold, nondecreasing along t (as the group's rooms are); in place, in the gathers' copies.
-    rooms, remat = group.plain_rooms[at], group.remat_rooms[at]
-    np.minimum(rooms, n[:, :, None], out=rooms)
-    np.maximum(rooms, np.minimum(remat, nr[:, :, None], out=remat), out=rooms)
-    if lasts is not None:
-        end = np.argmax(by_rate == by_rate.shape[1] - 1, axis=1)  # where the last stage sorted to
-        rooms[each[:, 0], end] = np.minimum(rooms[each[:, 0], end], last_rooms)
-    # Where a row's layers fit: every stage has room for one and all for every layer
-    # (nondecreasing along t, as the rooms are).
-    enough = rooms.sum(axis=1) >= layers
-    fit = enough & (rooms.min(axis=1) >= 1)
-    if middle is not None:
-        fit &= group.steps * FITS_TOL >= middle[:, None]
-    some = enough[:, -1]
-    budget = layers - n.shape[1]  # layers beyond one per stage
-    steps = group.steps
+    each = np.arange(rows_count)[:, None]
+    rank = np.empty_like(by_rate)
+    rank[each, by_rate] = np.arange(stages)
+    owner = np.take_along_axis(rank, order // layers, axis=1)
+    n, nr, sorted_rates = n[each, by_rate], nr[each, by_rate], rates[each, by_rate]
+    # Where a row's layers first fit: `layers` thresholds passed and each stage's first.
+    position = np.empty_like(order)
+    position[each, order] = np.arange(stages * layers)
+    first = np.maximum(position[:, ::layers].max(axis=1), layers - 1)
+    some = np.isfinite(candidates[np.arange(rows_count), np.minimum(first, stages * layers - 1)])
+    budget = layers - stages  # layers beyond one per stage
     best = beat - offsets
-    # From the least time at which some row's layers all have room, a block of times
-    # at a time: a time's bound is (m - 1) t plus its least sum (inf where the row's
-    # layers do not fit), and once (m - 1) t plus a row's least sum of all (`floor`:
-    # each stage at its most layers, priced beside the first block) reaches its best so
-    # far, no later time can win it.
     going = some.copy()
-    first = int(np.argmax(enough.any(axis=0))) if some.any() else len(steps)
     floor = None
-    for start in range(first, len(steps), _BLOCK):
-        ts = steps[start : start + _BLOCK]
-        rows = slice(None) if going.all() else going  # (all, as a slice: no row gathered)
-        block = rooms[rows, :, start : start + _BLOCK].transpose(0, 2, 1)
+    start = np.where(some, first, 0)
+    while going.any():
+        rows = np.nonzero(going)[0]
+        at_k = start[rows, None] + np.arange(_BLOCK)  # [row, candidate]
+        valid = at_k < stages * layers
+        at_k = np.minimum(at_k, stages * layers - 1)
+        ts = candidates[rows[:, None], at_k]
+        # rooms at each candidate: the thresholds up to it, per stage (counted by position)
+        reach = int(at_k.max()) + 1
+        counts = np.cumsum(owner[rows, :reach, None] == np.arange(stages), axis=1)
+        block = counts[np.arange(len(rows))[:, None], at_k]
         if floor is None:  # the first block prices the most layers of each stage as one more time
             block = np.concatenate([block, np.maximum(n[rows], nr[rows])[:, None, :]], axis=1)
         sums = least_sums(block, budget, base[rows], sorted_rates[rows])
         if floor is None:
-            floor = np.full(len(at), INF)
+            floor = np.full(rows_count, INF)
             floor[rows], sums = sums[:, -1], sums[:, :-1]
-        pace = ts if trips is None else np.maximum(ts, round_trip_pace(sums + trips[rows, None], n.shape[1], m))
-        values = (m - 1) * pace + np.where(fit[rows, start : start + _BLOCK], sums, INF)
+        t = (ts if middle is None else np.maximum(ts, middle[rows, None])) / FITS_TOL  # (`FITS_TOL`: the docstring)
+        valid &= t < INF  # (past the row's last threshold, or a middle stage that holds no layer)
+        t = np.where(valid, t, 0.0)
+        pace = t if trips is None else np.maximum(t, round_trip_pace(sums + trips[rows, None], stages, m))
+        values = np.where(valid, (m - 1) * pace + sums, INF)
         best[rows] = np.minimum(best[rows], values.min(axis=1))
-        going[rows] = (m - 1) * ts[-1] + floor[rows] < best[rows]
-        if not going.any():
-            break
+        start[rows] += _BLOCK
+        going[rows] = valid[:, -1] & ((m - 1) * t[:, -1] + floor[rows] < best[rows])
     return np.where(some, best + offsets, INF)
 
 

@@ -41,7 +41,7 @@ from solver import schedules as registry
 from solver.planner.problem import Problem
 from solver.cost.stage_costs import INF, StageConfig, StageCosts, in_flight
 from solver.planner.layouts import KindLayout, kind_layouts
-from solver.planner.bottleneck import Group, LastRooms, least_steps, middle_one, third_slowest
+from solver.planner.bottleneck import LayoutRows, least_steps, middle_one, third_slowest
 from solver.planner.fitting import LayoutFits
 from solver.planner.rows import StageRuns, counts_within, least_for_counts, least_runs_rows, most_within, sorted_unique, stage_runs
 from solver.planner.runs import FITS_TOL, balanced_pace, first_enough, least_runs, longest
@@ -70,7 +70,7 @@ class LowerBounds:
         self._layout_runs: dict[tuple[KindLayout, int], StageRuns] = {}
         self._tail_held: dict[KindLayout, np.ndarray] = {}
         self._tails: dict[StageConfig, np.ndarray] = {}
-        self._groups: dict[tuple, Group] = {}
+        self._layout_tables: dict[int, LayoutRows] = {}  # per microbatch size, every layout a bound has met
         self._bases: dict[tuple[tuple[KindLayout, ...], int], tuple[np.ndarray, ...]] = {}
         self._held: dict[tuple[str, int, int], tuple[int, ...]] = {}
         self._sends: dict[tuple[StageConfig, StageConfig, int], float] = {}
@@ -111,12 +111,11 @@ class LowerBounds:
             by_count.setdefault(sum(lay.stages for lay in layouts), []).append(i)
         for chosen in by_count.values():
             rows = [sets[i] for i in chosen]
-            group = self._group(rows[0] if len(rows) == 1 else tuple({lay for row in rows for lay in row}), b)
-            at = np.stack([self._row_layouts(row, group) for row in rows])  # each stage's layout in the group's arrays
-            fitting = np.array([self.fits.one(lay, b, 1) for lay in group.index], dtype=float)[at]
-            tails = np.maximum([self._least_tail(tuple(sorted(row))) for row in rows], self._ends_tails(group, at, False))
+            table = self._layout_rows([lay for row in rows for lay in row], b)
+            at = np.stack([self._row_layouts(row, table) for row in rows])  # each stage's layout in the table
+            tails = np.maximum([self._least_tail(tuple(sorted(row))) for row in rows], self._ends_tails(table, at, False))
             trips = np.zeros(len(rows)) if registry.get(schedule).round_trip_limited else None  # (sends: at least none)
-            out[chosen] = self._bounds(rows, fitting, m, b, tails, INF, group=group, at=at, trips=trips, placed=False)
+            out[chosen] = self._bounds(table.one[at], m, b, tails, INF, False, table, at, trips, placed=False)
         return out
 
     def product_bounds(self, per_kind: list[list[KindLayout]], m: int, b: int, schedule: str) -> list[tuple[float, tuple[KindLayout, ...]]]:
@@ -297,42 +296,64 @@ class LowerBounds:
 
     def order_bounds(self, orders: list[tuple[KindLayout, ...]], m: int, b: int, schedule: str, beat: float = INF,
                      last: bool = False) -> np.ndarray:
-        """`bound` for each order of one set of kinds' layouts, and tighter: each stage
-        holds only as many layers as fit beside the activations its position keeps in
-        flight, a stage that cannot hold one layer without recomputing pays the
-        recompute, and every cut pays its least send both ways; with `last`, each stage
-        is priced by the runs its place allows (`Group.by_place`, `_group`'s `placed`: the last
-        stage holds the model's last layers, the first its first, the others neither).
-        Stops at `beat`: a bound that reaches it is as good as exact for pruning. All
-        orders at once (one array pass, not a pass per order: the search ranks every
-        order of a set when the set reaches the front of its line)."""
-        if registry.get(schedule).interleaved:
-            return np.array([self.bound(order, m, b, schedule) for order in orders])
-        group = self._group(orders[0], b, placed=last)
-        fitting, sends, slots = self._order_parts(orders, m, b, schedule)
-        at = np.array([group.index[lay] for lay in orders[0]])[slots]  # each stage's layout in the group's arrays
-        trips = sends if registry.get(schedule).round_trip_limited else None
-        tails = np.maximum(group.tail, self._ends_tails(group, at, True))
-        return self._bounds(orders, fitting, m, b, sends + tails, beat, group.lasts, group, at, trips)
+        """`sets_order_bounds` of some orders of one set (the first order's)."""
+        perms = np.array([[orders[0].index(lay) for lay in order] for order in orders])
+        return self.sets_order_bounds([orders[0]], perms, m, b, schedule, beat, last)[0]
 
-    def _order_parts(self, orders: list[tuple[KindLayout, ...]], m: int, b: int,
-                     schedule: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per order of one set: the most layers each stage holds (plain, recomputing) with
+    def sets_order_bounds(self, sets: list[tuple[KindLayout, ...]], perms: np.ndarray, m: int, b: int, schedule: str,
+                          beat: float = INF, last: bool = False) -> np.ndarray:
+        """[set, order]: `bound` for each order of each set (`perms`: the orders, each
+        a permutation of a set's positions, the same for every set: a stream's sets
+        hold one layout of each of the same kinds), and tighter: each stage holds only
+        as many layers as fit beside the activations its position keeps in flight, a
+        stage that cannot hold one layer without recomputing pays the recompute, and
+        every cut pays its least send both ways; with `last`, each stage is priced by
+        the runs its place allows (`bottleneck.LayoutRows.by_place`: the last stage
+        holds the model's last layers, the first its first, the others neither).
+        Stops at `beat`: a bound that reaches it is as good as exact for pruning. The
+        sets of as many stages in one array pass, every order of each (the search
+        bounds a stream's next sets' orders together when the first of them reaches the
+        front of its line: a pass per set's orders cost 64 GPUs of three kinds a third
+        of their search)."""
+        out = np.full((len(sets), len(perms)), INF)
+        if registry.get(schedule).interleaved:
+            for i, layouts in enumerate(sets):
+                out[i] = self.bound(layouts, m, b, schedule)
+            return out
+        table = self._layout_rows([lay for layouts in sets for lay in layouts], b)
+        by_count: dict[int, list[int]] = {}
+        for i, layouts in enumerate(sets):
+            by_count.setdefault(sum(lay.stages for lay in layouts), []).append(i)
+        for count, chosen in by_count.items():
+            chosen_sets = [sets[i] for i in chosen]
+            fitting, sends, at = self._order_parts(chosen_sets, perms, m, b, schedule, count, table)
+            trips = sends if registry.get(schedule).round_trip_limited else None
+            least = np.repeat([self._least_tail(tuple(sorted(layouts))) for layouts in chosen_sets], len(perms))
+            tails = np.maximum(least, self._ends_tails(table, at, True))
+            out[chosen] = self._bounds(fitting, m, b, sends + tails, beat, last, table, at, trips).reshape(len(chosen), -1)
+        return out
+
+    def _order_parts(self, sets: list[tuple[KindLayout, ...]], perms: np.ndarray, m: int, b: int, schedule: str, count: int,
+                     table: LayoutRows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per order of each set (`count` stages each; the rows set by set, each set's
+        orders by `perms`): the most layers each stage holds (plain, recomputing) with
         its position's microbatches in flight (each layout's at every position, picked
-        per order), its cuts' least sends both ways, and each stage's layout (its place
-        in the first order)."""
-        count = sum(lay.stages for lay in orders[0])
+        per order), its cuts' least sends both ways, and each stage's layout in `table`."""
         held = self._in_flight(schedule, m, count)
-        layouts = orders[0]
-        at = {lay: i for i, lay in enumerate(layouts)}
+        layouts = list(dict.fromkeys(lay for row in sets for lay in row))
+        slot = {lay: i for i, lay in enumerate(layouts)}
         each = np.stack([self.fits.row(lay, b, held) for lay in layouts])
-        pair = np.array([[self._pair_send(x, y, b) for y in layouts] for x in layouts])
-        slots = np.array([[at[lay] for lay in order] for order in orders])
+        pair = np.zeros((len(layouts), len(layouts)))  # each set's own pairs (the others are never read)
+        for row in sets:
+            for x in row:
+                for y in row:
+                    pair[slot[x], slot[y]] = self._pair_send(x, y, b)
+        slots = np.array([[slot[lay] for lay in row] for row in sets])[:, perms].reshape(-1, perms.shape[1])
         # each order's stages, a layout's slot repeated over its stages
-        rows = np.repeat(slots.ravel(), np.array([lay.stages for lay in layouts])[slots].ravel()).reshape(len(orders), count)
+        rows = np.repeat(slots.ravel(), np.array([lay.stages for lay in layouts])[slots].ravel()).reshape(len(slots), count)
         # the cuts' sends summed left to right, as a running sum adds them
-        sends = 2 * np.cumsum(pair[rows[:, :-1], rows[:, 1:]], axis=1)[:, -1] if count > 1 else np.zeros(len(orders))
-        return each[rows, np.arange(count)], sends, rows
+        sends = 2 * np.cumsum(pair[rows[:, :-1], rows[:, 1:]], axis=1)[:, -1] if count > 1 else np.zeros(len(slots))
+        return each[rows, np.arange(count)], sends, np.array([table.index[lay] for lay in layouts])[rows]
 
     def _pair_send(self, x: KindLayout, y: KindLayout, b: int) -> float:
         """`_least_send` between two layouts' stages, kept per pair of layouts (whose
@@ -342,34 +363,29 @@ class LowerBounds:
             self._pair_sends[key] = self._least_send(x.config, y.config, b)
         return self._pair_sends[key]
 
-    def _bounds(self, rows: list[tuple[KindLayout, ...]], fitting: np.ndarray, m: int, b: int, offsets: np.ndarray,
-                beat: float, lasts: LastRooms | None = None, group: Group | None = None,
-                at: np.ndarray | None = None, trips: np.ndarray | None = None, placed: bool | None = None) -> np.ndarray:
-        """Per row of layouts (rows of as many stages; the layouts all in `group`, by
-        default the first row's set): the least (m - 1) t + summed stage times over
-        candidate bottlenecks t (the group's), plus the row's offset (its tail's bound
-        and sends); `fitting` (rows x stages x 2): the most layers each stage holds
-        without and with recomputation; `lasts`: where the order is known, `group`'s layouts' rooms as
-        a last stage (`Group.lasts`; each row picks its last stage's by its layout), each stage priced by its place;
-        `at`: each row's stages' layouts in the group's arrays, where the caller has
-        them (`_row_layouts` otherwise); `trips`: per row, its least sends both ways,
+    def _bounds(self, fitting: np.ndarray, m: int, b: int, offsets: np.ndarray, beat: float, last: bool,
+                table: LayoutRows, at: np.ndarray, trips: np.ndarray | None = None, placed: bool | None = None) -> np.ndarray:
+        """Per row of layouts (rows of as many stages): the least (m - 1) t + summed
+        stage times over candidate bottlenecks t (`bottleneck.least_steps`), plus the
+        row's offset (its tail's bound and sends); `fitting` (rows x stages x 2): the most
+        layers each stage holds without and with recomputation; `last`: the order is
+        known, each stage priced by its place and the last's rooms also its last runs';
+        `at`: each row's stages' layouts in `table`; `trips`: per row, its least sends both ways,
         where 1F1B's round trips may pace it (`bottleneck.least_steps`). (Plain schedules only: an interleaved
         schedule's tail is its device groups' chunks' tails summed, and its fill is
         1/v, so these bounds do not hold for it.)"""
         layers = self.costs.n
-        out = np.full(len(rows), INF)
+        out = np.full(len(fitting), INF)
         n, nr = fitting[..., 0], fitting[..., 1]
         fits = np.maximum(n, nr).sum(axis=1) >= layers
         if not fits.any():
             return out
-        group = group or self._group(rows[0], b)
         out[fits & (offsets >= beat)] = beat
         live = np.nonzero(fits & (offsets < beat))[0]
         if not live.size:
             return out
         n, nr, offsets = n[live], nr[live], offsets[live]
-        at = np.stack([self._row_layouts(rows[i], group) for i in live]) if at is None else at[live]
-        out[live] = least_steps(group, at, n, nr, m, layers, offsets, beat, lasts, None if trips is None else trips[live], placed)
+        out[live] = least_steps(table, at[live], n, nr, m, layers, offsets, beat, last, None if trips is None else trips[live], placed)
         return out
 
     def interleaved_floor(self, layouts: tuple[KindLayout, ...], m: int, b: int, chunks: int) -> float:
@@ -437,52 +453,41 @@ class LowerBounds:
         exceed an interleaved step, whose fill is 1/v and whose chunks hold fewer.)"""
         return self._work_s() * examples / sum(self._kind_rate(lay.kind) for lay in layouts)
 
-    def _row_layouts(self, row: tuple[KindLayout, ...], group: Group) -> np.ndarray:
-        """Per stage of a row, its layout's position in its group's per-layout arrays
-        (the search bounds each row once as a set and once per order: the group's
-        arrays are built once and a row only picks from them)."""
-        if row not in group.rows:
-            group.rows[row] = np.repeat([group.index[lay] for lay in row], [lay.stages for lay in row])
-        return group.rows[row]
+    def _row_layouts(self, row: tuple[KindLayout, ...], table: LayoutRows) -> np.ndarray:
+        """Per stage of a row, its layout's row in the table (the search bounds each row
+        once as a set and once per order: a row only picks from the table's arrays)."""
+        if row not in table.rows:
+            table.rows[row] = np.repeat([table.index[lay] for lay in row], [lay.stages for lay in row])
+        return table.rows[row]
 
-    def _group(self, layouts: tuple[KindLayout, ...], b: int, placed: bool = False) -> Group:
-        """Candidate step times, each layout's rooms at them, and the tail's bound:
-        the same for every order of `layouts` (each order seen is kept too: sorting is
-        most of a hit's cost).
-
-        `placed`: for orders, whose last stage holds the model's last layers (on a
-        language model the head): with its layouts' rooms as the last stage
-        (`Group.lasts`), the last runs' times among the candidates and the rooms at t
-        the last runs' within t, so a split of bottleneck M, counted at the largest
-        candidate t <= M, has every stage's least run of its layers <= t. Without them
-        a split whose last stage sets the pace was counted at the middle runs below it
-        (64 GPUs of three kinds: such orders were bounded 10-14% below their best
-        split). (A set's bound could ask that one of its stages be last on the same
-        candidates; on Llama-2-13B over 768 GPUs their added candidates cost its sets'
-        bounds more than the check pruned, the search 30-50% longer.)"""
-        if (layouts, b, placed) in self._groups:
-            return self._groups[layouts, b, placed]
-        key = (tuple(sorted(layouts)), b, placed)
-        if key not in self._groups:
-            each = self._runs_of(key[0], b)
-            count = len(each)
-            # (and a middle stage's least one-layer runs: `bottleneck._middle_floor` is compared with them)
-            inner = np.array([(r.inner.one, r.inner.one_remat) for r in each]).ravel()
-            times = [r.time for r in each] + [r.remat for r in each] + [inner[np.isfinite(inner)]]
-            floors = np.array([r.floor for r in each] + [r.floor_remat for r in each])
-            if placed:
-                floors = np.concatenate([floors, [r.last_floor for r in each], [r.last_floor_remat for r in each]])
-                times.append(floors[2 * count :][np.isfinite(floors[2 * count :])])
-            steps = sorted_unique(np.concatenate(times))
-            rooms = counts_within(floors, steps * FITS_TOL)  # (with the last runs', one pass)
-            firsts, firsts_remat, rates, rates_remat = np.array([(r.time[0], r.remat[0], r.step, r.step_remat) for r in each]).T.copy()
-            by_place = np.array([[tuple(place) for place in (r.first, r.inner, r.final)] for r in each],
-                                dtype=float).transpose(2, 1, 0).copy()
-            self._groups[key] = Group(steps, self._least_tail(key[0]), firsts, firsts_remat, rates, rates_remat, rooms[:count],
-                                      rooms[count : 2 * count], by_place, {lay: i for i, lay in enumerate(key[0])}, {},
-                                      LastRooms(rooms[2 * count : 3 * count], rooms[3 * count :]) if placed else None)
-        self._groups[layouts, b, placed] = self._groups[key]
-        return self._groups[key]
+    def _layout_rows(self, layouts: list[KindLayout] | tuple[KindLayout, ...], b: int) -> LayoutRows:
+        """The table of every layout a bound has met at microbatch size `b`, these
+        included (each layout's figures taken once per size, whatever the sets and
+        orders it is in: they are its own, as `bottleneck.least_steps` reads them)."""
+        table = self._layout_tables.get(b)
+        missing = tuple(dict.fromkeys(lay for lay in layouts if table is None or lay not in table.index))
+        if not missing:
+            return table
+        runs = self._runs_of(missing, b)
+        self._tail_grid()  # (prices every layout's end tails)
+        added = (
+            np.array([r.floor for r in runs]), np.array([r.floor_remat for r in runs]),
+            np.array([r.last_floor for r in runs]), np.array([r.last_floor_remat for r in runs]),
+            *np.array([(r.time[0], r.remat[0], r.step, r.step_remat) for r in runs]).T,
+            np.array([[tuple(place) for place in (r.first, r.inner, r.final)] for r in runs], dtype=float).transpose(2, 1, 0),
+            self.fits.kind(missing, b).astype(float), np.array([self._end_tails[lay.config] for lay in missing]),
+        )
+        if table is None:
+            index: dict[tuple, int] = {}
+            arrays = [np.ascontiguousarray(a) for a in added]
+            table = LayoutRows(*arrays, index, {})
+        else:
+            index = table.index
+            arrays = [np.concatenate([old, new], axis=2 if old.ndim == 3 else 0) for old, new in zip(table[:11], added)]
+            table = LayoutRows(*arrays, index, table.rows)
+        index.update(zip(missing, range(len(index), len(index) + len(missing))))
+        self._layout_tables[b] = table
+        return table
 
     def _least_tail(self, layouts: tuple[KindLayout, ...]) -> float:
         """The least u such that stages whose every run costs at most u in tail (and
@@ -495,16 +500,15 @@ class LowerBounds:
             self._least_tails[layouts] = float(candidates[enough]) if enough < len(candidates) else 0.0
         return self._least_tails[layouts]
 
-    def _ends_tails(self, group: Group, at: np.ndarray, ordered: bool) -> np.ndarray:
-        """Per row of `group`'s layouts (`at`: its stages' places in the group), a floor
+    def _ends_tails(self, table: LayoutRows, at: np.ndarray, ordered: bool) -> np.ndarray:
+        """Per row of layouts (`at`: its stages' rows in `table`), a floor
         under its slowest tail: its first stage's least tail over the runs holding the
         model's first layer, and its last's holding the last (on a language model the
         embedding and the head, the largest by parameters: at least 94 ms where eight
         T4s hold Metis's 4096-wide GPT's embedding, against 17 ms for the set's bound,
         `_least_tail`, of T4, V100 and A100 layouts on 64 GPUs). Not `ordered` (a set):
         some stage is first and some last, each at least the least such tail among them."""
-        self._tail_grid()  # (prices every layout's end tails)
-        ends = np.array([self._end_tails[lay.config] for lay in group.index])[at]  # [row, stage, first or last]
+        ends = table.ends[at]  # [row, stage, first or last]
         return np.maximum(ends[:, 0, 0], ends[:, -1, 1]) if ordered else ends.min(axis=1).max(axis=1)
 
     def _layout_tails(self, lay: KindLayout) -> np.ndarray:

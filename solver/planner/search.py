@@ -93,6 +93,7 @@ class Planner:
         self._pipelines: dict[tuple, tuple[PlanChoice | None, float]] = {}  # `pipeline`'s, and the beat it was searched under
         self._share_floors: dict[tuple[str, int, int], float] = {}  # `_share_floor`'s
         self._alone_plans: dict[str, PlanChoice | None] = {}  # `_alone`'s
+        self._kind_orders: dict[tuple[str, ...], np.ndarray] = {}  # `_orders`'
 
     def requiring_every_kind(self, top_k: int = 1) -> Planner:
         """A planner for the same problem whose plans must give every kind work
@@ -268,12 +269,11 @@ class Planner:
         # Branch and bound with lazily tightened bounds. Each (microbatch count, set of
         # kinds) is a stream of layout combinations sorted by their first bound (a
         # product's, computed for all at once); a combination leaves its stream only
-        # when it reaches the front of the line, where it is bounded on its own (still
-        # ignoring where its stages sit) and goes back in line; at the front again it is
-        # re-bounded per order of its kinds (activations in flight depend on the
-        # position) and goes back once more.
-        # (first bounds, layout indices, the kinds' layout lists, tightened bounds: nan until priced)
-        streams: list[tuple[np.ndarray, np.ndarray, list[list[KindLayout]], np.ndarray]] = []
+        # when it reaches the front of the line, where it is bounded per order of its
+        # kinds (activations in flight depend on the position), with the stream's next
+        # few in one pass, and goes back in line.
+        # (first bounds, layout indices, the kinds' layout lists, per position its orders' bounds once priced)
+        streams: list[tuple[np.ndarray, np.ndarray, list[list[KindLayout]], dict[int, np.ndarray]]] = []
         queue: list[tuple] = []  # (lower bound, tie-break, m, layouts or (stream, position), orders or _STREAM)
         counter = itertools.count()
         for m in counts or p.microbatch_counts():
@@ -289,7 +289,7 @@ class Planner:
                     # and tie-break, so the line's order is the one the tables would give.
                     floor = self.bounds.product_floor(lists, m, b, bound_schedule)
                     if floor < beat:
-                        streams.append((np.zeros(0), np.zeros((0, 0), dtype=int), lists, np.zeros(0)))
+                        streams.append((np.zeros(0), np.zeros((0, 0), dtype=int), lists, {}))
                         queue.append((floor, next(counter), m, (len(streams) - 1, -1), _STREAM))
         heapq.heapify(queue)
         heap: list[tuple[float, int, PlanChoice]] = []  # the top_k best, worst on top (negated)
@@ -304,33 +304,27 @@ class Planner:
             b = batch // m
             if orders is _STREAM:  # the stream's next combination: tighten to the layout's own bound
                 stream, position = layouts
-                lows, index, lists, tight = streams[stream]
+                lows, index, lists, ranked = streams[stream]
                 if position < 0:  # its floor: price the product now
                     lower, index = self.bounds.product_table(lists, m, b, bound_schedule)
                     chosen = np.nonzero(lower < beat)[0]
                     if chosen.size:
                         chosen = chosen[np.argsort(lower[chosen], kind="stable")]
-                        streams[stream] = (lower[chosen], index[:, chosen], lists, np.full(chosen.size, np.nan))
+                        streams[stream] = (lower[chosen], index[:, chosen], lists, {})
                         heapq.heappush(queue, (float(lower[chosen[0]]), tie, m, (stream, 0), _STREAM))
                     continue
                 if position + 1 < len(lows):
                     heapq.heappush(queue, (float(lows[position + 1]), next(counter), m, (stream, position + 1), _STREAM))
                 layouts = tuple(lays[i] for lays, i in zip(lists, index[:, position]))
-                if np.isnan(tight[position]):  # this and the stream's next few, tightened together
+                perms = self._orders(tuple(lays[0].kind for lays in lists))
+                if position not in ranked:  # this and the stream's next few, bounded together
                     ahead = range(position, min(position + _TIGHTEN_AHEAD, len(lows)))
-                    tight[ahead.start : ahead.stop] = self.bounds.set_bounds(
-                        [tuple(lays[i] for lays, i in zip(lists, index[:, p])) for p in ahead], m, b, bound_schedule)
-                tighter = float(tight[position])
-                if tighter < INF:
-                    heapq.heappush(queue, (max(tighter, lower), next(counter), m, layouts, ()))
-                continue
-            if not orders:
-                every = self._orders(layouts)
-                ranked = [(float(bound), i, order) for i, (bound, order)
-                          in enumerate(zip(self.bounds.order_bounds(every, m, b, bound_schedule, worst, last=True), every))]
-                orders = [(bound, order) for bound, _, order in sorted(ranked)]
-                if orders and orders[0][0] < INF:
-                    heapq.heappush(queue, (orders[0][0], next(counter), m, layouts, orders))
+                    sets = [tuple(lays[i] for lays, i in zip(lists, index[:, p])) for p in ahead]
+                    ranked.update(zip(ahead, self.bounds.sets_order_bounds(sets, perms, m, b, bound_schedule, worst, last=True)))
+                lows_by_order = ranked.pop(position)
+                orders = [(float(lows_by_order[i]), tuple(layouts[j] for j in perms[i])) for i in np.argsort(lows_by_order, kind="stable")]
+                if orders[0][0] < INF:
+                    heapq.heappush(queue, (max(orders[0][0], lower), next(counter), m, layouts, orders))
                 continue
             for order_lower, order in orders:
                 for schedule, chunks in schedules:
@@ -350,16 +344,20 @@ class Planner:
         every kind work and these are all its kinds, else one."""
         return len(kinds) if self.problem.use_all_kinds and len(kinds) == len(self.problem.kinds) else 1
 
-    def _orders(self, layouts: tuple[KindLayout, ...]) -> list[tuple[KindLayout, ...]]:
-        """Every order, slower kinds first first: early stages hold the most
-        microbatches in flight and the fastest kinds are best kept for the most layers,
-        so good plans come early and prune the rest."""
-        speed = {lay.kind: self.problem.kind(lay.kind).flops for lay in layouts}
+    def _orders(self, kinds: tuple[str, ...]) -> np.ndarray:
+        """Every order of a combination of one layout of each of `kinds` (a row each:
+        the positions in the combination), slower kinds first first: early stages hold
+        the most microbatches in flight and the fastest kinds are best kept for the
+        most layers, so good plans come early and prune the rest."""
+        if kinds not in self._kind_orders:
+            speed = [self.problem.kind(k).flops for k in kinds]
 
-        def inversions(order: tuple[KindLayout, ...]) -> int:
-            return sum(speed[a.kind] > speed[b.kind] for i, a in enumerate(order) for b in order[i + 1 :])
+            def inversions(order: tuple[int, ...]) -> int:
+                return sum(speed[a] > speed[b] for i, a in enumerate(order) for b in order[i + 1 :])
 
-        return sorted(set(itertools.permutations(layouts)), key=lambda o: (inversions(o), [lay.kind for lay in o]))
+            self._kind_orders[kinds] = np.array(sorted(itertools.permutations(range(len(kinds))),
+                                                       key=lambda o: (inversions(o), [kinds[i] for i in o])))
+        return self._kind_orders[kinds]
 
     # --- pipelines of different kinds side by side ------------------------------------
 
