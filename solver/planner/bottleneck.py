@@ -117,6 +117,7 @@ def least_steps(table: LayoutRows, at: np.ndarray, n: np.ndarray, nr: np.ndarray
     position = np.empty_like(order)
     position[each, order] = np.arange(stages * layers)
     first = np.maximum(position[:, ::layers].max(axis=1), layers - 1)
+    position = position.reshape(rows_count, stages, layers)[each, by_rate]  # [row, stage by rate, q]: where each threshold sorted to
     some = np.isfinite(candidates[np.arange(rows_count), np.minimum(first, stages * layers - 1)])
     budget = layers - stages  # layers beyond one per stage
     best = beat - offsets
@@ -129,10 +130,12 @@ def least_steps(table: LayoutRows, at: np.ndarray, n: np.ndarray, nr: np.ndarray
         valid = at_k < stages * layers
         at_k = np.minimum(at_k, stages * layers - 1)
         ts = candidates[rows[:, None], at_k]
-        # rooms at each candidate: the thresholds up to it, per stage (counted by position)
-        reach = int(at_k.max()) + 1
-        counts = np.cumsum(owner[rows, :reach, None] == np.arange(stages), axis=1)
-        block = counts[np.arange(len(rows))[:, None], at_k]
+        # rooms at each candidate: the thresholds up to it, per stage (counted by position):
+        # those up to the block's first, then one more for the stage of each candidate after it
+        block = np.empty((len(rows), _BLOCK, stages), dtype=np.int64)
+        (position[rows] <= at_k[:, :1, None]).sum(axis=2, out=block[:, 0])
+        np.cumsum(owner[rows[:, None], at_k[:, 1:], None] == np.arange(stages), axis=1, out=block[:, 1:])
+        block[:, 1:] += block[:, :1]
         if floor is None:  # the first block prices the most layers of each stage as one more time
             block = np.concatenate([block, np.maximum(n[rows], nr[rows])[:, None, :]], axis=1)
         sums = least_sums(block, budget, base[rows], sorted_rates[rows])
