@@ -46,9 +46,16 @@ class LayoutRows(NamedTuple):
     # layer, base beside the increments anywhere; each plain and recomputing) over the runs a
     # stage's place in a pipeline allows (`places`: first, middle, last)
     by_place: np.ndarray
-    one: np.ndarray  # [layout, 2]: the most layers one stage holds, one microbatch in flight (plain, recomputing)
-    ends: np.ndarray  # [layout, 2]: the least tail of a run holding the model's first layer, and its last
-    index: dict[tuple, int]  # a layout (`layouts.KindLayout`) -> its row
+    # What the bounds read beside (`bounds.LowerBounds._layout_rows`): per layout, the most layers
+    # one stage holds at each count of microbatches in flight ([layout, count - 1, plain or
+    # recomputing]), the least tail of a run holding the model's first layer and of one holding
+    # its last, its stages; per pair, the least send between their stages (nan until asked)
+    fits: np.ndarray
+    ends: np.ndarray
+    stages: np.ndarray
+    sends: np.ndarray
+    layouts: list  # the layouts (`layouts.KindLayout`), in their rows' order
+    index: dict[tuple, int]  # a layout -> its row
     rows: dict[tuple, np.ndarray]  # per row of layouts seen, each stage's row in the arrays above
 
 
@@ -103,22 +110,20 @@ def least_steps(table: LayoutRows, at: np.ndarray, n: np.ndarray, nr: np.ndarray
                                                  np.where(q < nr[:, -1:], table.last_floors_remat[end], INF)),
                    out=thresholds[:, -1])
     flat = thresholds.reshape(rows_count, stages * layers)
-    order = np.argsort(flat, axis=1, kind="stable")
-    candidates = np.take_along_axis(flat, order, axis=1)
+    order = np.argsort(flat, axis=1, kind="stable")  # (gathered from where a block reads them, not all sorted)
     # The stages sorted by their increment per layer: the least sums hand the layers
     # beyond one per stage to the least increments first; each candidate's stage by that rank.
     by_rate = np.argsort(rates, axis=1, kind="stable")
     each = np.arange(rows_count)[:, None]
     rank = np.empty_like(by_rate)
     rank[each, by_rate] = np.arange(stages)
-    owner = np.take_along_axis(rank, order // layers, axis=1)
     n, nr, sorted_rates = n[each, by_rate], nr[each, by_rate], rates[each, by_rate]
     # Where a row's layers first fit: `layers` thresholds passed and each stage's first.
     position = np.empty_like(order)
     position[each, order] = np.arange(stages * layers)
     first = np.maximum(position[:, ::layers].max(axis=1), layers - 1)
     position = position.reshape(rows_count, stages, layers)[each, by_rate]  # [row, stage by rate, q]: where each threshold sorted to
-    some = np.isfinite(candidates[np.arange(rows_count), np.minimum(first, stages * layers - 1)])
+    some = np.isfinite(flat[each[:, 0], order[each[:, 0], np.minimum(first, stages * layers - 1)]])
     budget = layers - stages  # layers beyond one per stage
     best = beat - offsets
     going = some.copy()
@@ -129,12 +134,14 @@ def least_steps(table: LayoutRows, at: np.ndarray, n: np.ndarray, nr: np.ndarray
         at_k = start[rows, None] + np.arange(_BLOCK)  # [row, candidate]
         valid = at_k < stages * layers
         at_k = np.minimum(at_k, stages * layers - 1)
-        ts = candidates[rows[:, None], at_k]
+        sorted_at = order[rows[:, None], at_k]  # each candidate's threshold, flat in its row
+        ts = flat[rows[:, None], sorted_at]
         # rooms at each candidate: the thresholds up to it, per stage (counted by position):
         # those up to the block's first, then one more for the stage of each candidate after it
         block = np.empty((len(rows), _BLOCK, stages), dtype=np.int64)
         (position[rows] <= at_k[:, :1, None]).sum(axis=2, out=block[:, 0])
-        np.cumsum(owner[rows[:, None], at_k[:, 1:], None] == np.arange(stages), axis=1, out=block[:, 1:])
+        owner = rank[rows[:, None], sorted_at[:, 1:] // layers]  # each candidate's stage, by rate
+        np.cumsum(owner[:, :, None] == np.arange(stages), axis=1, out=block[:, 1:])
         block[:, 1:] += block[:, :1]
         if floor is None:  # the first block prices the most layers of each stage as one more time
             block = np.concatenate([block, np.maximum(n[rows], nr[rows])[:, None, :]], axis=1)
@@ -199,7 +206,7 @@ def _unplaced(figures: np.ndarray, at: np.ndarray, plain: np.ndarray, n: np.ndar
         return end.sum(axis=1), None
     middle = base(1)
     chosen = np.zeros(at.shape, dtype=bool)
-    np.put_along_axis(chosen, np.argsort(middle - end, axis=1, kind="stable")[:, -2:], True, axis=1)
+    chosen[np.arange(len(at))[:, None], np.argsort(middle - end, axis=1, kind="stable")[:, -2:]] = True
     return np.where(chosen, end, middle).sum(axis=1), np.sort(_middle_floor(figures, at, n, nr), axis=1)[:, -3]
 
 

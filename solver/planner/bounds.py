@@ -106,16 +106,16 @@ class LowerBounds:
                 fits = sum(lay.stages * max(self.fits.one(lay, b, 1)) for lay in layouts) >= self.costs.n
                 out[i] = self._work_floor(layouts, m * b) if fits else INF
             return out
+        table = self._layout_rows([lay for layouts in sets for lay in layouts], b)
         by_count: dict[int, list[int]] = {}
         for i, layouts in enumerate(sets):
             by_count.setdefault(sum(lay.stages for lay in layouts), []).append(i)
         for chosen in by_count.values():
             rows = [sets[i] for i in chosen]
-            table = self._layout_rows([lay for row in rows for lay in row], b)
             at = np.stack([self._row_layouts(row, table) for row in rows])  # each stage's layout in the table
             tails = np.maximum([self._least_tail(tuple(sorted(row))) for row in rows], self._ends_tails(table, at, False))
             trips = np.zeros(len(rows)) if registry.get(schedule).round_trip_limited else None  # (sends: at least none)
-            out[chosen] = self._bounds(table.one[at], m, b, tails, INF, False, table, at, trips, placed=False)
+            out[chosen] = self._bounds(table.fits[at, 0], m, b, tails, INF, False, table, at, trips, placed=False)
         return out
 
     def product_bounds(self, per_kind: list[list[KindLayout]], m: int, b: int, schedule: str) -> list[tuple[float, tuple[KindLayout, ...]]]:
@@ -337,23 +337,17 @@ class LowerBounds:
                      table: LayoutRows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per order of each set (`count` stages each; the rows set by set, each set's
         orders by `perms`): the most layers each stage holds (plain, recomputing) with
-        its position's microbatches in flight (each layout's at every position, picked
-        per order), its cuts' least sends both ways, and each stage's layout in `table`."""
-        held = self._in_flight(schedule, m, count)
-        layouts = list(dict.fromkeys(lay for row in sets for lay in row))
-        slot = {lay: i for i, lay in enumerate(layouts)}
-        each = np.stack([self.fits.row(lay, b, held) for lay in layouts])
-        pair = np.zeros((len(layouts), len(layouts)))  # each set's own pairs (the others are never read)
-        for row in sets:
-            for x in row:
-                for y in row:
-                    pair[slot[x], slot[y]] = self._pair_send(x, y, b)
-        slots = np.array([[slot[lay] for lay in row] for row in sets])[:, perms].reshape(-1, perms.shape[1])
-        # each order's stages, a layout's slot repeated over its stages
-        rows = np.repeat(slots.ravel(), np.array([lay.stages for lay in layouts])[slots].ravel()).reshape(len(slots), count)
+        its position's microbatches in flight, its cuts' least sends both ways, and each
+        stage's layout in `table`."""
+        held = np.array(self._in_flight(schedule, m, count)) - 1
+        ids = np.array([[table.index[lay] for lay in row] for row in sets])
+        pairs = self._sends_within(table, ids, b)
+        slots = ids[:, perms].reshape(-1, perms.shape[1])
+        # each order's stages, a layout's row repeated over its stages
+        rows = np.repeat(slots.ravel(), table.stages[slots].ravel()).reshape(len(slots), count)
         # the cuts' sends summed left to right, as a running sum adds them
-        sends = 2 * np.cumsum(pair[rows[:, :-1], rows[:, 1:]], axis=1)[:, -1] if count > 1 else np.zeros(len(slots))
-        return each[rows, np.arange(count)], sends, np.array([table.index[lay] for lay in layouts])[rows]
+        sends = 2 * np.cumsum(pairs[rows[:, :-1], rows[:, 1:]], axis=1)[:, -1] if count > 1 else np.zeros(len(slots))
+        return table.fits[rows, held], sends, rows
 
     def _pair_send(self, x: KindLayout, y: KindLayout, b: int) -> float:
         """`_least_send` between two layouts' stages, kept per pair of layouts (whose
@@ -461,13 +455,17 @@ class LowerBounds:
         return table.rows[row]
 
     def _layout_rows(self, layouts: list[KindLayout] | tuple[KindLayout, ...], b: int) -> LayoutRows:
-        """The table of every layout a bound has met at microbatch size `b`, these
-        included (each layout's figures taken once per size, whatever the sets and
-        orders it is in: they are its own, as `bottleneck.least_steps` reads them)."""
+        """The table of every layout of each kind a bound has met at microbatch size `b`,
+        these included (a kind's layouts at once: its sets and orders meet most of them,
+        and its runs are priced for its products' floors already; each figure is the
+        layout's own, whatever the sets and orders it is in)."""
         table = self._layout_tables.get(b)
-        missing = tuple(dict.fromkeys(lay for lay in layouts if table is None or lay not in table.index))
-        if not missing:
+        kinds = {lay.kind for lay in layouts if table is None or lay not in table.index}
+        if not kinds:
             return table
+        missing = tuple(lay for kind in sorted(kinds) for lay in self._layouts_of(kind)
+                        if b % lay.dp == 0 and (table is None or lay not in table.index))
+        missing += tuple(lay for lay in dict.fromkeys(layouts) if lay not in missing and (table is None or lay not in table.index))
         runs = self._runs_of(missing, b)
         self._tail_grid()  # (prices every layout's end tails)
         added = (
@@ -475,19 +473,31 @@ class LowerBounds:
             np.array([r.last_floor for r in runs]), np.array([r.last_floor_remat for r in runs]),
             *np.array([(r.time[0], r.remat[0], r.step, r.step_remat) for r in runs]).T,
             np.array([[tuple(place) for place in (r.first, r.inner, r.final)] for r in runs], dtype=float).transpose(2, 1, 0),
-            self.fits.kind(missing, b).astype(float), np.array([self._end_tails[lay.config] for lay in missing]),
+            self.fits.all(missing, b, range(1, self.costs.n + 1)).astype(float),
+            np.array([self._end_tails[lay.config] for lay in missing]), np.array([lay.stages for lay in missing]),
         )
+        old = 0 if table is None else len(table.layouts)
+        sends = np.full((old + len(missing),) * 2, np.nan)  # (the known pairs kept)
         if table is None:
-            index: dict[tuple, int] = {}
-            arrays = [np.ascontiguousarray(a) for a in added]
-            table = LayoutRows(*arrays, index, {})
+            arrays, layouts, index, rows = [np.ascontiguousarray(a) for a in added], list(missing), {}, {}
         else:
-            index = table.index
-            arrays = [np.concatenate([old, new], axis=2 if old.ndim == 3 else 0) for old, new in zip(table[:11], added)]
-            table = LayoutRows(*arrays, index, table.rows)
-        index.update(zip(missing, range(len(index), len(index) + len(missing))))
-        self._layout_tables[b] = table
+            arrays = [np.concatenate([was, new], axis=2 if i == 8 else 0) for i, (was, new) in enumerate(zip(table[:12], added))]  # (by_place: [figure, place, layout])
+            layouts, index, rows = table.layouts + list(missing), table.index, table.rows
+            sends[:old, :old] = table.sends
+        index.update(zip(missing, range(old, old + len(missing))))
+        self._layout_tables[b] = table = LayoutRows(*arrays, sends, layouts, index, rows)
         return table
+
+    def _sends_within(self, table: LayoutRows, ids: np.ndarray, b: int) -> np.ndarray:
+        """`table.sends`, every pair within each row of `ids` (layouts' rows in the
+        table) priced (`_least_send`, kept per pair of layouts)."""
+        unknown = np.isnan(table.sends[ids[:, :, None], ids[:, None, :]])
+        if unknown.any():
+            shape = unknown.shape
+            for x, y in set(zip(np.broadcast_to(ids[:, :, None], shape)[unknown].tolist(),
+                                np.broadcast_to(ids[:, None, :], shape)[unknown].tolist())):
+                table.sends[x, y] = self._least_send(table.layouts[x].config, table.layouts[y].config, b)
+        return table.sends
 
     def _least_tail(self, layouts: tuple[KindLayout, ...]) -> float:
         """The least u such that stages whose every run costs at most u in tail (and
