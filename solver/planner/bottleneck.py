@@ -75,12 +75,15 @@ def least_steps(table: LayoutRows, at: np.ndarray, n: np.ndarray, nr: np.ndarray
 
     Each stage gains a room for one more layer at each of its thresholds (the least
     time at which it has room for q layers, nondecreasing in q), so a row's rooms
-    change only there: its candidates are its own stages' thresholds, sorted, the
-    rooms at each counted by position. A split of bottleneck M has all its stages'
+    change only there: its candidates are its own stages' thresholds, sorted, from
+    the first at which its layers fit (its `layers`-th, and every stage's first), a
+    block at a time, the rooms at each counted by position (at the last of a run of
+    equal thresholds, all of them). A split of bottleneck M has all its stages'
     thresholds up to their layers within M (times `FITS_TOL`, for rounding), so at the
     largest of them every stage has room for its layers and the pace is at most M.
-    No grid of times shared by a group of layouts is built, so rows of any layouts
-    are bounded in one pass."""
+    No grid of times shared by a group of layouts is built (a group's grid was the
+    sorted times of all its layouts, hundreds, most never read), so rows of any
+    layouts are bounded in one pass."""
     n, nr = n.astype(np.int64), nr.astype(np.int64)
     plain = n >= 1  # a stage that cannot hold one layer without recomputing recomputes
     middle = None  # per row, the least pace at which its middle stages all hold a layer (`_middle_floor`)
