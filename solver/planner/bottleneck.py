@@ -56,7 +56,6 @@ class LayoutRows(NamedTuple):
     sends: np.ndarray
     layouts: list  # the layouts (`layouts.KindLayout`), in their rows' order
     index: dict[tuple, int]  # a layout -> its row
-    rows: dict[tuple, np.ndarray]  # per row of layouts seen, each stage's row in the arrays above
 
 
 def least_steps(table: LayoutRows, at: np.ndarray, n: np.ndarray, nr: np.ndarray, m: int, layers: int, offsets: np.ndarray,

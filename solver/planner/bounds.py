@@ -28,7 +28,13 @@ slowest tail; the round trip is priced only under 1F1B, `Schedule.round_trip_lim
   Without it, on Llama-2-7B over 768 GPUs of three kinds, sets of dozens of V100
   stages each "holding" the embedding at its cost were bounded at 1.4 s against 48 s
   for their best split, and the search took 48.5 s; with it 5.6 s, to the same plan.
-  Where the order is known, the last stage's rooms are its last runs' (`_group`).
+  Where the order is known, the last stage's rooms are also its last runs', and those
+  runs' times are among its candidate bottlenecks (`bottleneck.least_steps`' `last`):
+  without them a split whose last stage sets the pace was counted at the middle runs
+  below it (64 GPUs of three kinds: such orders were bounded 10-14% below their best
+  split). (A set's bound could ask that one of its stages be last; on Llama-2-13B over
+  768 GPUs its added candidates cost the sets' bounds more than the check pruned, the
+  search 30-50% longer.)
 """
 
 from __future__ import annotations
@@ -95,11 +101,9 @@ class LowerBounds:
         return float(self.set_bounds([layouts], m, b, schedule)[0])
 
     def set_bounds(self, sets: list[tuple[KindLayout, ...]], m: int, b: int, schedule: str) -> np.ndarray:
-        """`bound` of each set, the same figures, in one array pass per stage count
-        among them (the search tightens a stream's next sets together). Sets of as many
-        stages share the candidate times of all their layouts, a superset of each one's
-        own: a time between two of a set's own has the lesser one's rooms and a larger
-        bottleneck, so the least is the same."""
+        """`bound` of each set, the same figures (each row's candidates are its own:
+        `bottleneck.least_steps`), in one array pass per stage count among them (the
+        search tightens a stream's next sets together)."""
         out = np.full(len(sets), INF)
         if registry.get(schedule).interleaved:
             for i, layouts in enumerate(sets):
@@ -112,7 +116,7 @@ class LowerBounds:
             by_count.setdefault(sum(lay.stages for lay in layouts), []).append(i)
         for chosen in by_count.values():
             rows = [sets[i] for i in chosen]
-            at = np.stack([self._row_layouts(row, table) for row in rows])  # each stage's layout in the table
+            at = np.array([np.repeat([table.index[lay] for lay in row], [lay.stages for lay in row]) for row in rows])
             tails = np.maximum([self._least_tail(tuple(sorted(row))) for row in rows], self._ends_tails(table, at, False))
             trips = np.zeros(len(rows)) if registry.get(schedule).round_trip_limited else None  # (sends: at least none)
             out[chosen] = self._bounds(table.fits[at, 0], m, b, tails, INF, False, table, at, trips, placed=False)
@@ -447,13 +451,6 @@ class LowerBounds:
         exceed an interleaved step, whose fill is 1/v and whose chunks hold fewer.)"""
         return self._work_s() * examples / sum(self._kind_rate(lay.kind) for lay in layouts)
 
-    def _row_layouts(self, row: tuple[KindLayout, ...], table: LayoutRows) -> np.ndarray:
-        """Per stage of a row, its layout's row in the table (the search bounds each row
-        once as a set and once per order: a row only picks from the table's arrays)."""
-        if row not in table.rows:
-            table.rows[row] = np.repeat([table.index[lay] for lay in row], [lay.stages for lay in row])
-        return table.rows[row]
-
     def _layout_rows(self, layouts: list[KindLayout] | tuple[KindLayout, ...], b: int) -> LayoutRows:
         """The table of every layout of each kind a bound has met at microbatch size `b`,
         these included (a kind's layouts at once: its sets and orders meet most of them,
@@ -479,13 +476,13 @@ class LowerBounds:
         old = 0 if table is None else len(table.layouts)
         sends = np.full((old + len(missing),) * 2, np.nan)  # (the known pairs kept)
         if table is None:
-            arrays, layouts, index, rows = [np.ascontiguousarray(a) for a in added], list(missing), {}, {}
+            arrays, layouts, index = [np.ascontiguousarray(a) for a in added], list(missing), {}
         else:
             arrays = [np.concatenate([was, new], axis=2 if i == 8 else 0) for i, (was, new) in enumerate(zip(table[:12], added))]  # (by_place: [figure, place, layout])
-            layouts, index, rows = table.layouts + list(missing), table.index, table.rows
+            layouts, index = table.layouts + list(missing), table.index
             sends[:old, :old] = table.sends
         index.update(zip(missing, range(old, old + len(missing))))
-        self._layout_tables[b] = table = LayoutRows(*arrays, sends, layouts, index, rows)
+        self._layout_tables[b] = table = LayoutRows(*arrays, sends, layouts, index)
         return table
 
     def _sends_within(self, table: LayoutRows, ids: np.ndarray, b: int) -> np.ndarray:

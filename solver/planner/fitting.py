@@ -1,8 +1,9 @@
 """How many layers a stage of a layout holds, per count of microbatches in flight:
 the memory half of the planner's lower bounds (`bounds.py`), kept apart from their
 times. A layout meets every microbatch size, and an order asks each position's count,
-so each layout's counts are priced in one array pass (`rows.layers_fitting`) and kept
-as one array per (layout, size), not as an entry per count."""
+so each layout's counts are priced in one array pass (`rows.layers_fitting`), a
+kind's layouts at once (`all`: the bounds keep them in their table per size,
+`LowerBounds._layout_rows`), not as an entry per count."""
 
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ class LayoutFits:
         self.problem = problem
         self.costs = costs
         self._one: dict[tuple[KindLayout, int, int], tuple[int, int]] = {}
-        self._rows: dict[tuple[KindLayout, int, tuple[int, ...]], np.ndarray] = {}
         self._tables: dict[tuple[KindLayout, int], np.ndarray] = {}
         self._memory: dict[KindLayout, tuple[int, np.ndarray]] = {}
 
@@ -41,15 +41,6 @@ class LayoutFits:
         fits = self.all(layouts, b, range(1, 2))[:, 0]
         self._one.update(zip([(lay, b, 1) for lay in layouts], map(tuple, fits.tolist())))
         return fits
-
-    def row(self, layout: KindLayout, b: int, held: tuple[int, ...]) -> np.ndarray:
-        """[position, 2], as floats: `one` of a layout at each position's count of
-        microbatches in flight (an order's positions; each layout of a set meets the
-        same counts in each of its orders, at every m)."""
-        key = (layout, b, held)
-        if key not in self._rows:
-            self._rows[key] = self.table(layout, b, max(held))[np.array(held) - 1].astype(float)
-        return self._rows[key]
 
     def table(self, layout: KindLayout, b: int, most: int) -> np.ndarray:
         """[count - 1, 2]: `one` of a layout at each count of microbatches in flight, up
