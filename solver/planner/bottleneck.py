@@ -186,19 +186,19 @@ def middle_one(one: np.ndarray, one_remat: np.ndarray, n: np.ndarray, nr: np.nda
 
 
 def _middle_floor(figures: np.ndarray, at: np.ndarray, n: np.ndarray, nr: np.ndarray) -> np.ndarray:
-    """`middle_one` of each stage (`Group.by_place`'s middle place): a candidate time
-    (`LowerBounds._group`), so at most the largest candidate t <= M, where a split of
-    bottleneck M is counted."""
+    """`middle_one` of each stage (`LayoutRows.by_place`'s middle place): a floor under
+    the pace of any split in whose middle the stage is (`least_steps` prices no pace
+    below it)."""
     return middle_one(figures[0, 1][at], figures[1, 1][at], n, nr)
 
 
 def _unplaced(figures: np.ndarray, at: np.ndarray, plain: np.ndarray, n: np.ndarray,
               nr: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     """Where a row's order is not known: one of its stages is first, one last, the
-    others middle ones, whichever they are (`figures`: `Group.by_place`). Per row: its
+    others middle ones, whichever they are (`figures`: `LayoutRows.by_place`). Per row: its
     stages' summed bases beside their increments anywhere (`rows.EndRuns.base`), each
     at its middle place's but the two that an end place saves the most, at their end's;
-    and no candidate time below the third largest of its stages' `_middle_floor`
+    and no pace below the third largest of its stages' `_middle_floor`
     counts (None for fewer than three stages, all ends)."""
     def base(place: int) -> np.ndarray:
         return np.where(plain, figures[4, place][at], figures[5, place][at])
@@ -213,7 +213,7 @@ def _unplaced(figures: np.ndarray, at: np.ndarray, plain: np.ndarray, n: np.ndar
 
 
 def places(stages: int) -> np.ndarray:
-    """Each stage's place in a pipeline of `stages` (`Group.by_place`'s second axis): first, the
+    """Each stage's place in a pipeline of `stages` (`LayoutRows.by_place`'s second axis): first, the
     middle ones, last; one stage alone holds the whole model, its runs the last's."""
     return np.array([2] if stages == 1 else [0] + [1] * (stages - 2) + [2])
 
