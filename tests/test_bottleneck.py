@@ -78,7 +78,8 @@ def random_table(rng, layouts, layers):
 
     return LayoutRows(floors(), floors(), floors(), floors(), rng.random(layouts), rng.random(layouts) * 2,
                       rng.random(layouts) / 7, rng.random(layouts) / 5, rng.random((6, 3, layouts)),
-                      np.zeros((layouts, layers, 2)), np.zeros((layouts, 2)), np.ones(layouts), np.zeros((layouts, layouts)), [], {})
+                      np.zeros((layouts, layers, 2)), np.zeros((layouts, 2)), np.ones(layouts), np.zeros((layouts, layouts)),
+                      [], {})
 
 
 def random_case(rng):

@@ -124,7 +124,8 @@ def least_steps(table: LayoutRows, at: np.ndarray, n: np.ndarray, nr: np.ndarray
     position = np.empty_like(order)
     position[each, order] = np.arange(stages * layers)
     first = np.maximum(position[:, ::layers].max(axis=1), layers - 1)
-    position = position.reshape(rows_count, stages, layers)[each, by_rate]  # [row, stage by rate, q]: where each threshold sorted to
+    # [row, stage by rate, q]: where each threshold sorted to
+    position = position.reshape(rows_count, stages, layers)[each, by_rate]
     some = np.isfinite(flat[each[:, 0], order[each[:, 0], np.minimum(first, stages * layers - 1)]])
     budget = layers - stages  # layers beyond one per stage
     best = beat - offsets

@@ -383,7 +383,8 @@ class LowerBounds:
         if not live.size:
             return out
         n, nr, offsets = n[live], nr[live], offsets[live]
-        out[live] = least_steps(table, at[live], n, nr, m, layers, offsets, beat, last, None if trips is None else trips[live], placed)
+        trips = None if trips is None else trips[live]
+        out[live] = least_steps(table, at[live], n, nr, m, layers, offsets, beat, last, trips, placed)
         return out
 
     def interleaved_floor(self, layouts: tuple[KindLayout, ...], m: int, b: int, chunks: int) -> float:
@@ -462,7 +463,8 @@ class LowerBounds:
             return table
         missing = tuple(lay for kind in sorted(kinds) for lay in self._layouts_of(kind)
                         if b % lay.dp == 0 and (table is None or lay not in table.index))
-        missing += tuple(lay for lay in dict.fromkeys(layouts) if lay not in missing and (table is None or lay not in table.index))
+        missing += tuple(lay for lay in dict.fromkeys(layouts)
+                         if lay not in missing and (table is None or lay not in table.index))
         runs = self._runs_of(missing, b)
         self._tail_grid()  # (prices every layout's end tails)
         added = (
@@ -476,13 +478,13 @@ class LowerBounds:
         old = 0 if table is None else len(table.layouts)
         sends = np.full((old + len(missing),) * 2, np.nan)  # (the known pairs kept)
         if table is None:
-            arrays, layouts, index = [np.ascontiguousarray(a) for a in added], list(missing), {}
-        else:
-            arrays = [np.concatenate([was, new], axis=2 if i == 8 else 0) for i, (was, new) in enumerate(zip(table[:12], added))]  # (by_place: [figure, place, layout])
-            layouts, index = table.layouts + list(missing), table.index
+            arrays, members, index = [np.ascontiguousarray(a) for a in added], list(missing), {}
+        else:  # (by_place, the ninth, is [figure, place, layout])
+            arrays = [np.concatenate([was, new], axis=2 if i == 8 else 0) for i, (was, new) in enumerate(zip(table[:12], added))]
+            members, index = table.layouts + list(missing), table.index
             sends[:old, :old] = table.sends
         index.update(zip(missing, range(old, old + len(missing))))
-        self._layout_tables[b] = table = LayoutRows(*arrays, sends, layouts, index)
+        self._layout_tables[b] = table = LayoutRows(*arrays, sends, members, index)
         return table
 
     def _sends_within(self, table: LayoutRows, ids: np.ndarray, b: int) -> np.ndarray:

@@ -36,8 +36,9 @@ def chunks_may_fit(tables: Sequence[StageTable], groups: int) -> bool:
     order, so a split it accepts never fails this); the layers fit only if the most
     each group holds within its capacity add up to every layer. (The least bytes per
     chunk alone, summed per group, let through rows whose groups each fit some split
-    but not the same one: on 64 GPUs of three kinds, 16 GB T4 and V100 groups of two
-    chunks fitting only a few layers each, refused after their sweeps.)"""
+    but not the same one: on 64 GPUs of three kinds, six rows of 16 GB T4s or V100s alone
+    (the bound's own searches), two to four groups of two or four chunks, each refused
+    only after its sweep.)"""
     n = tables[0].memory.shape[0] - 1
     held = np.stack([np.where(np.isfinite(t.forward), t.memory, INF) for t in tables])  # [chunk, i, j]: bytes per range
     by_length = np.full((len(tables), n + 1), INF)  # [chunk, l]: the least bytes of a run of l layers at its place
@@ -49,7 +50,8 @@ def chunks_may_fit(tables: Sequence[StageTable], groups: int) -> bool:
     skewed = np.full((groups, n + 1, 2 * n + 2), INF)  # row i shifted right by i when read at width 2n + 1
     for first in range(0, len(tables), groups):
         skewed[:, :, : n + 1] = least[:, :, None] + by_length[first : first + groups, None, :]
-        least = skewed.reshape(groups, -1)[:, : (n + 1) * (2 * n + 1)].reshape(groups, n + 1, 2 * n + 1)[:, :, : n + 1].min(axis=1)
+        shifted = skewed.reshape(groups, -1)[:, : (n + 1) * (2 * n + 1)].reshape(groups, n + 1, 2 * n + 1)
+        least = shifted[:, :, : n + 1].min(axis=1)
     capacity = np.array([t.capacity for t in tables[:groups]], dtype=float)[:, None]
     within = least <= capacity
     if not within.any(axis=1).all():
