@@ -19,6 +19,7 @@ from typing import NamedTuple
 import numpy as np
 
 from solver.cost.stage_costs import INF
+from solver.planner.rows import StageRuns
 from solver.planner.runs import FITS_TOL
 from solver.schedules.one_f_one_b import round_trip_pace
 
@@ -56,6 +57,31 @@ class LayoutRows(NamedTuple):
     sends: np.ndarray
     layouts: list  # the layouts (`layouts.KindLayout`), in their rows' order
     index: dict[tuple, int]  # a layout -> its row
+
+
+def with_layouts(table: LayoutRows | None, layouts: tuple, runs: list[StageRuns], fits: np.ndarray,
+                 ends: np.ndarray) -> LayoutRows:
+    """`table` (None: none yet) with `layouts` appended, each with its least runs
+    (`runs`), its fits at every count of microbatches in flight (`fits`: [layout,
+    count - 1, 2]) and its end tails (`ends`); the pairs' sends known so far kept, the
+    new ones unknown (nan)."""
+    added = (
+        np.array([r.floor for r in runs]), np.array([r.floor_remat for r in runs]),
+        np.array([r.last_floor for r in runs]), np.array([r.last_floor_remat for r in runs]),
+        *np.array([(r.time[0], r.remat[0], r.step, r.step_remat) for r in runs]).T,
+        np.array([[tuple(place) for place in (r.first, r.inner, r.final)] for r in runs], dtype=float).transpose(2, 1, 0),
+        fits.astype(float), ends, np.array([lay.stages for lay in layouts]),
+    )
+    old = 0 if table is None else len(table.layouts)
+    sends = np.full((old + len(layouts),) * 2, np.nan)
+    if table is None:
+        arrays, members, index = [np.ascontiguousarray(a) for a in added], list(layouts), {}
+    else:  # (by_place, the ninth, is [figure, place, layout])
+        arrays = [np.concatenate([was, new], axis=2 if i == 8 else 0) for i, (was, new) in enumerate(zip(table[:12], added))]
+        members, index = table.layouts + list(layouts), table.index
+        sends[:old, :old] = table.sends
+    index.update(zip(layouts, range(old, old + len(layouts))))
+    return LayoutRows(*arrays, sends, members, index)
 
 
 def least_steps(table: LayoutRows, at: np.ndarray, n: np.ndarray, nr: np.ndarray, m: int, layers: int, offsets: np.ndarray,

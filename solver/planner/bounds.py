@@ -47,7 +47,7 @@ from solver import schedules as registry
 from solver.planner.problem import Problem
 from solver.cost.stage_costs import INF, StageConfig, StageCosts, in_flight
 from solver.planner.layouts import KindLayout, kind_layouts
-from solver.planner.bottleneck import LayoutRows, least_steps, middle_one, third_slowest
+from solver.planner.bottleneck import LayoutRows, least_steps, middle_one, third_slowest, with_layouts
 from solver.planner.fitting import LayoutFits
 from solver.planner.rows import StageRuns, counts_within, least_for_counts, least_runs_rows, most_within, sorted_unique, stage_runs
 from solver.planner.runs import FITS_TOL, balanced_pace, first_enough, least_runs, longest
@@ -80,7 +80,6 @@ class LowerBounds:
         self._bases: dict[tuple[tuple[KindLayout, ...], int], tuple[np.ndarray, ...]] = {}
         self._held: dict[tuple[str, int, int], tuple[int, ...]] = {}
         self._sends: dict[tuple[StageConfig, StageConfig, int], float] = {}
-        self._pair_sends: dict[tuple[KindLayout, KindLayout, int], float] = {}
         self._kinds: dict[tuple[tuple[KindLayout, ...], int, tuple[str, ...]], _KindArrays] = {}
         self._grids: dict[tuple[int, tuple[str, ...]], np.ndarray] = {}
         self._kind_layouts: dict[str, list[KindLayout]] = {}
@@ -353,14 +352,6 @@ class LowerBounds:
         sends = 2 * np.cumsum(pairs[rows[:, :-1], rows[:, 1:]], axis=1)[:, -1] if count > 1 else np.zeros(len(slots))
         return table.fits[rows, held], sends, rows
 
-    def _pair_send(self, x: KindLayout, y: KindLayout, b: int) -> float:
-        """`_least_send` between two layouts' stages, kept per pair of layouts (whose
-        keys hash in C; a StageConfig, a dataclass, hashes in Python)."""
-        key = (x, y, b)
-        if key not in self._pair_sends:
-            self._pair_sends[key] = self._least_send(x.config, y.config, b)
-        return self._pair_sends[key]
-
     def _bounds(self, fitting: np.ndarray, m: int, b: int, offsets: np.ndarray, beat: float, last: bool,
                 table: LayoutRows, at: np.ndarray, trips: np.ndarray | None = None, placed: bool | None = None) -> np.ndarray:
         """Per row of layouts (rows of as many stages): the least (m - 1) t + summed
@@ -406,9 +397,12 @@ class LowerBounds:
             counts = [lay.stages for lay in layouts]
             # the row's cuts: within each layout and between neighbours, v times over, and from the last group
             # back to the first, v - 1 times
-            once = sum(self._pair_send(a, a, b) * (s - 1) for a, s in zip(layouts, counts) if s > 1) + \
-                sum(self._pair_send(a, c, b) for a, c in zip(layouts, layouts[1:]))
-            sends = 2 * (chunks * once + (chunks - 1) * self._pair_send(layouts[-1], layouts[0], b))
+            table = self._layout_rows(layouts, b)
+            ids = [table.index[lay] for lay in layouts]
+            pair = self._sends_within(table, np.array([ids]), b)
+            once = sum(pair[i, i] * (s - 1) for i, s in zip(ids, counts) if s > 1) + \
+                sum(pair[i, j] for i, j in zip(ids, ids[1:]))
+            sends = 2 * (chunks * once + (chunks - 1) * pair[ids[-1], ids[0]])
             paces = [self._layout_pace(lay, b) for lay in layouts]
             least = np.array([p[0] for p in paces])
             last = paces[-1][2]
@@ -465,26 +459,10 @@ class LowerBounds:
                         if b % lay.dp == 0 and (table is None or lay not in table.index))
         missing += tuple(lay for lay in dict.fromkeys(layouts)
                          if lay not in missing and (table is None or lay not in table.index))
-        runs = self._runs_of(missing, b)
         self._tail_grid()  # (prices every layout's end tails)
-        added = (
-            np.array([r.floor for r in runs]), np.array([r.floor_remat for r in runs]),
-            np.array([r.last_floor for r in runs]), np.array([r.last_floor_remat for r in runs]),
-            *np.array([(r.time[0], r.remat[0], r.step, r.step_remat) for r in runs]).T,
-            np.array([[tuple(place) for place in (r.first, r.inner, r.final)] for r in runs], dtype=float).transpose(2, 1, 0),
-            self.fits.all(missing, b, range(1, self.costs.n + 1)).astype(float),
-            np.array([self._end_tails[lay.config] for lay in missing]), np.array([lay.stages for lay in missing]),
-        )
-        old = 0 if table is None else len(table.layouts)
-        sends = np.full((old + len(missing),) * 2, np.nan)  # (the known pairs kept)
-        if table is None:
-            arrays, members, index = [np.ascontiguousarray(a) for a in added], list(missing), {}
-        else:  # (by_place, the ninth, is [figure, place, layout])
-            arrays = [np.concatenate([was, new], axis=2 if i == 8 else 0) for i, (was, new) in enumerate(zip(table[:12], added))]
-            members, index = table.layouts + list(missing), table.index
-            sends[:old, :old] = table.sends
-        index.update(zip(missing, range(old, old + len(missing))))
-        self._layout_tables[b] = table = LayoutRows(*arrays, sends, members, index)
+        self._layout_tables[b] = table = with_layouts(table, missing, self._runs_of(missing, b),
+                                                      self.fits.all(missing, b, range(1, self.costs.n + 1)),
+                                                      np.array([self._end_tails[lay.config] for lay in missing]))
         return table
 
     def _sends_within(self, table: LayoutRows, ids: np.ndarray, b: int) -> np.ndarray:
