@@ -86,7 +86,7 @@ class LowerBounds:
         self._tail_values: np.ndarray | None = None
         self._held_tails: dict[StageConfig, np.ndarray] = {}
         self._end_tails: dict[StageConfig, tuple[float, float]] = {}  # `_ends_tails`' parts
-        self._envelopes: dict[tuple[tuple[KindLayout, ...], int], tuple[np.ndarray, float, np.ndarray]] = {}
+        self._envelopes: dict[tuple[tuple[KindLayout, ...], int], tuple] = {}  # `_envelope`'s
         self._held_most: dict[tuple[tuple[KindLayout, ...], int], float] = {}  # `_most_held`'s
         self._least_tails: dict[tuple[KindLayout, ...], float] = {}
         self._paces: dict[tuple[StageConfig, int], tuple[float, float, float]] = {}
@@ -178,9 +178,14 @@ class LowerBounds:
         product (nor the grid of candidate times of its kinds): the search builds a
         product's table only when this reaches the front of its line, and most never
         do. Each kind is taken at its best layout for each part apart: the least
-        bottleneck at which the kinds' roomiest layouts hold every layer, the least
-        first-layer times, the least tail at which they hold every layer. Inf, before
-        any runs are priced, where memory alone leaves no combination room (`_most_held`)."""
+        bottleneck at which the kinds' roomiest layouts hold every layer; the summed
+        stage times, every layer beyond a stage's first at no less than the least
+        increment r of any layout, so a kind's part is its least first-layer times less
+        r per stage (summing one layer per kind, this floor fell a third below the
+        tables on 64 GPUs of three kinds, and 8 of 36 tables priced there held no
+        combination that could win); the least tail at which they hold every layer.
+        Inf, before any runs are priced, where memory alone leaves no combination
+        room (`_most_held`)."""
         if not per_kind or not all(per_kind):
             return INF
         if registry.get(schedule).interleaved:  # every finite bound of the product is the work floor
@@ -195,7 +200,10 @@ class LowerBounds:
         enough = np.nonzero(rooms >= layers)[0]
         if not enough.size:
             return INF  # no combination has room for every layer at any bottleneck
-        sums = sum(first for _, first, _ in envelopes)
+        # The summed stage times: each stage's first layer at its layout's least, every further layer at
+        # least the least increment of any layout (r); per kind apart, its least first times less r per stage.
+        step = min(rate for _, (_, _, rate), _ in envelopes)
+        sums = layers * step + sum(float((firsts - counts * step).min()) for _, (counts, firsts, _), _ in envelopes)
         tail_grid = self._tail_grid()
         held = np.nonzero(sum(most for _, _, most in envelopes) >= layers)[0]
         tail = float(tail_grid[held[0] if held.size else len(tail_grid) - 1])
@@ -208,16 +216,18 @@ class LowerBounds:
             self._held_most[layouts, b] = float((stages * self.fits.kind(layouts, b).max(axis=1)).max())
         return self._held_most[layouts, b]
 
-    def _envelope(self, layouts: tuple[KindLayout, ...], b: int) -> tuple[np.ndarray, float, np.ndarray]:
+    def _envelope(self, layouts: tuple[KindLayout, ...], b: int) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, float],
+                                                                         np.ndarray]:
         """One kind's best case over its layouts, for `product_floor`: per count r of
         layers (1..n), the least time at which some layout's stages have room for r
-        layers (nondecreasing); the least first-layer times; per candidate tail, the
-        most layers some layout's stages hold."""
+        layers (nondecreasing); each layout's stages and their least first-layer times,
+        and the least increment per further layer of any; per candidate tail, the most
+        layers some layout's stages hold."""
         key = (layouts, b)
         if key not in self._envelopes:
-            counts, least, held, firsts, *_ = self._kind_base(layouts, b)
+            counts, least, held, firsts, rates, *_ = self._kind_base(layouts, b)
             need = least_for_counts(counts, least, self.costs.n)
-            self._envelopes[key] = need[np.isfinite(need)], float(firsts.min()), held.max(axis=0)
+            self._envelopes[key] = need[np.isfinite(need)], (counts, firsts, float(rates.min())), held.max(axis=0)
         return self._envelopes[key]
 
     def _kind_arrays(self, layouts: tuple[KindLayout, ...], b: int, kinds: tuple[str, ...]) -> _KindArrays:
