@@ -1,6 +1,7 @@
 """Stage pairs alike on the link share their sends (`solver.cost.cut_sends`): each pair's
 figures are its own, bit for bit, as priced pair by pair before (`own_sends` below, that
-code), on shared hosts too, where a measured copy replaces the link's time."""
+code), on shared hosts too, where a measured copy replaces the link's time; and so is the
+least over a pair's cuts between layers (`StageCosts.least_send`, the planner's bounds')."""
 
 from __future__ import annotations
 
@@ -49,6 +50,8 @@ def test_each_pairs_sends_are_its_own():
                 for c, _ in stages:
                     got, want = costs.sends(a, c, b), own_sends(costs, a, c, b)
                     assert _same(got, want) and not got.flags.writeable
+                    # the least over the cuts between layers, priced once per alike send too
+                    assert costs.least_send(a, c, b) == (float(want[1:costs.n].min()) if costs.n > 1 else 0.0)
                     compared += 1
                     measured += bool(p.measured_layers) and got[0] != own_sends(StageCosts(problem), a, c, b)[0]
             shared += len({id(costs.sends(a, c, b)) for a, b in stages for c, _ in stages}) < len(stages) ** 2

@@ -30,6 +30,25 @@ class CutSends:
         self.costs = costs
         self.sends = lru_cache(maxsize=None)(self._sends_uncached)
         self._link_sends = lru_cache(maxsize=None)(self._link_sends_uncached)
+        self._least_link = lru_cache(maxsize=None)(self._least_link_uncached)
+
+    def least(self, a: StageConfig, c: StageConfig, b: int) -> float:
+        """The least of `sends(a, c, b)` over the cuts between layers (none before the
+        first or after the last): what every cut between the two stages costs at the
+        least, for the planner's bounds, which ask it of thousands of pairs (priced
+        once per alike send, as the sends are)."""
+        kinds = self.costs.kinds
+        if kinds[a.kind].shared_host and kinds[c.kind].shared_host:
+            return self._least_of(self.sends(a, c, b))
+        streams = min(a.dp, c.dp)
+        return self._least_link(a.kind, c.kind, min(streams, max(1, kinds[a.kind].devices_per_node // a.tp)), streams, b)
+
+    def _least_of(self, sends: np.ndarray) -> float:
+        n = len(sends) - 1  # the layers (no cut after the last)
+        return float(sends[1:n].min()) if n > 1 else 0.0
+
+    def _least_link_uncached(self, a_kind: str, c_kind: str, flows: int, streams: int, b: int) -> float:
+        return self._least_of(self._link_sends(a_kind, c_kind, flows, streams, b))
 
     def _sends_uncached(self, a: StageConfig, c: StageConfig, b: int) -> np.ndarray:
         """Per cut before layer j, from stage `a` to the next stage `c` (read-only; INF after the last layer)."""

@@ -549,5 +549,9 @@ class StageCosts:
         Cached and read-only: the search asks for the same cut thousands of times."""
         return self._cut_sends.sends(a, c, b)
 
+    def least_send(self, a: StageConfig, c: StageConfig, b: int) -> float:
+        """The least of `sends(a, c, b)` over the cuts between layers (`CutSends.least`)."""
+        return self._cut_sends.least(a, c, b)
+
 
 __all__ = ["INF", "StageConfig", "StageCosts", "StageTable", "StageVariant", "in_flight"]  # in_flight: solver.memory's, re-exported

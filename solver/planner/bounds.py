@@ -82,7 +82,6 @@ class LowerBounds:
         self._layout_tables: dict[int, LayoutRows] = {}  # per microbatch size, every layout a bound has met
         self._bases: dict[tuple[tuple[KindLayout, ...], int], tuple[np.ndarray, ...]] = {}
         self._held: dict[tuple[str, int, int], tuple[int, ...]] = {}
-        self._sends: dict[tuple[StageConfig, StageConfig, int], float] = {}
         self._kinds: dict[tuple[tuple[KindLayout, ...], int, tuple[str, ...]], _KindArrays] = {}
         self._grids: dict[tuple[int, tuple[str, ...]], np.ndarray] = {}
         self._kind_layouts: dict[str, list[KindLayout]] = {}
@@ -299,7 +298,7 @@ class LowerBounds:
                 counts * (fitting.max(axis=1) - 1),
                 middle_one(np.array([r.inner.one for r in runs]), np.array([r.inner.one_remat for r in runs]),
                            fitting[:, 0], fitting[:, 1]),
-                np.array([2 * (lay.stages - 1) * self._least_send(lay.config, lay.config, b) for lay in layouts]) * _BELOW,
+                np.array([2 * (lay.stages - 1) * self.costs.least_send(lay.config, lay.config, b) for lay in layouts]) * _BELOW,
             )
         return self._bases[key]
 
@@ -509,13 +508,13 @@ class LowerBounds:
 
     def _sends_within(self, table: LayoutRows, ids: np.ndarray, b: int) -> np.ndarray:
         """`table.sends`, every pair within each row of `ids` (layouts' rows in the
-        table) priced (`_least_send`, kept per pair of layouts)."""
+        table) priced (`StageCosts.least_send`, kept per pair of layouts)."""
         unknown = np.isnan(table.sends[ids[:, :, None], ids[:, None, :]])
         if unknown.any():
             shape = unknown.shape
             for x, y in set(zip(np.broadcast_to(ids[:, :, None], shape)[unknown].tolist(),
                                 np.broadcast_to(ids[:, None, :], shape)[unknown].tolist())):
-                table.sends[x, y] = self._least_send(table.layouts[x].config, table.layouts[y].config, b)
+                table.sends[x, y] = self.costs.least_send(table.layouts[x].config, table.layouts[y].config, b)
         return table.sends
 
     def _least_tail(self, layouts: tuple[KindLayout, ...]) -> float:
@@ -604,13 +603,6 @@ class LowerBounds:
             self._runs.update(zip(todo, fields))
         return [self._runs[key] for key in keys]
 
-    def _least_send(self, a: StageConfig, c: StageConfig, b: int) -> float:
-        """The least time any cut from stage `a` to `c` sends one microbatch's activation."""
-        key = (a, c, b)
-        if key not in self._sends:
-            sends = self.costs.sends(a, c, b)
-            self._sends[key] = float(sends[1 : self.costs.n].min()) if self.costs.n > 1 else 0.0
-        return self._sends[key]
 
     def _in_flight(self, schedule: str, m: int, num_stages: int) -> tuple[int, ...]:
         """Microbatches each position of a pipeline holds; the last holds one
