@@ -48,7 +48,14 @@ class CutSends:
         return float(sends[1:n].min()) if n > 1 else 0.0
 
     def _least_link_uncached(self, a_kind: str, c_kind: str, flows: int, streams: int, b: int) -> float:
-        return self._least_of(self._link_sends(a_kind, c_kind, flows, streams, b))
+        """`_link_sends`' least between layers, without its array: the time only grows
+        with the bytes (each operation rounds monotonically), so it is the least
+        input's, the same figure."""
+        inputs = self.costs.inputs
+        if len(inputs) < 2:
+            return 0.0
+        link = self.costs.problem.link(a_kind, c_kind).per_flow(flows)
+        return float(link.latency + inputs[1:].min() * b / streams / link.bandwidth)
 
     def _sends_uncached(self, a: StageConfig, c: StageConfig, b: int) -> np.ndarray:
         """Per cut before layer j, from stage `a` to the next stage `c` (read-only; INF after the last layer)."""
