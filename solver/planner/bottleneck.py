@@ -221,22 +221,36 @@ def _middle_floor(figures: np.ndarray, at: np.ndarray, n: np.ndarray, nr: np.nda
 
 def _unplaced(figures: np.ndarray, at: np.ndarray, plain: np.ndarray, n: np.ndarray,
               nr: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-    """Where a row's order is not known: one of its stages is first, one last, the
-    others middle ones, whichever they are (`figures`: `LayoutRows.by_place`). Per row: its
-    stages' summed bases beside their increments anywhere (`rows.EndRuns.base`), each
-    at its middle place's but the two that an end place saves the most, at their end's;
-    and no pace below the third largest of its stages' `_middle_floor`
-    counts (None for fewer than three stages, all ends)."""
+    """Where a row's order is not known: one of its stages is first, another last, the
+    others middle ones, whichever they are (`figures`: `LayoutRows.by_place`). Per row:
+    its stages' summed bases beside their increments anywhere (`rows.EndRuns.base`),
+    each at its middle place's but one at the first place's and another at the last's,
+    the pair that gives the least sum (a stage alone holds the model, at the last's);
+    and no pace below the third largest of its stages' `_middle_floor` counts (None
+    for fewer than three stages, all ends). (Two stages at the cheaper of either end
+    each, as this was, let a language model's head go unpriced: its last place is the
+    dearest.)"""
     def base(place: int) -> np.ndarray:
         return np.where(plain, figures[4, place][at], figures[5, place][at])
 
-    end = np.minimum(base(0), base(2))
+    first, last = base(0), base(2)
     if at.shape[1] < 3:
-        return end.sum(axis=1), None
+        if at.shape[1] == 1:
+            return last[:, 0], None
+        return np.minimum(first[:, 0] + last[:, 1], first[:, 1] + last[:, 0]), None
     middle = base(1)
-    chosen = np.zeros(at.shape, dtype=bool)
-    chosen[np.arange(len(at))[:, None], np.argsort(middle - end, axis=1, kind="stable")[:, -2:]] = True
-    return np.where(chosen, end, middle).sum(axis=1), np.sort(_middle_floor(figures, at, n, nr), axis=1)[:, -3]
+    rows = np.arange(len(at))
+    # the first place to the stage it saves the most, the last to another: the best such pair is one of
+    # each place's best two
+    gain_first, gain_last = middle - first, middle - last
+    by_first = np.argsort(-gain_first, axis=1, kind="stable")[:, :2]
+    by_last = np.argsort(-gain_last, axis=1, kind="stable")[:, :2]
+    pairs = [(by_first[:, a], by_last[:, c]) for a in range(2) for c in range(2)]
+    gains = np.stack([np.where(i != j, gain_first[rows, i] + gain_last[rows, j], -INF) for i, j in pairs], axis=1)
+    i, j = (np.stack([pair[k] for pair in pairs], axis=1)[rows, gains.argmax(axis=1)] for k in range(2))
+    place = np.broadcast_to(np.arange(at.shape[1]), at.shape)
+    total = np.where(place == i[:, None], first, np.where(place == j[:, None], last, middle)).sum(axis=1)
+    return total, np.sort(_middle_floor(figures, at, n, nr), axis=1)[:, -3]
 
 
 def places(stages: int) -> np.ndarray:
