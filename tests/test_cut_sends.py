@@ -55,4 +55,7 @@ def test_each_pairs_sends_are_its_own():
                     compared += 1
                     measured += bool(p.measured_layers) and got[0] != own_sends(StageCosts(problem), a, c, b)[0]
             shared += len({id(costs.sends(a, c, b)) for a, b in stages for c, _ in stages}) < len(stages) ** 2
+            for b in {b for _, b in stages}:  # every pair at once, the same figures
+                configs = [a for a, _ in stages]
+                assert costs.least_sends(configs, b).tolist() == [[costs.least_send(a, c, b) for c in configs] for a in configs]
     assert compared > 500 and shared > 5 and measured > 10

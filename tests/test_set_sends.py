@@ -40,11 +40,11 @@ def _check(seed: int) -> int:
     if not sets:
         return 0
     table = bounds._layout_rows([lay for s in sets for lay in s], b)
-    least = bounds._least_sends(table, sets, b)
+    least = bounds._least_sends(table, sets)
     for layouts, figure in zip(sets, least):
         count = sum(lay.stages for lay in layouts)
         perms = np.array(list(itertools.permutations(range(len(layouts)))))
-        _, sends, _ = bounds._order_parts([layouts], perms, m, b, "1f1b", count, table)
+        _, sends, _ = bounds._order_parts([layouts], perms, m, "1f1b", count, table)
         assert figure == pytest.approx(float(sends.min()), rel=1e-8)
         assert figure <= float(sends.min())
     return len(sets)
@@ -62,7 +62,7 @@ def test_a_sets_bound_carries_its_sends():
         sets = _sets(problem, b)
         figures = bounds.set_bounds(sets, 1, b, "1f1b")
         table = bounds._layout_rows([lay for s in sets for lay in s], b)
-        least = bounds._least_sends(table, sets, b)
+        least = bounds._least_sends(table, sets)
         for layouts, figure, sends in zip(sets, figures, least):
             at = np.array([np.repeat([table.index[lay] for lay in layouts], [lay.stages for lay in layouts])])
             tails = np.maximum([bounds._least_tail(tuple(sorted(layouts)))], bounds._ends_tails(table, at, False))

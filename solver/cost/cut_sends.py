@@ -13,7 +13,7 @@ receiving stage itself, priced per pair.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -42,6 +42,34 @@ class CutSends:
             return self._least_of(self.sends(a, c, b))
         streams = min(a.dp, c.dp)
         return self._least_link(a.kind, c.kind, min(streams, max(1, kinds[a.kind].devices_per_node // a.tp)), streams, b)
+
+    def least_between(self, configs: Sequence[StageConfig], b: int) -> np.ndarray:
+        """[a, c]: `least(a, c, b)` of every ordered pair of `configs`, the same figures
+        in one array pass (the planner's bounds price every pair of a microbatch size's
+        layouts: thousands of pairs, a Python call each cost a solve on 64 GPUs of three
+        kinds some 5%); pairs of two hosts' cores, priced per pair."""
+        kinds, inputs = self.costs.kinds, self.costs.inputs
+        count = len(configs)
+        if len(inputs) < 2:
+            return np.zeros((count, count))
+        dp, tp = np.array([c.dp for c in configs]), np.array([c.tp for c in configs])
+        streams = np.minimum(dp[:, None], dp[None, :])
+        per_node = np.array([kinds[c.kind].devices_per_node for c in configs]) // tp
+        flows = np.minimum(streams, np.maximum(1, per_node)[:, None])
+        names = sorted({c.kind for c in configs})
+        kind = np.array([names.index(c.kind) for c in configs])
+        # each pair's link, its sender's kind, receiver's kind and flows as one number: each distinct one priced once
+        span = int(flows.max()) + 1
+        keys, where = np.unique((kind[:, None] * len(names) + kind[None, :]) * span + flows, return_inverse=True)
+        links = [self.costs.problem.link(names[k // span // len(names)], names[k // span % len(names)]).per_flow(k % span)
+                 for k in keys.tolist()]
+        latency = np.array([link.latency for link in links])[where].reshape(count, count)
+        bandwidth = np.array([link.bandwidth for link in links])[where].reshape(count, count)
+        out = latency + inputs[1:].min() * b / streams / bandwidth
+        shared = np.array([kinds[c.kind].shared_host for c in configs])
+        for a, c in zip(*np.nonzero(shared[:, None] & shared[None, :])):
+            out[a, c] = self.least(configs[a], configs[c], b)
+        return out
 
     def _least_of(self, sends: np.ndarray) -> float:
         n = len(sends) - 1  # the layers (no cut after the last)

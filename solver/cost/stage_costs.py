@@ -553,5 +553,9 @@ class StageCosts:
         """The least of `sends(a, c, b)` over the cuts between layers (`CutSends.least`)."""
         return self._cut_sends.least(a, c, b)
 
+    def least_sends(self, configs: list[StageConfig], b: int) -> np.ndarray:
+        """[a, c]: `least_send` of every ordered pair of `configs` (`CutSends.least_between`)."""
+        return self._cut_sends.least_between(configs, b)
+
 
 __all__ = ["INF", "StageConfig", "StageCosts", "StageTable", "StageVariant", "in_flight"]  # in_flight: solver.memory's, re-exported

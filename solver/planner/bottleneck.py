@@ -50,7 +50,7 @@ class LayoutRows(NamedTuple):
     # What the bounds read beside (`bounds.LowerBounds._layout_rows`): per layout, the most layers
     # one stage holds at each count of microbatches in flight ([layout, count - 1, plain or
     # recomputing]), the least tail of a run holding the model's first layer and of one holding
-    # its last, its stages; per pair, the least send between their stages (nan until asked)
+    # its last, its stages; per pair, the least send between their stages
     fits: np.ndarray
     ends: np.ndarray
     stages: np.ndarray
@@ -60,11 +60,11 @@ class LayoutRows(NamedTuple):
 
 
 def with_layouts(table: LayoutRows | None, layouts: tuple, runs: list[StageRuns], fits: np.ndarray,
-                 ends: np.ndarray) -> LayoutRows:
+                 ends: np.ndarray, sends: np.ndarray) -> LayoutRows:
     """`table` (None: none yet) with `layouts` appended, each with its least runs
     (`runs`), its fits at every count of microbatches in flight (`fits`: [layout,
-    count - 1, 2]) and its end tails (`ends`); the pairs' sends known so far kept, the
-    new ones unknown (nan)."""
+    count - 1, 2]) and its end tails (`ends`); `sends`: every pair's least send, the
+    table's layouts then these."""
     added = (
         np.array([r.floor for r in runs]), np.array([r.floor_remat for r in runs]),
         np.array([r.last_floor for r in runs]), np.array([r.last_floor_remat for r in runs]),
@@ -73,13 +73,11 @@ def with_layouts(table: LayoutRows | None, layouts: tuple, runs: list[StageRuns]
         fits.astype(float), ends, np.array([lay.stages for lay in layouts]),
     )
     old = 0 if table is None else len(table.layouts)
-    sends = np.full((old + len(layouts),) * 2, np.nan)
     if table is None:
         arrays, members, index = [np.ascontiguousarray(a) for a in added], list(layouts), {}
     else:  # (by_place, the ninth, is [figure, place, layout])
         arrays = [np.concatenate([was, new], axis=2 if i == 8 else 0) for i, (was, new) in enumerate(zip(table[:12], added))]
         members, index = table.layouts + list(layouts), table.index
-        sends[:old, :old] = table.sends
     index.update(zip(layouts, range(old, old + len(layouts))))
     return LayoutRows(*arrays, sends, members, index)
 

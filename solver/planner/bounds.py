@@ -123,17 +123,17 @@ class LowerBounds:
             rows = [sets[i] for i in chosen]
             at = np.array([np.repeat([table.index[lay] for lay in row], [lay.stages for lay in row]) for row in rows])
             tails = np.maximum([self._least_tail(tuple(sorted(row))) for row in rows], self._ends_tails(table, at, False))
-            sends = self._least_sends(table, rows, b)
+            sends = self._least_sends(table, rows)
             trips = sends if registry.get(schedule).round_trip_limited else None
             out[chosen] = self._bounds(table.fits[at, 0], m, b, tails + sends, INF, False, table, at, trips, placed=False)
         return out
 
-    def _least_sends(self, table: LayoutRows, sets: list[tuple[KindLayout, ...]], b: int) -> np.ndarray:
+    def _least_sends(self, table: LayoutRows, sets: list[tuple[KindLayout, ...]]) -> np.ndarray:
         """Per set (of as many layouts each), the least sends both ways of any of its
         orders: every cut within a layout's stages, and between neighbouring layouts
         in the order that sends least (every order pays its own, `_order_parts`)."""
         ids = np.array([[table.index[lay] for lay in row] for row in sets])
-        pairs = self._sends_within(table, ids, b)
+        pairs = table.sends
         stages = table.stages[ids]
         within = ((stages - 1) * pairs[ids, ids]).sum(axis=1)
         if ids.shape[1] < 2:
@@ -370,14 +370,14 @@ class LowerBounds:
             by_count.setdefault(sum(lay.stages for lay in layouts), []).append(i)
         for count, chosen in by_count.items():
             chosen_sets = [sets[i] for i in chosen]
-            fitting, sends, at = self._order_parts(chosen_sets, perms, m, b, schedule, count, table)
+            fitting, sends, at = self._order_parts(chosen_sets, perms, m, schedule, count, table)
             trips = sends if registry.get(schedule).round_trip_limited else None
             least = np.repeat([self._least_tail(tuple(sorted(layouts))) for layouts in chosen_sets], len(perms))
             tails = np.maximum(least, self._ends_tails(table, at, True))
             out[chosen] = self._bounds(fitting, m, b, sends + tails, beat, last, table, at, trips).reshape(len(chosen), -1)
         return out
 
-    def _order_parts(self, sets: list[tuple[KindLayout, ...]], perms: np.ndarray, m: int, b: int, schedule: str, count: int,
+    def _order_parts(self, sets: list[tuple[KindLayout, ...]], perms: np.ndarray, m: int, schedule: str, count: int,
                      table: LayoutRows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per order of each set (`count` stages each; the rows set by set, each set's
         orders by `perms`): the most layers each stage holds (plain, recomputing) with
@@ -385,7 +385,7 @@ class LowerBounds:
         stage's layout in `table`."""
         held = np.array(self._in_flight(schedule, m, count)) - 1
         ids = np.array([[table.index[lay] for lay in row] for row in sets])
-        pairs = self._sends_within(table, ids, b)
+        pairs = table.sends
         slots = ids[:, perms].reshape(-1, perms.shape[1])
         # each order's stages, a layout's row repeated over its stages
         rows = np.repeat(slots.ravel(), table.stages[slots].ravel()).reshape(len(slots), count)
@@ -440,7 +440,7 @@ class LowerBounds:
             # back to the first, v - 1 times
             table = self._layout_rows(layouts, b)
             ids = [table.index[lay] for lay in layouts]
-            pair = self._sends_within(table, np.array([ids]), b)
+            pair = table.sends
             once = sum(pair[i, i] * (s - 1) for i, s in zip(ids, counts) if s > 1) + \
                 sum(pair[i, j] for i, j in zip(ids, ids[1:]))
             sends = 2 * (chunks * once + (chunks - 1) * pair[ids[-1], ids[0]])
@@ -501,21 +501,12 @@ class LowerBounds:
         missing += tuple(lay for lay in dict.fromkeys(layouts)
                          if lay not in missing and (table is None or lay not in table.index))
         self._tail_grid()  # (prices every layout's end tails)
+        members = [lay.config for lay in (table.layouts if table is not None else [])] + [lay.config for lay in missing]
         self._layout_tables[b] = table = with_layouts(table, missing, self._runs_of(missing, b),
                                                       self.fits.all(missing, b, range(1, self.costs.n + 1)),
-                                                      np.array([self._end_tails[lay.config] for lay in missing]))
+                                                      np.array([self._end_tails[lay.config] for lay in missing]),
+                                                      self.costs.least_sends(members, b))
         return table
-
-    def _sends_within(self, table: LayoutRows, ids: np.ndarray, b: int) -> np.ndarray:
-        """`table.sends`, every pair within each row of `ids` (layouts' rows in the
-        table) priced (`StageCosts.least_send`, kept per pair of layouts)."""
-        unknown = np.isnan(table.sends[ids[:, :, None], ids[:, None, :]])
-        if unknown.any():
-            shape = unknown.shape
-            for x, y in set(zip(np.broadcast_to(ids[:, :, None], shape)[unknown].tolist(),
-                                np.broadcast_to(ids[:, None, :], shape)[unknown].tolist())):
-                table.sends[x, y] = self.costs.least_send(table.layouts[x].config, table.layouts[y].config, b)
-        return table.sends
 
     def _least_tail(self, layouts: tuple[KindLayout, ...]) -> float:
         """The least u such that stages whose every run costs at most u in tail (and
