@@ -39,7 +39,11 @@ _IMPORT = re.compile(r"\b(from|import) solver\b")
 
 def base_planner(revision: str, folder: Path) -> type:
     """The Planner of `revision`'s `solver` package, loaded as `solver_base`."""
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", revision, "solver"], check=True, capture_output=True).stdout
+    archived = subprocess.run(["git", "-C", str(ROOT), "archive", revision, "solver"], capture_output=True)
+    if archived.returncode:
+        raise SystemExit(f"--base {revision}: git cannot archive its solver package ({archived.stderr.decode().strip()}); "
+                         "give a revision of this repository's history")
+    archive = archived.stdout
     subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
     package = folder / "solver_base"
     (folder / "solver").rename(package)

@@ -106,9 +106,8 @@ class LowerBounds:
         """`bound` of each set, the same figures (each row's candidates are its own:
         `bottleneck.least_steps`), in one array pass per stage count among them (the
         search tightens a stream's next sets together). Each set pays the least sends
-        of any of its orders (`_least_sends`): without them, on 64 GPUs of three kinds,
-        187 sets were bounded below the fifth best plan and had their orders bounded, 6
-        of them with an order below it; with them 113."""
+        of any of its orders (`_least_sends`; without them, 187 sets on 64 GPUs of three
+        kinds were bounded below the fifth best plan, not 113)."""
         out = np.full(len(sets), INF)
         if registry.get(schedule).interleaved:
             for i, layouts in enumerate(sets):
@@ -158,11 +157,12 @@ class LowerBounds:
         kind at once (numpy over the product; the search has tens of thousands): the
         least bottleneck at which the stages have room for every layer, times m - 1,
         plus the summed stage times' floor where memory alone limits each stage, plus
-        the tail's bound, plus the sends between each layout's own stages. Returns the finite bounds and, per kind (a row), the index of
-        each combination's layout in that kind's list: combinations with more stages
-        than layers, or where the layers cannot fit, are left out. What each layout
-        contributes is computed once per microbatch size (`_kind_arrays`), so a call
-        is a few array operations over the product whatever the number of layouts."""
+        the tail's bound, plus the sends between each layout's own stages. Returns the
+        finite bounds and, per kind (a row), the index of each combination's layout in
+        that kind's list: combinations with more stages than layers, or where the
+        layers cannot fit, are left out. What each layout contributes is computed once
+        per microbatch size (`_kind_arrays`), so a call is a few array operations over
+        the product whatever the number of layouts."""
         layers = self.costs.n
         if not per_kind or not all(per_kind):
             return np.zeros(0), np.zeros((len(per_kind), 0), dtype=int)
@@ -207,12 +207,10 @@ class LowerBounds:
         do. Each kind is taken at its best layout for each part apart: the least
         bottleneck at which the kinds' roomiest layouts hold every layer; the summed
         stage times, every layer beyond a stage's first at no less than the least
-        increment r of any layout, so a kind's part is its least first-layer times less
-        r per stage (summing one layer per kind, this floor fell a third below the
-        tables on 64 GPUs of three kinds, and 8 of 36 tables priced there held no
-        combination that could win); the least tail at which they hold every layer.
-        Inf, before any runs are priced, where memory alone leaves no combination
-        room (`_most_held`)."""
+        increment r of any layout (one layer per kind fell a third below the tables on
+        64 GPUs of three kinds); the least tail at which they hold every layer. Inf,
+        before any runs are priced, where memory alone leaves no combination room
+        (`_most_held`)."""
         if not per_kind or not all(per_kind):
             return INF
         if registry.get(schedule).interleaved:  # every finite bound of the product is the work floor
@@ -227,9 +225,7 @@ class LowerBounds:
         enough = np.nonzero(rooms >= layers)[0]
         if not enough.size:
             return INF  # no combination has room for every layer at any bottleneck
-        # The summed stage times: each stage's first layer at its layout's least, every further layer at
-        # least the least increment of any layout (r); per kind apart, its least first times less r per
-        # stage, and the sends between its stages.
+        # per kind apart: its least first-layer times (and own stages' sends) less r per stage, r the least increment
         step = min(rate for _, (_, _, rate), _ in envelopes)
         sums = layers * step + sum(float((firsts - counts * step).min()) for _, (counts, firsts, _), _ in envelopes)
         tail_grid = self._tail_grid()
@@ -250,8 +246,7 @@ class LowerBounds:
         layers (1..n), the least time at which some layout's stages have room for r
         layers (nondecreasing); each layout's stages and their least first-layer times
         with the sends between them, and the least increment per further layer of any;
-        per candidate tail, the most
-        layers some layout's stages hold."""
+        per candidate tail, the most layers some layout's stages hold."""
         key = (layouts, b)
         if key not in self._envelopes:
             counts, least, held, firsts, rates, *_, sends = self._kind_base(layouts, b)
