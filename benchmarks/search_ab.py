@@ -6,7 +6,8 @@ apart by half, so two separate runs of `search_scale.py` cannot tell a change of
 few percent. Here the other revision's `solver` package is loaded beside this one
 (extracted with `git archive` and renamed `solver_base`, its imports rewritten), and
 the two solve each scenario in turn, `--rounds` times each (who goes first alternates
-by round), on problems built the same way (`search_scale.py`'s). Per scenario: each
+by round), on problems built the same way (`search_scale.py`'s, by this revision: a
+revision whose `Problem` differs cannot be compared so). Per scenario: each
 side's least and median CPU seconds of a solve, and the median and quartiles of the
 rounds' ratios (this revision's solve over the other's in the same round, a fraction of
 a second apart: below 1, faster); the plans must be the same.

@@ -3,7 +3,7 @@ every order's cuts, within each layout's stages and between neighbouring layouts
 send at least their pair's least activation. The figure must be the least over the
 orders' own (brute force over each order's sends as its bound prices them), and the
 set's bound must carry it: with one microbatch (no pace term) the bound less its
-sends is the bound of a cluster whose links cost nothing."""
+sends is the same set priced with its tails alone beside its stage times."""
 
 from __future__ import annotations
 
