@@ -1,7 +1,7 @@
 """Stage pairs alike on the link share their sends (`solver.cost.cut_sends`): each pair's
 figures are its own, bit for bit, as priced pair by pair before (`own_sends` below, that
 code), on shared hosts too, where a measured copy replaces the link's time; and so is the
-least over a pair's cuts between layers (`StageCosts.least_send`, the planner's bounds')."""
+least over a pair's cuts between layers (`StageCosts.least_sends`, the planner's bounds')."""
 
 from __future__ import annotations
 
@@ -50,12 +50,11 @@ def test_each_pairs_sends_are_its_own():
                 for c, _ in stages:
                     got, want = costs.sends(a, c, b), own_sends(costs, a, c, b)
                     assert _same(got, want) and not got.flags.writeable
-                    # the least over the cuts between layers, priced once per alike send too
-                    assert costs.least_send(a, c, b) == (float(want[1:costs.n].min()) if costs.n > 1 else 0.0)
                     compared += 1
                     measured += bool(p.measured_layers) and got[0] != own_sends(StageCosts(problem), a, c, b)[0]
             shared += len({id(costs.sends(a, c, b)) for a, b in stages for c, _ in stages}) < len(stages) ** 2
-            for b in {b for _, b in stages}:  # every pair at once, the same figures
+            for b in {b for _, b in stages}:  # every pair's least over its cuts between layers, at once
                 configs = [a for a, _ in stages]
-                assert costs.least_sends(configs, b).tolist() == [[costs.least_send(a, c, b) for c in configs] for a in configs]
+                assert costs.least_sends(configs, b).tolist() == [
+                    [float(own_sends(costs, a, c, b)[1:costs.n].min()) if costs.n > 1 else 0.0 for c in configs] for a in configs]
     assert compared > 500 and shared > 5 and measured > 10

@@ -30,24 +30,16 @@ class CutSends:
         self.costs = costs
         self.sends = lru_cache(maxsize=None)(self._sends_uncached)
         self._link_sends = lru_cache(maxsize=None)(self._link_sends_uncached)
-        self._least_link = lru_cache(maxsize=None)(self._least_link_uncached)
-
-    def least(self, a: StageConfig, c: StageConfig, b: int) -> float:
-        """The least of `sends(a, c, b)` over the cuts between layers (none before the
-        first or after the last): what every cut between the two stages costs at the
-        least, for the planner's bounds, which ask it of thousands of pairs (priced
-        once per alike send, as the sends are)."""
-        kinds = self.costs.kinds
-        if kinds[a.kind].shared_host and kinds[c.kind].shared_host:
-            return self._least_of(self.sends(a, c, b))
-        streams = min(a.dp, c.dp)
-        return self._least_link(a.kind, c.kind, min(streams, max(1, kinds[a.kind].devices_per_node // a.tp)), streams, b)
 
     def least_between(self, configs: Sequence[StageConfig], b: int) -> np.ndarray:
-        """[a, c]: `least(a, c, b)` of every ordered pair of `configs`, the same figures
-        in one array pass (the planner's bounds price every pair of a microbatch size's
-        layouts: thousands of pairs, a Python call each cost a solve on 64 GPUs of three
-        kinds some 5%); pairs of two hosts' cores, priced per pair."""
+        """[a, c]: the least of `sends(a, c, b)` over the cuts between layers (none
+        before the first or after the last) for every ordered pair of `configs`: what
+        every cut between two stages costs at the least, for the planner's bounds. One
+        array pass (they price every pair of a microbatch size's layouts: thousands, a
+        Python call each cost a solve on 64 GPUs of three kinds some 5%), each link
+        priced once; the time only grows with the bytes (each operation rounds
+        monotonically), so a link's least is the least input's. Pairs of two hosts'
+        cores, whose measured copies replace the link's time, are read from their sends."""
         kinds, inputs = self.costs.kinds, self.costs.inputs
         count = len(configs)
         if len(inputs) < 2:
@@ -68,22 +60,8 @@ class CutSends:
         out = latency + inputs[1:].min() * b / streams / bandwidth
         shared = np.array([kinds[c.kind].shared_host for c in configs])
         for a, c in zip(*np.nonzero(shared[:, None] & shared[None, :])):
-            out[a, c] = self.least(configs[a], configs[c], b)
+            out[a, c] = self.sends(configs[a], configs[c], b)[1 : len(inputs)].min()
         return out
-
-    def _least_of(self, sends: np.ndarray) -> float:
-        n = len(sends) - 1  # the layers (no cut after the last)
-        return float(sends[1:n].min()) if n > 1 else 0.0
-
-    def _least_link_uncached(self, a_kind: str, c_kind: str, flows: int, streams: int, b: int) -> float:
-        """`_link_sends`' least between layers, without its array: the time only grows
-        with the bytes (each operation rounds monotonically), so it is the least
-        input's, the same figure."""
-        inputs = self.costs.inputs
-        if len(inputs) < 2:
-            return 0.0
-        link = self.costs.problem.link(a_kind, c_kind).per_flow(flows)
-        return float(link.latency + inputs[1:].min() * b / streams / link.bandwidth)
 
     def _sends_uncached(self, a: StageConfig, c: StageConfig, b: int) -> np.ndarray:
         """Per cut before layer j, from stage `a` to the next stage `c` (read-only; INF after the last layer)."""

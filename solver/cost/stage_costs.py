@@ -549,12 +549,9 @@ class StageCosts:
         Cached and read-only: the search asks for the same cut thousands of times."""
         return self._cut_sends.sends(a, c, b)
 
-    def least_send(self, a: StageConfig, c: StageConfig, b: int) -> float:
-        """The least of `sends(a, c, b)` over the cuts between layers (`CutSends.least`)."""
-        return self._cut_sends.least(a, c, b)
-
     def least_sends(self, configs: list[StageConfig], b: int) -> np.ndarray:
-        """[a, c]: `least_send` of every ordered pair of `configs` (`CutSends.least_between`)."""
+        """[a, c]: the least of `sends(a, c, b)` over the cuts between layers, every
+        ordered pair of `configs` (`CutSends.least_between`)."""
         return self._cut_sends.least_between(configs, b)
 
 

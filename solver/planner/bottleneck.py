@@ -82,6 +82,21 @@ def with_layouts(table: LayoutRows | None, layouts: tuple, runs: list[StageRuns]
     return LayoutRows(*arrays, sends, members, index)
 
 
+def order_rows(sets: list[tuple], perms: np.ndarray, count: int, table: LayoutRows) -> np.ndarray:
+    """Per order of each set (`count` stages each; set by set, each set's orders by
+    `perms`): each stage's layout in `table`, a layout's row repeated over its stages."""
+    slots = np.array([[table.index[lay] for lay in row] for row in sets])[:, perms].reshape(-1, perms.shape[1])
+    return np.repeat(slots.ravel(), table.stages[slots].ravel()).reshape(len(slots), count)
+
+
+def row_sends(rows: np.ndarray, table: LayoutRows) -> np.ndarray:
+    """Per row of stages (their layouts in `table`): its cuts' least sends both ways,
+    summed left to right, as a running sum adds them."""
+    if rows.shape[1] < 2:
+        return np.zeros(len(rows))
+    return 2 * np.cumsum(table.sends[rows[:, :-1], rows[:, 1:]], axis=1)[:, -1]
+
+
 def least_steps(table: LayoutRows, at: np.ndarray, n: np.ndarray, nr: np.ndarray, m: int, layers: int, offsets: np.ndarray,
                 beat: float, last: bool = False, trips: np.ndarray | None = None, placed: bool | None = None) -> np.ndarray:
     """Per row (`at`: each stage's layout in `table`; `n`, `nr`: the most layers each

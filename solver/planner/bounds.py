@@ -49,7 +49,7 @@ from solver import schedules as registry
 from solver.planner.problem import Problem
 from solver.cost.stage_costs import INF, StageConfig, StageCosts, in_flight
 from solver.planner.layouts import KindLayout, kind_layouts
-from solver.planner.bottleneck import LayoutRows, least_steps, middle_one, third_slowest, with_layouts
+from solver.planner.bottleneck import LayoutRows, least_steps, middle_one, order_rows, row_sends, third_slowest, with_layouts
 from solver.planner.fitting import LayoutFits
 from solver.planner.rows import StageRuns, counts_within, least_for_counts, least_runs_rows, most_within, sorted_unique, stage_runs
 from solver.planner.runs import FITS_TOL, balanced_pace, first_enough, least_runs, longest
@@ -118,28 +118,26 @@ class LowerBounds:
         by_count: dict[int, list[int]] = {}
         for i, layouts in enumerate(sets):
             by_count.setdefault(sum(lay.stages for lay in layouts), []).append(i)
-        for chosen in by_count.values():
+        for count, chosen in by_count.items():
             rows = [sets[i] for i in chosen]
             at = np.array([np.repeat([table.index[lay] for lay in row], [lay.stages for lay in row]) for row in rows])
             tails = np.maximum([self._least_tail(tuple(sorted(row))) for row in rows], self._ends_tails(table, at, False))
-            sends = self._least_sends(table, rows)
+            sends = self._least_sends(table, rows, count)
             trips = sends if registry.get(schedule).round_trip_limited else None
             out[chosen] = self._bounds(table.fits[at, 0], m, b, tails + sends, INF, False, table, at, trips, placed=False)
         return out
 
-    def _least_sends(self, table: LayoutRows, sets: list[tuple[KindLayout, ...]]) -> np.ndarray:
-        """Per set (of as many layouts each), the least sends both ways of any of its
-        orders: every cut within a layout's stages, and between neighbouring layouts
-        in the order that sends least (every order pays its own, `_order_parts`)."""
-        ids = np.array([[table.index[lay] for lay in row] for row in sets])
-        pairs = table.sends
-        stages = table.stages[ids]
-        within = ((stages - 1) * pairs[ids, ids]).sum(axis=1)
-        if ids.shape[1] < 2:
-            return 2 * within * _BELOW
-        perms = self._permutations(ids.shape[1])
-        across = pairs[ids[:, perms[:, :-1]], ids[:, perms[:, 1:]]].sum(axis=2).min(axis=1)
-        return 2 * (within + across) * _BELOW
+    def _least_sends(self, table: LayoutRows, sets: list[tuple[KindLayout, ...]], count: int) -> np.ndarray:
+        """Per set (`count` stages each), the least sends both ways of any of its orders,
+        each order's as its own bound sums them (`bottleneck.row_sends`)."""
+        out = np.empty(len(sets))
+        by_size: dict[int, list[int]] = {}
+        for i, layouts in enumerate(sets):
+            by_size.setdefault(len(layouts), []).append(i)
+        for size, chosen in by_size.items():
+            rows = order_rows([sets[i] for i in chosen], self._permutations(size), count, table)
+            out[chosen] = row_sends(rows, table).reshape(len(chosen), -1).min(axis=1)
+        return out * _BELOW  # (kept below each order's own, however they round)
 
     def _permutations(self, count: int) -> np.ndarray:
         """Every order of `count` positions (a row each)."""
@@ -293,7 +291,7 @@ class LowerBounds:
                 counts * (fitting.max(axis=1) - 1),
                 middle_one(np.array([r.inner.one for r in runs]), np.array([r.inner.one_remat for r in runs]),
                            fitting[:, 0], fitting[:, 1]),
-                np.array([2 * (lay.stages - 1) * self.costs.least_send(lay.config, lay.config, b) for lay in layouts]) * _BELOW,
+                2 * (counts - 1) * np.diag(self.costs.least_sends([lay.config for lay in layouts], b)) * _BELOW,
             )
         return self._bases[key]
 
@@ -379,14 +377,8 @@ class LowerBounds:
         its position's microbatches in flight, its cuts' least sends both ways, and each
         stage's layout in `table`."""
         held = np.array(self._in_flight(schedule, m, count)) - 1
-        ids = np.array([[table.index[lay] for lay in row] for row in sets])
-        pairs = table.sends
-        slots = ids[:, perms].reshape(-1, perms.shape[1])
-        # each order's stages, a layout's row repeated over its stages
-        rows = np.repeat(slots.ravel(), table.stages[slots].ravel()).reshape(len(slots), count)
-        # the cuts' sends summed left to right, as a running sum adds them
-        sends = 2 * np.cumsum(pairs[rows[:, :-1], rows[:, 1:]], axis=1)[:, -1] if count > 1 else np.zeros(len(slots))
-        return table.fits[rows, held], sends, rows
+        rows = order_rows(sets, perms, count, table)
+        return table.fits[rows, held], row_sends(rows, table), rows
 
     def _bounds(self, fitting: np.ndarray, m: int, b: int, offsets: np.ndarray, beat: float, last: bool,
                 table: LayoutRows, at: np.ndarray, trips: np.ndarray | None = None, placed: bool | None = None) -> np.ndarray:
@@ -597,3 +589,4 @@ class LowerBounds:
         if key not in self._held:
             self._held[key] = tuple(in_flight(schedule, m, p, num_stages) for p in range(num_stages - 1)) + (1,)
         return self._held[key]
+
