@@ -423,14 +423,10 @@ class LowerBounds:
         key = (layouts, b, chunks)
         if key not in self._interleaved:  # what does not depend on m: the search asks each order at every m
             counts = [lay.stages for lay in layouts]
-            # the row's cuts: within each layout and between neighbours, v times over, and from the last group
-            # back to the first, v - 1 times
+            # the row's cuts: its groups' row repeated v times (from the last group back to the first between)
             table = self._layout_rows(layouts, b)
-            ids = [table.index[lay] for lay in layouts]
-            pair = table.sends
-            once = sum(pair[i, i] * (s - 1) for i, s in zip(ids, counts) if s > 1) + \
-                sum(pair[i, j] for i, j in zip(ids, ids[1:]))
-            sends = 2 * (chunks * once + (chunks - 1) * pair[ids[-1], ids[0]])
+            groups = order_rows([layouts], np.arange(len(layouts))[None, :], sum(counts), table)
+            sends = float(row_sends(np.tile(groups, chunks), table)[0]) * _BELOW
             paces = [self._layout_pace(lay, b) for lay in layouts]
             least = np.array([p[0] for p in paces])
             last = paces[-1][2]
