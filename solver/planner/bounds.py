@@ -115,10 +115,7 @@ class LowerBounds:
                 out[i] = self._work_floor(layouts, m * b) if fits else INF
             return out
         table = self._layout_rows([lay for layouts in sets for lay in layouts], b)
-        by_count: dict[int, list[int]] = {}
-        for i, layouts in enumerate(sets):
-            by_count.setdefault(sum(lay.stages for lay in layouts), []).append(i)
-        for count, chosen in by_count.items():
+        for count, chosen in _by_stages(sets).items():
             rows = [sets[i] for i in chosen]
             at = np.array([np.repeat([table.index[lay] for lay in row], [lay.stages for lay in row]) for row in rows])
             tails = np.maximum([self._least_tail(tuple(sorted(row))) for row in rows], self._ends_tails(table, at, False))
@@ -358,10 +355,7 @@ class LowerBounds:
                 out[i] = self.bound(layouts, m, b, schedule)
             return out
         table = self._layout_rows([lay for layouts in sets for lay in layouts], b)
-        by_count: dict[int, list[int]] = {}
-        for i, layouts in enumerate(sets):
-            by_count.setdefault(sum(lay.stages for lay in layouts), []).append(i)
-        for count, chosen in by_count.items():
+        for count, chosen in _by_stages(sets).items():
             chosen_sets = [sets[i] for i in chosen]
             fitting, sends, at = self._order_parts(chosen_sets, perms, m, schedule, count, table)
             trips = sends if registry.get(schedule).round_trip_limited else None
@@ -586,3 +580,11 @@ class LowerBounds:
             self._held[key] = tuple(in_flight(schedule, m, p, num_stages) for p in range(num_stages - 1)) + (1,)
         return self._held[key]
 
+
+def _by_stages(sets: list[tuple[KindLayout, ...]]) -> dict[int, list[int]]:
+    """The sets' positions by their stage count: the bounds price the sets of as many
+    stages in one array pass."""
+    out: dict[int, list[int]] = {}
+    for i, layouts in enumerate(sets):
+        out.setdefault(sum(lay.stages for lay in layouts), []).append(i)
+    return out
