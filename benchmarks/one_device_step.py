@@ -15,23 +15,22 @@ and timed (wall clock, each call blocked on, after a compiling call and
 With `--small` a tiny Llama of the same code runs instead, on any machine (the path
 alone: its figures say nothing of a GPU's).
 
-On an H200 the profile alone ran past 450 s and was stopped there; it then timed the
-layers on the host's CPU too (where that time went was not measured; `hetpar profile
---layers` now leaves the CPU out unless asked, `--host-cpu`). Within a lent GPU's minutes
-run it as two calls if need be: `--profile-only --profile $OUT/layers.json` (the file
-comes back), then the steps with `--profile layers.json` carried along (an existing file
-is used as it is).
+On an H100 (2026-11-27) the profile took 81 s at 4 sequences (65 s at 2), most of it
+compiling; the two planned steps another 70 s. `--profile-only --profile $OUT/layers.json`
+then `--profile layers.json` splits it into two calls (an existing file is used as it
+is); `-v` logs each phase with its time.
 
 Ends with
 RESULT device=<type> measured_s=<t> profile_s=<t> profile_err=<x> catalog_s=<t> catalog_err=<x>
 (errors: predicted over measured, less one).
-Run: .venv/bin/python benchmarks/one_device_step.py [--batch-size 4] [--profile F [--profile-only]] [--small]
+Run: .venv/bin/python benchmarks/one_device_step.py [--batch-size 4] [--profile F [--profile-only]] [--small] [-v]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import logging
 import statistics
 import sys
 import tempfile
@@ -66,7 +65,10 @@ def main() -> None:
     parser.add_argument("--profile", help="the layer profile: used if the file exists, else made there")
     parser.add_argument("--profile-only", action="store_true", help="make the profile (--profile) and stop")
     parser.add_argument("--rounds", type=int, default=3, help="the profile's timed rounds per program")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log the profile's and the planner's progress, timed")
     args = parser.parse_args()
+    if args.verbose:  # force: an import may have set up logging already; the CLI then keeps this one
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
     if args.profile_only and not args.profile:
         parser.error("--profile-only needs --profile FILE to write")
     factory = small if args.small else llama.tinyllama_1b
@@ -79,8 +81,8 @@ def main() -> None:
     if not profile.exists():
         started = time.perf_counter()
         per_device = str(args.batch_size)  # the plan for one device runs the whole batch on it, one microbatch
-        if cli(["profile", "--layers", spec, "--microbatch-sizes", per_device, "--rounds", str(args.rounds),
-                "-o", str(profile)]) != 0:
+        if cli(["-v"] * args.verbose + ["profile", "--layers", spec, "--microbatch-sizes", per_device,
+                                        "--rounds", str(args.rounds), "-o", str(profile)]) != 0:
             raise SystemExit("hetpar profile --layers failed; its message is above")
         print(f"profiled in {time.perf_counter() - started:.0f} s", flush=True)
         gc.collect()  # the profile's programs and their inputs, before the model is made again

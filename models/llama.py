@@ -166,6 +166,6 @@ def llama2_7b_512(batch_size: int = 64) -> Workload:
 
 
 def tinyllama_1b(batch_size: int = 8) -> Workload:
-    """`TINYLLAMA_1B` with its arrays allocated (about 20 GB with AdamW's state): for
+    """`TINYLLAMA_1B` with its arrays allocated (15 GB with AdamW's state): for
     `hetpar profile --layers models.llama:tinyllama_1b` and runs on one accelerator."""
     return setup(batch_size, TINYLLAMA_1B)

@@ -82,7 +82,7 @@ def profile(args: argparse.Namespace) -> int:
 
     # The step's module first: it may set JAX's CPU device count, which only works
     # before anything (the device profile below) starts JAX's backend.
-    step = load_workload(args.layers) if args.layers else None
+    step = load_workload(args.layers).abstract() if args.layers else None
     if args.layers:  # the layer profile's degrees checked before the device profile takes its time
         for flag in ("--microbatch-sizes", "--data-parallel", "--tensor-parallel"):
             ints(getattr(args, flag[2:].replace("-", "_")), flag)

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import hashlib
 import statistics
+import time
 import logging
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
@@ -336,12 +337,14 @@ def layer_timing(
     hosts: dict[tuple[int, int, int, bool], list[Callable[[], Any]]] = {}
     for dp in dict.fromkeys(data_parallel):
         for e in dict.fromkeys(examples):
-            mine, whole, ref = _layer_runs(fn, args, batch_argnum, device_ids[:dp * tp], device_kind, e, dp, num_layers, remat,
-                                           shared, device_ids if e == min(examples) else None, device_ids, tp, shard)
+            started = time.perf_counter()
+            mine, whole, made = _layer_runs(fn, args, batch_argnum, device_ids[:dp * tp], device_kind, e, dp, num_layers, remat,
+                                            shared, device_ids if e == min(examples) else None, device_ids, tp, shard, host)
+            log.info("%s dp%d tp%d, %d examples: %d distinct layers ready in %.1f s", device_kind, dp, tp, e, len(mine),
+                     time.perf_counter() - started)
             layers += mine
             if whole is not None:
                 together[(dp, e)] = whole
-            made = host(ref) if host is not None and ref is not None else None
             if made is not None and made.dispatches:
                 hosts[(dp, e, made.dispatches, made.split is not None)] = [made.interpreter] + (
                     [made.split] if made.split is not None else [])
@@ -358,16 +361,20 @@ def layer_timing(
 def _layer_runs(fn: Callable, args: tuple, batch_argnum: int, device_ids: Sequence[int], device_kind: str, examples: int,
                 dp: int, num_layers: int | None, remat: bool, shared: bool,
                 merge_ids: Sequence[int] | None = None, send_ids: Sequence[int] | None = None, tp: int = 1,
-                shard: Callable[..., Any] | None = None) -> tuple[list[_Layer], Callable[[], Any] | None, Any]:
+                shard: Callable[..., Any] | None = None, host: Callable[[Any], Any] | None = None,
+                ) -> tuple[list[_Layer], Callable[[], Any] | None, Any]:
     """The programs of each distinct layer, compiled alone on one mesh of `device_ids`
     (and with `merge_ids`, the devices there are, its replica combine: `_merge_run`;
     with `send_ids`, its input's arrival from another mesh of them: `_send_run`; the
     layer before the last: it and the last in one program, as a last stage runs them);
     and one microbatch of all the layers but the last two as one stage that is not the
     last, its forward and backward program (None for a model of fewer than 4 layers);
-    and the reference compile those come from, a two-stage step on the one mesh (None
-    for a model of one layer), on which the runtime's host work is timed. At `tp` > 1 the
-    mesh is `dp` x `tp` and every compile applies the sharding pass's layouts (`tp_profile`)."""
+    and what `host` made of the reference compile those come from, a two-stage step on
+    the one mesh (None for a model of one layer, or without `host`): the runtime's host
+    work, recorded on a real run of that step before any of the runs here holds an
+    array (the step's own state and activations beside them ran a 1.26B Llama out of an
+    H100's memory). At `tp` > 1 the mesh is `dp` x `tp` and every compile applies the
+    sharding pass's layouts (`tp_profile`)."""
     from hetpar.compile.programs import stage_mesh
     from hetpar.compile.step import compile_layer_stages
     from hetpar.predict.calibrate import program_inputs, program_run
@@ -393,12 +400,16 @@ def _layer_runs(fn: Callable, args: tuple, batch_argnum: int, device_ids: Sequen
     # the last two layers as the last stage, forward and backward one program (what the layer before
     # the last costs inside a last stage's program, `LayerPointRecord.fused_s`).
     n = layers.num_layers
-    whole = pair = ref = None
+    whole = pair = made = None
     zeros: dict = {}  # every run's zero-filled arguments, one array per shape, dtype and sharding (`program_inputs`)
     if n > 1:
         split = [0] * (n - 2) + [1 if n > 2 else 0] * 2
         ref = compile_layer_stages(traced, layers, split, {s: mesh for s in set(split)},
                                    layouts=layer_layouts(traced, layers, split, device_ids, (dp, tp), device_kind, shard))
+        if host is not None:
+            started = time.perf_counter()
+            made = host(ref)
+            log.info("the runtime's host work on the reference step recorded in %.1f s", time.perf_counter() - started)
         last = [p for p in ref.programs if p.task.per_microbatch and p.task.stage == split[-1]]
         if len(last) == 1:
             pair = _carried_run(last[0], ref.graph, zeros)
@@ -430,7 +441,7 @@ def _layer_runs(fn: Callable, args: tuple, batch_argnum: int, device_ids: Sequen
             signatures[: n - 2].count(signature) if whole is not None else 0,
             _finish_run(next((p for p in mine if p.task.per_microbatch and p.finish is not None), None)),
         ))
-    return out, whole, ref
+    return out, whole, made
 
 
 def _carried_run(program: Any, graph: Any, zeros: dict | None = None) -> Callable[[], Any]:
