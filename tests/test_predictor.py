@@ -29,6 +29,25 @@ def test_profile_measures_and_round_trips(tmp_path):
     assert Profile.load(tmp_path / "p.json") == profile
 
 
+def test_a_device_profile_grows_its_work_until_it_is_well_above_a_launch(monkeypatch, caplog):
+    """A fast accelerator runs the default sizes within a launch (an H100: a 1024^3
+    matmul and a 16 MiB copy in about 80 us), and rates fitted to launches are noise:
+    the sizes double while the largest takes under `_ABOVE_LAUNCH` launches, up to a cap."""
+    from hetpar.predict import profile as device_profile
+
+    def matmul_sizes(above: float) -> list[int]:
+        monkeypatch.setattr(device_profile, "_ABOVE_LAUNCH", above)
+        flops = [f for f, _ in measure(jax.devices()[:1], "cpu", sizes=(32, 64)).matmul_samples]
+        return [round((f / 2) ** (1 / 3)) for f in flops]
+
+    monkeypatch.setattr(device_profile, "_LARGEST_MATMUL", 256)
+    monkeypatch.setattr(device_profile, "_LARGEST_COPY", 1 << 23)
+    with caplog.at_level("INFO", logger="hetpar.profile"):
+        assert matmul_sizes(above=1e9) == [32, 64, 128, 256]  # never enough: up to the cap
+    assert "copy of 32 MiB per device" in caplog.text
+    assert matmul_sizes(above=0) == [32, 64]  # every timing is enough: the sizes asked for
+
+
 def _samples(launch, matmul, vector, kernel, transpose):
     rows = [(3e-4, 2e-3, 1e-3, 40, 1e-4), (3e-4, 8e-3, 3e-3, 90, 4e-4), (4e-4, 0.0, 2e-3, 30, 0.0), (3e-4, 1e-2, 1e-3, 20, 2e-4),
             (5e-4, 0.0, 1e-4, 8, 0.0), (2e-4, 0.0, 2e-3, 40, 5e-4)]

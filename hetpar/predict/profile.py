@@ -141,32 +141,54 @@ def fit_affine(samples: Sequence[tuple[float, float]]) -> tuple[float, float]:
     return 1.0 / inv_rate, t0
 
 
+# A timing is read as work only when it is well above a program's launch: on an H100 a
+# 1024^3 matmul (2 GFLOP) and a 16 MiB copy took about as long as launching a near-empty
+# program (80 us), and the fits read 20 or 470 TFLOP/s from one run to the next and
+# bandwidths up to 3e16 B/s.
+_ABOVE_LAUNCH = 20
+_LARGEST_MATMUL = 16384
+_LARGEST_COPY = 1 << 28  # elements per device: 1 GiB of float32
+
+
 def measure(devices: Sequence[Any], device_type: str, sizes: Sequence[int] = (64, 128, 256, 512, 1024)) -> DeviceProfile:
-    """Measures a mesh of `devices` (all of one type)."""
+    """Measures a mesh of `devices` (all of one type): matmuls of `sizes`, then of
+    twice the size and more until one takes `_ABOVE_LAUNCH` launches, and a copy grown
+    the same way (a fast accelerator finishes the small ones within the launch)."""
     mesh = _mesh(devices)
     n = len(devices)
     split = NamedSharding(mesh, PartitionSpec("data"))
     replicated = NamedSharding(mesh, PartitionSpec())
-
-    samples = []
-    for size in sizes:
-        rows = size * n  # each device multiplies a (size x size) by (size x size)
-        a = jax.device_put(jnp.ones((rows, size), jnp.float32), split)
-        b = jax.device_put(jnp.ones((size, size), jnp.float32), replicated)
-        seconds = _steady_time(jax.jit(lambda a, b: a @ b, out_shardings=split), a, b)
-        samples.append((2.0 * size**3, seconds))
-        log.info("matmul %d^3 on %d devices: %.3g s", size, n, seconds)
 
     tiny = jax.device_put(jnp.ones((n, 8)), split)
     program_overhead = _steady_time(jax.jit(lambda x: x + 1, out_shardings=split), tiny)
     many = [jax.device_put(jnp.ones((n, 8)), split) for _ in range(32)]
     many_s = _steady_time(jax.jit(lambda *xs: [x + 1 for x in xs]), *many)
     argument_overhead = max(many_s - program_overhead, 0.0) / (2 * 31)  # 31 more inputs and outputs
+    enough = _ABOVE_LAUNCH * program_overhead
+
+    samples = []
+    sizes = list(sizes)
+    while sizes:
+        size = sizes.pop(0)
+        rows = size * n  # each device multiplies a (size x size) by (size x size)
+        a = jax.device_put(jnp.ones((rows, size), jnp.float32), split)
+        b = jax.device_put(jnp.ones((size, size), jnp.float32), replicated)
+        seconds = _steady_time(jax.jit(lambda a, b: a @ b, out_shardings=split), a, b)
+        samples.append((2.0 * size**3, seconds))
+        log.info("matmul %d^3 on %d devices: %.3g s", size, n, seconds)
+        if not sizes and seconds < enough and size < _LARGEST_MATMUL:
+            sizes.append(2 * size)
     # Matmul timings include the launch; the fitted t0 beyond it is per-operator cost.
     rate, t0 = fit_affine(samples)
 
-    big = jax.device_put(jnp.ones((n * (1 << 22),), jnp.float32), split)  # 16 MiB per device
-    copy_s = _steady_time(jax.jit(lambda x: x * 2.0 + 1.0, out_shardings=split), big)
+    elements = 1 << 22  # 16 MiB per device
+    while True:
+        big = jax.device_put(jnp.ones((n * elements,), jnp.float32), split)
+        copy_s = _steady_time(jax.jit(lambda x: x * 2.0 + 1.0, out_shardings=split), big)
+        if copy_s >= enough or elements >= _LARGEST_COPY:
+            break
+        elements *= 2
+    log.info("copy of %d MiB per device on %d devices: %.3g s", big.nbytes // n >> 20, n, copy_s)
     bandwidth = 2 * big.nbytes / n / max(copy_s - program_overhead, 1e-9)
     heavy_s = _steady_time(jax.jit(lambda x: ((x * 1.5 + 2.0) * x - 1.0) * x + 0.5, out_shardings=split), big)
     vector_flops = 7 * big.size / n / max(heavy_s - program_overhead, 1e-9)
