@@ -152,13 +152,25 @@ def profile_layers(args: argparse.Namespace, workload) -> list:  # noqa: ANN001
     from hetpar.runtime.host_cost import host_runs
     from hetpar.shard import shard_stages
 
+    import jax
+
     records = []
+    sizes = ints(args.microbatch_sizes, "--microbatch-sizes")
     for kind, group in profiled_groups(args.device_type, args.host_cpu):
-        records += layer_timing(workload.step, workload.args, group.device_ids, kind,
-                                ints(args.microbatch_sizes, "--microbatch-sizes"), ints(args.data_parallel, "--data-parallel"),
-                                num_layers=args.num_layers, remat=not args.no_remat, host=host_runs,
-                                tensor_parallel=ints(args.tensor_parallel, "--tensor-parallel"),
-                                shard=shard_stages).measure(args.rounds)
+        try:
+            records += layer_timing(workload.step, workload.args, group.device_ids, kind, sizes,
+                                    ints(args.data_parallel, "--data-parallel"),
+                                    num_layers=args.num_layers, remat=not args.no_remat, host=host_runs,
+                                    tensor_parallel=ints(args.tensor_parallel, "--tensor-parallel"),
+                                    shard=shard_stages).measure(args.rounds)
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            half = max(sizes) // 2
+            fix = (f"profile smaller ones (--microbatch-sizes {half})" if half >= 2 else
+                   "2 examples is the least a profile runs: profile on devices with more memory")
+            raise HetparError(f"profiling {workload.name}'s layers ran out of {kind}'s memory at microbatch sizes "
+                              f"{','.join(map(str, sizes))}: {fix}; XLA said: {str(e).splitlines()[0][:200]}") from e
     for r in records:
         sizes = ", ".join(f"{p.examples}: {p.forward_s * 1e3:.3g}/{p.backward_s * 1e3:.3g} ms" for p in r.points)
         mesh = f"{r.dp}x{r.tp} (data x model) {r.device_kind}" if r.tp > 1 else f"{r.dp}x{r.device_kind}"

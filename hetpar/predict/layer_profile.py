@@ -51,9 +51,9 @@ The JSON is part of a `hetpar profile` file (`Profile.layers`, predict/profile.p
 from __future__ import annotations
 
 import hashlib
+import logging
 import statistics
 import time
-import logging
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
