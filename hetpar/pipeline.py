@@ -12,6 +12,8 @@ import math
 from dataclasses import replace
 from typing import Any, Callable
 
+import jax
+
 from hetpar.cluster.cluster import Cluster, DeviceGroup
 from hetpar.compile.remat import rerun, saveable
 from hetpar.trace.stages import op_stages
@@ -322,9 +324,14 @@ def with_measured_layers(inputs: Problem, traced: TracedStep, layers: Layers, cl
                               [(g.label, g.type_name) for g in cluster.groups])
     shared = {m.kind for m in measured if m.shared_host}
     kinds = tuple(replace(k, shared_host=True) if k.name in shared else k for k in inputs.kinds)
+    profiled = {g.label for g in cluster.groups if g.type_name in {r.device_kind for r in profile.layers}}
     for kind in inputs.kinds:
         got = sorted({m.layer for m in measured if m.kind == kind.name})
         log.info("%s: layers %s measured (profile), %d modelled", kind.name, got or "none", layers.num_layers - len(got))
+        if kind.name in profiled and len(got) < layers.num_layers and profile.jax_version not in ("", jax.__version__):
+            log.warning("%s: %d of the step's %d layers match no record of the profile, which JAX %s traced; this is "
+                        "JAX %s, which may trace a layer as other operators: profile under this JAX for measured prices",
+                        kind.name, layers.num_layers - len(got), layers.num_layers, profile.jax_version, jax.__version__)
     return replace(inputs, kinds=kinds, measured_layers=measured)
 
 

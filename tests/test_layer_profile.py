@@ -6,8 +6,11 @@ test here depends on how fast anything runs."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import asdict, replace
+from types import SimpleNamespace
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -38,9 +41,9 @@ def test_profile_json_round_trip_keeps_layer_records(tmp_path):
     profile = Profile({}, layers=[_record(), _record(dp=2, scale=0.6)])
     profile.save(tmp_path / "p.json")
     raw = json.loads((tmp_path / "p.json").read_text())
-    assert raw["version"] == 2 and raw["layers"][0]["signature"] == "abc" and raw["layers"][1]["dp"] == 2
+    assert raw["version"] == 3 and raw["layers"][0]["signature"] == "abc" and raw["layers"][1]["dp"] == 2
     back = Profile.load(tmp_path / "p.json")
-    assert back.layers == profile.layers
+    assert back.layers == profile.layers and back.jax_version == raw["jax_version"] == jax.__version__
 
 
 def test_the_runtimes_host_costs_are_saved_and_loaded_with_the_records(tmp_path):
@@ -62,12 +65,44 @@ def test_a_version_1_profile_still_loads(tmp_path):
     assert Profile.load(tmp_path / "old.json").layers == []
 
 
+def test_a_version_2_profiles_layer_records_are_refused_with_what_to_do(tmp_path):
+    """Version 2 keyed layers by signatures in program order: none would match now, so
+    its layer records are refused (profile again), its device figures still read."""
+    (tmp_path / "devices.json").write_text(json.dumps({"version": 2, "devices": {}, "layers": []}))
+    assert Profile.load(tmp_path / "devices.json").jax_version == ""
+    raw = json.loads(json.dumps(asdict(Profile({}, layers=[_record()]))))
+    (tmp_path / "layers.json").write_text(json.dumps({**raw, "version": 2}))
+    with pytest.raises(HetparError, match="version 2.*program order.*profile --layers again"):
+        Profile.load(tmp_path / "layers.json")
+
+
+def test_a_layers_signature_is_its_operators_whatever_their_order():
+    """JAX 0.11.2 and 0.12 trace a Llama block's backward with two gradient sums in
+    another order; the signature is the same for both, and still tells apart layers
+    whose operators or types differ."""
+    avals = [jax.ShapeDtypeStruct((4, 8), jnp.float32), jax.ShapeDtypeStruct((4, 8), jnp.bfloat16)]
+
+    def signature(ops: list[tuple[str, int]]) -> str:
+        graph = SimpleNamespace(ops=[SimpleNamespace(name=n, inputs=[v, v], outputs=[v]) for n, v in ops], avals=avals)
+        layers = SimpleNamespace(num_layers=1, op_layer={i: 0 for i in range(len(ops))})
+        return layer_signatures(graph, SimpleNamespace(batch_axis={0: 0, 1: 0}), layers)[0]
+
+    block = [("mul", 0), ("add_any", 0), ("add_any", 1), ("exp", 0)]
+    assert signature(block) == signature([block[0], block[2], block[3], block[1]])
+    assert signature(block) != signature([*block[:3], ("exp", 1)])  # another type
+    assert signature(block) != signature([*block[:3], ("log", 0)])  # another operator
+    assert signature(block) != signature(block[:3])  # one operator fewer
+
+
 def test_profiles_of_several_machines_merge_one_per_kind(tmp_path):
     Profile({}, layers=[_record("A100")]).save(tmp_path / "a.json")
     Profile({}, layers=[_record("V100", scale=3.0)]).save(tmp_path / "v.json")
     assert main(["profile", "--merge", str(tmp_path / "a.json"), str(tmp_path / "v.json"), "-o", str(tmp_path / "m.json")]) == 0
     merged = Profile.load(tmp_path / "m.json")
-    assert sorted(r.device_kind for r in merged.layers) == ["A100", "V100"]
+    assert sorted(r.device_kind for r in merged.layers) == ["A100", "V100"] and merged.jax_version == jax.__version__
+    older = replace(Profile.load(tmp_path / "v.json"), jax_version="0.11.2")
+    both = Profile.merge([("a", Profile.load(tmp_path / "a.json")), ("v", older)]).jax_version
+    assert both == ", ".join(dict.fromkeys([jax.__version__, "0.11.2"]))
     with pytest.raises(HetparError, match="A100"):  # the same kind from two files: which to keep is the user's choice
         Profile.merge([("a.json", Profile.load(tmp_path / "a.json")), ("again.json", Profile.load(tmp_path / "a.json"))])
 
@@ -327,6 +362,22 @@ def test_plans_and_show_say_which_layers_were_measured(workload, tmp_path, capsy
     assert blocks, "the A100 stage holds blocks"
     assert f"layers on A100: measured (profile) {blocks[0]}-{blocks[-1]}" in out
     assert "layers on V100: measured (profile) none" in out
+
+
+@pytest.mark.parametrize("made_under, warned", [("0.0.1", True), (jax.__version__, False)])
+def test_a_profile_traced_under_another_jax_is_named_where_layers_go_unmatched(workload, tmp_path, caplog, made_under, warned):
+    block = _signatures(workload, 6)[1]
+    record = LayerRecord(block, "Block_0", "A100", "float32", 1, 2, False, [LayerPointRecord(2, 0.1, 0.2, -1.0, 0.01)])
+    Profile({}, layers=[record], jax_version=made_under).save(tmp_path / "p.json")
+    cluster = hetpar.Cluster.virtual({"A100": 4, "V100": 4})
+    with caplog.at_level("WARNING", logger="hetpar.pipeline"):
+        hetpar.make_plan(workload.step, (workload.state, workload.batch), cluster, profile=str(tmp_path / "p.json"),
+                         num_microbatches=2, num_stages=2, num_layers=6)
+    said = [r.getMessage() for r in caplog.records if "match no record" in r.getMessage()]
+    # the embedding and the head are A100's unmatched layers; V100 has no records, so nothing is said of it
+    assert said == ([f"A100: 2 of the step's 6 layers match no record of the profile, which JAX 0.0.1 traced; this is "
+                     f"JAX {jax.__version__}, which may trace a layer as other operators: profile under this JAX for "
+                     "measured prices"] if warned else [])
 
 
 def test_profiling_a_steps_layers_records_each_distinct_layer(workload):

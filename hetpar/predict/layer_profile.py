@@ -134,16 +134,18 @@ def _type(aval: Any, axis: int | None) -> str:
 
 
 def layer_signatures(graph: Any, analysis: Any, layers: Any) -> list[str]:
-    """Each layer's signature: a hash of its operators in program order with their
-    operand and result types, the batch dimension written `B`."""
+    """Each layer's signature: a hash of its operators with their operand and result
+    types, the batch dimension written `B`, in sorted order, not program order: JAX 0.11.2
+    and 0.12 trace a Llama block's backward with two gradient sums in another order, and
+    a profile made under one matched only the embedding under the other."""
     axes = analysis.batch_axis
-    hashes = [hashlib.sha256() for _ in range(layers.num_layers)]
-    for index in sorted(layers.op_layer):
+    lines: list[list[str]] = [[] for _ in range(layers.num_layers)]
+    for index, layer in layers.op_layer.items():
         op = graph.ops[index]
         ins = ";".join(_type(graph.avals[v], axes.get(v)) for v in op.inputs)
         outs = ";".join(_type(graph.avals[v], axes.get(v)) for v in op.outputs)
-        hashes[layers.op_layer[index]].update(f"{op.name}({ins})->{outs}\n".encode())
-    return [h.hexdigest()[:16] for h in hashes]
+        lines[layer].append(f"{op.name}({ins})->{outs}\n")
+    return [hashlib.sha256("".join(sorted(ops)).encode()).hexdigest()[:16] for ops in lines]
 
 
 def with_batch(args: tuple, batch_argnum: int, examples: int) -> tuple:
@@ -370,11 +372,10 @@ def _layer_runs(fn: Callable, args: tuple, batch_argnum: int, device_ids: Sequen
     and one microbatch of all the layers but the last two as one stage that is not the
     last, its forward and backward program (None for a model of fewer than 4 layers);
     and what `host` made of the reference compile those come from, a two-stage step on
-    the one mesh (None for a model of one layer, or without `host`): the runtime's host
-    work, recorded on a real run of that step before any of the runs here holds an
-    array (the step's own state and activations beside them ran a 1.26B Llama out of an
-    H100's memory). At `tp` > 1 the mesh is `dp` x `tp` and every compile applies the
-    sharding pass's layouts (`tp_profile`)."""
+    the one mesh (None for one layer, or without `host`), run before any run here holds
+    an array (its state and activations beside them ran a 1.26B Llama out of an H100's
+    memory). At `tp` > 1 the mesh is `dp` x `tp` and every compile applies the sharding
+    pass's layouts (`tp_profile`)."""
     from hetpar.compile.programs import stage_mesh
     from hetpar.compile.step import compile_layer_stages
     from hetpar.predict.calibrate import program_inputs, program_run

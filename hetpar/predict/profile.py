@@ -35,7 +35,9 @@ if TYPE_CHECKING:
     from hetpar.cluster.groups import DeviceGroup
 
 log = logging.getLogger("hetpar.profile")
-PROFILE_VERSION = 2  # 2: measured layers (`Profile.layers`, predict/layer_profile.py); version 1 files still read
+# 2: measured layers (`Profile.layers`, predict/layer_profile.py); 3: their signatures free of
+# program order, and the JAX they were traced under. Versions 1 and 3 read; 2 only without layers.
+PROFILE_VERSION = 3
 
 
 @dataclass
@@ -78,6 +80,9 @@ class Profile:
     devices: dict[str, DeviceProfile]
     version: int = PROFILE_VERSION
     layers: list[LayerRecord] = field(default_factory=list)  # each distinct layer of a step, timed (layer_profile.py)
+    # The JAX the layers were traced under: another may trace a layer as other operators,
+    # whose signature then matches no record (`pipeline.with_measured_layers` says so).
+    jax_version: str = field(default_factory=lambda: jax.__version__)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2))
@@ -88,8 +93,11 @@ class Profile:
             raw = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise HetparError(f"cannot read profile {path}: {e}") from None
-        if raw.get("version") not in (1, PROFILE_VERSION):
+        if raw.get("version") not in (1, 2, PROFILE_VERSION):
             raise HetparError(f"profile {path} has version {raw.get('version')}; this hetpar reads versions 1 to {PROFILE_VERSION}")
+        if raw.get("version") == 2 and raw.get("layers"):
+            raise HetparError(f"profile {path} (version 2) keys its layer records by signatures in program order, which "
+                              "this hetpar no longer computes (none would match): run hetpar profile --layers again")
         devices = {}
         for name, d in raw.get("devices", {}).items():
             d = dict(d)
@@ -98,7 +106,8 @@ class Profile:
             d["layer_samples"] = [LayerSample(**s) for s in d.get("layer_samples", ())]
             d["meshes"] = [(int(size), ComputeModel(**c)) for size, c in d.get("meshes", ())]
             devices[name] = DeviceProfile(**d)
-        return Profile(devices, layers=[LayerRecord.from_dict(r) for r in raw.get("layers", ())])
+        return Profile(devices, layers=[LayerRecord.from_dict(r) for r in raw.get("layers", ())],
+                       jax_version=raw.get("jax_version", ""))
 
     @staticmethod
     def merge(profiles: Sequence[tuple[str, "Profile"]]) -> "Profile":
@@ -113,7 +122,8 @@ class Profile:
                     raise HetparError(f"both {owner[kind]} and {name} measured {kind}: merge one profile per device kind "
                                       "(leave one of the two out)")
                 owner[kind], devices[kind] = name, entry
-        return Profile(devices, layers=merge_records([(name, p.layers) for name, p in profiles]))
+        versions = dict.fromkeys(p.jax_version for _, p in profiles if p.jax_version)
+        return Profile(devices, layers=merge_records([(name, p.layers) for name, p in profiles]), jax_version=", ".join(versions))
 
     def compute_model(self, device_type: str) -> ComputeModel | None:
         entry = self.devices.get(device_type)
