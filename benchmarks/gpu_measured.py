@@ -53,8 +53,9 @@ def main() -> None:
                 plan = hetpar.make_plan(w.step, (w.state, w.batch), cluster, num_stages=1, num_microbatches=1, profile=source)
                 predicted = plan.predicted_step_time_s
                 errors[f"{label}_err_b{batch}"] = predicted / measured - 1
-                print(f"{batch} sequences, {label:>7}: predicted {predicted * 1e3:.1f} ms here, {there[label] * 1e3:.1f} ms on the "
-                      f"GPU machine; measured {measured * 1e3:.1f} ms ({predicted / measured - 1:+.1%})")
+                print(f"{batch} sequences, {label:>7}: predicted {predicted * 1e3:.1f} ms here, "
+                      f"{there[label] * 1e3:.1f} ms on the GPU machine; measured {measured * 1e3:.1f} ms "
+                      f"({predicted / measured - 1:+.1%})")
     print("RESULT " + " ".join(f"{k}={v:+.3f}" for k, v in sorted(errors.items())))
 
 
