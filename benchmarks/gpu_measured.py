@@ -7,9 +7,9 @@ profiles made there. Each is planned again here, abstractly (`jax.eval_shape`), 
 one H100 (a cluster of one, as a cluster file would say it), priced from the device
 catalog alone and from the stored profile, and compared with the measured step:
 
-- the profile's price must be the one the GPU machine printed (the profile is the same
-  file; a difference means the planner read it otherwise, e.g. layers whose signature
-  no longer matches under this JAX, which `hetpar.pipeline` warns of);
+- the profile's price should equal the one the GPU machine printed (the same file; a
+  difference means the planner read it otherwise, e.g. layers whose signature no
+  longer matches under this JAX, which `hetpar.pipeline` warns of);
 - the catalog's error is what a change to the physics (`solver/cost`, the catalog)
   should move toward zero: on the H100 it was -50% and -54%.
 

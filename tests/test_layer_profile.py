@@ -67,7 +67,7 @@ def test_a_version_1_profile_still_loads(tmp_path):
 
 def test_a_version_2_profiles_layer_records_are_refused_with_what_to_do(tmp_path):
     """Version 2 keyed layers by signatures in program order: none would match now, so
-    its layer records are refused (profile again), its device figures still read."""
+    a file with layer records is refused (profile again); one without still loads."""
     (tmp_path / "devices.json").write_text(json.dumps({"version": 2, "devices": {}, "layers": []}))
     assert Profile.load(tmp_path / "devices.json").jax_version == ""
     raw = json.loads(json.dumps(asdict(Profile({}, layers=[_record()]))))

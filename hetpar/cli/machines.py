@@ -147,12 +147,12 @@ def profile_layers(args: argparse.Namespace, workload) -> list:  # noqa: ANN001
     timed on every device kind of this process (predict/layer_profile.py), the host's
     CPU beside accelerators only with `--host-cpu`: a large model's layers, and the
     reference stage of nearly all of them, run many times slower on the host's cores."""
+    import jax
+
     from hetpar.predict.layer_profile import layer_timing
     from hetpar.predict.profile import profiled_groups
     from hetpar.runtime.host_cost import host_runs
     from hetpar.shard import shard_stages
-
-    import jax
 
     records = []
     sizes = ints(args.microbatch_sizes, "--microbatch-sizes")
