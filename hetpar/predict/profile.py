@@ -151,10 +151,10 @@ def fit_affine(samples: Sequence[tuple[float, float]]) -> tuple[float, float]:
     return 1.0 / inv_rate, t0
 
 
-# A timing is read as work only when it is well above a program's launch: on an H100 a
-# 1024^3 matmul (2 GFLOP) and a 16 MiB copy took about as long as launching a near-empty
-# program (80 us), and the fits read 20 or 470 TFLOP/s from one run to the next and
-# bandwidths up to 3e16 B/s.
+# A timing is read as work only when it is well above a program's launch: on an H100 the
+# matmuls up to 1024^3 (2 GFLOP) and a 16 MiB copy took 60-190 us, one to three launches
+# of a near-empty program (54-82 us), and the fits read 20 or 470 TFLOP/s from one run to
+# the next and bandwidths up to 3e16 B/s.
 _ABOVE_LAUNCH = 20
 _LARGEST_MATMUL = 16384
 _LARGEST_COPY = 1 << 28  # elements per device: 1 GiB of float32
