@@ -69,6 +69,18 @@ _COMBINE: dict[str, Callable] = {
 _IDENTITY = {"sum": 0, "mean": 0, "max": -np.inf, "min": np.inf, "only": 0}
 
 
+def shared_zeros(made: dict, shape: tuple, dtype: Any, sharding: Any = None) -> jax.Array:
+    """Zeros of `shape` and `dtype` where `sharding` places them (else on the default
+    device), one array per (shape, dtype, sharding) kept in `made`: a program donates
+    only its accumulators, never its inputs, so runs that zero-fill their inputs from
+    one dict may share the arrays (a profile's runs, a step run on zeros)."""
+    key = (shape, dtype, sharding)
+    if key not in made:
+        x = jnp.zeros(shape, dtype)
+        made[key] = x if sharding is None else jax.device_put(x, sharding)
+    return made[key]
+
+
 def accumulator_dtype(dtype: Any, combine: str) -> Any:
     """Sums of low-precision floats accumulate in float32, as `jax.jit` keeps f32
     parameters and optimizer state: adding a bf16 gradient per microbatch into a bf16

@@ -21,11 +21,9 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from hetpar.compile.programs import Program, stage_mesh
+from hetpar.compile.programs import Program, shared_zeros, stage_mesh
 from hetpar.compile.step import compile_layer_stages
 from hetpar.predict.compute import ComputeModel
 from hetpar.predict.programs import TimeTerms, time_terms
@@ -56,14 +54,8 @@ def program_inputs(program: Program, graph: Any, zeros: dict | None = None) -> l
     once rather than once per program (a Llama of 669 MiB of state: 2,695 MiB of
     arrays alive before its host-cost run, 1,599 MiB with them shared)."""
     made = {} if zeros is None else zeros
-
-    def zero(aval: Any, sharding: Any) -> Any:
-        key = (aval.shape, aval.dtype, sharding)
-        if key not in made:
-            made[key] = jax.device_put(jnp.zeros(aval.shape, aval.dtype), sharding)
-        return made[key]
-
-    return [zero(graph.avals[v], sharding) for v, sharding in zip(program.task.inputs, program.in_shardings)]
+    return [shared_zeros(made, graph.avals[v].shape, graph.avals[v].dtype, sharding)
+            for v, sharding in zip(program.task.inputs, program.in_shardings)]
 
 
 def program_run(program: Program, graph: Any, zeros: dict | None = None) -> Callable[[], Any]:

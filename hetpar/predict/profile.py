@@ -176,28 +176,30 @@ def measure(devices: Sequence[Any], device_type: str, sizes: Sequence[int] = (64
     argument_overhead = max(many_s - program_overhead, 0.0) / (2 * 31)  # 31 more inputs and outputs
     enough = _ABOVE_LAUNCH * program_overhead
 
-    samples = []
-    sizes = list(sizes)
-    while sizes:
-        size = sizes.pop(0)
+    def matmul(size: int) -> tuple[float, float]:
         rows = size * n  # each device multiplies a (size x size) by (size x size)
         a = jax.device_put(jnp.ones((rows, size), jnp.float32), split)
         b = jax.device_put(jnp.ones((size, size), jnp.float32), replicated)
         seconds = _steady_time(jax.jit(lambda a, b: a @ b, out_shardings=split), a, b)
-        samples.append((2.0 * size**3, seconds))
         log.info("matmul %d^3 on %d devices: %.3g s", size, n, seconds)
-        if not sizes and seconds < enough and size < _LARGEST_MATMUL:
-            sizes.append(2 * size)
+        return 2.0 * size**3, seconds
+
+    def copy(elements: int) -> tuple[jax.Array, float]:
+        big = jax.device_put(jnp.ones((n * elements,), jnp.float32), split)
+        return big, _steady_time(jax.jit(lambda x: x * 2.0 + 1.0, out_shardings=split), big)
+
+    samples, size = [matmul(s) for s in sizes], sizes[-1]
+    while samples[-1][1] < enough and size < _LARGEST_MATMUL:
+        size *= 2
+        samples.append(matmul(size))
     # Matmul timings include the launch; the fitted t0 beyond it is per-operator cost.
     rate, t0 = fit_affine(samples)
 
     elements = 1 << 22  # 16 MiB per device
-    while True:
-        big = jax.device_put(jnp.ones((n * elements,), jnp.float32), split)
-        copy_s = _steady_time(jax.jit(lambda x: x * 2.0 + 1.0, out_shardings=split), big)
-        if copy_s >= enough or elements >= _LARGEST_COPY:
-            break
+    big, copy_s = copy(elements)
+    while copy_s < enough and elements < _LARGEST_COPY:
         elements *= 2
+        big, copy_s = copy(elements)
     log.info("copy of %d MiB per device on %d devices: %.3g s", big.nbytes // n >> 20, n, copy_s)
     bandwidth = 2 * big.nbytes / n / max(copy_s - program_overhead, 1e-9)
     heavy_s = _steady_time(jax.jit(lambda x: ((x * 1.5 + 2.0) * x - 1.0) * x + 0.5, out_shardings=split), big)

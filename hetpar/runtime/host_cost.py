@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 
 from hetpar.compile.compiled import CompiledStep
+from hetpar.compile.programs import shared_zeros
 from hetpar.runtime.communicator import already_there
 from hetpar.runtime.executor import DeviceTransport
 from hetpar.runtime.interpreter import interpret
@@ -129,31 +129,23 @@ def step_arguments(step: CompiledStep) -> list[Any] | None:
     """Zero-filled arguments of `step`: each batch argument whole (all microbatches)
     on the default device, as a caller's batch arrives; every other one where the
     first program that reads it wants it, one array per shape, dtype and placement
-    (a step's programs donate only their accumulators, so its arguments may share;
-    a Llama's blocks then hold one block's zeros, not a whole state's). None where an
-    argument cannot be made of zeros (a PRNG key)."""
+    (`shared_zeros`: a Llama's blocks then hold one block's zeros, not a whole
+    state's). None where an argument cannot be made of zeros (a PRNG key)."""
     wanted: dict[int, Any] = {}
     for program in step.programs:
         if program is not None:
             for v, sharding in zip(program.task.inputs, program.in_shardings):
                 wanted.setdefault(v, sharding)
-    made: dict[tuple, Any] = {}
-
-    def zeros(shape: tuple, dtype: Any, sharding: Any) -> Any:
-        if (shape, dtype, sharding) not in made:
-            x = jnp.zeros(shape, dtype)
-            made[(shape, dtype, sharding)] = x if sharding is None else jax.device_put(x, sharding)
-        return made[(shape, dtype, sharding)]
-
+    made: dict = {}
     out = []
     for v in step.graph.invars:
         aval = step.graph.avals[v]
         if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended):
             return None
         if v in step.batch_invars:
-            out.append(zeros((aval.shape[0] * step.num_microbatches, *aval.shape[1:]), aval.dtype, None))
+            out.append(shared_zeros(made, (aval.shape[0] * step.num_microbatches, *aval.shape[1:]), aval.dtype))
         else:
-            out.append(zeros(aval.shape, aval.dtype, wanted.get(v)))
+            out.append(shared_zeros(made, aval.shape, aval.dtype, wanted.get(v)))
     return out
 
 
