@@ -112,3 +112,42 @@ def test_least_steps_is_the_plain_scan(seed, monkeypatch):
         kinds.add((options["last"], options["placed"], options["trips"] is None, bool(np.isfinite(expected).any())))
     assert len(kinds) >= 10, kinds  # every kind of row, some of each fitting
     assert max(blocks) >= 2, blocks  # some rows past their first block
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_rows_of_several_stage_counts_padded_into_one_pass_keep_their_figures(seed):
+    """`least_steps`' `counts`: rows of fewer stages, padded at the front to the most
+    (the padding's layouts and fits anything), priced in one pass, are each priced as
+    in a pass of their own stage count (within rounding: the padding's zeros join the
+    sums), for each kind of row; a set's rows hold two stages or more (`bounds._merged`
+    keeps a lone stage apart)."""
+    rng = np.random.default_rng(seed)
+    for _ in range(60):
+        layouts, layers = int(rng.integers(1, 6)), int(rng.integers(6, 50))
+        table = random_table(rng, layouts, layers)
+        kind = rng.integers(3)
+        options = dict(last=kind == 1, placed=False if kind == 2 else None)
+        m, beat, rounds = int(rng.integers(1, 40)), INF if rng.random() < 0.5 else float(rng.random() * 20), rng.random() < 0.5
+        groups = []
+        for stages in rng.choice(np.arange(1 if kind != 2 else 2, min(12, layers) + 1), size=3, replace=False):
+            rows = int(rng.integers(1, 5))
+            at = rng.integers(0, layouts, (rows, stages))
+            n = rng.integers(0, layers // stages + 3, (rows, stages)).astype(float)
+            nr = n + rng.integers(0, 3, (rows, stages))
+            groups.append((at, n, nr, rng.random(rows), rng.random(rows) * 3 if rounds else None))
+        alone = np.concatenate([least_steps(table, at, n, nr, m, layers, offsets, beat, trips=trips, **options)
+                                for at, n, nr, offsets, trips in groups])
+        width = max(g[0].shape[1] for g in groups)
+
+        def padded(values, fill):
+            extra = width - values.shape[1]
+            return np.concatenate([fill((len(values), extra)), values], axis=1)
+
+        at = np.concatenate([padded(g[0], lambda shape: rng.integers(0, layouts, shape)) for g in groups])
+        n = np.concatenate([padded(g[1], lambda shape: rng.integers(0, 5, shape).astype(float)) for g in groups])
+        nr = np.concatenate([padded(g[2], lambda shape: rng.integers(0, 5, shape).astype(float)) for g in groups])
+        counts = np.concatenate([np.full(len(g[0]), g[0].shape[1]) for g in groups])
+        offsets = np.concatenate([g[3] for g in groups])
+        trips = np.concatenate([g[4] for g in groups]) if rounds else None
+        together = least_steps(table, at, n, nr, m, layers, offsets, beat, trips=trips, counts=counts, **options)
+        assert together == pytest.approx(alone, rel=1e-12), (options, counts)

@@ -98,7 +98,8 @@ def row_sends(rows: np.ndarray, table: LayoutRows) -> np.ndarray:
 
 
 def least_steps(table: LayoutRows, at: np.ndarray, n: np.ndarray, nr: np.ndarray, m: int, layers: int, offsets: np.ndarray,
-                beat: float, last: bool = False, trips: np.ndarray | None = None, placed: bool | None = None) -> np.ndarray:
+                beat: float, last: bool = False, trips: np.ndarray | None = None, placed: bool | None = None,
+                counts: np.ndarray | None = None) -> np.ndarray:
     """Per row (`at`: each stage's layout in `table`; `n`, `nr`: the most layers each
     stage holds without and with recomputation, whole numbers): the least (m - 1) t +
     summed stage times over candidate bottlenecks t, plus the row's offset, stopped at
@@ -109,7 +110,13 @@ def least_steps(table: LayoutRows, at: np.ndarray, n: np.ndarray, nr: np.ndarray
     `placed` False: the order is not known (a set's rows), but at most two stages are
     not middle ones (`_unplaced`); `trips`: per row, what a round trip adds to the
     summed stage times (its least sends both ways), where 1F1B's round trips pace it
-    (`round_trip_pace`) and the pace is t or the round trip's, whichever is slower.
+    (`round_trip_pace`) and the pace is t or the round trip's, whichever is slower;
+    `counts`: per row, how many of its stages are its own, the last ones (rows of
+    fewer stages padded at the front, so that one pass bounds rows of several stage
+    counts: a pass costs a few hundred microseconds whatever its rows, and a stream's
+    sets have three or four stage counts): a padding stage has room for one layer from
+    the start and never another, at no time, so it holds none of the layers beyond one
+    per stage of the row's own, which are all the row's summed times count.
 
     Each stage gains a room for one more layer at each of its thresholds (the least
     time at which it has room for q layers, nondecreasing in q), so a row's rooms
@@ -122,25 +129,33 @@ def least_steps(table: LayoutRows, at: np.ndarray, n: np.ndarray, nr: np.ndarray
     No grid of times shared by a group of layouts is built (a group's grid was the
     sorted times of all its layouts, hundreds, most never read), so rows of any
     layouts are bounded in one pass."""
+    rows_count, stages = at.shape
+    pad = None if counts is None else np.arange(stages) < (stages - counts)[:, None]  # [row, stage]: padding
     n, nr = n.astype(np.int64), nr.astype(np.int64)
+    if pad is not None:  # (one room each: its least sums' extra layers none)
+        n, nr = np.where(pad, 1, n), np.where(pad, 1, nr)
     plain = n >= 1  # a stage that cannot hold one layer without recomputing recomputes
     middle = None  # per row, the least pace at which its middle stages all hold a layer (`_middle_floor`)
     if placed is False:
         firsts = None
-        base, middle = _unplaced(table.by_place, at, plain, n, nr)
+        base, middle = _unplaced(table.by_place, at, plain, n, nr, pad)
         rates = np.where(plain, table.rates[at], table.rates_remat[at])
     elif last:  # each stage's runs are those its place allows (a subset: the figures only grow)
-        place, figures = places(at.shape[1]), table.by_place
+        place, figures = places(stages, counts), table.by_place
         firsts = np.where(plain, figures[0][place, at], figures[1][place, at])
         rates = np.where(plain, figures[2][place, at], figures[3][place, at])
-        if at.shape[1] > 2:
+        if stages > 2 and pad is None:
             middle = _middle_floor(figures, at[:, 1:-1], n[:, 1:-1], nr[:, 1:-1]).max(axis=1)
+        elif stages > 2:
+            middle = np.where((place == 1) & ~pad, _middle_floor(figures, at, n, nr), 0.0).max(axis=1)
     else:
         firsts = np.where(plain, table.firsts[at], table.firsts_remat[at])
         rates = np.where(plain, table.rates[at], table.rates_remat[at])
+    if pad is not None:
+        rates = np.where(pad, 0.0, rates)
+        firsts = None if firsts is None else np.where(pad, 0.0, firsts)
     if firsts is not None:
         base = firsts.sum(axis=1)
-    rows_count, stages = at.shape
     # Each stage's thresholds: the q-th where it may hold q layers plain (q <= n) or recomputing (q <= nr).
     q = np.arange(layers)
     thresholds = np.minimum(np.where(q < n[:, :, None], table.floors[at], INF),
@@ -150,6 +165,8 @@ def least_steps(table: LayoutRows, at: np.ndarray, n: np.ndarray, nr: np.ndarray
         np.maximum(thresholds[:, -1], np.minimum(np.where(q < n[:, -1:], table.last_floors[end], INF),
                                                  np.where(q < nr[:, -1:], table.last_floors_remat[end], INF)),
                    out=thresholds[:, -1])
+    if pad is not None:
+        thresholds[pad] = np.where(q == 0, -1.0, INF)  # room for one layer before any time, never for two
     flat = thresholds.reshape(rows_count, stages * layers)
     order = np.argsort(flat, axis=1, kind="stable")  # (gathered from where a block reads them, not all sorted)
     # The stages sorted by their increment per layer: the least sums hand the layers
@@ -162,11 +179,12 @@ def least_steps(table: LayoutRows, at: np.ndarray, n: np.ndarray, nr: np.ndarray
     # Where a row's layers first fit: `layers` thresholds passed and each stage's first.
     position = np.empty_like(order)
     position[each, order] = np.arange(stages * layers)
-    first = np.maximum(position[:, ::layers].max(axis=1), layers - 1)
+    own = np.broadcast_to(stages if counts is None else counts, rows_count)  # each row's stages of its own
+    first = np.maximum(position[:, ::layers].max(axis=1), layers - 1 + stages - own)  # (the padding's thresholds first)
     # [row, stage by rate, q]: where each threshold sorted to
     position = position.reshape(rows_count, stages, layers)[each, by_rate]
     some = np.isfinite(flat[each[:, 0], order[each[:, 0], np.minimum(first, stages * layers - 1)]])
-    budget = layers - stages  # layers beyond one per stage
+    budget = layers - own  # layers beyond one per stage
     best = beat - offsets
     going = some.copy()
     floor = None
@@ -187,14 +205,14 @@ def least_steps(table: LayoutRows, at: np.ndarray, n: np.ndarray, nr: np.ndarray
         block[:, 1:] += block[:, :1]
         if floor is None:  # the first block prices the most layers of each stage as one more time
             block = np.concatenate([block, np.maximum(n[rows], nr[rows])[:, None, :]], axis=1)
-        sums = least_sums(block, budget, base[rows], sorted_rates[rows])
+        sums = least_sums(block, budget[rows], base[rows], sorted_rates[rows])
         if floor is None:
             floor = np.full(rows_count, INF)
             floor[rows], sums = sums[:, -1], sums[:, :-1]
         t = (ts if middle is None else np.maximum(ts, middle[rows, None])) / FITS_TOL  # (`FITS_TOL`: the docstring)
         valid &= t < INF  # (past the row's last threshold, or a middle stage that holds no layer)
         t = np.where(valid, t, 0.0)
-        pace = t if trips is None else np.maximum(t, round_trip_pace(sums + trips[rows, None], stages, m))
+        pace = t if trips is None else np.maximum(t, round_trip_pace(sums + trips[rows, None], own[rows, None], m))
         values = np.where(valid, (m - 1) * pace + sums, INF)
         best[rows] = np.minimum(best[rows], values.min(axis=1))
         start[rows] += _BLOCK
@@ -232,17 +250,18 @@ def _middle_floor(figures: np.ndarray, at: np.ndarray, n: np.ndarray, nr: np.nda
     return middle_one(figures[0, 1][at], figures[1, 1][at], n, nr)
 
 
-def _unplaced(figures: np.ndarray, at: np.ndarray, plain: np.ndarray, n: np.ndarray,
-              nr: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+def _unplaced(figures: np.ndarray, at: np.ndarray, plain: np.ndarray, n: np.ndarray, nr: np.ndarray,
+              pad: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """Where a row's order is not known: one of its stages is first, another last, the
     others middle ones, whichever they are (`figures`: `LayoutRows.by_place`). Per row:
     its stages' summed bases beside their increments anywhere (`rows.EndRuns.base`),
     each at its middle place's but one at the first place's and another at the last's,
     the pair that gives the least sum (a stage alone holds the model, at the last's);
     and no pace below the third largest of its stages' `_middle_floor` counts (None
-    for fewer than three stages, all ends). (Two stages at the cheaper of either end
-    each, as this was, let a language model's head go unpriced: its last place is the
-    dearest.)"""
+    for fewer than three stages, all ends). `pad`: `least_steps`' padding stages, at no
+    place and under every floor (rows of two stages of their own or more). (Two stages
+    at the cheaper of either end each, as this was, let a language model's head go
+    unpriced: its last place is the dearest.)"""
     def base(place: int) -> np.ndarray:
         return np.where(plain, figures[4, place][at], figures[5, place][at])
 
@@ -252,30 +271,49 @@ def _unplaced(figures: np.ndarray, at: np.ndarray, plain: np.ndarray, n: np.ndar
             return last[:, 0], None
         return np.minimum(first[:, 0] + last[:, 1], first[:, 1] + last[:, 0]), None
     middle = base(1)
-    rows = np.arange(len(at))
-    # the first place to the stage it saves the most, the last to another: the best such pair is one of
-    # each place's best two
-    gain_first, gain_last = middle - first, middle - last
-    by_first = np.argsort(-gain_first, axis=1, kind="stable")[:, :2]
-    by_last = np.argsort(-gain_last, axis=1, kind="stable")[:, :2]
-    pairs = [(by_first[:, a], by_last[:, c]) for a in range(2) for c in range(2)]
-    gains = np.stack([np.where(i != j, gain_first[rows, i] + gain_last[rows, j], -INF) for i, j in pairs], axis=1)
-    i, j = (np.stack([pair[k] for pair in pairs], axis=1)[rows, gains.argmax(axis=1)] for k in range(2))
-    place = np.broadcast_to(np.arange(at.shape[1]), at.shape)
+    gain_first, gain_last, floors = middle - first, middle - last, _middle_floor(figures, at, n, nr)
+    if pad is not None:
+        first, last, middle, floors = (np.where(pad, 0.0, a) for a in (first, last, middle, floors))
+        gain_first, gain_last = np.where(pad, -INF, gain_first), np.where(pad, -INF, gain_last)
+    i, j = _best_pair(gain_first, gain_last)
+    place = np.arange(at.shape[1])
     total = np.where(place == i[:, None], first, np.where(place == j[:, None], last, middle)).sum(axis=1)
-    return total, np.sort(_middle_floor(figures, at, n, nr), axis=1)[:, -3]
+    return total, np.sort(floors, axis=1)[:, -3]
 
 
-def places(stages: int) -> np.ndarray:
+def _best_pair(gain_first: np.ndarray, gain_last: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, the stages i != j with the largest gain_first[i] + gain_last[j]: each
+    place's best, or where one stage is best at both, that stage at the place whose
+    second best loses less (the first place on a tie)."""
+    i, j = gain_first.argmax(axis=1), gain_last.argmax(axis=1)
+    clash = np.nonzero(i == j)[0]
+    if clash.size:
+        best, taken = i[clash], np.arange(gain_first.shape[1]) == i[clash, None]
+        last_else = np.where(taken, -INF, gain_last[clash]).argmax(axis=1)  # the last place's second best
+        first_else = np.where(taken, -INF, gain_first[clash]).argmax(axis=1)
+        keep_first = (gain_first[clash, best] + gain_last[clash, last_else]
+                      >= gain_first[clash, first_else] + gain_last[clash, best])
+        i[clash] = np.where(keep_first, best, first_else)
+        j[clash] = np.where(keep_first, last_else, best)
+    return i, j
+
+
+def places(stages: int, counts: np.ndarray | None = None) -> np.ndarray:
     """Each stage's place in a pipeline of `stages` (`LayoutRows.by_place`'s second axis): first, the
-    middle ones, last; one stage alone holds the whole model, its runs the last's."""
-    return np.array([2] if stages == 1 else [0] + [1] * (stages - 2) + [2])
+    middle ones, last; one stage alone holds the whole model, its runs the last's. With `counts`,
+    per row of that many stages of its own, the last ones (`least_steps`' padding: at the middle's)."""
+    if counts is None:
+        return np.array([2] if stages == 1 else [0] + [1] * (stages - 2) + [2])
+    place = np.ones((len(counts), stages), dtype=np.int64)
+    place[np.arange(len(counts)), stages - counts] = 0
+    place[:, -1] = 2
+    return place
 
 
-def least_sums(rooms: np.ndarray, budget: int, base: np.ndarray, rates: np.ndarray) -> np.ndarray:
+def least_sums(rooms: np.ndarray, budget: int | np.ndarray, base: np.ndarray, rates: np.ndarray) -> np.ndarray:
     """Per row and candidate time (`rooms`: rows x times x stages, the most layers
     each stage may hold there, whole numbers, stages by `rates`): the least summed
-    stage time when each stage holds one layer (`base`) and the `budget` layers beyond
+    stage time when each stage holds one layer (`base`) and the `budget` layers beyond (per row)
     go to the least increments first (where they fit: the caller masks the rest). The
     counts are exact in integers; only the products are summed in floats, along the
     stages (contiguous), in their order."""
@@ -283,5 +321,5 @@ def least_sums(rooms: np.ndarray, budget: int, base: np.ndarray, rates: np.ndarr
     # stages numpy adds a sum pairwise only along a contiguous axis, else in turn.
     extra = np.subtract(rooms, 1, order="C")
     before = np.cumsum(extra, axis=2) - extra
-    take = np.minimum(np.maximum(budget - before, 0), extra)
+    take = np.minimum(np.maximum(np.reshape(budget, (-1, 1, 1)) - before, 0), extra)
     return base[:, None] + (take * rates[:, None, :]).sum(axis=2)

@@ -41,7 +41,7 @@ slowest tail; the round trip is priced only under 1F1B, `Schedule.round_trip_lim
 from __future__ import annotations
 
 import itertools
-from typing import NamedTuple
+from typing import Iterable, NamedTuple
 
 import numpy as np
 
@@ -115,13 +115,17 @@ class LowerBounds:
                 out[i] = self._work_floor(layouts, m * b) if fits else INF
             return out
         table = self._layout_rows([lay for layouts in sets for lay in layouts], b)
+        groups = []
         for count, chosen in _by_stages(sets).items():
             rows = [sets[i] for i in chosen]
             at = np.array([np.repeat([table.index[lay] for lay in row], [lay.stages for lay in row]) for row in rows])
             tails = np.maximum([self._least_tail(tuple(sorted(row))) for row in rows], self._ends_tails(table, at, False))
             sends = self._least_sends(table, rows, count)
-            trips = sends if registry.get(schedule).round_trip_limited else None
-            out[chosen] = self._bounds(table.fits[at, 0], m, b, tails + sends, INF, False, table, at, trips, placed=False)
+            groups.append(_Rows(np.array(chosen), table.fits[at, 0], at, tails + sends, sends))
+        trips = registry.get(schedule).round_trip_limited
+        for rows in _merged(groups):
+            out[rows.positions] = self._bounds(rows.fitting, m, b, rows.offsets, INF, False, table, rows.at,
+                                               rows.sends if trips else None, placed=False, counts=rows.counts)
         return out
 
     def _least_sends(self, table: LayoutRows, sets: list[tuple[KindLayout, ...]], count: int) -> np.ndarray:
@@ -355,13 +359,18 @@ class LowerBounds:
                 out[i] = self.bound(layouts, m, b, schedule)
             return out
         table = self._layout_rows([lay for layouts in sets for lay in layouts], b)
+        groups = []
         for count, chosen in _by_stages(sets).items():
             chosen_sets = [sets[i] for i in chosen]
             fitting, sends, at = self._order_parts(chosen_sets, perms, m, schedule, count, table)
-            trips = sends if registry.get(schedule).round_trip_limited else None
             least = np.repeat([self._least_tail(tuple(sorted(layouts))) for layouts in chosen_sets], len(perms))
             tails = np.maximum(least, self._ends_tails(table, at, True))
-            out[chosen] = self._bounds(fitting, m, b, sends + tails, beat, last, table, at, trips).reshape(len(chosen), -1)
+            positions = (np.array(chosen)[:, None] * len(perms) + np.arange(len(perms))).reshape(-1)  # in `out`, flat
+            groups.append(_Rows(positions, fitting, at, sends + tails, sends))
+        trips, flat = registry.get(schedule).round_trip_limited, out.reshape(-1)
+        for rows in _merged(groups):
+            flat[rows.positions] = self._bounds(rows.fitting, m, b, rows.offsets, beat, last, table, rows.at,
+                                                rows.sends if trips else None, counts=rows.counts)
         return out
 
     def _order_parts(self, sets: list[tuple[KindLayout, ...]], perms: np.ndarray, m: int, schedule: str, count: int,
@@ -374,15 +383,17 @@ class LowerBounds:
         rows = order_rows(sets, perms, count, table)
         return table.fits[rows, held], row_sends(rows, table), rows
 
-    def _bounds(self, fitting: np.ndarray, m: int, b: int, offsets: np.ndarray, beat: float, last: bool,
-                table: LayoutRows, at: np.ndarray, trips: np.ndarray | None = None, placed: bool | None = None) -> np.ndarray:
+    def _bounds(self, fitting: np.ndarray, m: int, b: int, offsets: np.ndarray, beat: float, last: bool, table: LayoutRows,
+                at: np.ndarray, trips: np.ndarray | None = None, placed: bool | None = None,
+                counts: np.ndarray | None = None) -> np.ndarray:
         """Per row of layouts (rows of as many stages): the least (m - 1) t + summed
         stage times over candidate bottlenecks t (`bottleneck.least_steps`), plus the
         row's offset (its tail's bound and sends); `fitting` (rows x stages x 2): the most
         layers each stage holds without and with recomputation; `last`: the order is
         known, each stage priced by its place and the last's rooms also its last runs';
         `at`: each row's stages' layouts in `table`; `trips`: per row, its least sends both ways,
-        where 1F1B's round trips may pace it (`bottleneck.least_steps`). (Plain schedules only: an interleaved
+        where 1F1B's round trips may pace it; `counts`: rows padded at the front (`_merged`) (both
+        `bottleneck.least_steps`'). (Plain schedules only: an interleaved
         schedule's tail is its device groups' chunks' tails summed, and its fill is
         1/v, so these bounds do not hold for it.)"""
         layers = self.costs.n
@@ -397,7 +408,8 @@ class LowerBounds:
             return out
         n, nr, offsets = n[live], nr[live], offsets[live]
         trips = None if trips is None else trips[live]
-        out[live] = least_steps(table, at[live], n, nr, m, layers, offsets, beat, last, trips, placed)
+        counts = None if counts is None else counts[live]
+        out[live] = least_steps(table, at[live], n, nr, m, layers, offsets, beat, last, trips, placed, counts)
         return out
 
     def interleaved_floor(self, layouts: tuple[KindLayout, ...], m: int, b: int, chunks: int) -> float:
@@ -544,7 +556,7 @@ class LowerBounds:
         once per shape whose per-layer times are the same (`StageCosts.times_key`)."""
         key = self.costs.times_key(cfg, b)
         if key not in self._runs:
-            self._all_runs((cfg,), b)
+            self._all_runs([(cfg, b)])
         return self._runs[key]
 
     def _runs_of(self, layouts: tuple[KindLayout, ...], b: int) -> list[StageRuns]:
@@ -555,18 +567,23 @@ class LowerBounds:
         try:
             return [known[lay, b] for lay in layouts]
         except KeyError:
-            runs = self._all_runs(tuple(lay.config for lay in layouts), b)
-            known.update(((lay, b), r) for lay, r in zip(layouts, runs))
-            return runs
+            self.price_runs((lay, b) for lay in layouts)
+            return [known[lay, b] for lay in layouts]
 
-    def _all_runs(self, configs: tuple[StageConfig, ...], b: int) -> list[StageRuns]:
-        """`_stage_runs` of each of `configs`, those not yet priced in one array pass
-        (`rows`: the spans, least runs and steps of every shape at once; a kind's
-        layouts are all asked at each microbatch size)."""
-        keys = [self.costs.times_key(cfg, b) for cfg in configs]
-        todo = {key: cfg for key, cfg in zip(keys, configs) if key not in self._runs}
+    def price_runs(self, shapes: Iterable[tuple[KindLayout, int]]) -> None:
+        """`_runs_of` of each (layout, microbatch size), those not yet priced in one
+        array pass: a search asks its kinds' layouts at every microbatch size, and a
+        pass per size cost its products' first floors a fifth of their time."""
+        todo = list(dict.fromkeys(shape for shape in shapes if shape not in self._layout_runs))
+        self._layout_runs.update(zip(todo, self._all_runs([(lay.config, b) for lay, b in todo])))
+
+    def _all_runs(self, shapes: list[tuple[StageConfig, int]]) -> list[StageRuns]:
+        """`_stage_runs` of each (stage, microbatch size), those not yet priced in one
+        array pass (`rows`: the spans, least runs and steps of every shape at once)."""
+        keys = [self.costs.times_key(cfg, b) for cfg, b in shapes]
+        todo = {key: shape for key, shape in zip(keys, shapes) if key not in self._runs}
         if todo:
-            layers = [self.costs.layer_times(cfg, b) for cfg in todo.values()]  # (forward, backward, rerun, fused)
+            layers = [self.costs.layer_times(*shape) for shape in todo.values()]  # (forward, backward, rerun, fused)
             fields = stage_runs(np.array([t[0] for t in layers]), np.array([t[1] for t in layers]), [t[3] for t in layers])
             self._runs.update(zip(todo, fields))
         return [self._runs[key] for key in keys]
@@ -579,6 +596,42 @@ class LowerBounds:
         if key not in self._held:
             self._held[key] = tuple(in_flight(schedule, m, p, num_stages) for p in range(num_stages - 1)) + (1,)
         return self._held[key]
+
+
+class _Rows(NamedTuple):
+    """Rows of stages a bound prices in one pass (`LowerBounds._bounds`): where each
+    row's figure goes, each stage's fits ([row, stage, plain or recomputing]) and
+    layout in the table, each row's offset (its tail's bound and sends) and least sends
+    both ways; `counts`: each row's own stages, where rows are padded (`_merged`)."""
+
+    positions: np.ndarray
+    fitting: np.ndarray
+    at: np.ndarray
+    offsets: np.ndarray
+    sends: np.ndarray
+    counts: np.ndarray | None = None
+
+
+def _merged(groups: list[_Rows]) -> list[_Rows]:
+    """Groups of rows, each of one stage count, as one group padded at the front to the
+    most stages (`bottleneck.least_steps`' `counts`: a padding stage's layout its row's
+    first, its fits none), but rows of one stage apart (a lone stage is the last, not
+    a padded pair's first or last): a pass costs a few hundred microseconds whatever
+    its rows, and on 64 GPUs of three kinds a pass per stage count was two thirds of
+    the sets' and orders' bounds' passes."""
+    lone = [g for g in groups if g.at.shape[1] == 1]
+    rest = [g for g in groups if g.at.shape[1] > 1]
+    if len(rest) < 2:
+        return lone + rest
+    width = max(g.at.shape[1] for g in rest)
+
+    def padded(g: _Rows) -> _Rows:
+        extra = width - g.at.shape[1]
+        return g._replace(fitting=np.concatenate([np.zeros((len(g.at), extra, 2), g.fitting.dtype), g.fitting], axis=1),
+                          at=np.concatenate([np.repeat(g.at[:, :1], extra, axis=1), g.at], axis=1),
+                          counts=np.full(len(g.at), g.at.shape[1]))
+
+    return lone + [_Rows(*(np.concatenate(field) for field in zip(*map(padded, rest))))]
 
 
 def _by_stages(sets: list[tuple[KindLayout, ...]]) -> dict[int, list[int]]:

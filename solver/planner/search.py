@@ -278,9 +278,10 @@ class Planner:
         streams: list[_Stream] = []
         queue: list[tuple] = []  # (lower bound, tie-break, m, (stream, position) or layouts, _STREAM, _WAITING or orders)
         counter = itertools.count()
-        for m in counts or p.microbatch_counts():
-            if batch % m:
-                continue
+        counts = [m for m in counts or p.microbatch_counts() if not batch % m]
+        self.bounds.price_runs((lay, batch // m) for m in counts for lays in per_kind.values() for lay in lays
+                               if not batch // m % lay.dp)
+        for m in counts:
             b = batch // m
             usable = {name: [lay for lay in per_kind[name] if not b % lay.dp and b // lay.dp >= p.min_examples] for name in kinds}
             for r in range(self._fewest_kinds(kinds), len(kinds) + 1):

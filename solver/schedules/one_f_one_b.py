@@ -7,15 +7,19 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
+
 from solver.schedules.base import Schedule, StageTimes, Work
 
 
-def round_trip_pace(once, stages: int, num_microbatches: int):  # noqa: ANN001, ANN201 (a float or an array of them)
+def round_trip_pace(once, stages, num_microbatches: int):  # noqa: ANN001, ANN201 (a float or an array of them)
     """The least pace 1F1B's in-flight limit allows: its first stage keeps `stages`
     microbatches in flight, so it starts the next only when the one `stages` before it
     has come back, one round trip (`once`: a microbatch's forwards, backwards and the
     sends both ways) per `stages` microbatches. With no more microbatches than stages
-    the limit is never reached (0)."""
+    the limit is never reached (0). (`stages` may be an array beside `once`'s.)"""
+    if isinstance(stages, np.ndarray):
+        return np.where(num_microbatches > stages, once / stages, 0 * once)
     return once / stages if num_microbatches > stages else 0 * once
 
 
