@@ -617,8 +617,8 @@ def _merged(groups: list[_Rows]) -> list[_Rows]:
     most stages (`bottleneck.least_steps`' `counts`: a padding stage's layout its row's
     first, its fits none), but rows of one stage apart (a lone stage is the last, not
     a padded pair's first or last): a pass costs a few hundred microseconds whatever
-    its rows, and on 64 GPUs of three kinds a pass per stage count was two thirds of
-    the sets' and orders' bounds' passes."""
+    its rows, and a pass per stage count made 165 passes of a solve on 64 GPUs of three
+    kinds, where these make 79."""
     lone = [g for g in groups if g.at.shape[1] == 1]
     rest = [g for g in groups if g.at.shape[1] > 1]
     if len(rest) < 2:
