@@ -80,10 +80,11 @@ def metis_inputs(scenario: Scenario, problem: Problem, folder: Path) -> list[str
     Metis's script would run (Metis reads its arguments again during the search)."""
     hosts, nodes = [], {}
     for kind in problem.kinds:  # (Metis takes the first node's size for every node's: 8, but 16 GPUs' V100 and T4 nodes hold 4)
-        for node in range(max(1, kind.count // kind.devices_per_node)):
+        for _ in range(max(1, kind.count // kind.devices_per_node)):
             address = f"10.0.{len(hosts) // 250}.{len(hosts) % 250 + 1}"
             hosts.append(f"{address} slots={min(kind.count, kind.devices_per_node)}")
-            nodes[address] = dict(instance_type=kind.name.upper(), memory=round(kind.memory_bytes / 2**30),
+            nodes[address] = dict(instance_type=kind.name.upper(), memory=round(kind.memory_bytes / 2**30),  # GB
+                                  # GB/s: Metis adds bytes over its figure times 2^20 to milliseconds
                                   intra_bandwidth=kind.intra.bandwidth / 1e9, inter_bandwidth=kind.inter.bandwidth / 1e9)
     (folder / "hostfile").write_text("\n".join(hosts) + "\n")
     (folder / "clusterfile.json").write_text(json.dumps(nodes))

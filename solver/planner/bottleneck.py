@@ -283,8 +283,9 @@ def _unplaced(figures: np.ndarray, at: np.ndarray, plain: np.ndarray, n: np.ndar
 
 def _best_pair(gain_first: np.ndarray, gain_last: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per row, the stages i != j with the largest gain_first[i] + gain_last[j]: each
-    place's best, or where one stage is best at both, that stage at the place whose
-    second best loses less (the first place on a tie)."""
+    place's best; where one stage is best at both, the better of it at the first place
+    beside the last place's second best and it at the last beside the first's second
+    best (the former on a tie, as a scan of the pairs in that order finds)."""
     i, j = gain_first.argmax(axis=1), gain_last.argmax(axis=1)
     clash = np.nonzero(i == j)[0]
     if clash.size:
@@ -313,8 +314,9 @@ def places(stages: int, counts: np.ndarray | None = None) -> np.ndarray:
 def least_sums(rooms: np.ndarray, budget: int | np.ndarray, base: np.ndarray, rates: np.ndarray) -> np.ndarray:
     """Per row and candidate time (`rooms`: rows x times x stages, the most layers
     each stage may hold there, whole numbers, stages by `rates`): the least summed
-    stage time when each stage holds one layer (`base`) and the `budget` layers beyond (per row)
-    go to the least increments first (where they fit: the caller masks the rest). The
+    stage time when each stage holds one layer (`base`) and the `budget` layers beyond
+    (one figure, or one per row) go to the least increments first (where they fit: the
+    caller masks the rest). The
     counts are exact in integers; only the products are summed in floats, along the
     stages (contiguous), in their order."""
     # In C order, and so every array after it (`rooms` may be a transposed view): past 8

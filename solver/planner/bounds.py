@@ -392,8 +392,8 @@ class LowerBounds:
         layers each stage holds without and with recomputation; `last`: the order is
         known, each stage priced by its place and the last's rooms also its last runs';
         `at`: each row's stages' layouts in `table`; `trips`: per row, its least sends both ways,
-        where 1F1B's round trips may pace it; `counts`: rows padded at the front (`_merged`) (both
-        `bottleneck.least_steps`'). (Plain schedules only: an interleaved
+        where 1F1B's round trips may pace it; `counts`: each row's own stages, where rows are
+        padded at the front (`_merged`) (both as `bottleneck.least_steps` takes them). (Plain schedules only: an interleaved
         schedule's tail is its device groups' chunks' tails summed, and its fill is
         1/v, so these bounds do not hold for it.)"""
         layers = self.costs.n
@@ -573,7 +573,7 @@ class LowerBounds:
     def price_runs(self, shapes: Iterable[tuple[KindLayout, int]]) -> None:
         """`_runs_of` of each (layout, microbatch size), those not yet priced in one
         array pass: a search asks its kinds' layouts at every microbatch size, and a
-        pass per size cost its products' first floors a fifth of their time."""
+        pass per size made 28 passes a solve on 64 GPUs of three kinds."""
         todo = list(dict.fromkeys(shape for shape in shapes if shape not in self._layout_runs))
         self._layout_runs.update(zip(todo, self._all_runs([(lay.config, b) for lay, b in todo])))
 

@@ -17,7 +17,7 @@ def round_trip_pace(once, stages, num_microbatches: int):  # noqa: ANN001, ANN20
     microbatches in flight, so it starts the next only when the one `stages` before it
     has come back, one round trip (`once`: a microbatch's forwards, backwards and the
     sends both ways) per `stages` microbatches. With no more microbatches than stages
-    the limit is never reached (0). (`stages` may be an array beside `once`'s.)"""
+    the limit is never reached (0). (`stages` may be an array: a count per entry of `once`.)"""
     if isinstance(stages, np.ndarray):
         return np.where(num_microbatches > stages, once / stages, 0 * once)
     return once / stages if num_microbatches > stages else 0 * once
