@@ -144,10 +144,9 @@ def least_steps(table: LayoutRows, at: np.ndarray, n: np.ndarray, nr: np.ndarray
         place, figures = places(stages, counts), table.by_place
         firsts = np.where(plain, figures[0][place, at], figures[1][place, at])
         rates = np.where(plain, figures[2][place, at], figures[3][place, at])
-        if stages > 2 and pad is None:
-            middle = _middle_floor(figures, at[:, 1:-1], n[:, 1:-1], nr[:, 1:-1]).max(axis=1)
-        elif stages > 2:
-            middle = np.where((place == 1) & ~pad, _middle_floor(figures, at, n, nr), 0.0).max(axis=1)
+        if stages > 2:  # (a padding stage is at no place)
+            inner = place == 1 if pad is None else (place == 1) & ~pad
+            middle = np.where(inner, _middle_floor(figures, at, n, nr), 0.0).max(axis=1)
     else:
         firsts = np.where(plain, table.firsts[at], table.firsts_remat[at])
         rates = np.where(plain, table.rates[at], table.rates_remat[at])

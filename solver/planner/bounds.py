@@ -51,6 +51,7 @@ from solver.cost.stage_costs import INF, StageConfig, StageCosts, in_flight
 from solver.planner.layouts import KindLayout, kind_layouts
 from solver.planner.bottleneck import LayoutRows, least_steps, middle_one, order_rows, row_sends, third_slowest, with_layouts
 from solver.planner.fitting import LayoutFits
+from solver.planner.row_passes import Rows, by_stages, merged
 from solver.planner.rows import StageRuns, counts_within, least_for_counts, least_runs_rows, most_within, sorted_unique, stage_runs
 from solver.planner.runs import FITS_TOL, balanced_pace, first_enough, least_runs, longest
 
@@ -116,14 +117,14 @@ class LowerBounds:
             return out
         table = self._layout_rows([lay for layouts in sets for lay in layouts], b)
         groups = []
-        for count, chosen in _by_stages(sets).items():
+        for count, chosen in by_stages(sets).items():
             rows = [sets[i] for i in chosen]
             at = np.array([np.repeat([table.index[lay] for lay in row], [lay.stages for lay in row]) for row in rows])
             tails = np.maximum([self._least_tail(tuple(sorted(row))) for row in rows], self._ends_tails(table, at, False))
             sends = self._least_sends(table, rows, count)
-            groups.append(_Rows(np.array(chosen), table.fits[at, 0], at, tails + sends, sends))
+            groups.append(Rows(np.array(chosen), table.fits[at, 0], at, tails + sends, sends))
         trips = registry.get(schedule).round_trip_limited
-        for rows in _merged(groups):
+        for rows in merged(groups):
             out[rows.positions] = self._bounds(rows.fitting, m, b, rows.offsets, INF, False, table, rows.at,
                                                rows.sends if trips else None, placed=False, counts=rows.counts)
         return out
@@ -360,15 +361,15 @@ class LowerBounds:
             return out
         table = self._layout_rows([lay for layouts in sets for lay in layouts], b)
         groups = []
-        for count, chosen in _by_stages(sets).items():
+        for count, chosen in by_stages(sets).items():
             chosen_sets = [sets[i] for i in chosen]
             fitting, sends, at = self._order_parts(chosen_sets, perms, m, schedule, count, table)
             least = np.repeat([self._least_tail(tuple(sorted(layouts))) for layouts in chosen_sets], len(perms))
             tails = np.maximum(least, self._ends_tails(table, at, True))
             positions = (np.array(chosen)[:, None] * len(perms) + np.arange(len(perms))).reshape(-1)  # in `out`, flat
-            groups.append(_Rows(positions, fitting, at, sends + tails, sends))
+            groups.append(Rows(positions, fitting, at, sends + tails, sends))
         trips, flat = registry.get(schedule).round_trip_limited, out.reshape(-1)
-        for rows in _merged(groups):
+        for rows in merged(groups):
             flat[rows.positions] = self._bounds(rows.fitting, m, b, rows.offsets, beat, last, table, rows.at,
                                                 rows.sends if trips else None, counts=rows.counts)
         return out
@@ -393,9 +394,9 @@ class LowerBounds:
         known, each stage priced by its place and the last's rooms also its last runs';
         `at`: each row's stages' layouts in `table`; `trips`: per row, its least sends both ways,
         where 1F1B's round trips may pace it; `counts`: each row's own stages, where rows are
-        padded at the front (`_merged`) (both as `bottleneck.least_steps` takes them). (Plain schedules only: an interleaved
-        schedule's tail is its device groups' chunks' tails summed, and its fill is
-        1/v, so these bounds do not hold for it.)"""
+        padded at the front (`row_passes.merged`) (both as `bottleneck.least_steps` takes
+        them). (Plain schedules only: an interleaved schedule's tail is its device groups'
+        chunks' tails summed, and its fill is 1/v, so these bounds do not hold for it.)"""
         layers = self.costs.n
         out = np.full(len(fitting), INF)
         n, nr = fitting[..., 0], fitting[..., 1]
@@ -596,48 +597,3 @@ class LowerBounds:
         if key not in self._held:
             self._held[key] = tuple(in_flight(schedule, m, p, num_stages) for p in range(num_stages - 1)) + (1,)
         return self._held[key]
-
-
-class _Rows(NamedTuple):
-    """Rows of stages a bound prices in one pass (`LowerBounds._bounds`): where each
-    row's figure goes, each stage's fits ([row, stage, plain or recomputing]) and
-    layout in the table, each row's offset (its tail's bound and sends) and least sends
-    both ways; `counts`: each row's own stages, where rows are padded (`_merged`)."""
-
-    positions: np.ndarray
-    fitting: np.ndarray
-    at: np.ndarray
-    offsets: np.ndarray
-    sends: np.ndarray
-    counts: np.ndarray | None = None
-
-
-def _merged(groups: list[_Rows]) -> list[_Rows]:
-    """Groups of rows, each of one stage count, as one group padded at the front to the
-    most stages (`bottleneck.least_steps`' `counts`: a padding stage's layout its row's
-    first, its fits none), but rows of one stage apart (a lone stage is the last, not
-    a padded pair's first or last): a pass costs a few hundred microseconds whatever
-    its rows, and a pass per stage count made 165 passes of a solve on 64 GPUs of three
-    kinds, where these make 79."""
-    lone = [g for g in groups if g.at.shape[1] == 1]
-    rest = [g for g in groups if g.at.shape[1] > 1]
-    if len(rest) < 2:
-        return lone + rest
-    width = max(g.at.shape[1] for g in rest)
-
-    def padded(g: _Rows) -> _Rows:
-        extra = width - g.at.shape[1]
-        return g._replace(fitting=np.concatenate([np.zeros((len(g.at), extra, 2), g.fitting.dtype), g.fitting], axis=1),
-                          at=np.concatenate([np.repeat(g.at[:, :1], extra, axis=1), g.at], axis=1),
-                          counts=np.full(len(g.at), g.at.shape[1]))
-
-    return lone + [_Rows(*(np.concatenate(field) for field in zip(*map(padded, rest))))]
-
-
-def _by_stages(sets: list[tuple[KindLayout, ...]]) -> dict[int, list[int]]:
-    """The sets' positions by their stage count: the bounds price the sets of as many
-    stages in one array pass."""
-    out: dict[int, list[int]] = {}
-    for i, layouts in enumerate(sets):
-        out.setdefault(sum(lay.stages for lay in layouts), []).append(i)
-    return out
