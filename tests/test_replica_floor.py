@@ -5,6 +5,7 @@ so the planner's replica plans are the same with them as without."""
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -119,3 +120,30 @@ def test_the_floors_refuse_where_they_can(monkeypatch):
                                        fastest * 0.9)]
     assert refused, "no microbatch count was refused by the floors"
     assert not any(m in refused for _, m, *_ in searched)
+
+
+@pytest.mark.parametrize("batch,slow_flops", [(64, 1e12), (96, 2e12), (256, 1e12), (48, 3e11)])
+@pytest.mark.parametrize("skew", [1.0, 4.0])
+def test_balancing_below_the_beat_keeps_what_balancing_in_full_finds(monkeypatch, batch, slow_flops, skew):
+    """`_balanced` searches each share's pipeline only below the beat, so it knows a
+    losing share as slower, not by how much: every beat from above the best replica plan
+    to below it keeps the plans (those under it) that balancing with every pipeline
+    timed in full finds. `skew` starts the fast kind on a quarter of its share (its
+    bound taken 4 times too slow), so the descent walks many steps off a share over the
+    beat (this fails if it stopped where the slowest share first loses)."""
+    problem = _replica_problem(batch, slow_flops)
+    balanced, bound = Planner._balanced, Planner._layouts_bound
+
+    def skewed(self, kind, m, b):  # noqa: ANN001, ANN202
+        return bound(self, kind, m, b) * (skew if kind == "fast" else 1)
+
+    monkeypatch.setattr(Planner, "_layouts_bound", skewed)
+    monkeypatch.setattr(Planner, "_balanced", lambda self, kinds, m, per_mb, grid, _: balanced(self, kinds, m, per_mb, grid, INF))
+    in_full = Planner(problem)._replica_plans(INF)
+    monkeypatch.setattr(Planner, "_balanced", balanced)
+    grids = [len(range(step, per_mb, step)) for per_mb in (problem.batch_size // c.num_microbatches for c in in_full)
+             for step in [max(1, math.ceil(per_mb / problem.replica_units))]]
+    assert max(grids) > 16, "no shares were balanced (small grids are enumerated)"
+    fastest = min(c.step_s for c in in_full)
+    for beat in (INF, *(fastest * f for f in (1.5, 1.1, 1.01, 1.0, 0.99))):
+        assert _described(Planner(problem)._replica_plans(beat)) == _described(c for c in in_full if c.step_s < beat), beat
