@@ -74,6 +74,7 @@ _TIGHTEN_AHEAD = 16
 SHARE_FLOORS = 16  # floors `_shares_lose` may price per replica plan before leaving it to `_best_shares`
 _STREAM = None  # a queue entry that stands for a stream's next combination, not yet drawn
 _WAITING = object()  # one that stands for a combination tightened to its own bound, its orders not yet bounded
+_ONE_ORDER = np.zeros((1, 1), dtype=int)  # the order of a combination of one kind's layout
 
 
 class Planner:
@@ -275,7 +276,10 @@ class Planner:
         # ignoring where its stages sit, with the stream's next few in one pass) and goes
         # back in line; at the front again it is re-bounded per order of its kinds
         # (activations in flight depend on the position), with its stream's others
-        # waiting for theirs, and goes back once more.
+        # waiting for theirs, and goes back once more. A combination of one kind has one
+        # order: it is bounded per order at once (with its stream's next few), as dear as
+        # the bound that ignores where stages sit and tighter (3-4% off every scenario's
+        # search, the same plans: `search_ab.py`).
         streams: list[_Stream] = []
         queue: list[tuple] = []  # (lower bound, tie-break, m, (stream, position) or layouts, _STREAM, _WAITING or orders)
         counter = itertools.count()
@@ -319,6 +323,16 @@ class Planner:
                     continue
                 if position + 1 < len(line.lows):
                     heapq.heappush(queue, (float(line.lows[position + 1]), next(counter), m, (stream, position + 1), _STREAM))
+                if len(line.lists) == 1:  # one kind, one order: its own bound at once (a set's is looser and as dear)
+                    if position not in line.ordered:
+                        ahead = range(position, min(position + _TIGHTEN_AHEAD, len(line.lows)))
+                        line.ordered.update(zip(ahead, self.bounds.sets_order_bounds(
+                            [line.layouts(p) for p in ahead], _ONE_ORDER, m, b, bound_schedule, worst, last=True)))
+                    lows = line.ordered.pop(position)
+                    if lows[0] < INF:
+                        heapq.heappush(queue, (max(float(lows[0]), lower), next(counter), m, line.layouts(position),
+                                               [(float(lows[0]), line.layouts(position))]))
+                    continue
                 if position not in line.tight:  # this and the stream's next few, tightened together
                     ahead = range(position, min(position + _TIGHTEN_AHEAD, len(line.lows)))
                     line.tight.update(zip(ahead, self.bounds.set_bounds([line.layouts(p) for p in ahead], m, b, bound_schedule)))
