@@ -497,10 +497,9 @@ class Planner:
 
     def _balanced(self, kinds: tuple[str, ...], m: int, per_mb: int, grid: list[int], beat: float) -> tuple[int, ...] | None:
         """Shares in proportion to each kind's speed on the whole microbatch by its
-        layouts' own bounds (`_layouts_bound`: within a few percent of its fastest
-        pipeline on the benchmark scenarios, without searching for it), then moved one
-        grid step at a time from the slowest pipeline to the fastest while that
-        shortens the step. Each pipeline is searched only below `beat` (what a share
+        layouts' own bounds (`_layouts_bound`: close under its fastest pipeline, without
+        searching for it), then moved one grid step at a time from the slowest pipeline
+        to the fastest while that shortens the step. Each pipeline is searched only below `beat` (what a share
         must beat for the plan to win): one that cannot is known as slower, not by how
         much, and steps move off it while the kind taking them stays below `beat` (its
         share shrinks, so its step does not grow). Rates found by searching each kind
@@ -537,15 +536,17 @@ class Planner:
 
     def _layouts_bound(self, kind: str, m: int, b: int) -> float:
         """No pipeline of `kind` on `b` examples per microbatch is faster: the least of
-        its layouts' own bounds (`LowerBounds.set_bounds`), tighter than `_share_floor`
-        (17-31% under the pipelines it bounds on 10 layers over 64 GPUs of two kinds;
-        this, 1-4%) and a pass over its layouts dearer."""
+        its layouts' own bounds (each layout's one order, `LowerBounds.sets_order_bounds`,
+        as `_search` tightens them), tighter than `_share_floor` (on 10 layers over 64
+        GPUs of two kinds 17-31% under the pipelines it bounds, this 0-14%) and a pass
+        over its layouts dearer."""
         key = (kind, m, b)
         if key not in self._layout_bounds:
             p = self.problem
             usable = [(lay,) for lay in kind_layouts(p, kind) if not b % lay.dp and b // lay.dp >= p.min_examples]
             schedule = _bound_schedule(_schedule_choices(p, interleave=False))  # `_search`'s
-            self._layout_bounds[key] = float(self.bounds.set_bounds(usable, m, b, schedule).min(initial=INF))
+            lows = self.bounds.sets_order_bounds(usable, _ONE_ORDER, m, b, schedule, last=True) if usable else [INF]
+            self._layout_bounds[key] = float(np.min(lows))
         return self._layout_bounds[key]
 
     def _cross_sync(self, kinds: tuple[str, ...]) -> float:
@@ -561,11 +562,14 @@ class _Stream:
     each one's layout indices (`index`, a column each), priced when the product's floor
     reaches the front; per position, the combinations tightened to their own bound
     (`tight`), those at the front again waiting for their orders' bounds with that
-    bound (`waiting`), and the orders' bounds priced with another's (`ordered`).
+    bound (`waiting`), and the orders' bounds priced with another's (`ordered`; a
+    stream of one kind's, priced ahead in place of `tight`: its one order's bound).
     Bounding the orders of all of a stream's waiting combinations in one pass (on 64
     GPUs of three kinds a pass per combination cost a third of the search) stays
     lazy: bounding every order of each combination tightened ahead bounded 3.6 times
-    the stages on Llama-2-13B over 768 GPUs, and its search took 45% longer."""
+    the stages on Llama-2-13B over 768 GPUs, and its search took 45% longer (tried
+    again on this search: the same plan, its two searches 9.5 and 6.0 s against 7.5 and
+    3.4 s, one run each)."""
 
     lists: list[list[KindLayout]]
     lows: np.ndarray = field(default_factory=lambda: np.zeros(0))
