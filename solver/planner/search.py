@@ -276,10 +276,12 @@ class Planner:
         # ignoring where its stages sit, with the stream's next few in one pass) and goes
         # back in line; at the front again it is re-bounded per order of its kinds
         # (activations in flight depend on the position), with its stream's others
-        # waiting for theirs, and goes back once more. A combination of one kind has one
-        # order: it is bounded per order at once (with its stream's next few), as dear as
-        # the bound that ignores where stages sit and tighter (3-4% off every scenario's
-        # search, the same plans: `search_ab.py`).
+        # waiting for theirs, and goes back once more. A combination of one kind or two
+        # has one order or two: it is bounded per order at once (with its stream's next
+        # few), about as dear as the bound that ignores where stages sit and tighter (one
+        # kind's: 3-4% off every scenario's search; two kinds': 4% more off two kinds'
+        # scenarios, the same plans: `search_ab.py`); three kinds' six orders cost more
+        # than that bound saves (`_Stream`).
         streams: list[_Stream] = []
         queue: list[tuple] = []  # (lower bound, tie-break, m, (stream, position) or layouts, _STREAM, _WAITING or orders)
         counter = itertools.count()
@@ -323,15 +325,17 @@ class Planner:
                     continue
                 if position + 1 < len(line.lows):
                     heapq.heappush(queue, (float(line.lows[position + 1]), next(counter), m, (stream, position + 1), _STREAM))
-                if len(line.lists) == 1:  # one kind, one order: its own bound at once (a set's is looser and as dear)
+                if len(line.lists) <= 2:  # one or two orders: theirs at once (a set's bound is looser and as dear)
+                    layouts = line.layouts(position)
+                    perms = self._orders(tuple(lay.kind for lay in layouts))
                     if position not in line.ordered:
                         ahead = range(position, min(position + _TIGHTEN_AHEAD, len(line.lows)))
                         line.ordered.update(zip(ahead, self.bounds.sets_order_bounds(
-                            [line.layouts(p) for p in ahead], _ONE_ORDER, m, b, bound_schedule, worst, last=True)))
+                            [line.layouts(p) for p in ahead], perms, m, b, bound_schedule, worst, last=True)))
                     lows = line.ordered.pop(position)
-                    if lows[0] < INF:
-                        heapq.heappush(queue, (max(float(lows[0]), lower), next(counter), m, line.layouts(position),
-                                               [(float(lows[0]), line.layouts(position))]))
+                    orders = [(float(lows[i]), tuple(layouts[j] for j in perms[i])) for i in np.argsort(lows, kind="stable")]
+                    if orders[0][0] < INF:
+                        heapq.heappush(queue, (max(orders[0][0], lower), next(counter), m, layouts, orders))
                     continue
                 if position not in line.tight:  # this and the stream's next few, tightened together
                     ahead = range(position, min(position + _TIGHTEN_AHEAD, len(line.lows)))
@@ -563,7 +567,7 @@ class _Stream:
     reaches the front; per position, the combinations tightened to their own bound
     (`tight`), those at the front again waiting for their orders' bounds with that
     bound (`waiting`), and the orders' bounds priced with another's (`ordered`; a
-    stream of one kind's, priced ahead in place of `tight`: its one order's bound).
+    stream of one or two kinds', priced ahead in place of `tight`).
     Bounding the orders of all of a stream's waiting combinations in one pass (on 64
     GPUs of three kinds a pass per combination cost a third of the search) stays
     lazy: bounding every order of each combination tightened ahead bounded 3.6 times
