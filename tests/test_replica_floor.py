@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from solver.cost.stage_costs import INF
-from solver.planner import search
+from solver.planner import replica_search
 from solver.planner.search import Planner
 from solver.planner.shares import every_split_loses, most_share
 from solver.collectives import LinkCost
@@ -114,7 +114,7 @@ def test_the_floors_refuse_where_they_can(monkeypatch):
     single = Planner._single_kind
     monkeypatch.setattr(Planner, "_single_kind", lambda self, *a: searched.append(a) or single(self, *a))
     assert planner._replica_plans(fastest * 0.9) == []
-    assert search.SHARE_FLOORS > 0
+    assert replica_search.SHARE_FLOORS > 0
     refused = [m for m in problem.microbatch_counts()
                if planner._shares_lose(("slow", "fast"), m, problem.batch_size // m, planner._cross_sync(("slow", "fast")),
                                        fastest * 0.9)]
