@@ -138,12 +138,13 @@ class ReplicaSearch:
         """Shares in proportion to each kind's speed on the whole microbatch by its
         layouts' own bounds (`_layouts_bound`: close under its fastest pipeline, without
         searching for it), then moved one grid step at a time from the slowest pipeline
-        to the fastest while that shortens the step. Each pipeline is searched only below `beat` (what a share
-        must beat for the plan to win): one that cannot is known as slower, not by how
-        much, and steps move off it while the kind taking them stays below `beat` (its
-        share shrinks, so its step does not grow). Rates found by searching each kind
-        on the whole microbatch, and every share searched in full, cost a quarter of
-        the whole solve on 10 layers over 64 and 256 GPUs of two kinds, for the same plans."""
+        to the fastest while that shortens the step. Each pipeline is searched only
+        below `beat` (what a share must beat for the plan to win): one that cannot is
+        known as slower, not by how much, and steps move off it while the kind taking
+        them stays below `beat` (its share shrinks, so its step does not grow). Rates
+        found by searching each kind on the whole microbatch, and every share searched
+        in full, cost a quarter of the whole solve on 10 layers over 64 and 256 GPUs of
+        two kinds, for the same plans."""
         step = grid[0]
 
         def time_of(kind: str, b: int, below: float = beat) -> float:
