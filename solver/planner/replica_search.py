@@ -1,4 +1,4 @@
-"""The planner's pipelines side by side: each kind (of two or three) runs its own
+"""The planner's pipelines side by side: each of two kinds or more runs its own
 single-kind pipeline on a share of every microbatch, and the gradients are summed
 across them. A mixin of `search.Planner`, kept apart as the one idea it is: which
 shares, searched how far, proven lost how early. It uses the planner's `_search` (a
