@@ -13,12 +13,11 @@ import math
 import numpy as np
 
 from solver.cost.stage_costs import INF
-from solver.planner.layouts import kind_layouts
+from solver.planner.layouts import KindLayout, kind_layouts
 from solver.planner.problem import PlanChoice, StageChoice
 from solver.planner.shares import every_split_loses, most_share
 
 SHARE_FLOORS = 16  # floors `_shares_lose` may price per replica plan before leaving it to `_best_shares`
-ONE_ORDER = np.zeros((1, 1), dtype=int)  # the order of a combination of one kind's layout (`sets_order_bounds`' perms)
 
 
 class ReplicaSearch:
@@ -69,10 +68,7 @@ class ReplicaSearch:
         search's own first floor, under its bound schedule; inf where none fits)."""
         key = (kind, m, b)
         if key not in self._share_floors:
-            p = self.problem
-            schedule = self._plain_bound  # `_search`'s
-            usable = [lay for lay in kind_layouts(p, kind) if not b % lay.dp and b // lay.dp >= p.min_examples]
-            self._share_floors[key] = self.bounds.product_floor([usable], m, b, schedule)
+            self._share_floors[key] = self.bounds.product_floor([self._usable(kind, b)], m, b, self._plain_bound)
         return self._share_floors[key]
 
     def _single_kind(self, kind: str, m: int, b: int, beat: float = INF) -> PlanChoice | None:
@@ -182,12 +178,16 @@ class ReplicaSearch:
         over its layouts dearer."""
         key = (kind, m, b)
         if key not in self._layout_bounds:
-            p = self.problem
-            usable = [(lay,) for lay in kind_layouts(p, kind) if not b % lay.dp and b // lay.dp >= p.min_examples]
-            schedule = self._plain_bound  # `_search`'s
-            lows = self.bounds.sets_order_bounds(usable, ONE_ORDER, m, b, schedule, last=True) if usable else [INF]
+            sets = [(lay,) for lay in self._usable(kind, b)]
+            one = self._orders((kind,))  # a lone kind's one order
+            lows = self.bounds.sets_order_bounds(sets, one, m, b, self._plain_bound, last=True) if sets else [INF]
             self._layout_bounds[key] = float(np.min(lows))
         return self._layout_bounds[key]
+
+    def _usable(self, kind: str, b: int) -> list[KindLayout]:
+        """The kind's layouts that run microbatches of `b` examples (as `_search` draws them)."""
+        p = self.problem
+        return [lay for lay in kind_layouts(p, kind) if not b % lay.dp and b // lay.dp >= p.min_examples]
 
     def _cross_sync(self, kinds: tuple[str, ...]) -> float:
         """Summing every gradient across replicas of these kinds, each using all its

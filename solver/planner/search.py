@@ -294,6 +294,13 @@ class Planner(ReplicaSearch):
                         queue.append((floor, next(counter), m, (len(streams) - 1, -1), _STREAM))
         heapq.heapify(queue)
         heap: list[tuple[float, int, PlanChoice]] = []  # the top_k best, worst on top (negated)
+
+        def in_line(lower: float, m: int, layouts: tuple[KindLayout, ...], perms: np.ndarray, lows: np.ndarray) -> None:
+            """A combination back in line with its orders (`perms`) ranked by their bounds (`lows`)."""
+            orders = [(float(lows[i]), tuple(layouts[j] for j in perms[i])) for i in np.argsort(lows, kind="stable")]
+            if orders[0][0] < INF:
+                heapq.heappush(queue, (max(orders[0][0], lower), next(counter), m, layouts, orders))
+
         while queue:
             lower, tie, m, layouts, orders = heapq.heappop(queue)
             worst = -heap[0][0] if len(heap) >= top_k else beat
@@ -323,10 +330,7 @@ class Planner(ReplicaSearch):
                         ahead = range(position, min(position + _TIGHTEN_AHEAD, len(line.lows)))
                         line.ordered.update(zip(ahead, self.bounds.sets_order_bounds(
                             [line.layouts(p) for p in ahead], perms, m, b, bound_schedule, worst, last=True)))
-                    lows = line.ordered.pop(position)
-                    orders = [(float(lows[i]), tuple(layouts[j] for j in perms[i])) for i in np.argsort(lows, kind="stable")]
-                    if orders[0][0] < INF:
-                        heapq.heappush(queue, (max(orders[0][0], lower), next(counter), m, layouts, orders))
+                    in_line(lower, m, layouts, perms, line.ordered.pop(position))
                     continue
                 if position not in line.tight:  # this and the stream's next few, tightened together
                     ahead = range(position, min(position + _TIGHTEN_AHEAD, len(line.lows)))
@@ -347,10 +351,7 @@ class Planner(ReplicaSearch):
                                                                                 bound_schedule, worst, last=True)))
                     for p in todo:
                         del line.waiting[p]
-                lows = line.ordered.pop(position)
-                orders = [(float(lows[i]), tuple(layouts[j] for j in perms[i])) for i in np.argsort(lows, kind="stable")]
-                if orders[0][0] < INF:
-                    heapq.heappush(queue, (max(orders[0][0], lower), next(counter), m, layouts, orders))
+                in_line(lower, m, layouts, perms, line.ordered.pop(position))
                 continue
             for order_lower, order in orders:
                 for schedule, chunks in schedules:
