@@ -42,7 +42,7 @@ def test_shared_layer_times_are_each_stages_own():
     shared = 0
     for costs, cfg, b in _priced_stages(12):
         layer = costs.per_layer(cfg, b)
-        own = costs._layer_times_uncached((cfg, b))  # this stage's own, nothing shared
+        own = costs._layer_times_rows(cfg, [b])[0]  # this stage's own, nothing shared
         for got, want in zip((layer.forward, layer.backward, layer.rerun), own):
             assert np.array_equal(got, want)
         shared += costs.times_key(cfg, b) != (cfg, b)
@@ -166,11 +166,14 @@ def test_layer_times_are_the_layers_own_sums(training):
                                elementwise_split=float(rng.uniform(0, 1)))
                        for layer in problem.layers)  # every sum's parts: matmul counts, reruns, memory-bound bytes
         problem = replace(problem, layers=layers, kinds=tuple(replace(k, matmul_half_flops=1e9) for k in problem.kinds))
-        costs = StageCosts(problem)
-        for cfg, b in _stages(problem):
-            got = costs._layer_times_uncached((cfg, b))
-            for a, want in zip(got, _own_layer_times(costs, cfg, b)):
-                assert a.tobytes() == np.asarray(want, dtype=float).tobytes()
+        costs, together = StageCosts(problem), StageCosts(problem)
+        stages = list(_stages(problem))
+        # alone, and every stage at every size in one pass (`layer_times_of`, a row per size): the same bits
+        for (cfg, b), at_once in zip(stages, together.layer_times_of(stages)):
+            want = _own_layer_times(costs, cfg, b)
+            for got in (costs._layer_times_rows(cfg, [b])[0], at_once):
+                for a, w in zip(got, want):
+                    assert a.tobytes() == np.asarray(w, dtype=float).tobytes()
             compared += 1
     assert compared > 50
 

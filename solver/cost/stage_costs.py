@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Iterable
 from functools import lru_cache
 
 import numpy as np
@@ -84,7 +85,7 @@ class StageCosts:
         self._ranges = lru_cache(maxsize=None)(self._ranges_uncached)
         self._time_spans = lru_cache(maxsize=None)(self._time_spans_uncached)
         self._saved_span = lru_cache(maxsize=None)(lambda shard: _span(_cumsum(self.saved * shard)))  # `per_layer`'s saved
-        self._layer_times = lru_cache(maxsize=None)(self._layer_times_uncached)
+        self._layer_times_known: dict[tuple[StageConfig, float], tuple[np.ndarray, ...]] = {}  # `_layer_times`'
         self.per_layer = lru_cache(maxsize=None)(self._per_layer)  # the stage tables and the planner's bounds both read it
         # A stage's times do not depend on where it sits nor on what it holds, its memory's
         # parts not on how many microbatches it holds: each priced once, not once per table.
@@ -180,16 +181,41 @@ class StageCosts:
         """`per_layer`'s forward, backward, rerun and fused seconds alone (what the bounds' runs sum), cached per `times_key`."""
         return self._layer_times(self.times_key(cfg, b))
 
-    def _layer_times_uncached(self, key: tuple[StageConfig, float]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """`per_layer`'s forward, backward, rerun and fused seconds for a `times_key`."""
-        cfg, b = key
-        per_device = b / cfg.dp  # examples each data-parallel slice runs
+    def layer_times_of(self, shapes: Iterable[tuple[StageConfig, int]]) -> list[tuple[np.ndarray, ...]]:
+        """`layer_times` of each (stage, microbatch size), those not yet priced in one
+        array pass per times key's stage, a row per size: a planner's bounds ask for
+        every layout of every kind at every microbatch size at once (on 64 GPUs of three
+        kinds 138 keys, 14 ms priced one by one, each a few dozen numpy calls)."""
+        keys = [self.times_key(cfg, b) for cfg, b in shapes]
+        self._price_layer_times([key for key in dict.fromkeys(keys) if key not in self._layer_times_known])
+        return [self._layer_times_known[key] for key in keys]
+
+    def _layer_times(self, key: tuple[StageConfig, float]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """`layer_times` of a `times_key`, priced once."""
+        if key not in self._layer_times_known:
+            self._price_layer_times([key])
+        return self._layer_times_known[key]
+
+    def _price_layer_times(self, keys: list[tuple[StageConfig, float]]) -> None:
+        """`_layer_times_rows` of these keys, one pass per stage."""
+        by_stage: dict[StageConfig, list[float]] = {}
+        for cfg, b in keys:
+            by_stage.setdefault(cfg, []).append(b)
+        for cfg, sizes in by_stage.items():
+            self._layer_times_known.update(zip(((cfg, b) for b in sizes), self._layer_times_rows(cfg, sizes)))
+
+    def _layer_times_rows(self, cfg: StageConfig, sizes: list[float]) -> list[tuple[np.ndarray, ...]]:
+        """`per_layer`'s forward, backward, rerun and fused seconds for the times keys
+        (cfg, b) of each b in `sizes`, a row of each array per size (every figure the
+        same, bit for bit, as priced alone: the same operations element by element)."""
+        per_device = np.array(sizes, dtype=float)[:, None] / cfg.dp  # examples each data-parallel slice runs
         kind = self.kinds[cfg.kind]
         speed = cfg.tp * self.matmul_rates(kind, cfg, per_device)
         bwd_speed = cfg.tp * self.matmul_rates(kind, cfg, per_device, backward=True)
         tp_comm = bwd_comm = tp_allreduce_s(kind, cfg.tp, self.tp_bytes * per_device, self.tp_count)  # backward as much
         if cfg.model_collectives:  # two model axes: what its layouts run, not Megatron's
-            tp_comm, bwd_comm = model_comm_s(cfg.model_collectives, kind.intra, b, self.n)
+            pairs = [model_comm_s(cfg.model_collectives, kind.intra, b, self.n) for b in sizes]
+            tp_comm, bwd_comm = (np.array([pair[i] for pair in pairs]) for i in (0, 1))
         trains = float(self.problem.training)  # a forward-only function has no backward
         # memory-bound operators: their bytes, split like the activations where tensor parallelism splits them
         streaming = per_device * self._split_share(cfg.tp) / kind.memory_bandwidth  # (split / tp + 1 - split) bytes a byte
@@ -200,11 +226,13 @@ class StageCosts:
             forward, backward = forward * cfg.devices, backward * cfg.devices
         rerun = np.array(forward, dtype=float)
         fused = np.array(forward + backward, dtype=float)
-        for layer, price in self.measured(cfg, per_device).items():  # measured beats modelled
-            forward[layer], backward[layer] = price.forward_s, trains * price.backward_s
-            rerun[layer] = price.forward_s if price.rerun_s is None else price.rerun_s
-            fused[layer] = price.fused_s if price.fused_s is not None and trains else forward[layer] + backward[layer]
-        return forward, backward, rerun, fused
+        for row, b in enumerate(sizes):
+            for layer, price in self.measured(cfg, b / cfg.dp).items():  # measured beats modelled
+                forward[row, layer], backward[row, layer] = price.forward_s, trains * price.backward_s
+                rerun[row, layer] = price.forward_s if price.rerun_s is None else price.rerun_s
+                fused[row, layer] = (price.fused_s if price.fused_s is not None and trains
+                                     else forward[row, layer] + backward[row, layer])
+        return list(zip(forward, backward, rerun, fused))
 
     def measured(self, cfg: StageConfig, per_device: float) -> dict[int, LayerPrice]:
         """The layers `Problem.measured_layers` prices on this stage config, at
@@ -271,15 +299,17 @@ class StageCosts:
             return 0.0
         return max((p.split_s for p in self.measured(cfg, b / cfg.dp).values()), default=0.0)
 
-    def matmul_rates(self, kind: DeviceKind, cfg: StageConfig, per_device: float, backward: bool = False) -> np.ndarray:
-        """FLOP/s of each layer's forward (or `backward`) pass on one device of this stage:
+    def matmul_rates(self, kind: DeviceKind, cfg: StageConfig, per_device: float | np.ndarray,
+                     backward: bool = False) -> np.ndarray:
+        """FLOP/s of each layer's forward (or `backward`) pass on one device of this stage
+        (a row per size where `per_device` is a column of them):
         the mean size of one matmul (the pass's FLOPs on this device over its matmul count)
         sets the rate. The mean is exact, not an approximation:
         on `solver.efficiency`'s curve a matmul of F FLOPs takes (F + F_half) / sustained
         seconds, so n matmuls take (their FLOPs + n F_half) / sustained whatever their sizes."""
         flops, counted, kernels = self._passes[backward]
         each = np.where(counted, flops * per_device / cfg.tp / kernels, 0.0)
-        return np.asarray(matmul_rate(kind.flops, each, kind.matmul_half_flops), dtype=float).reshape(self.n)
+        return np.asarray(matmul_rate(kind.flops, each, kind.matmul_half_flops), dtype=float).reshape(each.shape)
 
     def _table(self, cfg: StageConfig, b: int, held: int, last: bool, m: int) -> StageTable:
         """Every (ZeRO stage, recomputation) the problem allows, priced by `variant`;
