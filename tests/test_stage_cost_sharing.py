@@ -178,6 +178,27 @@ def test_layer_times_are_the_layers_own_sums(training):
     assert compared > 50
 
 
+
+def test_sizes_priced_together_keep_their_own_measured_layers():
+    """`layer_times_of` prices a stage's microbatch sizes in one pass; where measured
+    layers replace some figures, each at its own examples per device, every size's
+    row is still the one that size gets priced alone, bit for bit."""
+    from test_device_table import _measured
+
+    compared = measured = 0
+    for seed in range(6):
+        problem = random_problem(np.random.default_rng(seed))
+        problem = replace(problem, measured_layers=_measured(problem))
+        together, alone = StageCosts(problem), StageCosts(problem)
+        stages = list(_stages(problem))
+        for (cfg, b), got in zip(stages, together.layer_times_of(stages)):
+            key_cfg, key_b = alone.times_key(cfg, b)
+            for a, want in zip(got, alone._layer_times_rows(key_cfg, [key_b])[0]):
+                assert a.tobytes() == want.tobytes()
+            compared += 1
+            measured += bool(alone.measured(cfg, b / cfg.dp))
+    assert compared > 50 and measured > 10
+
 def test_range_sums_are_each_stages_own():
     """`StageCosts._ranges` sums per range once per times key and shard: each stage's are
     its own `per_layer`'s, summed (as before they were shared)."""
