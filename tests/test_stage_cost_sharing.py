@@ -169,7 +169,7 @@ def test_layer_times_are_the_layers_own_sums(training):
         costs, together = StageCosts(problem), StageCosts(problem)
         stages = list(_stages(problem))
         # alone, and every stage at every size in one pass (`layer_times_of`, a row per size): the same bits
-        for (cfg, b), at_once in zip(stages, together.layer_times_of(stages)):
+        for (cfg, b), at_once in zip(stages, together.layer_times_of(together.times_key(c, n) for c, n in stages)):
             want = _own_layer_times(costs, cfg, b)
             for got in (costs._layer_times_rows(cfg, [b])[0], at_once):
                 for a, w in zip(got, want):
@@ -191,7 +191,7 @@ def test_sizes_priced_together_keep_their_own_measured_layers():
         problem = replace(problem, measured_layers=_measured(problem))
         together, alone = StageCosts(problem), StageCosts(problem)
         stages = list(_stages(problem))
-        for (cfg, b), got in zip(stages, together.layer_times_of(stages)):
+        for (cfg, b), got in zip(stages, together.layer_times_of(together.times_key(c, n) for c, n in stages)):
             key_cfg, key_b = alone.times_key(cfg, b)
             for a, want in zip(got, alone._layer_times_rows(key_cfg, [key_b])[0]):
                 assert a.tobytes() == want.tobytes()

@@ -181,12 +181,12 @@ class StageCosts:
         """`per_layer`'s forward, backward, rerun and fused seconds alone (what the bounds' runs sum), cached per `times_key`."""
         return self._layer_times(self.times_key(cfg, b))
 
-    def layer_times_of(self, shapes: Iterable[tuple[StageConfig, int]]) -> list[tuple[np.ndarray, ...]]:
-        """`layer_times` of each (stage, microbatch size), those not yet priced in one
-        array pass per times key's stage, a row per size: a planner's bounds ask for
-        every layout of every kind at every microbatch size at once (on 64 GPUs of three
-        kinds 138 keys, 14 ms priced one by one, each a few dozen numpy calls)."""
-        keys = [self.times_key(cfg, b) for cfg, b in shapes]
+    def layer_times_of(self, keys: Iterable[tuple[StageConfig, float]]) -> list[tuple[np.ndarray, ...]]:
+        """`layer_times` of each `times_key`, those not yet priced in one array pass per
+        key's stage, a row per size: a planner's bounds ask for every layout of every
+        kind at every microbatch size at once (on 64 GPUs of three kinds 138 keys, 14 ms
+        priced one by one, each a few dozen numpy calls)."""
+        keys = list(keys)
         self._price_layer_times([key for key in dict.fromkeys(keys) if key not in self._layer_times_known])
         return [self._layer_times_known[key] for key in keys]
 

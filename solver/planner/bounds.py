@@ -584,7 +584,7 @@ class LowerBounds:
         keys = [self.costs.times_key(cfg, b) for cfg, b in shapes]
         todo = {key: shape for key, shape in zip(keys, shapes) if key not in self._runs}
         if todo:
-            layers = self.costs.layer_times_of(todo.values())  # (forward, backward, rerun, fused)
+            layers = self.costs.layer_times_of(todo)  # (forward, backward, rerun, fused)
             fields = stage_runs(np.array([t[0] for t in layers]), np.array([t[1] for t in layers]), [t[3] for t in layers])
             self._runs.update(zip(todo, fields))
         return [self._runs[key] for key in keys]
